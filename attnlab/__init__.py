@@ -1,0 +1,14 @@
+"""attnlab: a lab for masked multi-head attention kernels.
+
+    out = attnlab.attention(q, k, v, causal=True, kv_len=lengths)
+    out64, lse64 = attnlab.reference(q, k, v, causal=True, kv_len=lengths)
+    report = attnlab.check.compare(out, out64)
+"""
+
+from attnlab import check, masks
+from attnlab.api import attention
+from attnlab.backend import status as backends
+from attnlab.reference import reference
+
+__version__ = "0.1.0"
+__all__ = ["attention", "backends", "check", "masks", "reference"]

@@ -1,0 +1,135 @@
+"""Backends: what one is (a name, where it can run, a forward that fills a preallocated output), and the
+registry of every way attnlab can compute attention, by name.
+
+Each backend implements the same contract (DESIGN.md). Modules that need optional packages (triton,
+cupy) import them lazily, so ``import attnlab`` stays cheap and works without them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import NamedTuple
+
+import torch
+
+from attnlab.problem import Problem
+
+
+class Availability(NamedTuple):
+    """Whether a backend can run on this machine, and why not when it cannot."""
+
+    available: bool
+    reason: str = ""
+
+    def __repr__(self) -> str:
+        return "available" if self.available else f"unavailable: {self.reason}"
+
+
+class Backend:
+    """Base class. Subclasses set ``name`` and ``description`` and implement :meth:`forward`."""
+
+    name: str = ""
+    description: str = ""
+
+    def availability(self) -> Availability:
+        """Can this backend run on this machine at all (packages, GPU)?"""
+        return Availability(True)
+
+    def unsupported(self, prob: Problem) -> str | None:
+        """Why this backend cannot run ``prob`` (device, dtype...), or None when it can."""
+        return None
+
+    def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """Compute attention into ``out`` ([B, Hq, Nq, D] view, q's dtype) and ``lse`` ([B, Hq, Nq] float32).
+
+        ``lse`` is None when the caller did not ask for it. Every element must be written.
+        """
+        raise NotImplementedError
+
+
+def cuda_device_reason(prob: Problem) -> str | None:
+    """The reason a CUDA-only backend cannot run ``prob``, or None."""
+    if prob.device.type != "cuda":
+        return f"needs CUDA tensors; got tensors on {prob.device}"
+    return None
+
+
+def no_cuda_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (torch.cuda.is_available() is False)"
+    return None
+
+
+# (module, class) of every backend, in the order tables list them.
+_BACKENDS = [
+    ("attnlab.reference", "ReferenceBackend"),
+    ("attnlab.textbook", "TextbookBackend"),
+    ("attnlab.sdpa", "SdpaBackend"),
+    ("attnlab.triton_fwd", "TritonBackend"),
+    ("attnlab.cuda", "CudaNaiveBackend"),
+    ("attnlab.cuda", "CudaTiledBackend"),
+    ("attnlab.cuda", "CudaRowmaxBackend"),
+]
+
+#: What ``backend="auto"`` tries, first that is available and supports the problem wins.
+AUTO_ORDER = {
+    "cuda": ("triton", "cuda-rowmax", "sdpa"),
+    "cpu": ("sdpa",),
+}
+
+_registry: dict[str, Backend] | None = None
+
+
+def registry() -> dict[str, Backend]:
+    """name -> Backend instance, for every backend whose module is present."""
+    global _registry
+    if _registry is None:
+        reg = {}
+        for mod, cls in _BACKENDS:
+            try:
+                backend = getattr(importlib.import_module(mod), cls)()
+            except (ImportError, AttributeError):
+                continue  # a backend family not in this build
+            reg[backend.name] = backend
+        _registry = reg
+    return _registry
+
+
+def names() -> list[str]:
+    return [*registry(), "auto"]
+
+
+class BackendTable(dict):
+    """``attnlab.backends()``: name -> Availability, printed as a table."""
+
+    def __repr__(self) -> str:
+        width = max(len(n) for n in self) if self else 0
+        return "\n".join(f"{n:<{width}}  {a!r}" for n, a in self.items())
+
+
+def status() -> BackendTable:
+    """name -> Availability (with the reason when a backend cannot run here)."""
+    return BackendTable((name, b.availability()) for name, b in registry().items())
+
+
+def resolve(name: str, prob: Problem) -> Backend:
+    """The backend that will run ``prob``; raises ValueError naming the choices or the reason."""
+    reg = registry()
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, one of {names()}; got {name!r}")
+    if name == "auto":
+        for cand in AUTO_ORDER.get(prob.device.type, ("sdpa",)):
+            b = reg.get(cand)
+            if b is not None and b.availability().available and b.unsupported(prob) is None:
+                return b
+        return reg["torch"]
+    if name not in reg:
+        raise ValueError(f"unknown backend {name!r}; choose one of {names()}")
+    b = reg[name]
+    avail = b.availability()
+    if not avail.available:
+        raise ValueError(f"backend {name!r} is unavailable here: {avail.reason}")
+    why = b.unsupported(prob)
+    if why is not None:
+        raise ValueError(f"backend {name!r} cannot run this problem: {why}")
+    return b

@@ -1,0 +1,183 @@
+"""Test cases: the shapes and masks every backend is checked on, and seeded inputs for each.
+
+A :class:`Case` is a description (shapes, layout, how the tensors are laid out in memory, mask keywords);
+:func:`make_inputs` draws the tensors from a seed. :func:`default_cases` is the matrix that
+``attnlab.check.verify`` sweeps: odd lengths, Nq != Nk with both alignments, every mask kind, GQA/MQA,
+both layouts, transposed views and a non-unit stride on D. ``scale`` multiplies the default sizes for
+GPU runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: How q, k, v are laid out in memory: "contiguous" in the layout; "transposed": made [B, N, H, D]
+#: contiguous and passed as a bhnd view (or the reverse for bnhd); "strided_d": D is not the unit stride.
+VIEWS = ("contiguous", "transposed", "strided_d")
+
+#: Explicit masks make_inputs can draw. Each is (shape over [B, H, Nq, Nk] with 1 = broadcast, kind).
+MASKS = {
+    "bool_full": ("BHQK", "bool"),
+    "bool_b1qk": ("B1QK", "bool"),
+    "bool_qk": ("QK", "bool"),  # 2-D, broadcast over B and H
+    "bool_1h1k": ("1H1K", "bool"),
+    "bias_full": ("BHQK", "bias"),
+    "bias_11qk": ("11QK", "bias"),
+    "bias_b1qk": ("B1QK", "bias"),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem to check: shapes, layout, memory view and mask keywords."""
+
+    name: str
+    B: int = 2
+    Hq: int = 3
+    Hkv: int | None = None
+    Nq: int = 33
+    Nk: int | None = None
+    D: int = 16
+    layout: str = "bhnd"
+    view: str = "contiguous"
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    align: str | None = None
+    kv_len: tuple[int, ...] | None = None
+    q_len: tuple[int, ...] | None = None
+    mask: str | None = None  #: a key of MASKS
+    dtypes: tuple[torch.dtype, ...] = field(default=ALL_DTYPES)
+
+    @property
+    def hkv(self) -> int:
+        return self.Hq if self.Hkv is None else self.Hkv
+
+    @property
+    def nk(self) -> int:
+        return self.Nq if self.Nk is None else self.Nk
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "case": self.name, "B": self.B, "Hq": self.Hq, "Hkv": self.hkv, "Nq": self.Nq, "Nk": self.nk,
+            "D": self.D, "layout": self.layout, "view": self.view,
+        }
+
+    def scaled(self, factor: int) -> Case:
+        """The same case with sequence lengths (and explicit lengths) multiplied by ``factor``."""
+        f = lambda t: None if t is None else tuple(x * factor for x in t)  # noqa: E731
+        win = None if self.window is None else tuple(None if w is None else w * factor for w in self.window)
+        return replace(
+            self, Nq=self.Nq * factor, Nk=None if self.Nk is None else self.Nk * factor,
+            kv_len=f(self.kv_len), q_len=f(self.q_len), window=win,
+        )
+
+
+def _tensor(shape_bhnd: tuple[int, int, int, int], layout: str, view: str, dtype, device, gen) -> torch.Tensor:
+    """Draw N(0, 1) data in the requested layout and memory arrangement."""
+    B, H, N, D = shape_bhnd
+    if view == "contiguous":
+        x = torch.randn(B, H, N, D, generator=gen)
+        x = x if layout == "bhnd" else x.transpose(1, 2).contiguous()
+    elif view == "transposed":
+        # Stored the other way round, handed over as a (non-contiguous) view in the requested layout.
+        stored = (B, N, H, D) if layout == "bhnd" else (B, H, N, D)
+        x = torch.randn(stored, generator=gen).transpose(1, 2)
+    elif view == "strided_d":
+        # D is the slowest dimension: stride(-1) != 1.
+        x = torch.randn(D, B, H, N, generator=gen).permute(1, 2, 3, 0)
+        x = x if layout == "bhnd" else x.transpose(1, 2)
+    else:
+        raise ValueError(f"view must be one of {VIEWS}; got {view!r}")
+    # Move without making the tensor contiguous: keep the strides the case asks for.
+    out = torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=device)
+    out.copy_(x)
+    return out
+
+
+def make_mask(kind: str, B: int, H: int, Nq: int, Nk: int, device, gen: torch.Generator) -> torch.Tensor:
+    """A seeded explicit mask of ``kind`` (a key of MASKS), with some rows entirely masked out."""
+    dims, what = MASKS[kind]
+    sizes = {"B": B, "H": H, "Q": Nq, "K": Nk, "1": 1}
+    shape = tuple(sizes[c] for c in dims)
+    if what == "bool":
+        m = torch.rand(shape, generator=gen) < 0.7
+        if "Q" in dims and Nq > 2:
+            m[..., 1, :] = False  # a fully masked row
+        return m.to(device)
+    bias = torch.randn(shape, generator=gen)
+    bias = bias.masked_fill(torch.rand(shape, generator=gen) < 0.2, float("-inf"))
+    if "Q" in dims and Nq > 2:
+        bias[..., 2, :] = float("-inf")  # a fully masked row
+    return bias.to(device)
+
+
+def make_inputs(case: Case, *, dtype: torch.dtype, device, seed: int):
+    """(q, k, v, keywords) for ``case``, drawn from ``seed``; keywords go to attention() and reference()."""
+    gen = torch.Generator().manual_seed(seed)
+    q = _tensor((case.B, case.Hq, case.Nq, case.D), case.layout, case.view, dtype, device, gen)
+    k = _tensor((case.B, case.hkv, case.nk, case.D), case.layout, case.view, dtype, device, gen)
+    v = _tensor((case.B, case.hkv, case.nk, case.D), case.layout, case.view, dtype, device, gen)
+    kw: dict[str, Any] = {"layout": case.layout}
+    if case.causal:
+        kw["causal"] = True
+    if case.window is not None:
+        kw["window"] = case.window
+    if case.align is not None:
+        kw["align"] = case.align
+    if case.kv_len is not None:
+        kw["kv_len"] = torch.tensor(case.kv_len, device=device)
+    if case.q_len is not None:
+        kw["q_len"] = torch.tensor(case.q_len, device=device)
+    if case.mask is not None:
+        kw["mask"] = make_mask(case.mask, case.B, case.Hq, case.Nq, case.nk, device, gen)
+    return q, k, v, kw
+
+
+def default_cases(scale: int = 1) -> list[Case]:
+    """The verify matrix. Sizes are small and odd (CPU and Triton's interpreter); ``scale`` grows N."""
+    halves = (torch.float16, torch.bfloat16)
+    cases = [
+        Case("dense", B=2, Hq=3, Nq=33, D=16),
+        Case("dense_d1", B=1, Hq=2, Nq=17, D=1, dtypes=(torch.float32,)),
+        Case("dense_d40_nq<nk", B=1, Hq=2, Nq=19, Nk=47, D=40),
+        Case("dense_d100", B=1, Hq=2, Nq=21, Nk=29, D=100, dtypes=(torch.float32, torch.bfloat16)),
+        Case("dense_d128", B=1, Hq=1, Nq=18, Nk=35, D=128, dtypes=(torch.float32, torch.float16)),
+        Case("dense_d256", B=1, Hq=1, Nq=9, Nk=20, D=256, dtypes=(torch.float32,)),
+        Case("causal", B=2, Hq=2, Nq=37, D=32, causal=True),
+        Case("causal_tl_nq<nk", B=1, Hq=2, Nq=17, Nk=45, D=16, causal=True, align="top_left"),
+        Case("causal_br_nq<nk", B=2, Hq=2, Nq=17, Nk=45, D=16, causal=True, align="bottom_right"),
+        Case("causal_br_nq>nk", B=2, Hq=2, Nq=45, Nk=17, D=16, causal=True, align="bottom_right"),
+        Case("causal_tl_nq>nk", B=1, Hq=2, Nq=40, Nk=23, D=16, causal=True, align="top_left", dtypes=halves),
+        Case("kv_len", B=3, Hq=2, Nq=31, Nk=45, D=16, kv_len=(0, 23, 45)),
+        Case("kv_len_causal_br", B=3, Hq=2, Nq=20, Nk=41, D=16, causal=True, align="bottom_right",
+             kv_len=(41, 7, 30)),
+        Case("q_len_kv_len", B=3, Hq=2, Nq=29, Nk=29, D=16, kv_len=(29, 13, 0), q_len=(29, 20, 5)),
+        Case("q_len_causal_br", B=3, Hq=2, Nq=24, Nk=40, D=16, causal=True, align="bottom_right",
+             kv_len=(40, 31, 10), q_len=(24, 9, 17)),
+        Case("window", B=2, Hq=2, Nq=41, D=16, window=(8, 4)),
+        Case("window_left_only", B=1, Hq=2, Nq=35, D=16, window=(6, None)),
+        Case("window_causal_br", B=2, Hq=2, Nq=19, Nk=50, D=16, causal=True, window=(5, None),
+             align="bottom_right"),
+        Case("window_misses", B=1, Hq=2, Nq=30, Nk=12, D=16, window=(2, 1), align="top_left"),
+        Case("bool_full", B=2, Hq=2, Nq=23, Nk=31, D=16, mask="bool_full"),
+        Case("bool_qk_2d", B=2, Hq=3, Nq=25, Nk=25, D=16, mask="bool_qk"),
+        Case("bool_1h1k_causal", B=2, Hq=3, Nq=27, D=16, mask="bool_1h1k", causal=True),
+        Case("bias_full", B=2, Hq=2, Nq=21, Nk=26, D=16, mask="bias_full"),
+        Case("bias_11qk_causal", B=2, Hq=2, Nq=28, D=16, mask="bias_11qk", causal=True),
+        Case("bias_b1qk_kv_len", B=2, Hq=2, Nq=22, Nk=30, D=16, mask="bias_b1qk", kv_len=(30, 11)),
+        Case("gqa", B=2, Hq=6, Hkv=2, Nq=26, Nk=33, D=16),
+        Case("gqa_causal_br", B=1, Hq=6, Hkv=3, Nq=14, Nk=39, D=32, causal=True, align="bottom_right"),
+        Case("mqa_bool", B=2, Hq=4, Hkv=1, Nq=19, D=16, mask="bool_b1qk"),
+        Case("bnhd", B=2, Hq=3, Nq=29, Nk=35, D=16, layout="bnhd"),
+        Case("bnhd_gqa_causal", B=1, Hq=4, Hkv=2, Nq=33, D=24, layout="bnhd", causal=True),
+        Case("transposed_view", B=2, Hq=3, Nq=27, Nk=30, D=16, view="transposed"),
+        Case("strided_d_causal", B=1, Hq=2, Nq=31, D=40, view="strided_d", causal=True),
+        Case("bnhd_transposed_kv_len", B=2, Hq=2, Nq=26, Nk=34, D=16, layout="bnhd", view="transposed",
+             kv_len=(34, 17)),
+    ]
+    return [c.scaled(scale) for c in cases] if scale != 1 else cases

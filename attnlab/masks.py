@@ -1,0 +1,325 @@
+"""Masks: turn attention's mask keywords into one validated description that every backend consumes.
+
+The semantics (DESIGN.md) in one place. For batch b, query head h, row i and key j, key j is *allowed* iff
+
+    j < Lk_b  and  i < Lq_b                      (effective lengths: kv_len, q_len)
+    and  diag_i - left <= j <= diag_i + right     (window; causal is right = 0; None = unbounded)
+    and  mask[b, h, i, j]                        (explicit bool mask, True = attend)
+
+where ``diag_i = i`` for ``align="top_left"`` and ``diag_i = i + Lk_b - Lq_b`` for ``"bottom_right"``.
+An additive bias (float mask) adds to the score; ``-inf`` there also removes the key.
+
+:class:`MaskSpec` holds this as: the effective lengths (device tensors for kernels, host lists for
+drawing), the diagonal offset per batch, the window bounds, and the explicit mask or bias as *expanded
+views* (stride 0 on broadcast dims: never materialized). It offers the per-element predicate
+(:meth:`MaskSpec.allowed`, for the reference and the PyTorch backends), the analytic key range of a block
+of rows (:meth:`MaskSpec.key_range`, the loop bounds kernels use), and the tile classifier
+(:meth:`MaskSpec.tile_classes`: each tile of the score matrix is empty, partial or full).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ALIGNS = ("top_left", "bottom_right")
+
+#: Tile classes returned by :meth:`MaskSpec.tile_classes`.
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.device) -> torch.Tensor | None:
+    """Validate kv_len / q_len and return an int32 tensor [B] on ``device`` (None if not given)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, a sequence of ints or an integer tensor of shape [B]; got a bool")
+    if isinstance(value, int):
+        t = torch.full((batch,), value, dtype=torch.int64)
+    elif isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor; got dtype {value.dtype}")
+        if value.dim() == 0:
+            value = value.expand(batch)
+        if value.dim() != 1 or value.shape[0] != batch:
+            raise ValueError(f"{name} must have shape [B] = [{batch}]; got {list(value.shape)}")
+        t = value
+    elif isinstance(value, Sequence):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            raise TypeError(f"{name} as a sequence must hold Python ints; got {value!r}")
+        if len(value) != batch:
+            raise ValueError(f"{name} must have one length per batch entry (B = {batch}); got {len(value)}")
+        t = torch.tensor(list(value), dtype=torch.int64)
+    else:
+        raise TypeError(
+            f"{name} must be an int, a sequence of ints or an integer tensor of shape [B]; got {type(value).__name__}"
+        )
+    if batch > 0:
+        lo, hi = (int(x) for x in torch.stack([t.min(), t.max()]).tolist())
+        if lo < 0 or hi > limit:
+            raise ValueError(f"{name} values must lie in [0, {limit}]; got values in [{lo}, {hi}]")
+    return t.to(device=device, dtype=torch.int32)
+
+
+def _as_window(window: Any, causal: bool) -> tuple[int | None, int | None]:
+    if window is None:
+        left, right = None, None
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"window must be a pair (left, right) of ints or None; got {window!r}")
+        left, right = window
+        for side, x in (("left", left), ("right", right)):
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
+                raise TypeError(f"window {side} must be an int or None; got {x!r}")
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _as_mask(mask: torch.Tensor | None, shape: tuple[int, int, int, int], device: torch.device):
+    """Split ``mask`` into (bool view, float32 bias view), each expanded to ``shape`` without copying."""
+    if mask is None:
+        return None, None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor (bool or floating); got {type(mask).__name__}")
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but q is on {device}; put them on one device")
+    if mask.dim() > 4:
+        raise ValueError(f"mask must broadcast to [B, Hq, Nq, Nk] = {list(shape)}; got rank {mask.dim()}")
+    try:
+        if torch.broadcast_shapes(tuple(mask.shape), shape) != shape:
+            raise RuntimeError
+    except RuntimeError:
+        raise ValueError(
+            f"mask of shape {list(mask.shape)} does not broadcast to [B, Hq, Nq, Nk] = {list(shape)}"
+        ) from None
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
+    if m.dtype == torch.bool:
+        return m.expand(shape), None
+    if m.dtype.is_floating_point:
+        # Convert the small original, then expand: broadcast dims stay stride 0.
+        return None, m.to(torch.float32).expand(shape)
+    raise TypeError(f"mask must be bool (True = attend) or floating (additive bias); got dtype {mask.dtype}")
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Validated mask description of one attention problem (see the module docstring for the rule)."""
+
+    B: int
+    Hq: int
+    Nq: int
+    Nk: int
+    causal: bool = False
+    left: int | None = None  #: keys before the diagonal a row may see (None: unbounded)
+    right: int | None = None  #: keys after the diagonal a row may see (None: unbounded; causal: 0)
+    align: str = "top_left"
+    kv_len: torch.Tensor | None = None  #: int32 [B] on the inputs' device, None = Nk
+    q_len: torch.Tensor | None = None  #: int32 [B] on the inputs' device, None = Nq
+    mask: torch.Tensor | None = None  #: bool view expanded to [B, Hq, Nq, Nk]
+    bias: torch.Tensor | None = None  #: float32 view expanded to [B, Hq, Nq, Nk]
+    _host: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        B: int,
+        Hq: int,
+        Nq: int,
+        Nk: int,
+        *,
+        device: torch.device | str = "cpu",
+        causal: bool = False,
+        window: tuple[int | None, int | None] | None = None,
+        align: str | None = None,
+        kv_len: Any = None,
+        q_len: Any = None,
+        mask: torch.Tensor | None = None,
+    ) -> MaskSpec:
+        """Validate the keywords of :func:`attnlab.attention` and build the spec."""
+        device = torch.device(device)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool; got {causal!r}")
+        left, right = _as_window(window, causal)
+        banded = causal or window is not None
+        if align is None:
+            if banded and Nq != Nk:
+                raise ValueError(
+                    f"causal/window with Nq != Nk ({Nq} != {Nk}) is ambiguous: pass align='top_left' "
+                    "(row i's diagonal is key i, as PyTorch is_causal) or align='bottom_right' "
+                    "(key i + Nk - Nq, as FlashAttention and KV-cache decoding)"
+                )
+            align = "top_left"
+        elif align not in ALIGNS:
+            raise ValueError(f"align must be one of {ALIGNS} or None; got {align!r}")
+        shape = (B, Hq, Nq, Nk)
+        bool_mask, bias = _as_mask(mask, shape, device)
+        return cls(
+            B=B,
+            Hq=Hq,
+            Nq=Nq,
+            Nk=Nk,
+            causal=causal,
+            left=left,
+            right=right,
+            align=align,
+            kv_len=_as_lengths("kv_len", kv_len, B, Nk, device),
+            q_len=_as_lengths("q_len", q_len, B, Nq, device),
+            mask=bool_mask,
+            bias=bias,
+        )
+
+    # ---- summaries ---------------------------------------------------------------------------------
+    @property
+    def banded(self) -> bool:
+        """True when a causal or window rule limits the keys of each row."""
+        return self.left is not None or self.right is not None
+
+    @property
+    def kind(self) -> str:
+        """A short name of the mask kinds in play, e.g. ``"causal+kv_len"`` (keys for autotuning, tables)."""
+        parts = []
+        if self.causal and self.left is None and self.right == 0:
+            parts.append("causal" if self.align == "top_left" else "causal_br")
+        elif self.banded:
+            parts.append("window" if self.align == "top_left" else "window_br")
+        if self.kv_len is not None:
+            parts.append("kv_len")
+        if self.q_len is not None:
+            parts.append("q_len")
+        if self.mask is not None:
+            parts.append("bool_mask")
+        if self.bias is not None:
+            parts.append("bias")
+        return "+".join(parts) or "dense"
+
+    @property
+    def explicit(self) -> torch.Tensor | None:
+        """The explicit mask or bias view, whichever is given."""
+        return self.mask if self.mask is not None else self.bias
+
+    # ---- lengths and diagonals ---------------------------------------------------------------------
+    def lengths(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Lq, Lk) as int64 tensors [B] (defaults filled in)."""
+        dev = device or (self.kv_len.device if self.kv_len is not None else None)
+        lk = self.kv_len.long() if self.kv_len is not None else torch.full((self.B,), self.Nk, dtype=torch.long)
+        lq = self.q_len.long() if self.q_len is not None else torch.full((self.B,), self.Nq, dtype=torch.long)
+        if dev is not None:
+            lk, lq = lk.to(dev), lq.to(dev)
+        return lq, lk
+
+    def host_lengths(self) -> tuple[list[int], list[int]]:
+        """(Lq, Lk) as Python lists, cached (one device sync the first time)."""
+        if "lengths" not in self._host:
+            lq, lk = self.lengths(torch.device("cpu"))
+            self._host["lengths"] = (lq.tolist(), lk.tolist())
+        return self._host["lengths"]
+
+    def diag_offset(self, device: torch.device | None = None) -> torch.Tensor:
+        """Per-batch offset of the diagonal: 0 (top_left) or Lk_b - Lq_b (bottom_right), int64 [B]."""
+        lq, lk = self.lengths(device)
+        return lk - lq if self.align == "bottom_right" else torch.zeros_like(lk)
+
+    # ---- the per-element predicate -----------------------------------------------------------------
+    def allowed(
+        self,
+        i0: int = 0,
+        i1: int | None = None,
+        device: torch.device | str | None = None,
+        *,
+        explicit: bool = True,
+    ) -> torch.Tensor:
+        """Bool tensor [B, Hm, i1 - i0, Nk] (Hm = Hq with an explicit mask, else 1): True where j is allowed.
+
+        Rows ``i0 .. i1`` only, so callers can chunk. The bias is not included: add :meth:`bias_rows` to
+        the scores, whose ``-inf`` entries remove keys too. ``explicit=False`` leaves the bool mask out
+        (structure only: lengths and band).
+        """
+        i1 = self.Nq if i1 is None else i1
+        dev = torch.device(device) if device is not None else self._device()
+        lq, lk = self.lengths(dev)
+        i = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
+        j = torch.arange(self.Nk, device=dev).view(1, 1, 1, -1)
+        ok = (j < lk.view(-1, 1, 1, 1)) & (i < lq.view(-1, 1, 1, 1))
+        if self.banded:
+            diag = i + self.diag_offset(dev).view(-1, 1, 1, 1)
+            if self.left is not None:
+                ok = ok & (j >= diag - self.left)
+            if self.right is not None:
+                ok = ok & (j <= diag + self.right)
+        if explicit and self.mask is not None:
+            ok = ok & self.mask[:, :, i0:i1].to(dev)
+        return ok
+
+    def bias_rows(self, i0: int = 0, i1: int | None = None) -> torch.Tensor | None:
+        """The additive bias for rows ``i0 .. i1`` as a float32 view [B, Hq, rows, Nk], or None."""
+        if self.bias is None:
+            return None
+        return self.bias[:, :, i0 : (self.Nq if i1 is None else i1)]
+
+    def _device(self) -> torch.device:
+        for t in (self.kv_len, self.q_len, self.mask, self.bias):
+            if t is not None:
+                return t.device
+        return torch.device("cpu")
+
+    # ---- loop bounds and the tile classifier -------------------------------------------------------
+    def key_range(self, b: int, i0: int, i1: int) -> tuple[int, int]:
+        """Keys ``[lo, hi)`` that rows ``i0 .. i1-1`` of batch ``b`` may attend, from lengths and the band.
+
+        Ignores the explicit mask (data, not structure). Kernels compute the same bounds on the device
+        to skip tiles that are empty by construction. ``lo >= hi`` means no key at all.
+        """
+        lqs, lks = self.host_lengths()
+        lq, lk = lqs[b], lks[b]
+        i1 = min(i1, lq)
+        if i0 >= i1:
+            return 0, 0
+        off = lk - lq if self.align == "bottom_right" else 0
+        lo = 0 if self.left is None else max(0, i0 + off - self.left)
+        hi = lk if self.right is None else min(lk, i1 - 1 + off + self.right + 1)
+        return lo, max(lo, hi)
+
+    def tile_classes(self, block_m: int, block_n: int, *, explicit: bool = True) -> torch.Tensor:
+        """Classify each (block_m x block_n) tile: EMPTY (0), PARTIAL (1) or FULL (2).
+
+        Returns int8 [B, Hm, ceil(Nq/block_m), ceil(Nk/block_n)] (Hm = Hq when the explicit mask or bias
+        takes part, else 1). Elements past Nq/Nk do not count. With ``explicit=True`` the bool mask and
+        the bias's ``-inf`` entries take part (exact, computed chunk by chunk); with ``explicit=False``
+        only the structure (lengths, band) does, which is what kernels can know without reading the mask.
+        """
+        if block_m < 1 or block_n < 1:
+            raise ValueError(f"block sizes must be positive; got {block_m} x {block_n}")
+        tm, tn = math.ceil(self.Nq / block_m), math.ceil(self.Nk / block_n)
+        use_explicit = explicit and (self.mask is not None or self.bias is not None)
+        hm = self.Hq if use_explicit else 1
+        out = torch.empty(self.B, hm, tm, tn, dtype=torch.int8)
+        pad_n = tn * block_n - self.Nk
+        for t in range(tm):
+            i0, i1 = t * block_m, min(self.Nq, (t + 1) * block_m)
+            ok = self._allowed_explicit(i0, i1) if use_explicit else self.allowed(i0, i1, "cpu", explicit=False)
+            ok = ok.expand(self.B, hm, i1 - i0, self.Nk)
+            ok = torch.nn.functional.pad(ok.to(torch.int8), (0, pad_n)).view(self.B, hm, i1 - i0, tn, block_n)
+            valid = torch.nn.functional.pad(
+                torch.ones(self.Nk, dtype=torch.int8), (0, pad_n)
+            ).view(tn, block_n).bool()
+            any_ok = ok.bool().any(dim=(2, 4))
+            all_ok = (ok.bool() | ~valid.view(1, 1, 1, tn, block_n)).all(dim=(2, 4))
+            out[:, :, t] = torch.where(all_ok, FULL, torch.where(any_ok, PARTIAL, EMPTY)).to(torch.int8)
+        return out
+
+    def _allowed_explicit(self, i0: int, i1: int) -> torch.Tensor:
+        ok = self.allowed(i0, i1, device="cpu")
+        if self.bias is not None:
+            ok = ok & (self.bias[:, :, i0:i1].cpu() != float("-inf"))
+        return ok
+
+    def work_fraction(self, block_m: int, block_n: int, *, explicit: bool = False) -> dict[str, float]:
+        """Fractions of tiles that are empty, partial and full: the work a block-skipping kernel saves."""
+        c = self.tile_classes(block_m, block_n, explicit=explicit)
+        n = max(1, c.numel())
+        return {name: float((c == k).sum()) / n for name, k in (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}

@@ -1,0 +1,110 @@
+"""The float64 reference: the contract computed as plainly as possible, chunked over query rows.
+
+Every backend is judged against this. It runs on the inputs' device, upcasts to float64 and processes
+query rows in chunks so that the score blocks (scores, exponentials, predicate) stay under
+``max_chunk_bytes`` (default 256 MiB): a
+16384 x 16384 problem runs on a laptop. GQA is a broadcast over a [B, Hkv, group, rows, D] view of q, so
+k and v are never repeated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnlab.backend import Backend
+from attnlab.problem import Problem, make_problem
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def masked_scores(prob: Problem, i0: int, i1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Scores of rows ``i0 .. i1`` in ``dtype``: ``scale * q k^T + bias``, ``-inf`` where not allowed.
+
+    Shape [B, Hq, rows, Nk]. ``dtype`` is the arithmetic type (float64 for the reference, the input
+    dtype for the textbook backend).
+    """
+    B, Hq, Hkv, g, D = prob.B, prob.Hq, prob.Hkv, prob.group, prob.D
+    q = prob.q[:, :, i0:i1].to(dtype).reshape(B, Hkv, g, i1 - i0, D)
+    k = prob.k.to(dtype).unsqueeze(2)  # [B, Hkv, 1, Nk, D]
+    s = torch.matmul(q, k.transpose(-1, -2)).reshape(B, Hq, i1 - i0, prob.Nk) * prob.scale
+    bias = prob.spec.bias_rows(i0, i1)
+    if bias is not None:
+        s = s + bias.to(dtype)
+    return s.masked_fill(~prob.spec.allowed(i0, i1), float("-inf"))
+
+
+def softmax_rows(s: torch.Tensor, v: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of masked scores ``s`` [B, Hq, rows, Nk] times v [B, Hkv, Nk, D], with the empty-row rule.
+
+    Returns (out [B, Hq, rows, D], lse [B, Hq, rows]) in ``s``'s dtype. A row whose scores are all -inf
+    gives out = 0 and lse = -inf; NaN in the scores propagates.
+    """
+    m = s.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    p = torch.exp(s - m_safe)
+    l = p.sum(dim=-1, keepdim=True)  # noqa: E741 (the online-softmax name)
+    B, Hq, rows, Nk = s.shape
+    pv = torch.matmul(p.reshape(B, Hq // group, group, rows, Nk), v.unsqueeze(2)).reshape(B, Hq, rows, -1)
+    out = torch.where(l > 0, pv / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(pv))
+    lse = (m_safe + torch.log(l)).squeeze(-1)
+    return out, lse
+
+
+def reference_forward(prob: Problem, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (out [B, Hq, Nq, D], lse [B, Hq, Nq]) of a validated problem, as bhnd tensors."""
+    B, Hq, Nq, Nk, D = prob.B, prob.Hq, prob.Nq, prob.Nk, prob.D
+    out = torch.zeros(B, Hq, Nq, D, dtype=torch.float64, device=prob.device)
+    lse = torch.full((B, Hq, Nq), float("-inf"), dtype=torch.float64, device=prob.device)
+    if out.numel() == 0 or Nk == 0:
+        return out, lse
+    # Per row of the chunk: the float64 scores and their exponentials (8 + 8 bytes) and the bool predicate.
+    rows = max(1, max_chunk_bytes // max(1, B * Hq * Nk * 17))
+    v = prob.v.to(torch.float64)
+    for i0 in range(0, Nq, rows):
+        i1 = min(Nq, i0 + rows)
+        o, l = softmax_rows(masked_scores(prob, i0, i1, torch.float64), v, prob.group)
+        out[:, :, i0:i1] = o
+        lse[:, :, i0:i1] = l
+    return out, lse
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    align: str | None = None,
+    kv_len: Any = None,
+    q_len: Any = None,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    layout: str = "bhnd",
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention with the same keywords as :func:`attnlab.attention`; always returns (out, lse).
+
+    ``out`` has q's layout; ``lse`` is [B, Hq, Nq] (natural log, -inf for rows with no allowed key).
+    """
+    prob = make_problem(
+        q, k, v, causal=causal, window=window, align=align, kv_len=kv_len, q_len=q_len,
+        mask=mask, scale=scale, layout=layout, allow_float64=True,
+    )
+    out, lse = reference_forward(prob, max_chunk_bytes)
+    return prob.to_layout(out), lse
+
+
+class ReferenceBackend(Backend):
+    """Backend ``reference``: the float64 reference, cast back to the input dtype."""
+
+    name = "reference"
+    description = "float64 math on the inputs' device, chunked over queries (at most ~256 MiB of scores)"
+
+    def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        o, l = reference_forward(prob)
+        out.copy_(o)
+        if lse is not None:
+            lse.copy_(l)

@@ -1,0 +1,30 @@
+"""Backend ``torch``: the textbook PyTorch attention in the input dtype, the baseline kernels are judged by.
+
+QK^T, scale, bias, mask, softmax, @V: each a separate op that writes the [B, Hq, Nq, Nk] scores to memory.
+That is exactly what the seeds compare against (memory and error in the same low dtype). The one addition
+to the textbook is the contract's empty-row rule: rows with no allowed key give 0, not NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.backend import Backend
+from attnlab.problem import Problem
+from attnlab.reference import masked_scores
+
+
+class TextbookBackend(Backend):
+    name = "torch"
+    description = "textbook PyTorch in the input dtype: QK^T, mask, softmax, @V (materializes the scores)"
+
+    def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        B, Hq, Hkv, Nq, Nk, D = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.D
+        s = masked_scores(prob, 0, Nq, prob.dtype)  # [B, Hq, Nq, Nk] in the input dtype
+        p = torch.softmax(s, dim=-1)
+        empty = (s == float("-inf")).all(dim=-1, keepdim=True)
+        p = p.masked_fill(empty, 0.0)  # softmax of an all -inf row is NaN; the contract says 0
+        pv = torch.matmul(p.reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2))
+        out.copy_(pv.reshape(B, Hq, Nq, D))
+        if lse is not None:
+            lse.copy_(torch.logsumexp(s.float(), dim=-1))

@@ -1,0 +1,1 @@
+"""CUDA C sources of attnlab's kernels (shipped in the wheel as ``attnlab.kernels``)."""
