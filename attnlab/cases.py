@@ -69,7 +69,7 @@ class Case:
 
     def scaled(self, factor: int) -> Case:
         """The same case with sequence lengths (and explicit lengths) multiplied by ``factor``."""
-        f = lambda t: None if t is None else tuple(x * factor for x in t)  # noqa: E731
+        f = lambda t: None if t is None else tuple(x * factor for x in t)
         win = None if self.window is None else tuple(None if w is None else w * factor for w in self.window)
         return replace(
             self, Nq=self.Nq * factor, Nk=None if self.Nk is None else self.Nk * factor,

@@ -81,9 +81,10 @@ def _as_window(window: Any, causal: bool) -> tuple[int | None, int | None]:
 
 
 def _as_mask(mask: torch.Tensor | None, shape: tuple[int, int, int, int], device: torch.device):
-    """Split ``mask`` into (bool view, float32 bias view), each expanded to ``shape`` without copying."""
+    """Split ``mask`` into (bool view, float32 bias view, bias view in its own dtype), each expanded to
+    ``shape`` without copying the broadcast dims (a non-float32 bias is converted once at its own size)."""
     if mask is None:
-        return None, None
+        return None, None, None
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor (bool or floating); got {type(mask).__name__}")
     if mask.device != device:
@@ -99,10 +100,10 @@ def _as_mask(mask: torch.Tensor | None, shape: tuple[int, int, int, int], device
         ) from None
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
     if m.dtype == torch.bool:
-        return m.expand(shape), None
+        return m.expand(shape), None, None
     if m.dtype.is_floating_point:
         # Convert the small original, then expand: broadcast dims stay stride 0.
-        return None, m.to(torch.float32).expand(shape)
+        return None, m.to(torch.float32).expand(shape), m.expand(shape)
     raise TypeError(f"mask must be bool (True = attend) or floating (additive bias); got dtype {mask.dtype}")
 
 
@@ -121,7 +122,8 @@ class MaskSpec:
     kv_len: torch.Tensor | None = None  #: int32 [B] on the inputs' device, None = Nk
     q_len: torch.Tensor | None = None  #: int32 [B] on the inputs' device, None = Nq
     mask: torch.Tensor | None = None  #: bool view expanded to [B, Hq, Nq, Nk]
-    bias: torch.Tensor | None = None  #: float32 view expanded to [B, Hq, Nq, Nk]
+    bias: torch.Tensor | None = None  #: float32 view expanded to [B, Hq, Nq, Nk] (what kernels read)
+    bias_src: torch.Tensor | None = None  #: the bias in the caller's dtype, expanded (what the reference adds)
     _host: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -157,7 +159,7 @@ class MaskSpec:
         elif align not in ALIGNS:
             raise ValueError(f"align must be one of {ALIGNS} or None; got {align!r}")
         shape = (B, Hq, Nq, Nk)
-        bool_mask, bias = _as_mask(mask, shape, device)
+        bool_mask, bias, bias_src = _as_mask(mask, shape, device)
         return cls(
             B=B,
             Hq=Hq,
@@ -171,6 +173,7 @@ class MaskSpec:
             q_len=_as_lengths("q_len", q_len, B, Nq, device),
             mask=bool_mask,
             bias=bias,
+            bias_src=bias_src,
         )
 
     # ---- summaries ---------------------------------------------------------------------------------
@@ -256,10 +259,10 @@ class MaskSpec:
         return ok
 
     def bias_rows(self, i0: int = 0, i1: int | None = None) -> torch.Tensor | None:
-        """The additive bias for rows ``i0 .. i1`` as a float32 view [B, Hq, rows, Nk], or None."""
-        if self.bias is None:
+        """The additive bias for rows ``i0 .. i1`` in the caller's dtype, a view [B, Hq, rows, Nk], or None."""
+        if self.bias_src is None:
             return None
-        return self.bias[:, :, i0 : (self.Nq if i1 is None else i1)]
+        return self.bias_src[:, :, i0 : (self.Nq if i1 is None else i1)]
 
     def _device(self) -> torch.device:
         for t in (self.kv_len, self.q_len, self.mask, self.bias):

@@ -44,7 +44,7 @@ def softmax_rows(s: torch.Tensor, v: torch.Tensor, group: int) -> tuple[torch.Te
     m = s.amax(dim=-1, keepdim=True)
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     p = torch.exp(s - m_safe)
-    l = p.sum(dim=-1, keepdim=True)  # noqa: E741 (the online-softmax name)
+    l = p.sum(dim=-1, keepdim=True)
     B, Hq, rows, Nk = s.shape
     pv = torch.matmul(p.reshape(B, Hq // group, group, rows, Nk), v.unsqueeze(2)).reshape(B, Hq, rows, -1)
     out = torch.where(l > 0, pv / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(pv))
