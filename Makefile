@@ -33,7 +33,7 @@ nbval: $(STAMP)
 	else echo "nbval: no notebooks yet"; fi
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
 
 notebooks: $(STAMP)
 	for nb in notebooks/*.ipynb; do \
