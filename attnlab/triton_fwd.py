@@ -1,0 +1,451 @@
+"""Backend ``triton``: one fused Triton forward kernel for the whole attention contract.
+
+Tiling and program mapping
+--------------------------
+The score matrix of one (batch b, query head h) is cut into tiles of ``BLOCK_M`` query rows by
+``BLOCK_N`` keys. One program owns one row tile: the grid is ``(ceil(Nq / BLOCK_M), Hq, B)``, the row
+tiles of one head are neighbours in launch order (so they share that head's K/V in L2), and the row
+tiles are handed out last-first so that under a causal mask the longest rows start first. Query head h
+reads kv head ``h // group`` (GQA/MQA, grouped). The program loads its Q tile once ([BLOCK_M, BLOCK_D],
+D padded to a power of two ``BLOCK_D`` >= 16 with zeros), then streams K/V tiles of ``BLOCK_N`` keys
+through the online softmax and writes its [BLOCK_M, D] slice of the output and its lse once at the end.
+Every address is computed from the caller's strides (any layout, transposed views, a non-unit D
+stride); the large parts of an offset (batch, head, the tile's first row or key) are 64-bit scalars, the
+in-tile parts 32-bit vectors.
+
+Online softmax in base 2
+------------------------
+Scores are kept in the log2 domain: ``s = (q . k) * scale * log2(e) (+ bias * log2(e))``, so every
+exponential is one ``exp2``. Per row the program carries ``m_i`` (running max of s), ``l_i`` (running sum
+of ``exp2(s - m_i)``) and ``acc`` (running sum of ``exp2(s - m_i) * v``, float32). A new tile with
+row max ``m_new = max(m_i, max_j s_ij)`` rescales the old state by ``alpha = exp2(m_i - m_new)``. A row
+that has seen no allowed key yet has ``m_new = -inf``; ``exp2(-inf - (-inf))`` would be NaN, so the
+subtraction uses ``m_safe = 0`` there, which makes both ``alpha`` and every ``p`` exactly 0. At the end
+``out = acc / l_i`` and ``lse = (m_i + log2 l_i) * ln 2``; rows with ``l_i = 0`` (no allowed key) and
+padding rows (``i >= Lq_b``) write out = 0 and lse = -inf. For float16/bfloat16 inputs P is rounded to
+the input dtype before ``P @ V`` (as FlashAttention does); for float32 both products are exact IEEE
+(``input_precision="ieee"``) unless the caller opts into TF32 with :func:`allow_tf32`.
+
+Block skipping
+--------------
+From the effective lengths and the band (causal/window, either alignment) the program computes, on the
+device, the keys ``[lo, hi)`` that any of its rows may see (the same bounds as
+:meth:`attnlab.masks.MaskSpec.key_range`) and, inside that, the keys ``[full_lo, full_hi)`` that *all*
+its rows may see. Key tiles outside ``[lo, hi)`` are never loaded. Tiles wholly inside the full range run
+a loop body without any predicate arithmetic (no bounds masks on the K/V loads, no band compares, no
+-inf guard); only the partial tiles at either end pay for masking. An explicit bool mask or bias is data,
+not structure: where one is given, every visited tile reads it through its broadcast strides (stride 0,
+never materialized). The three phases (partial, full, partial) are one loop body specialized at compile
+time by ``tl.static_range``.
+
+Where it runs
+-------------
+On CUDA tensors the kernel is compiled by Triton, with a small autotune space (block sizes, warps,
+stages) keyed on dtype, head dim, mask kind and the sizes' powers of two. On CPU tensors the very same
+Python function runs through Triton's interpreter (``triton.runtime.interpreter.InterpretedFunction``),
+with one small config, so the user sets no ``TRITON_INTERPRET`` and one process can use both. The code
+uses plain pointer arithmetic only (no ``tl.make_block_ptr``): it runs on triton 3.4 to 3.9.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from attnlab.backend import Availability, Backend
+from attnlab.problem import Problem
+
+try:
+    import triton
+    import triton.language as tl
+
+    _IMPORT_ERROR: str | None = None
+except ImportError as e:  # the backend reports itself unavailable
+    triton, tl = None, None
+    _IMPORT_ERROR = f"triton is not importable ({e})"
+
+LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2
+LN2 = 0.6931471805599453  # ln(2): converts the base-2 lse back to a natural log
+
+# ---------------------------------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _attn_fwd_kernel(
+        Q, K, V, Out, Lse, KvLen, QLen, Explicit,
+        s_qb, s_qh, s_qn, s_qd,
+        s_kb, s_kh, s_kn, s_kd,
+        s_vb, s_vh, s_vn, s_vd,
+        s_ob, s_oh, s_on, s_od,
+        s_lb, s_lh, s_ln,
+        s_eb, s_eh, s_ei, s_ej,
+        Nq, Nk, D, group, qk_scale, win_left, win_right,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+        HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    ):
+        # ---- which tile: row tile pid_m (last first), query head h, batch b; kv head h // group ----------
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        kvh = h // group
+        i0 = pid_m * BLOCK_M
+        zero = i0 * 0  # an int32 scalar tensor: keeps every bound below a tensor (also when Nk == 1)
+
+        # ---- effective lengths and the diagonal offset of this batch entry ------------------------------
+        if HAS_KV_LEN:
+            Lk = tl.load(KvLen + b)
+        else:
+            Lk = zero + Nk
+        if HAS_Q_LEN:
+            Lq = tl.load(QLen + b)
+        else:
+            Lq = zero + Nq
+        if BOTTOM_RIGHT:
+            off = Lk - Lq  # row i's diagonal is key i + Lk - Lq
+        else:
+            off = zero  # top left: row i's diagonal is key i
+        i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1  # last row of the tile that is not padding
+
+        # ---- key bounds: [lo, hi) some row may see; [full_lo, full_hi) every row may see ----------------
+        lo = zero
+        hi = Lk
+        full_lo = lo
+        full_hi = hi
+        if HAS_LEFT:  # j >= diag_i - left
+            lo = tl.maximum(lo, i0 + off - win_left)
+            full_lo = tl.maximum(lo, i_last + off - win_left)
+        if HAS_RIGHT:  # j <= diag_i + right
+            hi = tl.minimum(hi, i_last + off + win_right + 1)
+            full_hi = tl.minimum(hi, i0 + off + win_right + 1)
+        hi = tl.where(i0 < Lq, tl.maximum(hi, lo), lo)  # a tile of padding rows sees nothing
+        # In key tiles (all operands non-negative, so // floors the same on the GPU and in the interpreter).
+        t_lo = lo // BLOCK_N
+        t_hi = tl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
+        f_lo = (tl.maximum(full_lo, 0) + BLOCK_N - 1) // BLOCK_N
+        f_hi = tl.maximum(full_hi, 0) // BLOCK_N
+        f_lo = tl.minimum(tl.maximum(f_lo, t_lo), t_hi)
+        f_hi = tl.maximum(tl.minimum(f_hi, t_hi), f_lo)
+
+        # ---- the Q tile, loaded once -------------------------------------------------------------------
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = i0 + offs_m
+        d_ok = offs_d < D
+        b64 = b.to(tl.int64)
+        q_ptrs = (Q + b64 * s_qb + h.to(tl.int64) * s_qh + i0.to(tl.int64) * s_qn
+                  + offs_m[:, None] * s_qn + offs_d[None, :] * s_qd)
+        q = tl.load(q_ptrs, mask=(rows < Nq)[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
+        k_base = K + b64 * s_kb + kvh.to(tl.int64) * s_kh
+        v_base = V + b64 * s_vb + kvh.to(tl.int64) * s_vh
+        e_base = Explicit + b64 * s_eb + h.to(tl.int64) * s_eh + i0.to(tl.int64) * s_ei
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        # ---- three phases over key tiles: partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi) --
+        for phase in tl.static_range(3):
+            if phase == 0:
+                t_begin = t_lo
+                t_end = f_lo
+            elif phase == 1:
+                t_begin = f_lo
+                t_end = f_hi
+            else:
+                t_begin = f_hi
+                t_end = t_hi
+            for t in range(t_begin, t_end):
+                n0 = zero + t * BLOCK_N  # (a tensor also in the interpreter, where t is an int)
+                keys = n0 + offs_n
+                k_ptrs = k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
+                v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
+                if phase != 1:  # partial tile: keys past Lk are not read
+                    kv_ok = (keys < Lk)[:, None] & d_ok[None, :]
+                    k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+                    v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+                elif EVEN_D:  # full tile, D a power of two: no predicate at all
+                    k = tl.load(k_ptrs)
+                    v = tl.load(v_ptrs)
+                else:
+                    k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+                    v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+                if UPCAST_DOT:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+
+                # s = scale * log2(e) * q k^T (+ log2(e) * bias), in base 2
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+                if HAS_MASK or HAS_BIAS:
+                    e_ptrs = e_base + n0.to(tl.int64) * s_ej + offs_m[:, None] * s_ei + offs_n[None, :] * s_ej
+                    e_ok = (rows < Nq)[:, None] & (keys < Nk)[None, :]
+                    if HAS_MASK:
+                        allowed = tl.load(e_ptrs, mask=e_ok, other=0)
+                        s = tl.where(allowed != 0, s, float("-inf"))
+                    else:
+                        bias = tl.load(e_ptrs, mask=e_ok, other=0.0)
+                        s = s + bias * 1.4426950408889634
+                if phase != 1:  # partial tile: the length and band predicate
+                    ok = (keys < Lk)[None, :] & (rows >= 0)[:, None]
+                    if HAS_LEFT:
+                        ok = ok & (keys[None, :] >= rows[:, None] + off - win_left)
+                    if HAS_RIGHT:
+                        ok = ok & (keys[None, :] <= rows[:, None] + off + win_right)
+                    s = tl.where(ok, s, float("-inf"))
+
+                # online softmax update
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                if phase != 1 or HAS_MASK or HAS_BIAS:
+                    # a row with no allowed key so far: m_new = -inf; subtract 0 instead (alpha = p = 0)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_safe = m_new  # a full tile gives every row a finite score
+                alpha = tl.math.exp2(m_i - m_safe)
+                p = tl.math.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+                m_i = m_new
+
+        # ---- epilogue: normalize; empty rows and padding rows give 0 and lse = -inf --------------------
+        live = (l_i > 0.0) & (rows < Lq)
+        l_div = tl.where(live, l_i, 1.0)
+        out = tl.where(live[:, None], acc / l_div[:, None], 0.0)
+        o_ptrs = (Out + b64 * s_ob + h.to(tl.int64) * s_oh + i0.to(tl.int64) * s_on
+                  + offs_m[:, None] * s_on + offs_d[None, :] * s_od)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(rows < Nq)[:, None] & d_ok[None, :])
+        if WRITE_LSE:
+            lse = tl.where(live, (m_i + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf"))
+            l_ptrs = Lse + b64 * s_lb + h.to(tl.int64) * s_lh + rows * s_ln
+            tl.store(l_ptrs, lse, mask=rows < Nq)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configs, autotuning and the interpreter
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration: tile sizes and the compiler's warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+#: The one config of the interpreter: small tiles, so that the CPU tests' short sequences still span
+#: several row and key tiles (full and partial phases both run).
+INTERPRETER_CONFIG = Config(16, 16, 1, 1)
+
+#: Whether GPU launches autotune (set False, or ATTNLAB_TRITON_AUTOTUNE=0, to use the first candidate).
+AUTOTUNE: bool = os.environ.get("ATTNLAB_TRITON_AUTOTUNE", "1") != "0"
+
+_TF32 = False
+_tuned: dict[tuple, Config] = {}
+_interpreted: dict = {}
+_interpreter_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def allow_tf32() -> Iterator[None]:
+    """Opt in to TF32 tensor-core dot products for float32 inputs inside this block (GPU only).
+
+    TF32 keeps 10 mantissa bits, the same unit roundoff (2^-11) as float16, so a TF32 result is checked
+    at float16's tolerances; without this, float32 uses exact IEEE products. The interpreter computes
+    float32 products exactly in either case.
+    """
+    global _TF32
+    old, _TF32 = _TF32, True
+    try:
+        yield
+    finally:
+        _TF32 = old
+
+
+def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
+    """The GPU autotune space for a dtype and padded head dim; the first entry is the untuned default.
+
+    Sized for Hopper/Ampere shared memory (Q tile plus ``num_stages`` K and V tiles).
+    """
+    if dtype == torch.float32:  # IEEE products run on the FMA units: smaller tiles, fewer registers
+        if block_d <= 64:
+            return [Config(64, 32, 4, 2), Config(64, 64, 4, 2), Config(128, 32, 8, 2), Config(32, 32, 4, 2)]
+        if block_d <= 128:
+            return [Config(64, 32, 4, 2), Config(32, 32, 4, 2), Config(64, 64, 8, 2)]
+        return [Config(32, 32, 4, 2), Config(64, 32, 8, 1), Config(32, 16, 4, 2)]
+    if block_d <= 64:
+        return [Config(128, 64, 4, 3), Config(128, 128, 8, 3), Config(128, 64, 8, 4), Config(64, 64, 4, 3)]
+    if block_d <= 128:
+        return [Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3), Config(128, 32, 4, 3)]
+    return [Config(64, 64, 4, 2), Config(64, 32, 4, 2), Config(128, 64, 8, 2)]
+
+
+def _pow2_bucket(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _interpreted_fn(fn):
+    """``fn`` (a @triton.jit function) wrapped in Triton's interpreter, built once per function."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    raw = fn.fn  # keyed by the Python function: hashing a JITFunction would compute its cache key
+    wrapped = _interpreted.get(raw)
+    if wrapped is None:
+        wrapped = _interpreted[raw] = InterpretedFunction(raw)
+    return wrapped
+
+
+@contextlib.contextmanager
+def _interpreter() -> Iterator:
+    """Yield the kernel wrapped in Triton's interpreter, for CPU tensors, without TRITON_INTERPRET.
+
+    ``TRITON_INTERPRET=1`` makes ``triton.jit`` build interpreted functions at import, for the whole
+    process. Instead, the kernel's own Python function is wrapped here. The library functions it calls
+    (``tl.max``, ``tl.sum``...) are themselves ``@triton.jit`` functions, which refuse to be called
+    outside a compiled kernel; while the interpreter runs, such calls are routed to interpreted
+    wrappers of the same functions (what TRITON_INTERPRET=1 would have built), and restored after.
+    """
+    from triton.runtime.jit import JITFunction
+
+    def call_interpreted(self, *args, **kwargs):
+        return _interpreted_fn(self)(*args, **kwargs)
+
+    with _interpreter_lock:
+        saved = JITFunction.__call__
+        JITFunction.__call__ = call_interpreted
+        try:
+            yield _interpreted_fn(_attn_fwd_kernel)
+        finally:
+            JITFunction.__call__ = saved
+
+
+def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool) -> None:
+    """Launch the kernel once with ``cfg`` (writes every element of out and lse)."""
+    spec = prob.spec
+    q, k, v = prob.q, prob.k, prob.v
+    B, Hq, Nq, Nk, D = prob.B, prob.Hq, prob.Nq, prob.Nk, prob.D
+    block_d = max(16, triton.next_power_of_2(D))
+    explicit = spec.mask.view(torch.uint8) if spec.mask is not None else spec.bias
+    e = explicit if explicit is not None else q  # a placeholder pointer when absent (never read)
+    e_strides = explicit.stride() if explicit is not None else (0, 0, 0, 0)
+    lse_t = lse if lse is not None else out  # placeholder, never written
+    l_strides = lse.stride() if lse is not None else (0, 0, 0)
+    kv_len = spec.kv_len if spec.kv_len is not None else q
+    q_len = spec.q_len if spec.q_len is not None else q
+    left = spec.left if spec.left is not None else 0
+    right = spec.right if spec.right is not None else 0
+    if dtype_is_f32 := prob.dtype == torch.float32:
+        precision = "tf32" if (_TF32 and not interpret) else "ieee"
+    else:
+        precision = "ieee"  # ignored for half types (their products are exact in float32)
+    grid = (triton.cdiv(Nq, cfg.block_m), Hq, B)
+    with _interpreter() if interpret else contextlib.nullcontext(_attn_fwd_kernel) as kernel:
+        kernel[grid](
+            q, k, v, out, lse_t, kv_len, q_len, e,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *l_strides, *e_strides,
+            Nq, Nk, D, prob.group, prob.scale * LOG2E, left, right,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=(block_d == D),
+            HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
+            BOTTOM_RIGHT=spec.align == "bottom_right",
+            HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
+            HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
+            WRITE_LSE=lse is not None, DOT_PRECISION=precision,
+            # The interpreter multiplies bfloat16 bit patterns (stored as uint16) as integers in tl.dot;
+            # upcasting to float32 first (exact) gives the tensor cores' products.
+            UPCAST_DOT=interpret and not dtype_is_f32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def tune_key(prob: Problem) -> tuple:
+    """What a tuned config is remembered by: device, dtype, head dim, mask kind and size buckets."""
+    return (
+        prob.device.index, prob.dtype, max(16, 1 << max(0, prob.D - 1).bit_length()), prob.spec.kind,
+        _TF32, _pow2_bucket(prob.Nq), _pow2_bucket(prob.Nk), _pow2_bucket(prob.B * prob.Hq),
+    )
+
+
+def _autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
+    """Time each candidate on this problem (outputs are overwritten by the final launch) and keep the best."""
+    from triton.testing import do_bench
+
+    block_d = max(16, triton.next_power_of_2(prob.D))
+    best, best_ms = None, math.inf
+    for cfg in candidates(prob.dtype, block_d):
+        try:
+            ms = do_bench(lambda cfg=cfg: _launch(prob, out, lse, cfg, False), warmup=5, rep=20)
+        except Exception as err:  # a config that does not fit (shared memory, registers) is skipped
+            if "OutOfResources" in type(err).__name__ or "out of resource" in str(err).lower():
+                continue
+            raise
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError(f"no Triton config fits this GPU for dtype={prob.dtype}, D={prob.D}")
+    return best
+
+
+def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
+    """The config a GPU launch uses: tuned once per :func:`tune_key`, or the default candidate."""
+    if not AUTOTUNE:
+        return candidates(prob.dtype, max(16, triton.next_power_of_2(prob.D)))[0]
+    key = tune_key(prob)
+    cfg = _tuned.get(key)
+    if cfg is None:
+        cfg = _tuned[key] = _autotune(prob, out, lse)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# The backend
+# ---------------------------------------------------------------------------------------------------
+class TritonBackend(Backend):
+    """attnlab's fused Triton forward kernel (the module docstring explains it)."""
+
+    name = "triton"
+    description = (
+        "fused Triton forward kernel: online softmax in exp2, block skipping, every mask, GQA; "
+        "CPU tensors run through Triton's interpreter"
+    )
+
+    def availability(self) -> Availability:
+        if _IMPORT_ERROR is not None:
+            return Availability(False, _IMPORT_ERROR)
+        return Availability(True)
+
+    def unsupported(self, prob: Problem) -> str | None:
+        if _IMPORT_ERROR is not None:
+            return _IMPORT_ERROR
+        if prob.device.type not in ("cuda", "cpu"):
+            return f"runs on CUDA tensors (compiled) or CPU tensors (interpreter); got {prob.device}"
+        if prob.B > 65535 or prob.Hq > 65535:
+            return f"grid limit: B and Hq must be at most 65535; got B={prob.B}, Hq={prob.Hq}"
+        if prob.device.type == "cuda" and prob.dtype == torch.bfloat16:
+            major, _ = torch.cuda.get_device_capability(prob.device)
+            if major < 8:
+                return "bfloat16 needs compute capability 8.0 or newer"
+        return None
+
+    def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        if out.numel() == 0 or prob.Nk == 0:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+            return
+        if prob.device.type == "cpu":
+            _launch(prob, out, lse, INTERPRETER_CONFIG, interpret=True)
+            return
+        with torch.cuda.device(prob.device):
+            _launch(prob, out, lse, config_for(prob, out, lse), interpret=False)
