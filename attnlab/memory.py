@@ -1,0 +1,208 @@
+"""The memory math of attention: how big the score matrix is, how much HBM traffic each pipeline moves,
+what that traffic costs in time, and where a kernel sits on the roofline.
+
+Everything here is arithmetic on shapes (no tensors are allocated), so it runs anywhere and answers
+questions about GPUs you do not have. Conventions:
+
+* bytes are exact integers; :func:`fmt_bytes` prints them in binary units (KiB, MiB, GiB);
+* FLOPs follow the FlashAttention convention ``4 * B * H * Nq * Nk * D`` (two matmuls, a multiply and
+  an add each); causal masking halves it;
+* the *unfused* pipeline is the textbook one (``S = QK^T``; softmax; ``P @ V``, each a separate kernel that
+  writes its result to HBM); the *fused* one (FlashAttention) reads Q, K, V once and writes O and the
+  log-sum-exp, never the scores.
+
+The measured H200 ceilings (:data:`H200`) and anchors (:data:`ANCHORS`) come from DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+#: Measured ceilings of the lent NVIDIA H200 (DESIGN.md, "Measured anchors"): TFLOP/s and TB/s.
+H200 = {
+    "name": "NVIDIA H200",
+    "bf16_tflops": 692.0,  # dense bf16 matmul, measured
+    "fp32_tflops": 51.0,  # IEEE float32 matmul (TF32 off), measured
+    "copy_tbps": 4.2,  # device-to-device copy, measured
+    "hbm_gib": 141e9 / 2**30,  # 141 GB of HBM3e
+}
+
+#: Extra memory measured on the H200 (DESIGN.md), bf16, textbook torch vs a fused kernel, in MiB.
+ANCHORS = pd.DataFrame(
+    [
+        (8, 16, 1024, 64, 528.0, 16.0),
+        (4, 16, 4096, 64, 4.1 * 1024, 32.0),
+        (4, 16, 4096, 128, 4.1 * 1024, 64.0),
+        (1, 16, 16384, 128, 16.0 * 1024, 64.0),
+    ],
+    columns=["B", "H", "N", "D", "textbook_mib", "fused_mib"],
+)
+
+_SIZES = {
+    "float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2, "fp8": 1,
+    "fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2, "half": 2, "float": 4, "double": 8,
+}
+
+
+def dtype_bytes(dtype: object) -> int:
+    """Bytes per element of ``dtype``: a torch dtype, a name ("bf16", "float32"...) or an int size."""
+    if isinstance(dtype, int):
+        return dtype
+    name = str(dtype).replace("torch.", "").lower()
+    if name not in _SIZES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_SIZES)} or a byte count")
+    return _SIZES[name]
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in binary units with one decimal, e.g. ``16.0 GiB``."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    x, u = float(n), 0
+    while abs(x) >= 1024 and u < len(units) - 1:
+        x, u = x / 1024, u + 1
+    return f"{x:.0f} {units[u]}" if u == 0 else f"{x:.1f} {units[u]}"
+
+
+def score_bytes(B: int, H: int, Nq: int, Nk: int | None = None, dtype: object = "float32") -> int:
+    """Bytes of one materialized ``[B, H, Nq, Nk]`` score (or probability) matrix.
+
+    >>> fmt_bytes(score_bytes(8, 32, 4096, dtype="float32"))
+    '16.0 GiB'
+    """
+    Nk = Nq if Nk is None else Nk
+    return B * H * Nq * Nk * dtype_bytes(dtype)
+
+
+def qkvo_bytes(B: int, Hq: int, Nq: int, Nk: int, D: int, dtype: object, Hkv: int | None = None) -> dict[str, int]:
+    """Bytes of the four operands: q and o are ``[B, Hq, Nq, D]``, k and v ``[B, Hkv, Nk, D]``."""
+    Hkv = Hq if Hkv is None else Hkv
+    e = dtype_bytes(dtype)
+    return {"q": B * Hq * Nq * D * e, "k": B * Hkv * Nk * D * e, "v": B * Hkv * Nk * D * e, "o": B * Hq * Nq * D * e}
+
+
+def flops(B: int, H: int, Nq: int, Nk: int, D: int, *, causal: bool = False) -> float:
+    """Forward FLOPs by the FlashAttention convention: ``4 B H Nq Nk D``, halved for causal."""
+    f = 4.0 * B * H * Nq * Nk * D
+    return f / 2 if causal else f
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """HBM bytes moved by one forward pass, split into where they go."""
+
+    operands: int  #: reading q, k, v and writing o (and lse)
+    scores: int  #: reading and writing the score / probability matrices (0 for a fused kernel)
+
+    @property
+    def total(self) -> int:
+        return self.operands + self.scores
+
+
+def unfused_traffic(
+    B: int, H: int, Nq: int, Nk: int, D: int, dtype: object = "float16", *,
+    Hkv: int | None = None, elementwise_passes: int = 0,
+) -> Traffic:
+    """HBM traffic of the textbook pipeline ``S = QK^T -> P = softmax(S) -> O = P V``.
+
+    The score matrix crosses HBM four times: ``S`` written by the first matmul, read by the softmax,
+    ``P`` written by it, read again by ``P @ V``. Each extra elementwise kernel on the scores (a separate
+    scale, a ``masked_fill``, adding a bias) reads and writes it once more: ``elementwise_passes``.
+    """
+    ops = qkvo_bytes(B, H, Nq, Nk, D, dtype, Hkv)
+    s = score_bytes(B, H, Nq, Nk, dtype)
+    return Traffic(operands=sum(ops.values()), scores=(4 + 2 * elementwise_passes) * s)
+
+
+def fused_traffic(
+    B: int, H: int, Nq: int, Nk: int, D: int, dtype: object = "float16", *,
+    Hkv: int | None = None, block_m: int | None = None, lse: bool = True,
+) -> Traffic:
+    """HBM traffic of a fused (FlashAttention-style) forward: q, k, v read, o (and lse, float32) written.
+
+    With ``block_m`` the K/V re-reads are counted as if no cache helped: each of the ``ceil(Nq/block_m)``
+    query tiles streams all of K and V. Without it K and V are read once (what a large L2 achieves when
+    the tiles of one head run together).
+    """
+    ops = qkvo_bytes(B, H, Nq, Nk, D, dtype, Hkv)
+    kv_reads = 1 if block_m is None else math.ceil(Nq / block_m)
+    total = ops["q"] + ops["o"] + kv_reads * (ops["k"] + ops["v"])
+    if lse:
+        total += B * H * Nq * 4
+    return Traffic(operands=total, scores=0)
+
+
+def seconds_at(nbytes: float, tbps: float = H200["copy_tbps"]) -> float:
+    """Time to move ``nbytes`` at ``tbps`` TB/s (decimal terabytes, as bandwidths are quoted)."""
+    return nbytes / (tbps * 1e12)
+
+
+def intensity(B: int, H: int, Nq: int, Nk: int, D: int, dtype: object = "float16", *, fused: bool = True,
+              causal: bool = False, Hkv: int | None = None) -> float:
+    """Arithmetic intensity (FLOP per HBM byte) of the fused or unfused forward."""
+    t = (fused_traffic if fused else unfused_traffic)(B, H, Nq, Nk, D, dtype, Hkv=Hkv)
+    return flops(B, H, Nq, Nk, D, causal=causal) / t.total
+
+
+def ridge_point(peak_tflops: float, tbps: float) -> float:
+    """The intensity (FLOP/byte) at which a kernel stops being bandwidth-bound."""
+    return peak_tflops / tbps
+
+
+def attainable_tflops(flop_per_byte: float, peak_tflops: float, tbps: float) -> float:
+    """The roofline: ``min(peak, intensity * bandwidth)`` in TFLOP/s."""
+    return min(peak_tflops, flop_per_byte * tbps)
+
+
+def textbook_peak_extra(B: int, H: int, Nq: int, Nk: int, D: int, dtype: object = "bfloat16", *,
+                        live_scores: int = 2) -> int:
+    """Model of the textbook version's extra memory: ``live_scores`` score-sized tensors plus the output.
+
+    At its peak the textbook version holds the scores and the softmax's output at once (2 matrices); the
+    output is counted because benchmarks measure memory beyond the inputs.
+    """
+    return live_scores * score_bytes(B, H, Nq, Nk, dtype) + qkvo_bytes(B, H, Nq, Nk, D, dtype)["o"]
+
+
+def fused_peak_extra(B: int, H: int, Nq: int, Nk: int, D: int, dtype: object = "bfloat16") -> int:
+    """Model of a fused kernel's extra memory: the output and the float32 log-sum-exp."""
+    return qkvo_bytes(B, H, Nq, Nk, D, dtype)["o"] + B * H * Nq * 4
+
+
+def sweep(Ns, *, B: int = 1, H: int = 16, D: int = 128, dtype: object = "bfloat16", causal: bool = False,
+          tbps: float = H200["copy_tbps"], peak_tflops: float = H200["bf16_tflops"]) -> pd.DataFrame:
+    """One row per N (Nq = Nk = N): score bytes, traffic, modelled extra memory, time at ``tbps``,
+    intensity and the roofline bound of both pipelines."""
+    rows = []
+    for n in Ns:
+        un = unfused_traffic(B, H, n, n, D, dtype)
+        fu = fused_traffic(B, H, n, n, D, dtype)
+        f = flops(B, H, n, n, D, causal=causal)
+        rows.append({
+            "N": n,
+            "score_bytes": score_bytes(B, H, n, n, dtype),
+            "unfused_bytes": un.total,
+            "fused_bytes": fu.total,
+            "traffic_ratio": un.total / fu.total,
+            "unfused_ms": 1e3 * seconds_at(un.total, tbps),
+            "fused_ms": 1e3 * seconds_at(fu.total, tbps),
+            "compute_ms": 1e3 * f / (peak_tflops * 1e12),
+            "textbook_extra": textbook_peak_extra(B, H, n, n, D, dtype),
+            "fused_extra": fused_peak_extra(B, H, n, n, D, dtype),
+            "unfused_intensity": f / un.total,
+            "fused_intensity": f / fu.total,
+        })
+    return pd.DataFrame(rows)
+
+
+def anchors_vs_model(anchors: pd.DataFrame | None = None, dtype: object = "bfloat16") -> pd.DataFrame:
+    """The measured extra-memory anchors next to :func:`textbook_peak_extra` and :func:`fused_peak_extra`."""
+    a = (ANCHORS if anchors is None else anchors).copy()
+    a["textbook_model_mib"] = [
+        textbook_peak_extra(r.B, r.H, r.N, r.N, r.D, dtype) / 2**20 for r in a.itertuples()
+    ]
+    a["fused_model_mib"] = [fused_peak_extra(r.B, r.H, r.N, r.N, r.D, dtype) / 2**20 for r in a.itertuples()]
+    a["measured_ratio"] = a["textbook_mib"] / a["fused_mib"]
+    return a

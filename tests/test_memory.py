@@ -1,0 +1,67 @@
+"""attnlab.memory against hand computations."""
+
+import pytest
+import torch
+
+from attnlab import memory
+
+
+def test_score_matrix_bytes():
+    # B8 H32 N4096 float32: 8 * 32 * 4096^2 * 4 bytes = 2^3 * 2^5 * 2^24 * 2^2 = 2^34 = 16 GiB
+    assert memory.score_bytes(8, 32, 4096, dtype="float32") == 16 * 2**30
+    assert memory.fmt_bytes(memory.score_bytes(8, 32, 4096, dtype=torch.float32)) == "16.0 GiB"
+    assert memory.score_bytes(1, 1, 3, 5, dtype=torch.bfloat16) == 30
+    assert memory.fmt_bytes(1536) == "1.5 KiB"
+    assert memory.fmt_bytes(100) == "100 B"
+
+
+def test_dtype_bytes():
+    assert memory.dtype_bytes("bf16") == memory.dtype_bytes(torch.float16) == 2
+    assert memory.dtype_bytes(torch.float64) == 8
+    assert memory.dtype_bytes(3) == 3
+    with pytest.raises(ValueError, match="unknown dtype"):
+        memory.dtype_bytes("int4")
+
+
+def test_traffic_by_hand():
+    B, H, N, D = 2, 4, 128, 64
+    op = B * H * N * D * 2  # one fp16 operand
+    s = B * H * N * N * 2
+    un = memory.unfused_traffic(B, H, N, N, D, "float16")
+    assert un.operands == 4 * op and un.scores == 4 * s and un.total == 4 * op + 4 * s
+    assert memory.unfused_traffic(B, H, N, N, D, "float16", elementwise_passes=2).scores == 8 * s
+    fu = memory.fused_traffic(B, H, N, N, D, "float16")
+    assert fu.scores == 0 and fu.total == 4 * op + B * H * N * 4
+    # without cache reuse each of the N/64 query tiles re-reads K and V
+    assert memory.fused_traffic(B, H, N, N, D, "float16", block_m=64, lse=False).total == 2 * op + 2 * 2 * op
+    # GQA: K and V have Hkv heads
+    assert memory.fused_traffic(B, H, N, N, D, "float16", Hkv=1, lse=False).total == 2 * op + 2 * op // H
+
+
+def test_flops_time_intensity_roofline():
+    assert memory.flops(1, 1, 2, 3, 4) == 4 * 2 * 3 * 4
+    assert memory.flops(1, 1, 2, 3, 4, causal=True) == 2 * 2 * 3 * 4
+    assert memory.seconds_at(4.2e12, 4.2) == pytest.approx(1.0)
+    assert memory.ridge_point(692.0, 4.2) == pytest.approx(164.76, rel=1e-3)
+    assert memory.attainable_tflops(10.0, 692.0, 4.2) == pytest.approx(42.0)
+    assert memory.attainable_tflops(1e4, 692.0, 4.2) == 692.0
+    # fused intensity grows with N (traffic ~ N, FLOPs ~ N^2); unfused saturates near D-ish values
+    a = memory.intensity(1, 16, 1024, 1024, 128)
+    b = memory.intensity(1, 16, 4096, 4096, 128)
+    assert b == pytest.approx(4 * a, rel=0.01)
+    assert memory.intensity(1, 16, 4096, 4096, 128, fused=False) < 70
+
+
+def test_peak_models_match_the_measured_anchors():
+    t = memory.anchors_vs_model()
+    # textbook: two score matrices plus the output, within 3% of every measured anchor
+    assert ((t["textbook_model_mib"] / t["textbook_mib"] - 1).abs() < 0.03).all()
+    assert ((t["fused_model_mib"] / t["fused_mib"] - 1).abs() < 0.05).all()
+    assert memory.textbook_peak_extra(8, 16, 1024, 1024, 64, "bf16") == 528 * 2**20
+
+
+def test_sweep_columns():
+    df = memory.sweep([1024, 2048])
+    assert list(df["N"]) == [1024, 2048]
+    assert (df["unfused_bytes"] > df["fused_bytes"]).all()
+    assert df["score_bytes"].iloc[1] == 4 * df["score_bytes"].iloc[0]

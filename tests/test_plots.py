@@ -1,0 +1,105 @@
+"""attnlab.plots: every figure builds without error on small synthetic inputs, and the benchmark figures
+degrade to a message (and None) when no data is recorded."""
+
+import itertools
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+from attnlab import memory, online_softmax, plots
+from attnlab.masks import MaskSpec
+
+
+@pytest.fixture(autouse=True)
+def _close():
+    yield
+    plt.close("all")
+
+
+def synthetic_bench(suite: str = "dense") -> pd.DataFrame:
+    """Rows in the documented schema: three backends, two N, causal and not, one failing row."""
+    rows = []
+    for backend, N, causal in itertools.product(["sdpa-flash", "sdpa-cudnn", "triton"], [1024, 4096], [False, True]):
+        base = {"sdpa-flash": 300.0, "sdpa-cudnn": 450.0, "triton": 250.0}[backend]
+        t = base * (0.6 if causal else 1.0) * (1.1 if N == 4096 else 1.0)
+        rows.append({
+            "backend": backend, "suite": suite, "case": f"N{N}{'_causal' if causal else ''}", "B": 4, "Hq": 16,
+            "Hkv": 16, "Nq": N if suite != "decode" else 1, "Nk": N, "D": 128, "dtype": "bfloat16",
+            "causal": causal, "mask": "causal" if causal else "dense", "ms": 1.0, "tflops": t,
+            "gbps": 2000.0 + N / 4, "peak_extra_mib": (64.0 if backend != "torch" else 4096.0),
+            "max_abs_err": 1e-3, "passed": True,
+        })
+    rows.append({**rows[0], "backend": "torch", "passed": False, "ms": float("nan"), "tflops": float("nan")})
+    rows.append({**rows[1], "backend": "torch", "peak_extra_mib": 4200.0, "tflops": 50.0})
+    return pd.DataFrame(rows)
+
+
+def test_theme_and_mask_figures():
+    spec = MaskSpec.build(2, 1, 24, 40, causal=True, align="bottom_right", kv_len=[40, 30])
+    assert isinstance(plots.mask_heatmap(spec, title="causal br"), Figure)
+    bias = torch.randn(8, 10)
+    bias[2] = float("-inf")
+    fig = plots.mask_grid({"spec": spec, "bool": torch.rand(8, 10) < 0.5, "bias": bias}, ncols=2)
+    assert isinstance(fig, Figure)
+    assert isinstance(plots.tile_map(spec, 8, 8), Figure)
+
+
+def test_online_trace_and_memory_figures():
+    s = torch.tensor([0.5, 2.0, -1.0, 3.0])
+    v = torch.randn(4, 2, generator=torch.Generator().manual_seed(0))
+    assert isinstance(plots.online_trace(s, online_softmax.trace(s, v)), Figure)
+    sweep = memory.sweep([512, 1024, 2048])
+    assert isinstance(plots.memory_vs_n(sweep), Figure)
+    assert isinstance(plots.traffic_vs_n(sweep), Figure)
+    pts = [("unfused", 60.0, None), ("fused", 2000.0, 400.0)]
+    fig = plots.roofline(pts, extra_peaks={"fp32": 51.0})
+    assert fig.axes[0].get_xlabel().startswith("arithmetic intensity")
+
+
+def test_precision_figures():
+    df = pd.DataFrame({
+        "dtype": ["float16"] * 4, "N": [64, 256, 64, 256], "D": [32, 32, 64, 64], "method": ["textbook torch"] * 4,
+        "max_abs": [1e-3, 2e-3, 1e-3, 3e-3], "tolerance": [1e-2] * 4,
+    })
+    assert isinstance(plots.error_vs_n(df), Figure)
+    ex = pd.DataFrame({"x": [-1.0, -10.0], "expf_ulp": [1.0, 1.0], "fast_exp_ulp": [3.0, 12.0]})
+    assert isinstance(plots.exp_error(ex), Figure)
+
+
+def test_bench_figures_from_files(tmp_path):
+    d = tmp_path / "h200"
+    d.mkdir()
+    synthetic_bench("dense").to_csv(d / "dense.csv", index=False)
+    synthetic_bench("decode").to_csv(d / "decode.csv", index=False)
+    synthetic_bench("memory").to_csv(d / "memory.csv", index=False)
+    (d / "dense.json").write_text('{"gpu": "synthetic"}')
+    df = plots.load_bench("dense", root=tmp_path)
+    assert df is not None and set(plots.BENCH_COLUMNS) <= set(df.columns)
+    assert plots.bench_environment("dense", root=tmp_path) == {"gpu": "synthetic"}
+    assert isinstance(plots.throughput_vs_n(df), Figure)
+    r = plots.ratios(df, "sdpa-flash")
+    assert r.loc["sdpa-cudnn", "dense"] == pytest.approx(1.5)
+    assert r.loc["sdpa-flash", "causal"] == pytest.approx(1.0)
+    assert isinstance(plots.ratio_bars(df), Figure)
+    assert isinstance(plots.bench_roofline(df), Figure)
+    assert plots.summary(df).shape[1] == 4
+    assert isinstance(plots.decode_bandwidth(plots.load_bench("decode", root=tmp_path)), Figure)
+    assert isinstance(plots.memory_measured(plots.load_bench("memory", root=tmp_path)), Figure)
+
+
+def test_bench_figures_without_data(tmp_path, capsys):
+    assert plots.load_bench("dense", root=tmp_path) is None
+    assert "No recorded benchmark data for suite 'dense'" in capsys.readouterr().out
+    for fn in (plots.throughput_vs_n, plots.ratio_bars, plots.memory_measured, plots.decode_bandwidth,
+               plots.bench_roofline):
+        assert fn(None) is None
+        assert "no recorded benchmark data" in capsys.readouterr().out
+    assert plots.ratios(None, "sdpa-flash") is None
+    assert plots.summary(None) is None
