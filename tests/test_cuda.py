@@ -1,0 +1,324 @@
+"""The CUDA C backends (attnlab/cuda.py, kernels/*.cu).
+
+CPU tests: the compile check (NVRTC from pip, no GPU) and its parser, launch-config validation, variant
+naming and selection, and that the Python argument tuple matches every kernel's C signature.
+GPU tests (``-m gpu``): every backend against the float64 reference on the case matrix, larger sizes,
+N = 8192, and the fast_exp variant at its own tolerance.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab import cuda as C
+from attnlab.cases import Case, default_cases
+from attnlab.problem import make_problem
+
+BACKENDS = ("cuda-naive", "cuda-tiled", "cuda-rowmax")
+
+
+def _has_nvrtc() -> bool:
+    try:
+        C.find_nvrtc()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="libnvrtc (pip nvidia-cuda-nvrtc-cu12) not found")
+
+# ---- variants ------------------------------------------------------------------------------------------
+
+
+def test_variant_names_are_unique_and_readable():
+    vs = C.variants()
+    labels = [v.label for v in vs]
+    assert len(labels) == len(set(labels))
+    assert len(C.variants("naive")) == 6  # 3 dtypes x fast_exp
+    assert C.Variant("rowmax", 1, 64, False).label == "rowmax_f16_d64"
+    assert C.Variant("tiled", 2, 128, True).label == "tiled_bf16_d128_fastexp"
+    assert C.Variant("naive", 0, 256, False).label == "naive_f32"
+    assert C.Variant("rowmax", 2, 128, True).name_expression == "attn_rowmax<2, 128, true>"
+    assert C.Variant("naive", 1, 256, False).name_expression == "attn_naive<1, false>"
+
+
+@pytest.mark.parametrize(
+    "family, D, dmax",
+    [("tiled", 1, 32), ("tiled", 40, 64), ("tiled", 100, 128), ("tiled", 256, 256),
+     ("rowmax", 16, 64), ("rowmax", 64, 64), ("rowmax", 65, 128), ("rowmax", 129, 256), ("naive", 7, 256)],
+)
+def test_choose_variant_picks_smallest_bucket(family, D, dmax):
+    assert C.choose_variant(family, torch.float16, D).dmax == dmax
+
+
+def test_choose_variant_errors():
+    with pytest.raises(ValueError, match="257"):
+        C.choose_variant("rowmax", torch.float32, 257)
+    with pytest.raises(TypeError, match="float64"):
+        C.choose_variant("tiled", torch.float64, 64)
+    with pytest.raises(ValueError, match="family"):
+        C.choose_variant("flash", torch.float32, 64)
+
+
+def test_fast_exp_switch_selects_variant():
+    assert not C.get_fast_exp()
+    with C.fast_exp():
+        assert C.get_fast_exp()
+        assert C.choose_variant("rowmax", torch.float32, 64).fast_exp
+    assert not C.choose_variant("rowmax", torch.float32, 64).fast_exp
+    assert C.choose_variant("rowmax", torch.float32, 64, fast=True).label == "rowmax_f32_d64_fastexp"
+
+
+def test_every_variant_fits_sm80_shared_memory():
+    for v in C.variants():
+        assert v.shared_bytes() <= C.SMEM_OPTIN["sm_80"], v.label
+
+
+# ---- launch configuration -------------------------------------------------------------------------------
+
+
+def test_launch_config_shapes():
+    v = C.choose_variant("rowmax", torch.float32, 64)
+    cfg = C.launch_config(v, 2, 3, 130)
+    assert cfg.grid == (6, 3, 1) and cfg.block == (256, 1, 1) and cfg.shared_bytes == v.shared_bytes()
+    cfg = C.launch_config(C.choose_variant("naive", torch.float32, 64), 2, 3, 130)
+    assert cfg.grid == (130, 6, 1)
+    cfg = C.launch_config(C.choose_variant("tiled", torch.float32, 64), 2, 3, 130)
+    assert cfg.grid == (6, 9, 1) and cfg.block == (128, 1, 1)
+
+
+def test_validate_launch_accepts_the_real_configs():
+    lim = C.DeviceLimits(max_shared_optin=C.SMEM_OPTIN["sm_80"])
+    for v in C.variants():
+        C.validate_launch(C.launch_config(v, 8, 16, 4096), lim, v.label)
+
+
+def test_validate_launch_names_limit_and_value():
+    lim = C.DeviceLimits(max_threads_per_block=1024, max_shared_optin=232448)
+    with pytest.raises(C.LaunchConfigError, match=r"2048 threads per block.*1024"):
+        C.validate_launch(C.LaunchConfig((1, 1, 1), (2048, 1, 1), 0), lim)
+    with pytest.raises(C.LaunchConfigError, match=r"300000 bytes.*opt-in limit of 232448"):
+        C.validate_launch(C.LaunchConfig((1, 1, 1), (256, 1, 1), 300000), lim, "rowmax_f32_d256")
+    with pytest.raises(C.LaunchConfigError, match=r"grid dimension y = 70000.*65535"):
+        C.validate_launch(C.LaunchConfig((1, 70000, 1), (256, 1, 1), 0), lim)
+    small = C.DeviceLimits(kernel_max_threads=128)
+    with pytest.raises(C.LaunchConfigError, match=r"256 threads.*compiled kernel's limit of 128"):
+        C.validate_launch(C.LaunchConfig((1, 1, 1), (256, 1, 1), 0), small)
+    assert issubclass(C.LaunchConfigError, ValueError)
+
+
+# ---- the argument tuple matches the C signatures --------------------------------------------------------
+
+_C_TO_NUMPY = {"void*": np.uint64, "float*": np.uint64, "int*": np.uint64, "int": np.int32,
+               "long long": np.int64, "float": np.float32}
+
+
+def _signature(family: str) -> list[str]:
+    src = C.kernels_dir().joinpath(f"attn_{family}.cu").read_text()
+    m = re.search(rf"attn_{family}\((.*?)\)\s*\{{", src, re.S)
+    assert m, family
+    types = []
+    for param in m.group(1).split(","):
+        p = param.replace("__restrict__", "").replace("const", "").strip()
+        p = re.sub(r"\s+", " ", p)
+        ctype = p.rsplit(" ", 1)[0].replace(" *", "*").strip()
+        if p.split()[-1].startswith("*"):
+            ctype += "*"
+        types.append(ctype)
+    return types
+
+
+def test_kernel_signatures_agree():
+    sigs = {f: _signature(f) for f in C.FAMILIES}
+    assert sigs["naive"] == sigs["tiled"] == sigs["rowmax"]
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bias"])
+def test_kernel_args_match_signature(mask_kind):
+    B, H, N, D = 2, 4, 9, 8
+    q = torch.randn(B, N, H, D)
+    k = torch.randn(B, N, 2, D)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(N, N) < 0.5
+    elif mask_kind == "bias":
+        mask = torch.randn(B, 1, N, N)
+    prob = make_problem(q, k, k, causal=True, kv_len=[9, 3], mask=mask, layout="bnhd")
+    out = torch.empty(B, H, N, D)
+    lse = torch.empty(B, H, N)
+    args = C.kernel_args(prob, out, lse)
+    sig = _signature("rowmax")
+    assert len(args) == len(sig)
+    for a, t in zip(args, sig):
+        assert type(a) is _C_TO_NUMPY[t], (a, t)
+    # The bnhd view reaches the kernel with its real strides (no copy): q's H stride is D.
+    assert int(args[18]) == q.stride(0) and int(args[19]) == D and int(args[20]) == H * D
+    assert int(args[8]) == {"none": 0, "bool": 1, "bias": 2}[mask_kind]
+    assert int(args[16]) == 0 and int(args[15]) == C.NO_BOUND  # causal: right 0, left unbounded
+    if mask_kind == "bool":  # broadcast over B and H: stride 0
+        assert [int(x) for x in args[-4:]] == [0, 0, N, 1]
+
+
+def test_backends_refuse_cpu_tensors():
+    prob = make_problem(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
+    for be in (C.CudaNaiveBackend(), C.CudaTiledBackend(), C.CudaRowmaxBackend()):
+        assert "CUDA" in be.unsupported(prob)
+
+
+# ---- the compile check -----------------------------------------------------------------------------------
+
+PTXAS_SAMPLE = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z10attn_tiledILi0ELi64ELb0EEvPKvS1_' for 'sm_90'
+ptxas info    : Function properties for _Z10attn_tiledILi0ELi64ELb0EEvPKvS1_
+ptxas         .     16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 1040 bytes smem, 560 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_log():
+    info = C.parse_ptxas_log(PTXAS_SAMPLE)
+    assert info == {"_Z10attn_tiledILi0ELi64ELb0EEvPKvS1_": {
+        "registers": 64, "smem": 1040, "stack": 16, "spill_stores": 8, "spill_loads": 12}}
+
+
+def test_strict_flags_spills_only_where_it_should():
+    def res(family, dmax, spill):
+        return C.Resources(C.Variant(family, 0, dmax, False), "sm_90", 64, 0, 0, spill, spill)
+
+    bad = C.strict_problems([res("rowmax", 64, 4), res("tiled", 128, 0), res("rowmax", 256, 8), res("naive", 256, 4)])
+    assert len(bad) == 1 and "rowmax_f32_d64" in bad[0]
+
+
+@needs_nvrtc
+def test_compile_check_compiles_and_reports():
+    results, errors = C.compile_check(archs=("sm_90",), families=("rowmax",), jobs=1)
+    assert errors == []
+    assert len(results) == len(C.variants("rowmax"))
+    for r in results:
+        assert 0 < r.registers <= 255
+        assert r.spills == 0 or r.variant.dmax > 128
+    table = C.format_table(results)
+    assert "rowmax_f16_d64" in table and "spill_st" in table
+
+
+@needs_nvrtc
+def test_compile_check_main_strict(capsys):
+    rc = C.compile_check_main(["--strict", "--arch", "sm_80", "--family", "naive", "--jobs", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "naive_bf16_fastexp" in out and "strict:" in out
+
+
+# ---- GPU: correctness against the float64 reference -----------------------------------------------------
+
+
+def _gpu_cases() -> list[Case]:
+    """The default matrix at 4x the lengths, plus every D of the issue with both alignments and Nq <> Nk."""
+    cases = default_cases(scale=4)
+    for D in (16, 40, 64, 100, 128, 256):
+        cases += [
+            Case(f"d{D}_causal_br_nq<nk", B=2, Hq=4, Hkv=2, Nq=70, Nk=201, D=D, causal=True,
+                 align="bottom_right", kv_len=(201, 90)),
+            Case(f"d{D}_causal_tl_nq>nk", B=1, Hq=3, Hkv=1, Nq=150, Nk=67, D=D, causal=True, align="top_left",
+                 layout="bnhd"),
+            Case(f"d{D}_window_br_nq>nk_bias", B=2, Hq=2, Nq=131, Nk=77, D=D, window=(20, 5),
+                 align="bottom_right", mask="bias_b1qk", view="transposed"),
+            Case(f"d{D}_dense_bool_kv0", B=3, Hq=2, Nq=65, Nk=129, D=D, mask="bool_1h1k", kv_len=(0, 129, 64),
+                 q_len=(65, 1, 30), view="strided_d"),
+        ]
+    return cases
+
+
+def _verify(backend: str, cases, dtypes=None, seed=1234):
+    from attnlab.check import summarize, verify
+
+    df = verify(backends=[backend], cases=cases, device="cuda", dtypes=dtypes, seed=seed)
+    bad = df[~df["passed"].astype(bool)]
+    return df, bad, summarize(df)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_passes_checker_on_matrix(backend):
+    df, bad, summary = _verify(backend, _gpu_cases())
+    print(summary)
+    assert len(df) > 150
+    assert bad.empty, summary
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_passes_checker_default_sizes(backend):
+    _df, bad, summary = _verify(backend, default_cases())
+    print(summary)
+    assert bad.empty, summary
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_long_sequence_8192(backend):
+    cases = [
+        Case("n8192_causal", B=1, Hq=2, Nq=8192, D=64, causal=True, dtypes=(torch.float16, torch.bfloat16)),
+        Case("n8192_gqa_kvlen", B=2, Hq=2, Hkv=1, Nq=64, Nk=8192, D=128, kv_len=(8192, 5000),
+             dtypes=(torch.float32,)),
+    ]
+    _df, bad, summary = _verify(backend, cases)
+    print(summary)
+    assert bad.empty, summary
+
+
+#: fast_exp (__expf = ex2.approx(x * log2 e)): a few ulp per exp plus the rounding of x * log2 e, which
+#: grows with |x|; scores here are O(10), so float32 outputs stay within 1e-4 (abs and rel). Half types
+#: keep their own tolerances: their rounding dominates.
+FAST_EXP_TOL = {torch.float32: (1e-4, 1e-4)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fast_exp_variant_at_its_tolerance(backend):
+    import attnlab
+    from attnlab.cases import make_inputs
+    from attnlab.check import compare, strict_fp32
+
+    cases = [c for c in default_cases(scale=3) if c.name in ("causal", "bias_full", "gqa_causal_br",
+                                                           "q_len_causal_br", "dense_d128")]
+    with strict_fp32(), C.fast_exp():
+        for i, case in enumerate(cases):
+            for dt in case.dtypes:
+                q, k, v, kw = make_inputs(case, dtype=dt, device="cuda", seed=100 + i)
+                ref, _ = attnlab.reference(q, k, v, **kw)
+                out = attnlab.attention(q, k, v, backend=backend, **kw)
+                atol, rtol = FAST_EXP_TOL.get(dt, (None, None))
+                rep = compare(out, ref, atol=atol, rtol=rtol)
+                assert rep.passed, (case.name, dt, rep)
+
+
+@pytest.mark.gpu
+def test_empty_rows_are_zero_and_lse_minus_inf():
+    import attnlab
+
+    q = torch.randn(2, 2, 40, 64, device="cuda")
+    k = torch.randn(2, 2, 50, 64, device="cuda")
+    for be in BACKENDS:
+        out, lse = attnlab.attention(q, k, k, kv_len=[0, 50], q_len=[40, 10], backend=be, return_lse=True)
+        assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+        assert torch.all(out[1, :, 10:] == 0) and torch.all(lse[1, :, 10:] == float("-inf"))
+        assert not torch.isnan(out).any()
+
+
+@pytest.mark.gpu
+def test_launch_is_on_torch_current_stream():
+    import attnlab
+
+    q = torch.randn(1, 4, 300, 64, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        q2 = q * 2  # produced on s: the kernel must be ordered after it
+        out = attnlab.attention(q2, q2, q2, causal=True, backend="cuda-rowmax")
+    torch.cuda.synchronize()
+    ref = attnlab.attention(q * 2, q * 2, q * 2, causal=True, backend="reference")
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
