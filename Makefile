@@ -33,6 +33,7 @@ nbval: $(STAMP)
 	else echo "nbval: no notebooks yet"; fi
 
 lab: $(STAMP)
+	mkdir -p notebooks
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
 
 notebooks: $(STAMP)

@@ -115,8 +115,9 @@ def test_make_lab_starts_jupyterlab():
         assert {c["name"] for c in listing["content"]} == {p.name for p in (ROOT / "notebooks").iterdir()
                                                            if not p.name.startswith(".")}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
