@@ -1,0 +1,335 @@
+"""The benchmark harness on a CPU: FLOP and byte counting per mask, the pass/fail gate, status rows, the
+CSV schema and JSON metadata, load/ratios, flex's mask translation, and a smoke run of the quick suite."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from attnlab import bench
+from attnlab.masks import MaskSpec
+
+# (B, Hq, Nq, Nk, keywords): every structural mask kind, both alignments, Nq < Nk and Nq > Nk.
+SPECS = [
+    (2, 3, 17, 17, {}),
+    (2, 3, 17, 17, {"causal": True}),
+    (2, 2, 9, 31, {"causal": True, "align": "top_left"}),
+    (2, 2, 9, 31, {"causal": True, "align": "bottom_right"}),
+    (2, 2, 31, 9, {"causal": True, "align": "bottom_right"}),
+    (1, 2, 40, 40, {"window": (8, 4)}),
+    (1, 2, 40, 40, {"window": (6, None)}),
+    (1, 2, 40, 40, {"window": (None, 3)}),
+    (2, 2, 19, 50, {"causal": True, "window": (5, None), "align": "bottom_right"}),
+    (1, 2, 30, 12, {"window": (2, 1), "align": "top_left"}),
+    (3, 2, 31, 45, {"kv_len": [0, 23, 45]}),
+    (3, 2, 29, 29, {"kv_len": [29, 13, 0], "q_len": [29, 20, 5]}),
+    (3, 2, 24, 40, {"causal": True, "align": "bottom_right", "kv_len": [40, 31, 10], "q_len": [24, 9, 17]}),
+    (3, 2, 20, 41, {"causal": True, "align": "top_left", "kv_len": [41, 7, 30]}),
+    (2, 2, 33, 33, {"window": (4, 2), "align": "bottom_right", "kv_len": [33, 20], "q_len": [10, 33]}),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Nq,Nk,kw", SPECS)
+def test_allowed_count_matches_predicate(B, Hq, Nq, Nk, kw):
+    spec = MaskSpec.build(B, Hq, Nq, Nk, **kw)
+    ok = spec.allowed()
+    assert torch.equal(bench.row_counts(spec), ok.sum(dim=-1)[:, 0].long())
+    assert bench.allowed_count(spec) == int(ok.expand(B, Hq, Nq, Nk).sum())
+    empty = bench.empty_rows(spec)
+    want = ~ok.any(dim=-1, keepdim=True)
+    if empty is None:
+        assert not bool(want.any())
+    else:
+        assert torch.equal(empty, want)
+
+
+def test_allowed_count_explicit_mask_and_bias():
+    g = torch.Generator().manual_seed(0)
+    m = torch.rand(2, 3, 13, 21, generator=g) < 0.6
+    spec = MaskSpec.build(2, 3, 13, 21, causal=True, align="bottom_right", mask=m)
+    assert bench.allowed_count(spec, chunk_rows=4) == int(spec.allowed().sum())
+    bias = torch.randn(1, 1, 13, 21, generator=g).masked_fill(torch.rand(1, 1, 13, 21, generator=g) < 0.3, -math.inf)
+    spec = MaskSpec.build(2, 3, 13, 21, kv_len=[21, 9], mask=bias)
+    want = (spec.allowed() & (spec.bias != -math.inf)).sum()
+    assert bench.allowed_count(spec, chunk_rows=5) == int(want)
+
+
+def test_flops_convention():
+    dense = bench.BenchCase("t", "d", B=2, Hq=4, Nq=64, D=32)
+    assert bench.useful_flops(dense) == 4 * 2 * 4 * 64 * 64 * 32
+    causal = bench.BenchCase("t", "c", B=2, Hq=4, Nq=64, D=32, causal=True)
+    assert bench.useful_flops(causal) == 4 * 2 * 4 * 32 * (64 * 65 // 2)  # exact: N(N+1)/2 per head
+    br = bench.BenchCase("t", "br", B=1, Hq=2, Nq=4, Nk=10, D=8, causal=True, align="bottom_right")
+    assert bench.useful_flops(br) == 4 * 2 * 8 * (7 + 8 + 9 + 10)
+    pad = bench.BenchCase("t", "p", B=2, Hq=1, Nq=8, D=4, kv_len=(3, 8))
+    assert bench.useful_flops(pad) == 4 * 4 * 8 * (3 + 8)
+    c = bench.case_counts(pad)
+    assert c["allowed_frac"] == pytest.approx(11 / 16)
+
+
+def test_min_bytes():
+    dec = bench.BenchCase("t", "dec", B=2, Hq=8, Hkv=2, Nq=1, Nk=100, D=16)
+    es = 2
+    assert bench.min_bytes(dec) == (2 * 2 * 8 * 1 * 16 + 2 * 2 * 2 * 100 * 16) * es
+    ragged = bench.BenchCase("t", "r", B=2, Hq=8, Hkv=2, Nq=1, Nk=100, D=16, kv_len=(10, 100))
+    assert bench.min_bytes(ragged) == (2 * 2 * 8 * 16 + 2 * 2 * (10 + 100) * 16) * es
+    win = bench.BenchCase("t", "w", B=1, Hq=1, Nq=1, Nk=100, D=16, window=(9, 0), align="bottom_right")
+    assert bench.min_bytes(win) == (2 * 16 + 2 * 10 * 16) * es
+
+
+def test_suites_are_well_formed():
+    for name, make in bench.SUITES.items():
+        cases = make("cuda")
+        assert cases, name
+        assert len({c.name for c in cases}) == len(cases)
+        assert all(c.suite == name for c in cases)
+        for c in cases:
+            c.spec()  # valid keywords
+    assert len(bench.dense_suite()) == 24
+    pad = bench.padding_suite()
+    kv = pad[0].kv_len
+    assert kv == bench.padding_suite()[0].kv_len  # seeded
+    assert all(4096 // 4 <= x <= 4096 for x in kv) and len(kv) == 8
+    assert {c.causal for c in pad} == {False, True}
+    assert all(c.Nq == 1 and c.Hq == 32 and c.hkv == 8 for c in bench.decode_suite())
+    assert all(c.Nq == 512 and c.nk == 8192 and c.align == "bottom_right" for c in bench.prefill_suite())
+    assert max(c.Nq for c in bench.memory_suite()) == 32768
+    assert "quick" not in bench.ALL_ORDER and set(bench.ALL_ORDER) == set(bench.SUITES) - {"quick"}
+
+
+def test_check_slice_is_a_consistent_subproblem():
+    """The sliced reference equals the slice of the full reference (GQA, lengths, bottom-right)."""
+    case = bench.BenchCase("t", "s", B=3, Hq=6, Hkv=3, Nq=12, Nk=20, D=8, dtype="float32", causal=True,
+                           align="bottom_right", kv_len=(20, 7, 15))
+    sl = bench.check_slice(case, full_scores=1)
+    assert sl == ([0, 2], [0, 1, 4, 5], [0, 2])
+    inp = bench.make_case_inputs(case, "cpu", seed=3, sets=2)
+    truth = bench.make_truth(inp, full_scores=1)
+    from attnlab.reference import reference
+
+    full, _ = reference(inp.qs[0], inp.ks[0], inp.vs[0], **inp.kw)
+    assert torch.allclose(bench.take_slice(full, sl), truth.ref, atol=1e-12)
+    assert truth.scope.startswith("slice") and truth.base is None
+    assert bench.check_slice(case) is None
+
+
+def _right(inp):
+    from attnlab.api import attention
+
+    return lambda i: attention(inp.qs[i], inp.ks[i], inp.vs[i], backend="sdpa", **inp.kw)
+
+
+def _cpu_opts(**kw):
+    return bench.Options(device="cpu", max_reps=5, min_reps=2, budget_ms=5.0, run_id="test", gpu="cpu", **kw)
+
+
+CASE = bench.BenchCase("t", "gate", B=2, Hq=2, Nq=24, D=16, dtype="bfloat16", causal=True, kv_len=(24, 9))
+
+
+def test_gate_wrong_output_is_failed_and_untimed():
+    def wrong(inp):
+        good = _right(inp)
+        return bench.Prepared(call=lambda i: good(i) * 1.05)
+
+    def nan_row(inp):
+        good = _right(inp)
+
+        def call(i):
+            o = good(i).clone()
+            o[1, 1, 5] = float("nan")
+            return o
+
+        return bench.Prepared(call=call)
+
+    comps = [
+        bench.Competitor("right", "test", lambda inp: bench.Prepared(call=_right(inp))),
+        bench.Competitor("wrong", "test", wrong),
+        bench.Competitor("nan", "test", nan_row),
+    ]
+    rows = {r["backend"]: r for r in bench.run_case(CASE, comps, _cpu_opts())}
+    ok = rows["right"]
+    assert ok["status"] == "ok" and ok["passed"] is True
+    assert ok["ms"] > 0 and 2 <= ok["reps"] <= 5 and ok["tflops"] > 0 and ok["gbps"] > 0
+    assert ok["flops"] == bench.useful_flops(CASE)
+    for name in ("wrong", "nan"):
+        r = rows[name]
+        assert r["status"] == "failed" and r["passed"] is False
+        assert r["ms"] == "" and r["tflops"] == "" and r["reps"] == "" and r["peak_extra_mib"] == ""
+        assert "FAIL" in r["notes"]
+    assert rows["wrong"]["max_abs_err"] > 0
+
+
+def test_attnlab_backend_must_write_every_element():
+    """attnlab backends are checked on a NaN-poisoned output: a skipped element fails."""
+    from attnlab import backend as _b
+
+    real = _b.registry()["sdpa"]
+
+    class Lazy(_b.Backend):
+        name = "lazy-test"
+
+        def forward(self, prob, out, lse):
+            tmp = torch.empty_like(out)
+            real.forward(prob, tmp, None)
+            out[:, :, :-1] = tmp[:, :, :-1]  # the last row is never written
+
+    reg = _b.registry()
+    reg["lazy-test"] = Lazy()
+    try:
+        rows = bench.run_case(CASE, bench.competitors(["sdpa", "lazy-test"]), _cpu_opts())
+    finally:
+        del reg["lazy-test"]
+    st = {r["backend"]: r["status"] for r in rows}
+    assert st == {"sdpa": "ok", "lazy-test": "failed"}
+
+
+def test_status_rows_for_exceptions():
+    def raiser(exc):
+        def prepare(inp):
+            def call(i):
+                raise exc
+
+            return bench.Prepared(call=call)
+
+        return prepare
+
+    def unsupported(inp):
+        raise bench.Unsupported("D too large for this kernel")
+
+    def unavailable(inp):
+        raise bench.Unavailable("needs cupy")
+
+    comps = [
+        bench.Competitor("oom", "test", raiser(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate"))),
+        bench.Competitor("boom", "test", raiser(ValueError("bad launch"))),
+        bench.Competitor("unsup", "test", unsupported),
+        bench.Competitor("unav", "test", unavailable),
+    ]
+    rows = {r["backend"]: r for r in bench.run_case(CASE, comps, _cpu_opts(), skip=None)}
+    assert rows["oom"]["status"] == "oom" and "out of memory" in rows["oom"]["notes"]
+    assert rows["boom"]["status"] == "error" and "bad launch" in rows["boom"]["notes"]
+    assert rows["unsup"]["status"] == "unsupported" and "D too large" in rows["unsup"]["notes"]
+    assert rows["unav"]["status"] == "unavailable"
+    assert all(r["ms"] == "" and r["passed"] == "" for r in rows.values())
+    # skipped and deadline rows
+    rows = bench.run_case(CASE, comps[:1], _cpu_opts(), skip=lambda n: "excluded")
+    assert rows[0]["status"] == "skipped" and rows[0]["notes"] == "excluded"
+    rows = bench.run_case(CASE, comps[:1], _cpu_opts(deadline=0.0))
+    assert rows[0]["status"] == "skipped" and "deadline" in rows[0]["notes"]
+
+
+def test_sdpa_competitors_on_cpu():
+    case = bench.BenchCase("t", "gqa", B=2, Hq=4, Hkv=2, Nq=8, Nk=40, D=16, dtype="float32", causal=True,
+                           align="bottom_right", kv_len=(40, 20))
+    rows = {r["backend"]: r for r in bench.run_case(case, bench.competitors(["sdpa-math", "sdpa-cudnn"]),
+                                                    _cpu_opts())}
+    assert rows["sdpa-math"]["status"] == "ok", rows["sdpa-math"]["notes"]
+    assert rows["sdpa-math"]["setup_mib"] > 0  # the materialized mask
+    assert rows["sdpa-cudnn"]["status"] == "unsupported"
+
+
+@pytest.mark.parametrize("B,Hq,Nq,Nk,kw", SPECS)
+def test_flex_mask_mod_matches_reference(B, Hq, Nq, Nk, kw):
+    """The mask_mod given to FlexAttention is the contract's predicate (eager flex, CPU)."""
+    import warnings
+
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    spec = MaskSpec.build(B, Hq, Nq, Nk, **kw)
+    mask_mod, score_mod, by_b, by_h = bench.flex_mods(spec)
+    if mask_mod is None:
+        assert spec.kind == "dense"
+        return
+    bm = flex.create_block_mask(mask_mod, B if by_b else None, Hq if by_h else None, Nq, Nk, device="cpu")
+    b, h, i, j = torch.meshgrid(torch.arange(B), torch.arange(1), torch.arange(Nq), torch.arange(Nk), indexing="ij")
+    got = mask_mod(b, h, i, j)
+    assert torch.equal(got, spec.allowed().expand(B, 1, Nq, Nk))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, Hq, n, 8, generator=g) for n in (Nq, Nk, Nk))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flex.flex_attention(q, k, v, block_mask=bm, score_mod=score_mod)
+    from attnlab.reference import reference
+
+    ref, _ = reference(q, k, v, **kw)
+    empty = bench.empty_rows(spec)
+    if empty is not None:
+        out = out.masked_fill(empty, 0.0)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_csv_json_load_and_ratios_from_a_cpu_quick_run(tmp_path, capsys):
+    argv = ["--suite", "quick", "--device", "cpu", "--out", str(tmp_path), "--no-progress", "--budget-ms", "5",
+            "--reps", "4", "--backends", "torch", "sdpa", "cuda-tiled", "sdpa-flash", "sdpa-efficient", "flex"]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "status counts" in printed and "total ~" in printed
+    path = tmp_path / "cpu" / "quick.csv"
+    with open(path, newline="") as f:
+        header = next(csv.reader(f))
+    assert header == bench.COLUMNS
+    meta = json.loads(path.with_suffix(".json").read_text())
+    for key in ("gpu", "driver", "torch", "triton", "cupy", "cuda", "commit", "date_utc", "command", "backends",
+                "options", "seconds", "run_id"):
+        assert key in meta, key
+    assert "--suite quick" in meta["command"]
+    df = bench.load(tmp_path)
+    ncases = len(bench.quick_suite("cpu"))
+    assert len(df) == ncases * 6
+    assert list(df.columns) == bench.COLUMNS
+    assert set(df["status"]) <= set(bench.STATUSES)
+    by = df.groupby("backend")["status"].agg(lambda s: set(s))
+    assert by["torch"] == {"ok"} and by["sdpa"] == {"ok"} and by["sdpa-flash"] == {"ok"}
+    assert by["cuda-tiled"] == {"unavailable"} and by["flex"] == {"unsupported"}
+    assert by["sdpa-efficient"] == {"unsupported"}
+    ok = df[df["status"] == "ok"]
+    assert ok["passed"].all() and (ok["ms"] > 0).all() and (ok["tflops"] > 0).all()
+    assert str(df["passed"].dtype) == "boolean" and df.loc[df["status"] == "unavailable", "passed"].isna().all()
+    assert df["Nq"].dtype == "int64" and df["ms"].dtype == "float64"
+    assert str(path) in df.attrs["meta"]
+    # round trip of one file and of a list
+    assert len(bench.load(path)) == len(df) == len(bench.load([path]))
+    r = bench.ratios(df, baseline="sdpa-flash")
+    assert r.loc["quick", "sdpa-flash"] == pytest.approx(1.0)
+    assert r.loc["quick", "torch"] > 0 and "cuda-tiled" not in r.columns
+    assert r.attrs["counts"].loc["quick", "torch"] == ncases
+    # resume: nothing is re-run, the rows stay
+    assert bench.main([*argv, "--resume"]) == 0
+    assert len(bench.load(path)) == len(df)
+
+
+def test_ratios_are_baseline_over_backend():
+    import pandas as pd
+
+    rows = []
+    for case, base_ms, mine_ms in (("a", 1.0, 2.0), ("b", 1.0, 0.5), ("c", 3.0, 1.0)):
+        rows += [{"suite": "s", "case": case, "backend": "base", "status": "ok", "ms": base_ms},
+                 {"suite": "s", "case": case, "backend": "mine", "status": "ok", "ms": mine_ms}]
+    rows.append({"suite": "s", "case": "d", "backend": "mine", "status": "failed", "ms": float("nan")})
+    r = bench.ratios(pd.DataFrame(rows), baseline="base")
+    assert r.loc["s", "mine"] == pytest.approx(2.0)  # median of 0.5, 2, 3
+    assert r.attrs["counts"].loc["s", "mine"] == 3
+
+
+def test_no_gpu_gives_a_clear_message(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert bench.main(["--suite", "quick"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+def test_restart_argv_and_prediction():
+    argv = ["--suite", "all", "--deadline-s", "540", "--exclude", "x", "--reps", "20", "--resume"]
+    new = bench._restart_argv(argv, "RID", 123.5, ["x", "cuda-naive"])
+    assert new == ["--suite", "all", "--reps", "20", "--resume", "--run-id", "RID", "--deadline-at", "123.5",
+                   "--exclude", "x", "cuda-naive"]
+    big = bench.BenchCase("t", "big", B=1, Hq=16, Nq=4096, D=64)
+    rows = [{"backend": "slow", "status": "ok", "dtype": "bfloat16", "ms": 100.0, "B": 1, "Hq": 16, "Nq": 1024,
+             "Nk": 1024, "D": 64}]
+    assert bench._predicted_ms(rows, "slow", big) == pytest.approx(1600.0)
+    assert bench._predicted_ms(rows, "other", big) is None
+    assert bench.gpu_slug("NVIDIA H200") == "nvidia-h200"
