@@ -34,7 +34,7 @@ nbval: $(STAMP)
 
 lab: $(STAMP)
 	mkdir -p notebooks
-	$(BIN)/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 notebooks: $(STAMP)
 	for nb in notebooks/*.ipynb; do \

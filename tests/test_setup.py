@@ -89,7 +89,7 @@ def test_make_lab_starts_jupyterlab():
     if not (ROOT / ".venv" / "bin" / "jupyter").exists() or shutil.which("make") is None:
         pytest.skip("needs the project's .venv (created by make test) and make")
     port, token = _free_port(), "attnlab-test"
-    args = f"--no-browser --port={port} --ServerApp.token={token} --ServerApp.ip=127.0.0.1"
+    args = f"--no-browser --port={port} --IdentityProvider.token={token} --ServerApp.ip=127.0.0.1"
     proc = subprocess.Popen(
         ["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, env={**os.environ, "JUPYTER_PLATFORM_DIRS": "1"},
