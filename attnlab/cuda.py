@@ -524,6 +524,12 @@ class Nvrtc:
 
     def __init__(self, path: str | None = None):
         self.path = path or find_nvrtc()
+        # NVRTC opens libnvrtc-builtins by soname at compile time: load the one beside it first, so a
+        # library found outside the loader's path (a pip wheel) works without LD_LIBRARY_PATH.
+        for builtins in sorted(glob.glob(os.path.join(os.path.dirname(self.path), "libnvrtc-builtins.so*"))):
+            if ".alt." not in builtins:
+                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                break
         self.lib = ctypes.CDLL(self.path)
         self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
 

@@ -26,6 +26,10 @@
 //     d = 64*kk + tx*4 + e' (DPT = DMAX / 16). For each key c it reads 4 p's (16 bytes) and DPT v's
 //     (16-byte loads) and does 4*DPT FMAs.
 //
+// Registers: __launch_bounds__(256, 2) for D <= 128 caps a thread at 128 registers so that two blocks
+// (16 warps) share a multiprocessor; D = 256 needs ~145 KB of shared memory, one block per SM, so it is
+// given the registers instead (no spills either way: python -m attnlab compile-check).
+//
 // Masking: as in the tiled kernel. Key tiles run over the block's structural range [lo, hi) only; the
 // per-element predicate is evaluated only in tiles that are not entirely allowed by structure or when an
 // explicit mask/bias is present. A masked score is -inf, so its p is exp(-inf) = 0. A row whose tile holds
@@ -57,7 +61,7 @@ struct RowmaxTiles {
 };
 
 template <int DTYPE, int DMAX, bool FAST_EXP>
-__global__ void __launch_bounds__(256, 2) attn_rowmax(
+__global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
     const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v,
     void* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ q_len, const int* __restrict__ kv_len,
@@ -72,6 +76,7 @@ __global__ void __launch_bounds__(256, 2) attn_rowmax(
     long long m_sb, long long m_sh, long long m_sn, long long m_sk)
 {
     using T = RowmaxTiles<DMAX>;
+    static_assert(T::TM == 4, "the 16-byte loads and stores of q_t and p_t hold 4 rows");
     constexpr int BM = T::BM, BN = T::BN, TM = T::TM, TN = T::TN, DPT = T::DPT, NTHREADS = T::NTHREADS;
     const Strides4 qs = {q_sb, q_sh, q_sn, q_sd}, ks = {k_sb, k_sh, k_sn, k_sd};
     const Strides4 vs = {v_sb, v_sh, v_sn, v_sd}, os = {o_sb, o_sh, o_sn, o_sd};
@@ -94,11 +99,22 @@ __global__ void __launch_bounds__(256, 2) attn_rowmax(
     int lo, hi;
     key_range(rule, i0, i0 + BM, &lo, &hi);
 
+    // Tile loads: thread t always loads head dim ld_d = t % DMAX, of rows (or keys) t / DMAX, then every
+    // ROWS_PER_PASS-th after it. Consecutive threads read consecutive d (coalesced when stride_d is 1), and
+    // the per-element address is one multiply-add on a precomputed base.
+    constexpr int ROWS_PER_PASS = NTHREADS / DMAX;  // 4, 2 or 1
+    static_assert(NTHREADS % DMAX == 0, "each thread keeps one head dim in the tile loads");
+    const int ld_d = threadIdx.x % DMAX;
+    const int ld_row = threadIdx.x / DMAX;
+    const bool ld_d_in = ld_d < D;
+    const long long q_base = offset4(qs, b, h, 0, ld_d);
+    const long long k_base = offset4(ks, b, hk, 0, ld_d);
+    const long long v_base = offset4(vs, b, hk, 0, ld_d);
+
     // Load the Q tile transposed and scaled; zero outside [0, Nq) x [0, D).
-    for (int idx = threadIdx.x; idx < BM * DMAX; idx += NTHREADS) {
-        const int r = idx / DMAX, d = idx % DMAX;
-        const bool in = i0 + r < Nq && d < D;
-        q_t[d * T::Q_LD + r] = in ? scale * load_elem<DTYPE>(q, offset4(qs, b, h, i0 + r, d)) : 0.0f;
+    for (int r = ld_row; r < BM; r += ROWS_PER_PASS) {
+        const bool in = ld_d_in && i0 + r < Nq;
+        q_t[ld_d * T::Q_LD + r] = in ? scale * load_elem<DTYPE>(q, q_base + (long long)(i0 + r) * q_sn) : 0.0f;
     }
 
     float m_i[TM], l_i[TM], acc[TM][DPT];
@@ -113,11 +129,11 @@ __global__ void __launch_bounds__(256, 2) attn_rowmax(
     for (int j0 = lo; j0 < hi; j0 += BN) {
         const int n_keys = min(BN, hi - j0);
         __syncthreads();  // the previous tile's k_t, v_s and p_t are no longer read
-        for (int idx = threadIdx.x; idx < BN * DMAX; idx += NTHREADS) {
-            const int c = idx / DMAX, d = idx % DMAX;
-            const bool in = c < n_keys && d < D;
-            k_t[d * T::K_LD + c] = in ? load_elem<DTYPE>(k, offset4(ks, b, hk, j0 + c, d)) : 0.0f;
-            v_s[c * DMAX + d] = in ? load_elem<DTYPE>(v, offset4(vs, b, hk, j0 + c, d)) : 0.0f;
+        for (int c = ld_row; c < BN; c += ROWS_PER_PASS) {
+            const bool in = ld_d_in && c < n_keys;
+            const long long j = j0 + c;
+            k_t[ld_d * T::K_LD + c] = in ? load_elem<DTYPE>(k, k_base + j * k_sn) : 0.0f;
+            v_s[c * DMAX + ld_d] = in ? load_elem<DTYPE>(v, v_base + j * v_sn) : 0.0f;
         }
         __syncthreads();
 
@@ -167,18 +183,24 @@ __global__ void __launch_bounds__(256, 2) attn_rowmax(
             float row_sum = 0.0f;
 #pragma unroll
             for (int c = 0; c < TN; ++c) {
-                const float p = softmax_exp<FAST_EXP>(s[r][c] - m_use);
-                row_sum += p;
-                p_t[(tx * TN + c) * T::P_LD + ty * TM + r] = p;
+                s[r][c] = softmax_exp<FAST_EXP>(s[r][c] - m_use);  // s now holds p
+                row_sum += s[r][c];
             }
             l_i[r] = l_i[r] * alpha + row_sum;
 #pragma unroll
             for (int e = 0; e < DPT; ++e) acc[r][e] *= alpha;
             m_i[r] = m_new;
         }
+        // p_t[key][row]: the thread's 4 rows of one key are contiguous, one 16-byte store per key.
+#pragma unroll
+        for (int c = 0; c < TN; ++c) {
+            *reinterpret_cast<float4*>(&p_t[(tx * TN + c) * T::P_LD + ty * TM]) =
+                make_float4(s[0][c], s[1][c], s[2][c], s[3][c]);
+        }
         __syncthreads();  // p_t complete
 
         // O += P V for this thread's 4 x DPT micro-tile.
+#pragma unroll 2
         for (int c = 0; c < n_keys; ++c) {
             float pv[TM];
             load_floats<TM>(&p_t[c * T::P_LD + ty * TM], pv);
