@@ -264,15 +264,21 @@ def _cupy():
     return cupy
 
 
+#: cudaDeviceAttr values (driver_types.h): stable numbers, so no header or enum lookup is needed.
+_ATTR_MAX_THREADS_PER_BLOCK = 1
+_ATTR_MAX_GRID_DIM = (5, 6, 7)
+_ATTR_MAX_SHARED_PER_BLOCK_OPTIN = 97
+
+
 def device_limits(device_index: int, kernel=None) -> DeviceLimits:
-    cp = _cupy()
-    props = cp.cuda.runtime.getDeviceProperties(device_index)
-    optin = int(props.get("sharedMemPerBlockOptin", props.get("sharedMemPerBlock", DEFAULT_SMEM)))
+    """The launch limits of a device (and of a compiled kernel, when given)."""
+    rt = _cupy().cuda.runtime
+    attr = lambda a: int(rt.deviceGetAttribute(a, device_index))
     kmax = None if kernel is None else int(kernel.max_threads_per_block)
     return DeviceLimits(
-        max_threads_per_block=int(props["maxThreadsPerBlock"]),
-        max_shared_optin=optin,
-        max_grid=tuple(int(x) for x in props["maxGridSize"]),
+        max_threads_per_block=attr(_ATTR_MAX_THREADS_PER_BLOCK),
+        max_shared_optin=attr(_ATTR_MAX_SHARED_PER_BLOCK_OPTIN),
+        max_grid=tuple(attr(a) for a in _ATTR_MAX_GRID_DIM),
         kernel_max_threads=kmax,
     )
 
@@ -353,6 +359,22 @@ def kernel_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
 
 
 _limits_cache: dict[tuple[Variant, int], DeviceLimits] = {}
+_stream_cache: dict[tuple[int, int], object] = {}
+
+
+def _cupy_stream(torch_stream: torch.cuda.Stream, dev: int):
+    """CuPy's view of a torch stream (same cudaStream_t), cached by handle. CuPy 14 takes it through the
+    CUDA stream protocol (``Stream.from_external``); older CuPy through ``ExternalStream``."""
+    key = (dev, int(torch_stream.cuda_stream))
+    st = _stream_cache.get(key)
+    if st is None:
+        cp = _cupy()
+        if hasattr(cp.cuda.Stream, "from_external") and hasattr(torch_stream, "__cuda_stream__"):
+            st = cp.cuda.Stream.from_external(torch_stream)
+        else:
+            st = cp.cuda.ExternalStream(key[1], dev)
+        _stream_cache[key] = st
+    return st
 
 
 def _limits(variant: Variant, device_index: int, kern) -> DeviceLimits:
@@ -384,7 +406,7 @@ def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | N
     def launch() -> None:
         torch_stream = torch.cuda.current_stream(prob.device)
         with cp.cuda.Device(dev):
-            stream = cp.cuda.ExternalStream(torch_stream.cuda_stream, dev)
+            stream = _cupy_stream(torch_stream, dev)
             try:
                 with stream:
                     kern(cfg.grid, cfg.block, args, shared_mem=cfg.shared_bytes)
