@@ -21,8 +21,9 @@ among them keeps the timed calls from reading a warm L2. For each competitor:
 
 1. the first call runs on set 0 (it also pays JIT, autotuning and compilation); its output is checked with
    :func:`attnlab.check.compare` against the float64 reference computed on the *same inputs*. Large cases
-   are checked on a slice (batch entries {0, B-1}, the query heads of one or two kv heads, every row and
-   key: the slice is a consistent sub-problem because batch entries and heads are independent); the
+   are checked on a slice (batch entries {0, B-1} and the query heads of one or two kv heads; from
+   Nq*Nk >= 2^28 one batch entry and one kv head; always every row and key: the slice is a consistent
+   sub-problem because batch entries and heads are independent); the
    ``check_scope`` column says which. Half types also use the baseline criterion, the baseline being the
    textbook torch backend on the same slice. Rows with no allowed key are set to 0 in *competitors'*
    outputs before checking (the contract says 0; SDPA's backends and FlexAttention may not agree); attnlab
@@ -301,10 +302,15 @@ def fp32_suite(device: str = "cuda") -> list[BenchCase]:
 
 
 def memory_suite(device: str = "cuda") -> list[BenchCase]:
-    """Peak extra memory against N (1024 .. 32768), B1 H16 D128 bf16, no mask; few timed calls."""
+    """Peak extra memory against N (1024 .. 32768), B4 H16 D128 bf16, no mask; few timed calls.
+
+    B4 H16 (DESIGN's anchor rows at N 4096) puts the textbook's scores at 2 GiB per copy at N 8192 and
+    128 GiB at N 32768, so it runs out of memory on an H200 within the range; once it has, the larger
+    cases record it as skipped.
+    """
     return [
-        BenchCase("memory", f"bf16_b1_h16_n{N}_d128", B=1, Hq=16, Nq=N, D=128) for N in (1024, 2048, 4096, 8192,
-                                                                                          16384, 32768)
+        BenchCase("memory", f"bf16_b4_h16_n{N}_d128", B=4, Hq=16, Nq=N, D=128)
+        for N in (1024, 2048, 4096, 8192, 16384, 32768)
     ]
 
 
@@ -340,10 +346,11 @@ SUITES: dict[str, Callable[[str], list[BenchCase]]] = {
     "memory": memory_suite,
     "quick": quick_suite,
 }
-ALL_ORDER = ("fp32", "padding", "prefill", "decode", "dense", "memory")
+ALL_ORDER = ("fp32", "padding", "prefill", "decode", "memory", "dense")
 
-#: Per-suite timing defaults: (max timed calls, timing budget per measurement in ms). memory is about bytes.
-SUITE_TIMING = {"memory": (5, 50.0)}
+#: Per-suite timing overrides: (most timed calls, timing budget per measurement in ms, fewest timed calls).
+#: The memory suite is about bytes: a few calls suffice.
+SUITE_TIMING = {"memory": (3, 50.0, 1)}
 DEFAULT_REPS, DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS = 30, 200.0, 3
 
 
@@ -477,14 +484,18 @@ def check_slice(case: BenchCase, full_scores: int = FULL_CHECK_SCORES) -> tuple[
     """(batch entries, query heads, kv heads) of the checked sub-problem, or None to check everything.
 
     Batch entries {0, B-1}; kv heads {0, Hkv-1} when each has at most 2 query heads, else {Hkv-1}; and all
-    query heads of those kv heads (GQA stays consistent). Batch entries and heads are independent, so the
-    slice of the output is the output of the sliced problem.
+    query heads of those kv heads (GQA stays consistent). From Nq*Nk >= 2^28 (N 16384) one batch entry
+    (B-1) and one kv head (Hkv-1) only. Batch entries and heads are independent, so the slice of the
+    output is the output of the sliced problem.
     """
     if case.B * case.Hq * case.Nq * case.nk <= full_scores:
         return None
     group = case.Hq // case.hkv
-    bs = sorted({0, case.B - 1})
-    kvh = sorted({0, case.hkv - 1}) if group <= 2 else [case.hkv - 1]
+    if case.Nq * case.nk >= 2**28:
+        bs, kvh = [case.B - 1], [case.hkv - 1]
+    else:
+        bs = sorted({0, case.B - 1})
+        kvh = sorted({0, case.hkv - 1}) if group <= 2 else [case.hkv - 1]
     qh = [h * group + g for h in kvh for g in range(group)]
     return bs, qh, kvh
 
@@ -531,10 +542,14 @@ def make_truth(inp: CaseInputs, full_scores: int = FULL_CHECK_SCORES) -> Truth:
             if key in kw:
                 kw[key] = kw[key].index_select(0, bs)
     ref, _ = reference(q, k, v, **kw)
-    base = None
+    base, scope = None, slice_scope(sl)
     if case.torch_dtype != torch.float32:
-        base = attention(q, k, v, backend="torch", **kw)
-    return Truth(ref=ref, base=base, scope=slice_scope(sl), sl=sl)
+        try:
+            base = attention(q, k, v, backend="torch", **kw)
+        except torch.cuda.OutOfMemoryError:
+            scope += " (no baseline criterion: the textbook baseline ran out of memory)"
+            _free(dev)
+    return Truth(ref=ref, base=base, scope=scope, sl=sl)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -736,13 +751,17 @@ def flex_mods(spec: MaskSpec) -> tuple[Callable | None, Callable | None, bool, b
     return mask_mod, score_mod, per_b or mask is not None, mask is not None
 
 
+#: Compile and run flex on CPU tensors too (off: compiling there is slow; on for debugging the harness).
+FLEX_ON_CPU = False
+
+
 def _flex_competitor() -> Competitor:
     def prepare(inp: CaseInputs) -> Prepared:
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         except ImportError as e:
             raise Unavailable(f"torch.nn.attention.flex_attention not importable: {e}") from None
-        if inp.device.type != "cuda":
+        if inp.device.type != "cuda" and not FLEX_ON_CPU:
             raise Unsupported("flex is benchmarked on CUDA only (compiling it on a CPU costs more than a smoke run)")
         import torch._dynamo
 
@@ -887,6 +906,7 @@ class Options:
     budget_ms: float = DEFAULT_BUDGET_MS
     seed: int = 0
     deadline: float | None = None  #: time.time() after which no new measurement starts
+    max_call_s: float = 2.5  #: skip a competitor whose smaller cases predict a longer call (see main)
     run_id: str = ""
     gpu: str = ""
 
@@ -949,7 +969,7 @@ def case_counts(case: BenchCase, spec: MaskSpec | None = None) -> dict[str, Any]
 
 def run_one(
     comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options, counts: dict[str, Any], max_reps: int,
-    budget_ms: float,
+    budget_ms: float, min_reps: int,
 ) -> dict[str, Any]:
     """Check, then (only if it passed) measure memory and time one competitor on one case: one CSV row."""
     from attnlab.check import compare
@@ -999,7 +1019,7 @@ def run_one(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             est_ms, peak = measure_peak(prep.call, 1 % inp.sets, dev)
-            reps = int(min(max_reps, max(opts.min_reps, budget_ms // max(est_ms, 1e-3))))
+            reps = int(min(max_reps, max(min_reps, budget_ms // max(est_ms, 1e-3))))
             warm = 0 if est_ms > 20 else (2 if est_ms > 2 else 5)
             if warm:
                 time_calls(prep.call, inp.sets, warm, dev, start=2)
@@ -1046,8 +1066,8 @@ def run_case(
 ) -> list[dict[str, Any]]:
     """Every competitor on one case; ``skip(name)`` returns a reason to record a competitor as skipped."""
     dev = torch.device(opts.device)
-    max_reps, budget = SUITE_TIMING.get(case.suite, (opts.max_reps, opts.budget_ms))
-    max_reps = min(max_reps, opts.max_reps)
+    max_reps, budget, min_reps = SUITE_TIMING.get(case.suite, (opts.max_reps, opts.budget_ms, opts.min_reps))
+    max_reps, min_reps = min(max_reps, opts.max_reps), min(min_reps, opts.min_reps)
     counts = case_counts(case)
     rows: list[dict[str, Any]] = []
 
@@ -1084,7 +1104,7 @@ def run_case(
             if opts.deadline is not None and time.time() > opts.deadline:
                 emit(_row(case, comp, opts, counts, status="skipped", notes="deadline reached"))
                 continue
-            emit(run_one(comp, inp, truth, opts, counts, max_reps, budget))
+            emit(run_one(comp, inp, truth, opts, counts, max_reps, budget, min_reps))
         del inp, truth
     _free(dev)
     return rows
@@ -1129,13 +1149,15 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
 
     root = Path(__file__).resolve().parent.parent
     commit = os.environ.get("ATTNLAB_COMMIT") or _cmd(["git", "-C", str(root), "rev-parse", "HEAD"]) or "unknown"
-    dirty = _cmd(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
+    dirty = None
+    if commit != "unknown" and not os.environ.get("ATTNLAB_COMMIT"):
+        dirty = bool(_cmd(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]))
     env: dict[str, Any] = {
         "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "-m", "attnlab", "bench", *argv]),
         "attnlab": __version__,
         "commit": commit,
-        "commit_dirty": bool(dirty),
+        "commit_dirty": dirty,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -1263,14 +1285,18 @@ _RATE = {"fused": (250.0, 20.0), "torch": (40.0, 15.0), "sdpa-math": (30.0, 10.0
          "cuda-tiled": (15.0, 10.0), "cuda-rowmax": (15.0, 10.0)}
 
 
+#: Assumed seconds to compile flex for one case (dynamo trace, Inductor, Triton), for the estimate only.
+FLEX_COMPILE_S = 6.0
+
+
 def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Options) -> float:
     """A crude wall-clock estimate: per case inputs and reference, flex's compilation, and per competitor
     the checked call, the memory call, warm-up and the timed calls at assumed rates (:data:`_RATE`)."""
     total = 0.0
     for case in cases:
         c = case_counts(case)
-        total += 0.5 + (4.0 if "flex" in names and opts.device == "cuda" else 0.0)
-        max_reps, budget = SUITE_TIMING.get(case.suite, (opts.max_reps, opts.budget_ms))
+        total += 0.5 + (FLEX_COMPILE_S if "flex" in names and opts.device.startswith("cuda") else 0.0)
+        max_reps, budget, min_reps = SUITE_TIMING.get(case.suite, (opts.max_reps, opts.budget_ms, opts.min_reps))
         for n in names:
             half = case.dtype != "float32"
             rate = _RATE.get(n, _RATE["fused"])[0 if half else 1]
@@ -1279,7 +1305,9 @@ def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Opt
             else:
                 ms = c["flops"] / (rate * 1e9)
             ms = max(ms, c["bytes"] / 3e9, 0.02)
-            reps = min(max_reps, opts.max_reps, max(opts.min_reps, budget // ms))
+            if ms > opts.max_call_s * 1e3:
+                continue  # skipped as predicted too slow (see --max-call-s)
+            reps = min(max_reps, opts.max_reps, max(min(min_reps, opts.min_reps), budget // ms))
             warm = 0 if ms > 20 else (2 if ms > 2 else 5)
             total += 0.15 + (2 + warm + reps) * ms / 1e3
     return total
@@ -1357,7 +1385,7 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_id or _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     gpu = device_name(device)
     opts = Options(device=device, max_reps=args.reps, min_reps=args.min_reps, budget_ms=args.budget_ms,
-                   seed=args.seed, deadline=deadline, run_id=run_id, gpu=gpu)
+                   seed=args.seed, deadline=deadline, run_id=run_id, gpu=gpu, max_call_s=args.max_call_s)
     try:
         comps = competitors(args.backends)
     except ValueError as e:
@@ -1372,9 +1400,10 @@ def main(argv: list[str] | None = None) -> int:
             cases = [c for c in cases if args.cases in c.name]
         plan.append((s, cases))
     est = {s: estimate_seconds(cases, names, opts) for s, cases in plan}
+    first_flex = 15.0 if "flex" in names and device.startswith("cuda") else 0.0  # Inductor's cold start
     print(f"attnlab bench on {gpu} ({device}), run {run_id}: " + ", ".join(
-        f"{s} {len(c)} cases ~{est[s]:.0f} s" for s, c in plan) + f"; total ~{sum(est.values()):.0f} s "
-        "(crude estimate: assumed rates, flex compile 4 s per case)", flush=True)
+        f"{s} {len(c)} cases ~{est[s]:.0f} s" for s, c in plan) + f"; total ~{sum(est.values()) + first_flex:.0f} s "
+        f"(crude estimate: assumed rates, flex compile {FLEX_COMPILE_S:g} s per case)", flush=True)
     if args.estimate:
         return 0
     folder = Path(args.out) / gpu_slug(gpu)
@@ -1399,7 +1428,9 @@ def main(argv: list[str] | None = None) -> int:
         path = folder / f"{suite}.csv"
         kept: list[dict[str, Any]] = []
         if args.resume and path.exists():
-            kept = [r for r in _read_rows(path) if args.run_id is None or r.get("run_id") == args.run_id]
+            # skipped rows (deadline, exclusions) are decided again; everything else that ran is kept
+            kept = [r for r in _read_rows(path) if (args.run_id is None or r.get("run_id") == args.run_id)
+                    and r.get("status") != "skipped"]
         done = {(r["case"], r["backend"]) for r in kept}
         rows = list(kept)
         senv = dict(env, suite=suite, cases=[c.name for c in cases], started_utc=env["date_utc"])
@@ -1432,8 +1463,8 @@ def main(argv: list[str] | None = None) -> int:
                 if suite == "memory" and _oomed_before(rows, name, case):
                     return "ran out of memory at a smaller N"
                 pred = _predicted_ms(rows, name, case)
-                if pred is not None and pred > args.max_call_s * 1e3:
-                    return f"predicted {pred / 1e3:.1f} s a call (from smaller cases) > --max-call-s {args.max_call_s}"
+                if pred is not None and pred > opts.max_call_s * 1e3:
+                    return f"predicted {pred / 1e3:.1f} s a call (from smaller cases) > --max-call-s {opts.max_call_s}"
                 return None
 
             todo = [c for c in comps if (case.name, c.name) not in done]
@@ -1441,8 +1472,9 @@ def main(argv: list[str] | None = None) -> int:
                 run_case(case, todo, opts, skip=skip, on_row=on_row)
             except ContextLost as e:
                 msg = f"the CUDA context was lost: {e}"
-                on_row(_row(case, next(c for c in comps if c.name == e.backend) if e.backend in names else comps[0],
-                            opts, case_counts(case), status="error", notes=msg))
+                if e.backend in names:
+                    culprit = next(c for c in comps if c.name == e.backend)
+                    on_row(_row(case, culprit, opts, case_counts(case), status="error", notes=msg))
                 senv["aborted"] = {"backend": e.backend, "case": e.case, "message": str(e)}
                 jpath.write_text(json.dumps(senv, indent=2, default=str))
                 if bar is not None:
@@ -1454,6 +1486,8 @@ def main(argv: list[str] | None = None) -> int:
                 new = _restart_argv(argv, run_id, deadline, excl)
                 print(f"attnlab bench: {msg}; restarting without {e.backend!r}: {shlex.join(new)}", file=sys.stderr,
                       flush=True)
+                sys.stdout.flush()
+                sys.stderr.flush()
                 os.execv(sys.executable, [sys.executable, "-m", "attnlab", "bench", *new])
         senv["finished_utc"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         senv["seconds"] = round(time.time() - t_suite, 1)

@@ -333,3 +333,32 @@ def test_restart_argv_and_prediction():
     assert bench._predicted_ms(rows, "slow", big) == pytest.approx(1600.0)
     assert bench._predicted_ms(rows, "other", big) is None
     assert bench.gpu_slug("NVIDIA H200") == "nvidia-h200"
+
+
+def test_lost_context_is_raised_not_recorded(monkeypatch):
+    """An exception after which CUDA no longer works stops the case (main restarts without the culprit)."""
+    monkeypatch.setattr(bench, "_context_ok", lambda device: False)
+
+    def prepare(inp):
+        def call(i):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        return bench.Prepared(call=call)
+
+    with pytest.raises(bench.ContextLost) as info:
+        bench.run_case(CASE, [bench.Competitor("bad", "test", prepare)], _cpu_opts())
+    assert info.value.backend == "bad" and info.value.case == "gate"
+
+
+@pytest.mark.gpu
+def test_gpu_timing_and_memory_columns():
+    """On a GPU: CUDA-event timings, L2-sized input rotation and peak memory (textbook above fused)."""
+    case = bench.BenchCase("t", "gpu", B=2, Hq=8, Nq=1024, D=64, dtype="bfloat16", causal=True)
+    opts = bench.Options(device="cuda", max_reps=10, run_id="test", gpu=torch.cuda.get_device_name())
+    rows = {r["backend"]: r for r in bench.run_case(case, bench.competitors(["torch", "sdpa-flash", "sdpa-math"]),
+                                                    opts)}
+    for r in rows.values():
+        assert r["status"] == "ok", r["notes"]
+        assert r["ms"] > 0 and r["peak_extra_mib"] >= 0 and r["sets"] >= 2
+    assert rows["torch"]["peak_extra_mib"] > 10 * max(rows["sdpa-flash"]["peak_extra_mib"], 1.0)
+    assert rows["sdpa-flash"]["ms"] < rows["torch"]["ms"]
