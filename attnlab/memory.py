@@ -206,3 +206,12 @@ def anchors_vs_model(anchors: pd.DataFrame | None = None, dtype: object = "bfloa
     a["fused_model_mib"] = [fused_peak_extra(r.B, r.H, r.N, r.N, r.D, dtype) / 2**20 for r in a.itertuples()]
     a["measured_ratio"] = a["textbook_mib"] / a["fused_mib"]
     return a
+
+
+def ratio_table(Ns, Ds, *, B: int = 1, H: int = 16, dtype: object = "bfloat16") -> pd.DataFrame:
+    """Modelled textbook / fused extra memory for each (N, D): about ``2 N / D + 1`` (scores vs output)."""
+    return pd.DataFrame(
+        {f"D={D}": [textbook_peak_extra(B, H, n, n, D, dtype) / fused_peak_extra(B, H, n, n, D, dtype) for n in Ns]
+         for D in Ds},
+        index=pd.Index(list(Ns), name="N"),
+    )

@@ -56,12 +56,19 @@ def _fig(nrows: int = 1, ncols: int = 1, size: tuple[float, float] | None = None
 
 
 def _binary_axis(ax, unit: str = "bytes") -> None:
-    """Log y axis with ticks at powers of 1024, labelled in binary units."""
+    """Log y axis with ticks at powers of two (every 2nd or 4th one when the range is wide), in binary units.
+
+    Call after the data is drawn: the ticks are chosen from the current limits.
+    """
     ax.set_yscale("log", base=2)
-    ax.yaxis.set_major_locator(mpl.ticker.LogLocator(base=1024))
-    ax.yaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda y, _: memory.fmt_bytes(y).replace(".0 ", " ")))
-    ax.yaxis.set_minor_locator(mpl.ticker.LogLocator(base=2, numticks=40))
-    ax.yaxis.set_minor_formatter(mpl.ticker.NullFormatter())
+    lo, hi = ax.get_ylim()
+    e0, e1 = int(np.floor(np.log2(max(lo, 1.0)))), int(np.ceil(np.log2(max(hi, 2.0))))
+    step = next(s for s in (1, 2, 4, 8) if (e1 - e0) / s <= 8)
+    ticks = [2.0**e for e in range(e0 - e0 % step, e1 + 1, step) if lo <= 2.0**e <= hi]
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([memory.fmt_bytes(t).replace(".0 ", " ") for t in ticks])
+    ax.yaxis.set_minor_locator(mpl.ticker.NullLocator())
+    ax.set_ylim(lo, hi)
 
 
 def _n_axis(ax, values: Sequence[int], label: str = "sequence length N (tokens)") -> None:
@@ -204,7 +211,8 @@ def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = memory.H200["h
     ax.plot(sweep["N"], sweep["textbook_extra"], marker="s", label="textbook peak (model: 2 scores + out)")
     ax.plot(sweep["N"], sweep["fused_extra"], marker="^", label="fused peak (model: out + lse)")
     if hbm_bytes:
-        ax.axhline(hbm_bytes, color="#c0392b", linestyle="--", label=f"H200 HBM ({memory.fmt_bytes(hbm_bytes)})")
+        ax.axhline(hbm_bytes, color="#c0392b", linestyle="--",
+                   label=f"H200 memory (141 GB = {memory.fmt_bytes(hbm_bytes)})")
     _binary_axis(ax)
     _n_axis(ax, list(sweep["N"]))
     ax.set_ylabel("extra memory (bytes, log scale)")
@@ -251,12 +259,13 @@ def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *
         points = list(points[["label", "intensity", "tflops"]].itertuples(index=False, name=None))
     fig, axes = _fig(size=(7.0, 4.6))
     ax = axes[0, 0]
-    lo = min([1.0] + [p[1] for p in points]) / 2
-    hi = max([1e4] + [p[1] for p in points]) * 2
+    ridge = memory.ridge_point(peak_tflops, tbps)
+    kinks = [ridge] + [memory.ridge_point(p, tbps) for p in (extra_peaks or {}).values()]
+    lo = min(kinks + [p[1] for p in points]) / 4
+    hi = max([ridge] + [p[1] for p in points]) * 4
     x = np.logspace(np.log10(lo), np.log10(hi), 200)
     ax.plot(x, np.minimum(peak_tflops, x * tbps), color="black", linewidth=2,
             label=f"roof: {peak_tflops:g} TFLOP/s, {tbps:g} TB/s")
-    ridge = memory.ridge_point(peak_tflops, tbps)
     ax.axvline(ridge, color="grey", linestyle=":", label=f"ridge point {ridge:.0f} FLOP/B")
     for name, p in (extra_peaks or {}).items():
         ax.plot(x, np.minimum(p, x * tbps), linestyle="--", linewidth=1.2, label=f"{name}: {p:g} TFLOP/s")
@@ -267,6 +276,8 @@ def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *
         ax.scatter([inten], [y], s=50, color=col, zorder=3, label=f"{label} ({inten:.0f} FLOP/B)")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(mpl.ticker.NullFormatter())
     ax.set_xlabel("arithmetic intensity (FLOP per HBM byte, log scale)")
     ax.set_ylabel("throughput (TFLOP/s, log scale)")
     ax.set_title(title or "roofline")
@@ -368,8 +379,10 @@ def _has_data(df: pd.DataFrame | None, what: str) -> bool:
 
 
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows whose output passed the checker and that have a timing."""
+    """Rows whose output passed the checker and that have a timing (``status == "ok"`` where recorded)."""
     passed = df["passed"].astype(str).str.lower().isin(["true", "1", "1.0"])
+    if "status" in df:
+        passed = passed & (df["status"].astype(str) == "ok")
     return df[passed & pd.to_numeric(df["ms"], errors="coerce").notna()]
 
 

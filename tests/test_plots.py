@@ -24,7 +24,7 @@ def _close():
 
 
 def synthetic_bench(suite: str = "dense") -> pd.DataFrame:
-    """Rows in the documented schema: three backends, two N, causal and not, one failing row."""
+    """Rows in the documented schema (attnlab.bench): three backends, two N, causal and not, one failing row."""
     rows = []
     for backend, N, causal in itertools.product(["sdpa-flash", "sdpa-cudnn", "triton"], [1024, 4096], [False, True]):
         base = {"sdpa-flash": 300.0, "sdpa-cudnn": 450.0, "triton": 250.0}[backend]
@@ -34,9 +34,10 @@ def synthetic_bench(suite: str = "dense") -> pd.DataFrame:
             "Hkv": 16, "Nq": N if suite != "decode" else 1, "Nk": N, "D": 128, "dtype": "bfloat16",
             "causal": causal, "mask": "causal" if causal else "dense", "ms": 1.0, "tflops": t,
             "gbps": 2000.0 + N / 4, "peak_extra_mib": (64.0 if backend != "torch" else 4096.0),
-            "max_abs_err": 1e-3, "passed": True,
+            "max_abs_err": 1e-3, "passed": True, "status": "ok",
         })
-    rows.append({**rows[0], "backend": "torch", "passed": False, "ms": float("nan"), "tflops": float("nan")})
+    rows.append({**rows[0], "backend": "torch", "passed": False, "status": "failed", "ms": float("nan"),
+                 "tflops": float("nan")})
     rows.append({**rows[1], "backend": "torch", "peak_extra_mib": 4200.0, "tflops": 50.0})
     return pd.DataFrame(rows)
 
