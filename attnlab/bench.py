@@ -1154,7 +1154,7 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
         dirty = bool(_cmd(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]))
     env: dict[str, Any] = {
         "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "-m", "attnlab", "bench", *argv]),
+        "command": os.environ.get("ATTNLAB_BENCH_COMMAND") or shlex.join(["python", "-m", "attnlab", "bench", *argv]),
         "attnlab": __version__,
         "commit": commit,
         "commit_dirty": dirty,
@@ -1167,6 +1167,8 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
         "cupy": _version("cupy"),
         "device": device,
     }
+    if os.environ.get("ATTNLAB_BENCH_COMMAND"):
+        env["restarted_as"] = shlex.join(["python", "-m", "attnlab", "bench", *argv])
     if device.startswith("cuda") and torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.device(device))
         q = _cmd(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"])
@@ -1469,7 +1471,12 @@ def main(argv: list[str] | None = None) -> int:
 
             todo = [c for c in comps if (case.name, c.name) not in done]
             try:
-                run_case(case, todo, opts, skip=skip, on_row=on_row)
+                case_rows = run_case(case, todo, opts, skip=skip, on_row=on_row)
+                line = f"[{time.time() - t_start:5.0f} s] {suite}/{case.name}: {case_line(case_rows)}"
+                if bar is not None:
+                    bar.write(line)
+                elif case_rows:
+                    print(line, flush=True)
             except ContextLost as e:
                 msg = f"the CUDA context was lost: {e}"
                 if e.backend in names:
@@ -1488,6 +1495,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 sys.stdout.flush()
                 sys.stderr.flush()
+                os.environ.setdefault("ATTNLAB_BENCH_COMMAND", env["command"])
                 os.execv(sys.executable, [sys.executable, "-m", "attnlab", "bench", *new])
         senv["finished_utc"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         senv["seconds"] = round(time.time() - t_suite, 1)
@@ -1504,6 +1512,18 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(all_rows), flush=True)
     print(f"total {time.time() - t_start:.0f} s", flush=True)
     return status
+
+
+def case_line(rows: Sequence[dict[str, Any]]) -> str:
+    """One line for a case's rows: each timed backend's TFLOP/s (or GB/s for decode) and the other statuses."""
+    parts = []
+    for r in rows:
+        if r["status"] == "ok":
+            val = f"{r['gbps']:.0f}GB/s" if r["Nq"] == 1 else f"{r['tflops']:.0f}TF"
+            parts.append(f"{r['backend']} {val}")
+        else:
+            parts.append(f"{r['backend']} {r['status'].upper()}")
+    return ", ".join(parts)
 
 
 def _ordered(rows: list[dict[str, Any]], cases: Sequence[BenchCase], names: Sequence[str]) -> list[dict[str, Any]]:
