@@ -302,14 +302,14 @@ def fp32_suite(device: str = "cuda") -> list[BenchCase]:
 
 
 def memory_suite(device: str = "cuda") -> list[BenchCase]:
-    """Peak extra memory against N (1024 .. 32768), B4 H16 D128 bf16, no mask; few timed calls.
+    """Peak extra memory against N (1024 .. 32768), B2 H16 D128 bf16, no mask; few timed calls.
 
-    B4 H16 (DESIGN's anchor rows at N 4096) puts the textbook's scores at 2 GiB per copy at N 8192 and
-    128 GiB at N 32768, so it runs out of memory on an H200 within the range; once it has, the larger
-    cases record it as skipped.
+    The textbook holds about three bf16 score copies at its peak: 3 x 16 GiB at N 16384 fits an H200,
+    3 x 64 GiB at N 32768 does not, so it runs out within the range (B1 would not); once a backend has run
+    out, the larger cases record it as skipped.
     """
     return [
-        BenchCase("memory", f"bf16_b4_h16_n{N}_d128", B=4, Hq=16, Nq=N, D=128)
+        BenchCase("memory", f"bf16_b2_h16_n{N}_d128", B=2, Hq=16, Nq=N, D=128)
         for N in (1024, 2048, 4096, 8192, 16384, 32768)
     ]
 
@@ -351,7 +351,7 @@ ALL_ORDER = ("fp32", "padding", "prefill", "decode", "memory", "dense")
 #: Per-suite timing overrides: (most timed calls, timing budget per measurement in ms, fewest timed calls).
 #: The memory suite is about bytes: a few calls suffice.
 SUITE_TIMING = {"memory": (3, 50.0, 1)}
-DEFAULT_REPS, DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS = 30, 200.0, 3
+DEFAULT_REPS, DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS = 30, 100.0, 3
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1289,6 +1289,8 @@ _RATE = {"fused": (250.0, 20.0), "torch": (40.0, 15.0), "sdpa-math": (30.0, 10.0
 
 #: Assumed seconds to compile flex for one case (dynamo trace, Inductor, Triton), for the estimate only.
 FLEX_COMPILE_S = 6.0
+#: Assumed seconds of attnlab's Triton autotuning and compilation per case (amortized), estimate only.
+TRITON_TUNE_S = 1.5
 
 
 def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Options) -> float:
@@ -1297,7 +1299,9 @@ def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Opt
     total = 0.0
     for case in cases:
         c = case_counts(case)
-        total += 0.5 + (FLEX_COMPILE_S if "flex" in names and opts.device.startswith("cuda") else 0.0)
+        gpu = opts.device.startswith("cuda")
+        total += 0.5 + (FLEX_COMPILE_S if "flex" in names and gpu else 0.0)
+        total += TRITON_TUNE_S if "triton" in names and gpu else 0.0
         max_reps, budget, min_reps = SUITE_TIMING.get(case.suite, (opts.max_reps, opts.budget_ms, opts.min_reps))
         for n in names:
             half = case.dtype != "float32"
@@ -1332,7 +1336,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="most timed calls per measurement (default 30)")
     p.add_argument("--min-reps", type=int, default=DEFAULT_MIN_REPS, help="fewest timed calls (default 3)")
     p.add_argument("--budget-ms", type=float, default=DEFAULT_BUDGET_MS,
-                   help="timed milliseconds aimed at per measurement (default 200)")
+                   help="timed milliseconds aimed at per measurement (default 100)")
     p.add_argument("--max-call-s", type=float, default=2.5,
                    help="skip a competitor on a case where its smaller cases predict a call longer than this "
                         "(default 2.5 s)")
@@ -1405,7 +1409,8 @@ def main(argv: list[str] | None = None) -> int:
     first_flex = 15.0 if "flex" in names and device.startswith("cuda") else 0.0  # Inductor's cold start
     print(f"attnlab bench on {gpu} ({device}), run {run_id}: " + ", ".join(
         f"{s} {len(c)} cases ~{est[s]:.0f} s" for s, c in plan) + f"; total ~{sum(est.values()) + first_flex:.0f} s "
-        f"(crude estimate: assumed rates, flex compile {FLEX_COMPILE_S:g} s per case)", flush=True)
+        f"(crude estimate: assumed rates, flex compile {FLEX_COMPILE_S:g} s and Triton tuning {TRITON_TUNE_S:g} s "
+        "per case)", flush=True)
     if args.estimate:
         return 0
     folder = Path(args.out) / gpu_slug(gpu)
