@@ -46,7 +46,11 @@ How the competitors are called
   is a device tensor). Mask translation inside a backend (the attnlab ``sdpa`` backend materializes its
   mask) is timed.
 * ``sdpa-*``: ``F.scaled_dot_product_attention`` under ``sdpa_kernel(backend)``, with the mask translated
-  once by :func:`attnlab.sdpa.sdpa_inputs` (not timed; its bytes are in ``setup_mib``). GQA goes through
+  once by :func:`attnlab.sdpa.sdpa_inputs` (not timed; its bytes are in ``setup_mib``): ``is_causal`` for
+  top-left causal with Nq == Nk, otherwise a materialized bool mask or bias. One exception: for pure
+  bottom-right causal with Nq != Nk (the prefill suite), ``sdpa-flash`` and ``sdpa-efficient`` get
+  ``torch.nn.attention.bias.causal_lower_right``, which they take natively (a materialized mask would make
+  flash unsupported); the notes say so. GQA goes through
   ``enable_gqa=True``; where the chosen backend refuses that, K and V are repeated once outside the timed
   region and the notes say so. "No available kernel" is recorded as ``unsupported`` with SDPA's reasons.
 * ``flex``: ``torch.compile(flex_attention, fullgraph=True, dynamic=False)`` with a block mask from
@@ -159,10 +163,6 @@ SDPA_KINDS = {
 
 MIB = 2.0**20
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).replace("torch.", "")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -641,10 +641,22 @@ def _sdpa_competitor(name: str) -> Competitor:
             raise Unavailable(f"this torch has no SDPBackend.{kind}")
         sdp = getattr(SDPBackend, kind)
         prob = make_problem(inp.qs[0], inp.ks[0], inp.vs[0], **inp.kw)
-        attn_mask, is_causal, empty = sdpa_inputs(prob)
-        setup = attn_mask.numel() * attn_mask.element_size() if attn_mask is not None else 0
+        notes: list[str] = []
+        if name in ("sdpa-flash", "sdpa-efficient") and prob.spec.kind == "causal_br" and prob.Nq != prob.Nk:
+            # Bottom-right causal without a materialized mask: the way flash and efficient take it natively.
+            from torch.nn.attention.bias import causal_lower_right
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "NaNs when seq_len_q > seq_len_kv": those rows are zeroed
+                attn_mask = causal_lower_right(prob.Nq, prob.Nk)
+            is_causal, empty = False, empty_rows(prob.spec)
+            setup = 0
+            notes.append("bottom-right causal as torch.nn.attention.bias.causal_lower_right")
+        else:
+            attn_mask, is_causal, empty = sdpa_inputs(prob)
+            setup = attn_mask.numel() * attn_mask.element_size() if attn_mask is not None else 0
         group = prob.group
-        ks, vs, notes = inp.ks, inp.vs, []
+        ks, vs = inp.ks, inp.vs
 
         def run(q, k, v, gqa: bool) -> torch.Tensor:
             kw = {"enable_gqa": True} if gqa else {}
