@@ -578,8 +578,9 @@ class Prepared:
     after_timing: Callable[[], str | None] | None = None
     #: the first (checked) call, when it differs from ``call`` (attnlab backends: NaN-poisoned output)
     check_call: Callable[[int], torch.Tensor] | None = None
-    #: called once the first call is done (flex: remember dynamo's graph count)
-    after_first: Callable[[], None] | None = None
+    #: called after the first call and again just before the timed calls (flex: remember dynamo's graph
+    #: count; returns a note when it changed since the last mark)
+    mark: Callable[[], str | None] | None = None
 
 
 @dataclass
@@ -800,13 +801,16 @@ def _flex_competitor() -> Competitor:
 
         from torch._dynamo.utils import counters
 
-        state = {"graphs": None}
+        state: dict[str, int | None] = {"graphs": None}
 
         def graphs() -> int:
             return int(counters["stats"]["unique_graphs"])
 
-        def first_call_done() -> None:
-            state["graphs"] = graphs()
+        def mark() -> str | None:
+            old, state["graphs"] = state["graphs"], graphs()
+            if old is not None and state["graphs"] != old:
+                return f"dynamo compiled {state['graphs'] - old} more graph(s) after the first call (before timing)"
+            return None
 
         def after_timing() -> str | None:
             if state["graphs"] is not None and graphs() != state["graphs"]:
@@ -814,7 +818,7 @@ def _flex_competitor() -> Competitor:
             return None
 
         return Prepared(call=call, setup_bytes=setup, zero_rows=empty_rows(spec), after_timing=after_timing,
-                        after_first=first_call_done)
+                        mark=mark)
 
     return Competitor("flex", "torch", prepare)
 
@@ -1005,8 +1009,8 @@ def run_one(
             out = (prep.check_call or prep.call)(0)
             _sync(dev)
         first_s = time.perf_counter() - t0
-        if prep.after_first is not None:
-            prep.after_first()
+        if prep.mark is not None:
+            prep.mark()
         fallback = [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
         if comp.name == "flex" and first_s > 1.0:
             notes.append(f"first call (compile) {first_s:.1f} s")
@@ -1035,6 +1039,10 @@ def run_one(
             warm = 0 if est_ms > 20 else (2 if est_ms > 2 else 5)
             if warm:
                 time_calls(prep.call, inp.sets, warm, dev, start=2)
+            if prep.mark is not None:
+                changed = prep.mark()
+                if changed:
+                    notes.append(changed)
             times = time_calls(prep.call, inp.sets, reps, dev, start=2 + warm)
         bad = prep.after_timing() if prep.after_timing is not None else None
         eager = [str(w.message) for w in caught if "without torch.compile" in str(w.message)]

@@ -230,6 +230,12 @@ def test_sdpa_competitors_on_cpu():
     assert rows["sdpa-math"]["status"] == "ok", rows["sdpa-math"]["notes"]
     assert rows["sdpa-math"]["setup_mib"] > 0  # the materialized mask
     assert rows["sdpa-cudnn"]["status"] == "unsupported"
+    # bottom-right causal (prefill): flash takes it as causal_lower_right; rows with no key are zeroed first
+    case = bench.BenchCase("t", "br", B=1, Hq=2, Nq=48, Nk=16, D=16, dtype="float32", causal=True,
+                           align="bottom_right")
+    row = bench.run_case(case, bench.competitors(["sdpa-flash"]), _cpu_opts())[0]
+    assert row["status"] == "ok" and "causal_lower_right" in row["notes"]
+    assert "32 empty rows zeroed" in row["notes"]
 
 
 @pytest.mark.parametrize("B,Hq,Nq,Nk,kw", SPECS)
