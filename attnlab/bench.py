@@ -1544,7 +1544,7 @@ def case_line(rows: Sequence[dict[str, Any]]) -> str:
     parts = []
     for r in rows:
         if r["status"] == "ok":
-            val = f"{r['gbps']:.0f}GB/s" if r["Nq"] == 1 else f"{r['tflops']:.0f}TF"
+            val = f"{r['gbps']:.4g} GB/s" if r["Nq"] == 1 else f"{r['tflops']:.4g} TF/s"
             parts.append(f"{r['backend']} {val}")
         else:
             parts.append(f"{r['backend']} {r['status'].upper()}")
@@ -1559,18 +1559,19 @@ def _ordered(rows: list[dict[str, Any]], cases: Sequence[BenchCase], names: Sequ
 
 
 def _predicted_ms(rows: Sequence[dict[str, Any]], name: str, case: BenchCase) -> float | None:
-    """A backend's time per call on ``case`` predicted from its slowest timed case of the same dtype so far,
-    scaled by the dense work B*Hq*Nq*Nk*D (None without such a case)."""
+    """A backend's time per call on ``case`` predicted from its largest smaller timed case of the same dtype
+    so far (the slowest of those, if several), scaled by the dense work B*Hq*Nq*Nk*D; None without one."""
     work = case.B * case.Hq * case.Nq * case.nk * case.D
-    best = None
+    best_w, best = 0, None
     for r in rows:
         if r["backend"] != name or r["status"] != "ok" or r["dtype"] != case.dtype or r["ms"] in ("", None):
             continue
         w = int(r["B"]) * int(r["Hq"]) * int(r["Nq"]) * int(r["Nk"]) * int(r["D"])
-        if w <= 0 or w >= work:
+        if w <= 0 or w >= work or w < best_w:
             continue
         p = float(r["ms"]) / w * work
-        best = p if best is None else max(best, p)
+        best = p if (w > best_w or best is None) else max(best, p)
+        best_w = w
     return best
 
 

@@ -337,6 +337,9 @@ def test_restart_argv_and_prediction():
     rows = [{"backend": "slow", "status": "ok", "dtype": "bfloat16", "ms": 100.0, "B": 1, "Hq": 16, "Nq": 1024,
              "Nk": 1024, "D": 64}]
     assert bench._predicted_ms(rows, "slow", big) == pytest.approx(1600.0)
+    rows.append(dict(rows[0], ms=800.0, Nq=2048, Nk=2048))  # the closest smaller case wins
+    rows.append(dict(rows[0], ms=1.0, Nq=512, Nk=512))
+    assert bench._predicted_ms(rows, "slow", big) == pytest.approx(3200.0)
     assert bench._predicted_ms(rows, "other", big) is None
     assert bench.gpu_slug("NVIDIA H200") == "nvidia-h200"
 
