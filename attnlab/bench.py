@@ -62,6 +62,18 @@ How the competitors are called
   compiled a new graph during the timed calls or torch warned about the unfused eager path. On a CPU flex
   is recorded as unsupported (compiling it there costs more than a smoke run should).
 
+Budget and robustness
+---------------------
+``--suite all`` runs fp32, padding, prefill, decode, memory, dense in that order and prints a crude
+estimate first (:func:`estimate_seconds`). Each CSV is rewritten after every row, so an interrupted run
+keeps what it measured. ``--deadline-s`` stops starting measurements after that many seconds (the rest
+becomes ``skipped``); ``--resume`` keeps the rows already in the CSVs and runs the missing and skipped ones.
+A competitor is skipped on a case when its closest smaller case of the suite predicts a call longer than
+``--max-call-s`` (scaled by B*Hq*Nq*Nk*D), and in the memory suite once it ran out of memory at a smaller N.
+After an exception the CUDA context is probed; if it is lost (an illegal address makes every later call
+fail), the process re-executes itself with ``--resume`` and the culprit excluded (its rows say so), so one
+broken kernel does not cost the rest of the run.
+
 CSV schema (one file per suite: ``<out>/<gpu-slug>/<suite>.csv``; :data:`COLUMNS`, in this order)
 --------------------------------------------------------------------------------------------------
 ========================  ==========================================================================
@@ -1186,6 +1198,7 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
         "triton": _version("triton"),
         "cupy": _version("cupy"),
         "device": device,
+        "tf32_matmul_default": _tf32(),
     }
     if os.environ.get("ATTNLAB_BENCH_COMMAND"):
         env["restarted_as"] = shlex.join(["python", "-m", "attnlab", "bench", *argv])
@@ -1201,6 +1214,12 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
         env.update(gpu="cpu", driver="none")
     env["backends"] = {n: repr(a) for n, a in _b.status().items()}
     return env
+
+
+def _tf32() -> bool:
+    from attnlab.check import tf32_enabled
+
+    return tf32_enabled()
 
 
 def _fmt(v: Any) -> Any:
