@@ -371,6 +371,17 @@ DEFAULT_REPS, DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS = 30, 100.0, 3
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _spec_device(spec: MaskSpec) -> torch.device:
+    """Where the spec's tensors live (``MaskSpec.device`` where this version has it)."""
+    dev = getattr(spec, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    for t in (spec.kv_len, spec.q_len, spec.mask, spec.bias):
+        if t is not None:
+            return t.device
+    return torch.device("cpu")
+
+
 def row_counts(spec: MaskSpec) -> torch.Tensor:
     """Allowed keys of each query row from the lengths and the band, analytically: int64 [B, Nq] (CPU).
 
@@ -425,7 +436,7 @@ def empty_rows(spec: MaskSpec) -> torch.Tensor | None:
     """bool [B, Hm, Nq, 1] of rows with no allowed key (on the spec's device), or None when there is none."""
     if spec.mask is None and spec.bias is None:
         e = (row_counts(spec) == 0).view(spec.B, 1, spec.Nq, 1)
-        return e.to(spec._device()) if bool(e.any()) else None
+        return e.to(_spec_device(spec)) if bool(e.any()) else None
     rows = []
     for i0 in range(0, spec.Nq, 1024):
         i1 = min(spec.Nq, i0 + 1024)
@@ -743,7 +754,7 @@ def flex_mods(spec: MaskSpec) -> tuple[Callable | None, Callable | None, bool, b
     const_off = 0
     if spec.align == "bottom_right":
         if per_b:
-            lq, lk = spec.lengths(spec._device())
+            lq, lk = spec.lengths(_spec_device(spec))
             off_b = (lk - lq).long()
         else:
             const_off = spec.Nk - spec.Nq

@@ -124,6 +124,7 @@ class MaskSpec:
     mask: torch.Tensor | None = None  #: bool view expanded to [B, Hq, Nq, Nk]
     bias: torch.Tensor | None = None  #: float32 view expanded to [B, Hq, Nq, Nk] (what kernels read)
     bias_src: torch.Tensor | None = None  #: the bias in the caller's dtype, expanded (what the reference adds)
+    device: torch.device = torch.device("cpu")  #: where the inputs live; predicates are built there
     _host: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -174,6 +175,7 @@ class MaskSpec:
             mask=bool_mask,
             bias=bias,
             bias_src=bias_src,
+            device=device,
         )
 
     # ---- summaries ---------------------------------------------------------------------------------
@@ -208,12 +210,10 @@ class MaskSpec:
     # ---- lengths and diagonals ---------------------------------------------------------------------
     def lengths(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(Lq, Lk) as int64 tensors [B] (defaults filled in)."""
-        dev = device or (self.kv_len.device if self.kv_len is not None else None)
+        dev = self.device if device is None else device
         lk = self.kv_len.long() if self.kv_len is not None else torch.full((self.B,), self.Nk, dtype=torch.long)
         lq = self.q_len.long() if self.q_len is not None else torch.full((self.B,), self.Nq, dtype=torch.long)
-        if dev is not None:
-            lk, lq = lk.to(dev), lq.to(dev)
-        return lq, lk
+        return lq.to(dev), lk.to(dev)
 
     def host_lengths(self) -> tuple[list[int], list[int]]:
         """(Lq, Lk) as Python lists, cached (one device sync the first time)."""
@@ -243,7 +243,7 @@ class MaskSpec:
         (structure only: lengths and band).
         """
         i1 = self.Nq if i1 is None else i1
-        dev = torch.device(device) if device is not None else self._device()
+        dev = torch.device(device) if device is not None else self.device
         lq, lk = self.lengths(dev)
         i = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
         j = torch.arange(self.Nk, device=dev).view(1, 1, 1, -1)
@@ -263,12 +263,6 @@ class MaskSpec:
         if self.bias_src is None:
             return None
         return self.bias_src[:, :, i0 : (self.Nq if i1 is None else i1)]
-
-    def _device(self) -> torch.device:
-        for t in (self.kv_len, self.q_len, self.mask, self.bias):
-            if t is not None:
-                return t.device
-        return torch.device("cpu")
 
     # ---- loop bounds and the tile classifier -------------------------------------------------------
     def key_range(self, b: int, i0: int, i1: int) -> tuple[int, int]:

@@ -111,3 +111,11 @@ def test_kind_names():
     assert MaskSpec.build(1, 1, 4, 4, causal=True).kind == "causal"
     assert MaskSpec.build(1, 1, 4, 6, causal=True, align="bottom_right", kv_len=[3]).kind == "causal_br+kv_len"
     assert MaskSpec.build(1, 1, 4, 4, window=(2, 2), mask=torch.zeros(4, 4)).kind == "window+bias"
+
+
+def test_predicate_is_built_on_the_inputs_device():
+    """A spec with no length or mask tensors must still build its predicate where the inputs are
+    (a CPU predicate against CUDA scores broke the reference on GPU). 'meta' stands in for a GPU here."""
+    s = MaskSpec.build(1, 1, 4, 4, causal=True, device="meta")
+    assert s.allowed().device.type == "meta"
+    assert s.lengths()[0].device.type == "meta"
