@@ -1497,6 +1497,11 @@ def main(argv: list[str] | None = None) -> int:
             old = json.loads(jpath.read_text())
             senv["restarts"] = old.get("restarts", []) + ([old.get("aborted")] if old.get("aborted") else [])
             senv["started_utc"] = old.get("started_utc", senv["started_utc"])
+            prev = old.get("previous_commands", [])
+            if old.get("command") and old.get("command") != senv["command"]:
+                prev = [*prev, old["command"]]
+            if prev:
+                senv["previous_commands"] = prev
         jpath.write_text(json.dumps(senv, indent=2, default=str))
         t_suite = time.time()
 
