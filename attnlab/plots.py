@@ -10,6 +10,7 @@ and, when there is none, print a clear message and return ``None`` instead of fa
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -30,8 +31,8 @@ from attnlab.masks import EMPTY, FULL, PARTIAL, MaskSpec
 TILE_COLORS = {EMPTY: "#f0f0f0", PARTIAL: "#f4a259", FULL: "#3d7ea6"}
 MASK_CMAP = ListedColormap(["#f0f0f0", "#3d7ea6"])
 
-#: Where recorded benchmarks live (a checkout's data/bench; a wheel has none).
-DATA_ROOT = Path(__file__).resolve().parent.parent / "data" / "bench"
+#: Where recorded benchmarks live: $ATTNLAB_BENCH_DIR, else a checkout's data/bench (a wheel has none).
+DATA_ROOT = Path(os.environ.get("ATTNLAB_BENCH_DIR") or Path(__file__).resolve().parent.parent / "data" / "bench")
 
 #: Columns every benchmark CSV has (issue 6).
 BENCH_COLUMNS = (
@@ -423,14 +424,19 @@ def throughput_vs_n(df: pd.DataFrame | None, *, backends: Iterable[str] | None =
     fig, axes = _fig(nrows, ncols, size=(4.3 * ncols, 3.4 * nrows + 0.6), sharey=True)
     order = list(dict.fromkeys(d["backend"]))
     pal = dict(zip(order, sns.color_palette("colorblind", len(order))))
+    tf = pd.to_numeric(d["tflops"], errors="coerce")
+    log = bool(tf.max() / max(tf[tf > 0].min(), 1e-9) > 20)  # a log axis when backends differ by > 20x
     for ax, p in zip(axes.flat, panels):
+        if log:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
         g = d[d["panel"] == p].groupby(["backend", x], as_index=False)["tflops"].median()
         for b in order:
             gb = g[g["backend"] == b]
             if len(gb):
                 ax.plot(gb[x], gb["tflops"], marker="o", color=pal[b], label=b)
         _n_axis(ax, sorted(d[x].unique()), f"{x} (tokens)")
-        ax.set_ylabel("throughput (TFLOP/s)")
+        ax.set_ylabel("throughput (TFLOP/s, log scale)" if log else "throughput (TFLOP/s)")
         ax.set_title(p)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
@@ -509,7 +515,7 @@ def memory_measured(df: pd.DataFrame | None, *, title: str = "") -> Figure | Non
     _n_axis(ax, Ns)
     ax.set_ylabel("peak extra memory (bytes, log scale)")
     ax.set_title(title or f"measured memory against the model (B{B} H{H} D{D} {dt})")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -532,7 +538,7 @@ def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.H200[
     _n_axis(ax, sorted(d["Nk"].unique()), "KV length Nk (tokens)")
     ax.set_ylabel("K/V read bandwidth (GB/s)")
     ax.set_title(title or "decode: bandwidth against the copy ceiling")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -574,3 +580,40 @@ def summary(df: pd.DataFrame | None, *, backends: Iterable[str] | None = None,
     d["mask_kind"] = _mask_label(d)
     return d.pivot_table(index=["dtype", "D", "mask_kind", "Nk"], columns="backend", values=value,
                          aggfunc="median").round(1)
+
+
+# ---- kernels -----------------------------------------------------------------------------------------
+def thread_map(owner: np.ndarray, *, color: np.ndarray | None = None, title: str = "", xlabel: str = "",
+               ylabel: str = "", ax=None, fontsize: float = 5.5) -> Figure:
+    """Draw which thread owns each element of a tile: ``owner`` holds thread ids. Colours follow ``color``
+    (default: the thread id, cycling through 20), white lines separate owners, and each thread's id is
+    written once on its block (or on each of its cells when they are scattered)."""
+    from matplotlib.collections import LineCollection
+
+    owner = np.asarray(owner)
+    color = owner if color is None else np.asarray(color)
+    if ax is None:
+        fig, axes = _fig(size=(6.0, 4.0))
+        ax = axes[0, 0]
+    else:
+        fig = ax.figure
+    ax.imshow(color % 20, cmap="tab20", vmin=0, vmax=19, interpolation="nearest", aspect="auto")
+    rows, cols = owner.shape
+    segs = [[(c + 0.5, r - 0.5), (c + 0.5, r + 0.5)] for r, c in np.argwhere(owner[:, 1:] != owner[:, :-1])]
+    segs += [[(c - 0.5, r + 0.5), (c + 0.5, r + 0.5)] for r, c in np.argwhere(owner[1:, :] != owner[:-1, :])]
+    ax.add_collection(LineCollection(segs, colors="white", linewidths=0.7))
+    for t in np.unique(owner):
+        cells = np.argwhere(owner == t)
+        (r0, c0), (r1, c1) = cells.min(0), cells.max(0)
+        if len(cells) == (r1 - r0 + 1) * (c1 - c0 + 1):
+            ax.text((c0 + c1) / 2, (r0 + r1) / 2, str(t), ha="center", va="center", fontsize=fontsize)
+        else:
+            for r, c in cells:
+                ax.text(c, r, str(t), ha="center", va="center", fontsize=fontsize)
+    ax.set_xlim(-0.5, cols - 0.5)
+    ax.set_ylim(rows - 0.5, -0.5)
+    ax.grid(False)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return fig

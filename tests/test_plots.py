@@ -104,3 +104,19 @@ def test_bench_figures_without_data(tmp_path, capsys):
         assert "no recorded benchmark data" in capsys.readouterr().out
     assert plots.ratios(None, "sdpa-flash") is None
     assert plots.summary(None) is None
+
+
+def test_kernel_notes_and_thread_maps():
+    from attnlab import kernel_notes as kn
+
+    assert kn.naive_map(D=64).shape == (8, 64) and kn.naive_map().max() == 127
+    assert kn.tiled_map(64)[1, 9] == 8 + 1  # row 1, dim 9: thread g = 1 of row 1
+    assert kn.rowmax_score_map(64).max() == 255 and kn.rowmax_score_map(128).shape == (64, 32)
+    assert kn.rowmax_out_map(128)[0, 64] == 0  # dims 64.. wrap to the same threads (kk = 1)
+    for f in kn.FAMILIES:
+        assert "thread" in kn.header(f).lower() or "Thread" in kn.header(f)
+    text = "a\n    b\n#pragma x\n        c\n    d\n"
+    assert kn.excerpt_text(text, "b", "c") == "b\n#pragma x\n    c"
+    with pytest.raises(ValueError, match="not found"):
+        kn.excerpt_text(text, "zzz")
+    assert isinstance(plots.thread_map(kn.rowmax_score_map(64), title="rowmax"), Figure)

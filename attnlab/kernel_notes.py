@@ -1,0 +1,110 @@
+"""What the notebooks show about the CUDA kernels: excerpts of their sources and maps of which thread owns
+which element (the thread mappings documented at the top of each ``kernels/attn_*.cu``).
+
+Nothing here needs a GPU or CuPy: the sources are read as text and the maps are index arithmetic that
+mirrors the kernels' own (``threadIdx`` to rows, keys and head dims).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+FAMILIES = ("naive", "tiled", "rowmax")
+
+
+def kernel_path(family: str) -> Path:
+    """The ``.cu`` file of a kernel family (``kernels/`` of a checkout, or the installed package)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; one of {FAMILIES}")
+    try:
+        from attnlab.cuda import kernels_dir
+
+        base = Path(str(kernels_dir()))
+    except ImportError:
+        base = Path(__file__).resolve().parent.parent / "kernels"
+    return base / f"attn_{family}.cu"
+
+
+def source(family: str) -> str:
+    """The full CUDA C source of a kernel family."""
+    return kernel_path(family).read_text()
+
+
+def header(family: str) -> str:
+    """The comment block that opens the kernel file (what it does, its tiling and thread mapping)."""
+    lines = []
+    for line in source(family).splitlines():
+        if not line.startswith("//"):
+            break
+        lines.append(line[3:] if line.startswith("// ") else line[2:])
+    return "\n".join(lines).strip()
+
+
+def excerpt(family: str, start: str, end: str | None = None, *, max_lines: int = 40) -> str:
+    """Lines of a kernel family's source from the first containing ``start`` through the first later one
+    containing ``end`` (or ``max_lines`` lines), dedented. Raises ValueError when ``start`` is not found."""
+    return excerpt_text(source(family), start, end, max_lines=max_lines, name=f"attn_{family}.cu")
+
+
+def excerpt_text(text: str, start: str, end: str | None = None, *, max_lines: int = 40, name: str = "the text") -> str:
+    """:func:`excerpt` on any source text (e.g. ``inspect.getsource`` of a Triton kernel)."""
+    lines = text.splitlines()
+    i0 = next((i for i, line in enumerate(lines) if start in line), None)
+    if i0 is None:
+        raise ValueError(f"{start!r} not found in {name}")
+    i1 = min(len(lines), i0 + max_lines)
+    if end is not None:
+        i1 = next((i + 1 for i in range(i0 + 1, len(lines)) if end in lines[i]), i1)
+        i1 = min(i1, i0 + max_lines)
+    chunk = lines[i0:i1]
+    # dedent by the code's indentation; preprocessor lines (#pragma) sit at column 0 and are left alone
+    code = [x for x in chunk if x.strip() and not x.lstrip().startswith("#pragma")]
+    cut = min((len(x) - len(x.lstrip()) for x in code), default=0)
+    return "\n".join(x.lstrip() if x.lstrip().startswith("#pragma") else x[cut:] for x in chunk)
+
+
+# ---- thread ownership maps ---------------------------------------------------------------------------
+def naive_map(D: int = 64, n_keys: int = 8, warps: int = 4) -> np.ndarray:
+    """Naive kernel, one block per query row: ``[n_keys, D]`` thread ids. Warp ``j % 4`` takes key j,
+    lane ``d % 32`` owns head dim d (the 32 lanes' partial products are summed by shuffles)."""
+    j = np.arange(n_keys).reshape(-1, 1)
+    d = np.arange(D).reshape(1, -1)
+    return (j % warps) * 32 + d % 32
+
+
+def tiled_map(dmax: int = 64, rows: int = 16, group: int = 8) -> np.ndarray:
+    """Tiled kernel, one block per 16 query rows: ``[rows, dmax]`` thread ids. 8 threads per row; thread
+    g of a row owns dims ``d = g + 8c`` of q_i, of acc, and of every k_j and v_j it reads."""
+    r = np.arange(rows).reshape(-1, 1)
+    d = np.arange(dmax).reshape(1, -1)
+    return r * group + d % group
+
+
+def rowmax_score_map(dmax: int = 64, bm: int = 64, tm: int = 4) -> np.ndarray:
+    """Rowmax kernel, S = Q K^T: ``[bm, bn]`` thread ids; thread (ty, tx) of the 16 x 16 grid computes
+    the 4 x TN block of rows ``4 ty ..`` and keys ``TN tx ..`` (BN = 64 for D <= 64, else 32)."""
+    bn = 64 if dmax <= 64 else 32
+    tn = bn // 16
+    r = np.arange(bm).reshape(-1, 1)
+    c = np.arange(bn).reshape(1, -1)
+    return (r // tm) * 16 + c // tn
+
+
+def rowmax_out_map(dmax: int = 64, bm: int = 64, tm: int = 4) -> np.ndarray:
+    """Rowmax kernel, O += P V: ``[bm, dmax]`` thread ids; thread (ty, tx) owns rows ``4 ty ..`` and dims
+    ``64 kk + 4 tx + e`` (e < 4), so each 16-byte load of V feeds 16 FMAs."""
+    r = np.arange(bm).reshape(-1, 1)
+    d = np.arange(dmax).reshape(1, -1)
+    return (r // tm) * 16 + (d % 64) // 4
+
+
+def reads_per_query(family: str, N: int, D: int) -> dict[str, float]:
+    """Shared-to-global traffic model: how many times each K and V element is read from global memory per
+    query row (naive: 3 passes over K and one over V per row; tiled: once per 16-row tile; rowmax: once per
+    64-row tile)."""
+    per_tile = {"naive": 1, "tiled": 16, "rowmax": 64}[family]
+    k_passes = 3 if family == "naive" else 1
+    return {"K reads per row": k_passes / per_tile, "V reads per row": 1 / per_tile,
+            "K+V bytes per row (fp16)": (k_passes + 1) * N * D * 2 / per_tile}
