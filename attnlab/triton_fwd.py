@@ -279,17 +279,19 @@ def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
 
     Sized for Hopper/Ampere shared memory (Q tile plus ``num_stages`` K and V tiles).
     """
-    if dtype == torch.float32:  # IEEE products run on the FMA units: smaller tiles, fewer registers
+    if dtype == torch.float32:
+        # IEEE products run on the FMA units, and Triton's FMA dot keeps each thread's rows and columns
+        # of both operands in registers for the whole reduction: small per-thread tiles, or it spills.
         if block_d <= 64:
-            return [Config(64, 32, 4, 2), Config(64, 64, 4, 2), Config(128, 32, 8, 2), Config(32, 32, 4, 2)]
+            return [Config(64, 32, 8, 2), Config(32, 32, 4, 2), Config(32, 64, 8, 2)]
         if block_d <= 128:
-            return [Config(64, 32, 4, 2), Config(32, 32, 4, 2), Config(64, 64, 8, 2)]
-        return [Config(32, 32, 4, 2), Config(64, 32, 8, 1), Config(32, 16, 4, 2)]
+            return [Config(32, 64, 8, 2), Config(32, 32, 8, 2)]
+        return [Config(16, 64, 8, 2)]
     if block_d <= 64:
         return [Config(128, 64, 4, 3), Config(128, 128, 8, 3), Config(128, 64, 8, 4), Config(64, 64, 4, 3)]
     if block_d <= 128:
         return [Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3), Config(128, 32, 4, 3)]
-    return [Config(64, 64, 4, 2), Config(64, 32, 4, 2), Config(128, 64, 8, 2)]
+    return [Config(64, 32, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2)]
 
 
 def _pow2_bucket(n: int) -> int:

@@ -1,0 +1,274 @@
+"""Tests of the ``triton`` backend (attnlab/triton_fwd.py).
+
+CPU tests run the kernel through Triton's interpreter (attnlab arranges that; nothing is set here) on
+fresh random inputs, judged by the checker against the float64 reference: every case of the default
+matrix plus cases that single out what the issue asks for (D 16/40/64/100/128, both alignments with
+Nq < Nk and Nq > Nk, kv_len 0, windows, broadcast masks, MQA, views, tile-aligned sizes, N = 1).
+GPU tests (marker ``gpu``) run the same matrix at larger sizes, sequences up to 16384, every autotune
+candidate, and the TF32 opt-in at its own tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import triton_fwd
+from attnlab.cases import Case, default_cases, make_inputs
+from attnlab.check import _lse_atol, compare, strict_fp32, summarize, verify
+from attnlab.problem import make_problem
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+HALVES = (F16, BF16)
+
+#: Cases beyond the default matrix, named after what they single out.
+EXTRA_CASES = [
+    Case("d64_causal", B=1, Hq=2, Nq=35, D=64, causal=True),
+    Case("d40_window_br_nq>nk", B=2, Hq=2, Nq=37, Nk=21, D=40, window=(6, 3), align="bottom_right"),
+    Case("d100_causal_tl_nq<nk", B=1, Hq=2, Nq=20, Nk=43, D=100, causal=True, align="top_left"),
+    Case("d128_causal_br_nq>nk_kv_len", B=2, Hq=1, Nq=34, Nk=19, D=128, causal=True, align="bottom_right",
+         kv_len=(19, 4)),
+    Case("causal_tl_nq>nk_f32", B=1, Hq=2, Nq=40, Nk=23, D=16, causal=True, align="top_left", dtypes=(F32,)),
+    Case("kv_len_zero_causal_br", B=3, Hq=2, Nq=21, Nk=33, D=16, causal=True, align="bottom_right",
+         kv_len=(0, 33, 5)),
+    Case("q_len_zero_window", B=2, Hq=2, Nq=27, D=16, window=(4, 4), q_len=(0, 19)),
+    Case("window_right_only_br", B=2, Hq=2, Nq=18, Nk=40, D=16, window=(None, 3), align="bottom_right"),
+    Case("window_negative_right", B=1, Hq=2, Nq=33, D=16, window=(9, -2)),
+    Case("bool_1h1k_window", B=2, Hq=3, Nq=26, Nk=34, D=16, mask="bool_1h1k", window=(7, 2), align="top_left"),
+    Case("bias_11qk_kv_len_q_len", B=2, Hq=2, Nq=23, Nk=29, D=16, mask="bias_11qk", kv_len=(29, 9),
+         q_len=(14, 23)),
+    Case("bias_full_gqa_causal", B=1, Hq=4, Hkv=2, Nq=25, D=16, mask="bias_full", causal=True),
+    Case("mqa_bnhd_transposed_window", B=2, Hq=4, Hkv=1, Nq=30, Nk=38, D=16, layout="bnhd", view="transposed",
+         window=(5, 5), align="bottom_right"),
+    Case("strided_d_bnhd_gqa", B=1, Hq=6, Hkv=2, Nq=22, D=40, layout="bnhd", view="strided_d", causal=True),
+    Case("tile_aligned", B=1, Hq=2, Nq=32, Nk=48, D=64, causal=True, align="bottom_right"),
+    Case("decode_nq1", B=3, Hq=4, Hkv=2, Nq=1, Nk=37, D=64, causal=True, align="bottom_right",
+         kv_len=(37, 1, 20)),
+    Case("nk1", B=2, Hq=2, Nq=17, Nk=1, D=16),
+]
+
+
+def _check_all(df) -> None:
+    assert len(df) > 0
+    assert df["passed"].astype(bool).all(), "\n" + summarize(df)
+
+
+# ------------------------------------------------------------------------------------------------------
+# CPU: the interpreter
+# ------------------------------------------------------------------------------------------------------
+def test_registered_and_available():
+    table = attnlab.backends()
+    assert "triton" in table
+    assert table["triton"].available, table["triton"]
+
+
+@pytest.mark.parametrize("case", default_cases(), ids=lambda c: c.name)
+def test_default_matrix_cpu(case):
+    _check_all(verify(backends=["triton"], cases=[case], device="cpu"))
+
+
+@pytest.mark.parametrize("case", EXTRA_CASES, ids=lambda c: c.name)
+def test_extra_cases_cpu(case):
+    _check_all(verify(backends=["triton"], cases=[case], device="cpu"))
+
+
+@pytest.mark.parametrize("D", [16, 40, 64, 100, 128])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
+def test_head_dims_cpu(D, dtype):
+    case = Case(f"gqa_causal_br_d{D}", B=1, Hq=4, Hkv=2, Nq=19, Nk=36, D=D, causal=True, align="bottom_right",
+                kv_len=(30,), dtypes=(dtype,))
+    _check_all(verify(backends=["triton"], cases=[case], device="cpu"))
+
+
+def _empty_row_inputs(device):
+    """Rows with no allowed key of every kind: kv_len 0, q_len padding, an all-False mask row,
+    bottom-right rows above the first key."""
+    g = torch.Generator().manual_seed(0)
+    B, H, Nq, Nk, D = 3, 2, 20, 12, 16
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(device) for n in (Nq, Nk, Nk))
+    mask = torch.rand(B, 1, Nq, Nk, generator=g) < 0.8
+    mask[:, :, 3] = False
+    kw = dict(causal=True, align="bottom_right", kv_len=[0, 12, 7], q_len=[20, 15, 20], mask=mask.to(device))
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
+def test_empty_rows_zero_and_minus_inf(dtype):
+    q, k, v, kw = _empty_row_inputs("cpu")
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out, lse = attnlab.attention(q, k, v, backend="triton", return_lse=True, **kw)
+    ref, ref_lse = attnlab.reference(q, k, v, **kw)
+    empty = torch.isinf(ref_lse)
+    assert empty[0].all() and empty[1, :, 15:].all() and empty[:, :, 3].all() and empty[2, :, :13].all()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert (out[empty] == 0).all()
+    assert (lse[empty] == float("-inf")).all()
+    assert compare(out, ref, dtype=dtype)  # the rest is right too
+
+
+def test_keys_past_kv_len_never_reach_the_arithmetic():
+    """NaN in K and V past each batch's kv_len (padding of a KV cache) must not change one bit."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(3, 2, 23, 16, generator=g), torch.randn(3, 2, 41, 16, generator=g), torch.randn(
+        3, 2, 41, 16, generator=g)
+    kv_len = [41, 17, 3]
+    kw = dict(kv_len=kv_len, causal=True, align="bottom_right")
+    clean = attnlab.attention(q, k, v, backend="triton", **kw)
+    kp, vp = k.clone(), v.clone()
+    for b, n in enumerate(kv_len):
+        kp[b, :, n:] = float("nan")
+        vp[b, :, n:] = float("nan")
+    poisoned = attnlab.attention(q, kp, vp, backend="triton", **kw)
+    assert torch.equal(clean, poisoned)
+
+
+def test_strided_output_written_through_its_strides():
+    """forward() writes a non-contiguous out view in place and leaves the gaps alone."""
+    q, k, v, kw = _empty_row_inputs("cpu")
+    prob = make_problem(q, k, v, **kw)
+    big = torch.full((prob.B, prob.Nq, prob.Hq, 2 * prob.D), 7.0)
+    out = big[..., ::2].transpose(1, 2)  # [B, Hq, Nq, D], strides (.., .., .., 2)
+    lse_big = torch.full((prob.B, prob.Hq, prob.Nq, 3), 7.0)
+    lse = lse_big[..., 1]
+    triton_fwd.TritonBackend().forward(prob, out, lse)
+    ref, ref_lse = attnlab.reference(q, k, v, **kw)
+    assert compare(out, ref)
+    assert compare(lse, ref_lse, atol=1e-4, rtol=0.0)
+    assert (big[..., 1::2] == 7.0).all() and (lse_big[..., 0] == 7.0).all() and (lse_big[..., 2] == 7.0).all()
+
+
+def test_no_hidden_contiguous_copies(monkeypatch):
+    """Transposed, strided-D views and broadcast masks go to the kernel as they are."""
+    case = Case("views", B=2, Hq=4, Hkv=2, Nq=21, Nk=27, D=40, layout="bnhd", view="strided_d",
+                mask="bool_1h1k", kv_len=(27, 10))
+    q, k, v, kw = make_inputs(case, dtype=F32, device="cpu", seed=3)
+    ref, _ = attnlab.reference(q, k, v, **kw)
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a hidden .contiguous() copy")
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", refuse)
+    out = attnlab.attention(q, k, v, backend="triton", **kw)
+    monkeypatch.undo()
+    assert compare(out, ref)
+
+
+def test_tf32_opt_in_is_scoped_and_cpu_stays_exact():
+    q, k, v, kw = _empty_row_inputs("cpu")
+    ref, _ = attnlab.reference(q, k, v, **kw)
+    assert not triton_fwd._TF32
+    with triton_fwd.allow_tf32():
+        assert triton_fwd._TF32
+        out = attnlab.attention(q, k, v, backend="triton", **kw)
+    assert not triton_fwd._TF32
+    assert compare(out, ref)  # the interpreter's float32 products are exact either way
+
+
+def test_unsupported_reasons():
+    be = triton_fwd.TritonBackend()
+    q = torch.zeros(1, 1, 4, 8)
+    assert be.unsupported(make_problem(q, q, q)) is None
+    assert "65535" in be.unsupported(make_problem(torch.zeros(65536, 1, 2, 8), torch.zeros(65536, 1, 2, 8),
+                                                  torch.zeros(65536, 1, 2, 8)))
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def untuned(monkeypatch):
+    """The matrix runs each problem with the default config (autotuning every case would compile
+    every candidate for every specialization); test_every_candidate_gpu covers the other configs."""
+    monkeypatch.setattr(triton_fwd, "AUTOTUNE", False)
+
+
+LONG_CASES = [
+    Case("long_causal_16k", B=1, Hq=2, Nq=16384, D=64, causal=True, dtypes=(BF16,)),
+    Case("long_kv_len_causal_br_16k", B=2, Hq=2, Hkv=1, Nq=1000, Nk=16384, D=128, causal=True,
+         align="bottom_right", kv_len=(16384, 9001), dtypes=(F16,)),
+    Case("long_window_8k_f32", B=1, Hq=2, Nq=8192, D=64, window=(300, 40), dtypes=(F32,)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    default_cases(8) + [c.scaled(4) for c in EXTRA_CASES] + [c for c in EXTRA_CASES if c.name in ("decode_nq1", "nk1")],
+    ids=lambda c: f"{c.name}_N{c.Nq}",
+)
+def test_matrix_gpu(case, untuned):
+    _check_all(verify(backends=["triton"], cases=[case], device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", LONG_CASES, ids=lambda c: c.name)
+def test_long_sequences_gpu(case, untuned):
+    _check_all(verify(backends=["triton"], cases=[case], device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
+def test_every_candidate_gpu(dtype, D, causal):
+    """Each autotune candidate computes the same function (partial and full tiles). The shapes specialize
+    like the benchmark's (sizes divisible by 16, no GQA), so its tuning reuses these compilations."""
+    case = Case("cand", B=2, Hq=4, Nq=1024, D=D, causal=causal)
+    q, k, v, kw = make_inputs(case, dtype=dtype, device="cuda", seed=5)
+    with strict_fp32():
+        ref, ref_lse = attnlab.reference(q, k, v, **kw)
+        base = None if dtype == F32 else attnlab.attention(q, k, v, backend="torch", **kw)
+    prob = make_problem(q, k, v, **kw)
+    for cfg in triton_fwd.candidates(dtype, D):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(ref_lse.shape, float("nan"), device="cuda")
+        triton_fwd._launch(prob, out, lse, cfg, interpret=False)
+        rep = compare(out, ref, dtype=dtype, base=base)
+        assert rep, (cfg, rep)
+        assert compare(lse, ref_lse, atol=_lse_atol(dtype), rtol=0.0), cfg
+
+
+@pytest.mark.gpu
+def test_autotuned_path_gpu(monkeypatch):
+    monkeypatch.setattr(triton_fwd, "AUTOTUNE", True)
+    case = Case("tuned", B=2, Hq=4, Nq=1024, D=64, causal=True, dtypes=(BF16,))
+    _check_all(verify(backends=["triton"], cases=[case], device="cuda"))
+    assert any(key[3] == "causal" for key in triton_fwd._tuned)
+
+
+@pytest.mark.gpu
+def test_tf32_opt_in_gpu(untuned):
+    """TF32 is judged at float16's tolerances (same unit roundoff, 2^-11), and is really in effect."""
+    case = Case("tf32", B=2, Hq=4, Nq=517, D=64, causal=True, dtypes=(F32,))
+    q, k, v, kw = make_inputs(case, dtype=F32, device="cuda", seed=7)
+    with strict_fp32():
+        ref, _ = attnlab.reference(q, k, v, **kw)
+        ieee = attnlab.attention(q, k, v, backend="triton", **kw)
+        with triton_fwd.allow_tf32():
+            tf32 = attnlab.attention(q, k, v, backend="triton", **kw)
+    assert compare(ieee, ref)
+    rep = compare(tf32, ref, dtype=F16)
+    assert rep, rep
+    assert rep.max_abs > compare(ieee, ref).max_abs  # TF32's rounding shows
+
+
+@pytest.mark.gpu
+def test_interpreter_and_compiled_in_one_process(untuned):
+    case = Case("both", B=1, Hq=2, Nq=40, Nk=50, D=32, causal=True, align="bottom_right", kv_len=(45,))
+    for device in ("cpu", "cuda", "cpu", "cuda"):
+        _check_all(verify(backends=["triton"], cases=[case], device=device, dtypes=[F16]))
+
+
+@pytest.mark.gpu
+def test_no_extra_memory_gpu():
+    q, k, v = (torch.randn(2, 8, 2048, 128, device="cuda", dtype=BF16) for _ in range(3))
+    attnlab.attention(q, k, v, backend="triton", causal=True, return_lse=True)  # compile / tune first
+    prob = make_problem(q, k, v, causal=True)
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 2048, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    triton_fwd.TritonBackend().forward(prob, out, lse)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 2**20
