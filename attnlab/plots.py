@@ -319,7 +319,7 @@ def exp_error(df: pd.DataFrame) -> Figure:
     fig, axes = _fig(size=(6.0, 3.6))
     ax = axes[0, 0]
     ax.plot(-df["x"], df["expf_ulp"], marker="o", label="expf")
-    ax.plot(-df["x"], df["fast_exp_ulp"], marker="s", label="__expf (emulated)")
+    ax.plot(-df["x"], df["fast_exp_ulp"], marker="s", label="fast exp, __expf (emulated)")
     ax.plot(-df["x"], 2 + 1.173 * (-df["x"]), linestyle="--", color="grey", label="bound 2 + 1.173|x| ulp")
     ax.set_xscale("log")
     ax.set_yscale("log")
