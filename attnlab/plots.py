@@ -109,6 +109,8 @@ def mask_heatmap(mask, *, title: str | None = None, ax=None, b: int = 0, h: int 
         im = ax.imshow(shown, cmap=cmap, interpolation="nearest", aspect="auto")
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="bias (grey: -inf)")
     nq, nk = a.shape
+    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
     ax.set_xlabel(f"key j (0..{nk - 1})")
     ax.set_ylabel(f"query i (0..{nq - 1})")
     ax.grid(False)
