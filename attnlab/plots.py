@@ -495,8 +495,10 @@ def ratio_bars(df: pd.DataFrame | None, baselines: Sequence[str] = ("sdpa-flash"
     return fig
 
 
-def memory_measured(df: pd.DataFrame | None, *, title: str = "") -> Figure | None:
-    """Measured peak extra memory against N per backend, with the textbook and fused models dashed."""
+def memory_measured(df: pd.DataFrame | None, *, live_scores: Sequence[int] = (2, 3),
+                    title: str = "") -> Figure | None:
+    """Measured peak extra memory against N per backend, with the models dashed: the textbook version
+    holding each of ``live_scores`` score-sized tensors (plus the output), and a fused kernel."""
     if not _has_data(df, "memory"):
         return None
     d = df[pd.to_numeric(df["peak_extra_mib"], errors="coerce").notna()].copy()
@@ -512,9 +514,10 @@ def memory_measured(df: pd.DataFrame | None, *, title: str = "") -> Figure | Non
     r = d.iloc[0]
     B, H, D, dt = int(r["B"]), int(r["Hq"]), int(r["D"]), str(r["dtype"])
     Ns = sorted(int(n) for n in d["N"].unique())
-    tb = [memory.textbook_peak_extra(B, H, n, n, D, dt) for n in Ns]
+    for k, style in zip(live_scores, ("--", "-.", (0, (5, 1)))):
+        tb = [memory.textbook_peak_extra(B, H, n, n, D, dt, live_scores=k) for n in Ns]
+        ax.plot(Ns, tb, linestyle=style, color="black", label=f"model: textbook ({k} scores + out)")
     fu = [memory.fused_peak_extra(B, H, n, n, D, dt) for n in Ns]
-    ax.plot(Ns, tb, linestyle="--", color="black", label="model: textbook (2 scores + out)")
     ax.plot(Ns, fu, linestyle=":", color="black", label="model: fused (out + lse)")
     _binary_axis(ax)
     _n_axis(ax, Ns)
