@@ -21,6 +21,11 @@ The pieces, in the order a call goes through them:
 
 ``fast_exp``: :func:`set_fast_exp` (or the :func:`fast_exp` context manager) switches every CUDA backend
 between ``expf`` (default, IEEE) and ``__expf`` (hardware ex2.approx, a few ulp less accurate).
+
+rowmax's two launch-time choices (see ``kernels/attn_rowmax.cu``): :func:`can_async_copy` decides whether
+its K/V tiles travel by 16-byte ``cp.async`` copies or element by element, and :func:`rowmax_split_plan`
+whether a small grid splits each query tile's keys over several blocks (then ``attn_rowmax_merge`` combines
+their states). :func:`rowmax_async_copy` and :func:`rowmax_splits` force either choice (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ CUDA_MAX_THREADS = 1024
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
 
 _fast_exp = False
+_rowmax_async = True  #: let rowmax use cp.async where the inputs allow it
+_rowmax_force_splits: int | None = None  #: None: rowmax_split_plan decides
 _debug_sync = os.environ.get("ATTNLAB_CUDA_SYNC", "") not in ("", "0")
 
 
@@ -90,6 +97,32 @@ def fast_exp(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         set_fast_exp(old)
+
+
+@contextlib.contextmanager
+def rowmax_async_copy(enabled: bool) -> Iterator[None]:
+    """``with rowmax_async_copy(False): ...`` makes rowmax load its K/V tiles element by element even where
+    cp.async would apply (to test or time that path), then restores."""
+    global _rowmax_async
+    old, _rowmax_async = _rowmax_async, bool(enabled)
+    try:
+        yield
+    finally:
+        _rowmax_async = old
+
+
+@contextlib.contextmanager
+def rowmax_splits(splits: int | None) -> Iterator[None]:
+    """``with rowmax_splits(3): ...`` splits every rowmax query tile's keys over (at most) 3 blocks;
+    ``None`` restores the automatic plan of :func:`rowmax_split_plan`."""
+    global _rowmax_force_splits
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be >= 1 or None; got {splits}")
+    old, _rowmax_force_splits = _rowmax_force_splits, splits
+    try:
+        yield
+    finally:
+        _rowmax_force_splits = old
 
 
 def set_debug_sync(enabled: bool) -> bool:
@@ -140,8 +173,15 @@ class Variant:
             return 0  # static only: 4 + 4*256 floats
         if self.family == "tiled":
             return 4 * (16 + 32 + 32) * d
-        bm, bn = 64, (64 if d <= 64 else 32)
-        return 4 * (d * (bm + 4) + d * (bn + 4) + bn * d + bn * (bm + 4))
+        bm, bn = 64, rowmax_bn(d)
+        stages = 2 if d <= 128 else 1
+        ld = d + 4
+        return 4 * (bm * ld + 2 * stages * bn * ld + bn * (bm + 4))  # q_s, k_s and v_s stages, p_t
+
+
+def rowmax_bn(dmax: int) -> int:
+    """Keys per K/V tile of the rowmax kernel (RowmaxTiles::BN)."""
+    return 64 if dmax <= 64 else 32
 
 
 def variants(family: str | None = None) -> list[Variant]:
@@ -190,16 +230,18 @@ class DeviceLimits:
     max_shared_optin: int = SMEM_OPTIN["sm_90"]
     max_grid: tuple[int, int, int] = GRID_LIMITS
     kernel_max_threads: int | None = None  #: the compiled kernel's own limit (launch bounds, registers)
+    sm_count: int = 132  #: multiprocessors (rowmax's split plan fills them)
 
 
-def launch_config(variant: Variant, prob_B: int, prob_Hq: int, prob_Nq: int) -> LaunchConfig:
-    """Grid, block and dynamic shared memory of ``variant`` for a [B, Hq, Nq, .] query."""
+def launch_config(variant: Variant, prob_B: int, prob_Hq: int, prob_Nq: int, splits: int = 1) -> LaunchConfig:
+    """Grid, block and dynamic shared memory of ``variant`` for a [B, Hq, Nq, .] query (``splits``: rowmax's
+    key splits, grid z)."""
     rows = ROWS_PER_BLOCK[variant.family]
     tiles = -(-prob_Nq // rows)
     if variant.family == "naive":
         grid = (prob_Nq, prob_B * prob_Hq, 1)
     else:
-        grid = (prob_B * prob_Hq, tiles, 1)
+        grid = (prob_B * prob_Hq, tiles, splits if variant.family == "rowmax" else 1)
     return LaunchConfig(grid=grid, block=(variant.threads, 1, 1), shared_bytes=variant.shared_bytes())
 
 
@@ -228,6 +270,41 @@ def validate_launch(cfg: LaunchConfig, limits: DeviceLimits, what: str = "kernel
             )
 
 
+def rowmax_split_plan(B: int, Hq: int, Nq: int, Nk: int, dmax: int, sm_count: int,
+                      force: int | None = None) -> tuple[int, int]:
+    """(splits, split_tiles) for the rowmax kernel: each query tile's key range is cut into pieces of
+    ``split_tiles`` key tiles, one block each (grid z = splits).
+
+    Grids of at least two blocks per multiprocessor are not split (splits = 1). Smaller grids get enough
+    splits for about four blocks per multiprocessor, but every split keeps at least four key tiles (the
+    merge and the partial states cost about what one tile does) and there are at most 16. ``force`` asks
+    for that many splits (capped by the key tiles).
+    """
+    key_tiles = max(1, -(-Nk // rowmax_bn(dmax)))
+    blocks = B * Hq * -(-Nq // ROWS_PER_BLOCK["rowmax"])
+    if force is not None:
+        splits = max(1, min(int(force), key_tiles))
+    elif blocks >= 2 * sm_count:
+        splits = 1
+    else:
+        splits = max(1, min(-(-4 * sm_count // blocks), key_tiles // 4, 16))
+    split_tiles = -(-key_tiles // splits)
+    return -(-key_tiles // split_tiles), split_tiles  # no trailing split without tiles
+
+
+def can_async_copy(prob: Problem) -> bool:
+    """Whether rowmax may copy K/V rows with 16-byte cp.async: float32, D a multiple of 4, unit stride on
+    D, and every K/V row start 16-byte aligned (pointers and the b/h/n strides multiples of 4 elements)."""
+    if prob.dtype != torch.float32 or prob.D % 4 != 0:
+        return False
+    for t in (prob.k, prob.v):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
+            return False
+        if any(s % 4 != 0 for s in t.stride()[:3]):
+            return False
+    return True
+
+
 # ---- sources -----------------------------------------------------------------------------------------
 
 
@@ -254,7 +331,7 @@ NVRTC_OPTIONS = ("-std=c++17",)
 
 # ---- compiling and launching through CuPy ------------------------------------------------------------
 
-_kernel_cache: dict[tuple[Variant, int], object] = {}
+_kernel_cache: dict[tuple, object] = {}
 _cache_lock = threading.Lock()
 
 
@@ -268,6 +345,7 @@ def _cupy():
 _ATTR_MAX_THREADS_PER_BLOCK = 1
 _ATTR_MAX_GRID_DIM = (5, 6, 7)
 _ATTR_MAX_SHARED_PER_BLOCK_OPTIN = 97
+_ATTR_MULTIPROCESSOR_COUNT = 16
 
 
 def device_limits(device_index: int, kernel=None) -> DeviceLimits:
@@ -280,6 +358,7 @@ def device_limits(device_index: int, kernel=None) -> DeviceLimits:
         max_shared_optin=attr(_ATTR_MAX_SHARED_PER_BLOCK_OPTIN),
         max_grid=tuple(attr(a) for a in _ATTR_MAX_GRID_DIM),
         kernel_max_threads=kmax,
+        sm_count=attr(_ATTR_MULTIPROCESSOR_COUNT),
     )
 
 
@@ -305,6 +384,31 @@ def get_kernel(variant: Variant, device_index: int):
                     validate_launch(LaunchConfig((1, 1, 1), (variant.threads, 1, 1), need), limits, variant.label)
                     kern.max_dynamic_shared_size_bytes = need  # cudaFuncAttributeMaxDynamicSharedMemorySize
             _kernel_cache[key] = kern
+    return kern
+
+
+#: The merge kernel of rowmax's split keys (one per dtype; 4 rows = 4 warps per block).
+MERGE_THREADS = 128
+
+
+def merge_name_expression(dtype_code: int) -> str:
+    return f"attn_rowmax_merge<{dtype_code}>"
+
+
+def get_merge_kernel(dtype_code: int, device_index: int):
+    """The compiled ``attn_rowmax_merge<dtype>`` on a device, compiled once and cached."""
+    key = ("merge", dtype_code, device_index)
+    kern = _kernel_cache.get(key)
+    if kern is None:
+        with _cache_lock:
+            kern = _kernel_cache.get(key)
+            if kern is None:
+                cp = _cupy()
+                name = merge_name_expression(dtype_code)
+                with cp.cuda.Device(device_index):
+                    mod = cp.RawModule(code=kernel_source("rowmax"), options=NVRTC_OPTIONS, name_expressions=[name])
+                    kern = mod.get_function(name)
+                _kernel_cache[key] = kern
     return kern
 
 
@@ -397,11 +501,32 @@ def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | N
     variant = choose_variant(family, prob.dtype, prob.D, fast)
     dev = prob.device.index if prob.device.index is not None else torch.cuda.current_device()
     kern = get_kernel(variant, dev)
-    cfg = launch_config(variant, prob.B, prob.Hq, prob.Nq)
-    validate_launch(cfg, _limits(variant, dev, kern), variant.label)
+    limits = _limits(variant, dev, kern)
     q_len, kv_len = _lengths_arg(prob.spec.q_len), _lengths_arg(prob.spec.kv_len)
     args = kernel_args(prob, out, lse, q_len, kv_len)
-    keep_alive = (prob, out, lse, q_len, kv_len)  # the pointers in args point into these
+    keep_alive: tuple = (prob, out, lse, q_len, kv_len)  # the pointers in args point into these
+    splits, merge, async_copy = 1, None, False
+    if family == "rowmax":
+        async_copy = _rowmax_async and can_async_copy(prob)
+        splits, split_tiles = rowmax_split_plan(prob.B, prob.Hq, prob.Nq, prob.Nk, variant.dmax, limits.sm_count,
+                                                _rowmax_force_splits)
+        part_acc = part_ml = None
+        if splits > 1:
+            # Workspace of the split states: acc [splits][B*Hq*Nq][D], (m, l) [splits][B*Hq*Nq][2].
+            rows = prob.B * prob.Hq * prob.Nq
+            part_acc = torch.empty(splits * rows * prob.D, dtype=torch.float32, device=prob.device)
+            part_ml = torch.empty(splits * rows * 2, dtype=torch.float32, device=prob.device)
+            merge_args = (
+                _ptr(part_acc), _ptr(part_ml), _ptr(out), _ptr(lse), np.int32(splits), np.int32(prob.Hq),
+                np.int32(prob.Nq), np.int32(prob.D), np.int64(rows), *_strides(out, 4), *_strides(lse, 3),
+            )
+            merge_grid = (-(-rows // (MERGE_THREADS // 32)), 1, 1)
+            merge = (get_merge_kernel(variant.dtype, dev), merge_grid, merge_args)
+        args = (*args, np.int32(async_copy), np.int32(split_tiles if splits > 1 else NO_BOUND),
+                _ptr(part_acc), _ptr(part_ml))
+        keep_alive = (*keep_alive, part_acc, part_ml)
+    cfg = launch_config(variant, prob.B, prob.Hq, prob.Nq, splits)
+    validate_launch(cfg, limits, variant.label)
 
     def launch() -> None:
         torch_stream = torch.cuda.current_stream(prob.device)
@@ -410,6 +535,8 @@ def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | N
             try:
                 with stream:
                     kern(cfg.grid, cfg.block, args, shared_mem=cfg.shared_bytes)
+                    if merge is not None:
+                        merge[0](merge[1], (MERGE_THREADS, 1, 1), merge[2])
             except Exception as e:
                 raise RuntimeError(
                     f"launch of {variant.label} failed (grid {cfg.grid}, block {cfg.block}, "
@@ -420,6 +547,8 @@ def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | N
 
     launch.variant = variant  # type: ignore[attr-defined]
     launch.config = cfg  # type: ignore[attr-defined]
+    launch.splits = splits  # type: ignore[attr-defined]
+    launch.async_copy = async_copy  # type: ignore[attr-defined]
     launch.keep_alive = keep_alive  # type: ignore[attr-defined]
     return launch
 
@@ -597,8 +726,9 @@ class Nvrtc:
 def compile_family(nvrtc: Nvrtc, family: str, arch: str, vs: Sequence[Variant]) -> tuple[list[Resources], str]:
     """Compile all of ``vs`` (one family) for ``arch`` in one NVRTC program; (resources, error log or '')."""
     opts = [*NVRTC_OPTIONS, f"--gpu-architecture={arch}", "-Xptxas", "-v"]
+    extra = [merge_name_expression(dt) for dt in (0, 1, 2)] if family == "rowmax" else []
     ok, log, lowered = nvrtc.compile(kernel_source(family), f"attn_{family}.cu", opts,
-                                     [v.name_expression for v in vs])
+                                     [v.name_expression for v in vs] + extra)
     if not ok:
         return [], log
     info = parse_ptxas_log(log)

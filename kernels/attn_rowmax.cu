@@ -2,22 +2,24 @@
 // each tile's scores are reduced to a row max first, so every score costs exactly one exp, and the
 // products QK^T and PV are computed as small register tiles (outer products) instead of dot products.
 //
-// Tiling: one block per (batch*head bh, tile of BM = 64 query rows): grid (B*Hq, ceil(Nq / 64)),
-// 256 threads seen as a 16 x 16 grid (ty = tid / 16, tx = tid % 16). K and V stream through shared
-// memory in tiles of BN keys (64 for D <= 64, else 32, to keep shared memory under ~100 KB per block so
-// that two or three blocks share a multiprocessor). Query tiles are visited heaviest first (the last tile
-// of a causal problem has the most keys), which evens out the tail of the grid.
+// Tiling: one block per (batch*head bh, tile of BM = 64 query rows, key split z): grid
+// (B*Hq, ceil(Nq / 64), splits), 256 threads seen as a 16 x 16 grid (ty = tid / 16, tx = tid % 16).
+// K and V stream through shared memory in tiles of BN keys (64 for D <= 64, else 32). Query tiles are
+// visited heaviest first (the last tile of a causal problem has the most keys), which evens out the tail.
 //
-// Shared memory (float32; "+4" pads each row by 16 bytes so that 16-byte reads stay aligned):
-//   q_t [DMAX][BM+4]  the Q tile, transposed and pre-scaled: q_t[d][r] = scale * q[i0 + r][d]
-//   k_t [DMAX][BN+4]  the K tile, transposed: k_t[d][c] = k[j0 + c][d]
-//   v_s [BN][DMAX]    the V tile as is
-//   p_t [BN][BM+4]    the probabilities of the tile, transposed: p_t[c][r] = p[r][c]
+// Shared memory (float32; every row is padded by 4 floats = 16 bytes, LD = DMAX + 4, so that 16-byte
+// reads of 8 consecutive rows hit 8 different groups of 4 banks):
+//   q_s [BM][LD]             the Q tile, pre-scaled: q_s[r][d] = scale * q[i0 + r][d]
+//   k_s [STAGES][BN][LD]     K tiles as they are in memory (row = key)
+//   v_s [STAGES][BN][LD]     V tiles likewise
+//   p_t [BN][BM+4]           the probabilities of the tile, transposed: p_t[c][r] = p[r][c]
+// STAGES = 2 (double buffering) for D <= 128; 1 for D = 256, where two stages would not fit sm_80.
 //
 // Thread mapping, register micro-tiles:
-//   S = Q K^T: thread (ty, tx) computes the 4 x TN block s[r][c] for rows ty*4 + r and keys tx*TN + c
-//     (TN = BN / 16). For each d it reads 4 q's (one 16-byte load) and TN k's and does 4*TN FMAs: an outer
-//     product, so each shared-memory value read feeds several FMAs.
+//   S = Q K^T: thread (ty, tx) computes the 4 x TN block s[r][c] for rows ty*4 + r and keys c*16 + tx
+//     (TN = BN / 16; keys strided by 16 so that the 16 threads of a row read 16 consecutive K rows, which
+//     the padding spreads over all banks). Per 4 head dims it reads 4 q float4s (the two rows of a warp
+//     are broadcasts) and TN k float4s, and does 16*TN FMAs.
 //   softmax: the 16 threads of a row (same ty) hold its BN scores. Per row: tile max over the thread's
 //     TN scores, then 4 xor shuffles over the 16 threads; m_new = max(m_i, tile max);
 //     alpha = exp(m_i - m_new) rescales l_i and acc once per tile; p = exp(s - m_new), one exp per score.
@@ -26,26 +28,66 @@
 //     d = 64*kk + tx*4 + e' (DPT = DMAX / 16). For each key c it reads 4 p's (16 bytes) and DPT v's
 //     (16-byte loads) and does 4*DPT FMAs.
 //
+// K/V tile loads, two paths chosen by the host (argument async_copy):
+//   cp.async (float32 inputs with stride_d = 1, D % 4 == 0, 16-byte aligned rows): every thread issues
+//     16-byte cp.async.cg copies global -> shared (no registers, no conversion; rows past the tile's keys
+//     and dims past D are zero-filled by a source size of 0). Tile t+1 is issued before tile t is
+//     computed, so its latency hides behind the arithmetic.
+//   element loads (any dtype, any strides): load_elem, convert to float32, store; same layout, same
+//     pipeline order (still issued one tile ahead, but the loads block the issuing thread).
+//
+// Split keys (small grids): when B*Hq*ceil(Nq/64) blocks cannot fill the GPU, the host launches `splits`
+// blocks per query tile; split z handles key tiles [z*split_tiles, (z+1)*split_tiles) of the block's key
+// range and writes its unnormalized state (m_i, l_i, acc) to a float32 workspace instead of the output.
+// attn_rowmax_merge then combines the states of each row (the merge rule of online softmax, notebook 04):
+//   m = max_z m_z;  l = sum_z l_z exp(m_z - m);  out = sum_z acc_z exp(m_z - m) / l;  lse = m + log l.
+//
+// Performance steps (fp32 IEEE, H200; prediction made before measuring, measured figures in the
+// commit message and notebook 05). The previous version of this kernel (transposed K tile written by
+// scalar stores, no prefetch, no split) ran B1 H8 N1024 D64 causal in 0.112 ms (128 blocks on 132 SMs,
+// one block per SM, the heaviest block streaming all 16 key tiles) and B8 H16 N2048 D64 causal at
+// 23.6 TFLOP/s (about 11k cycles per 64 x 64 tile per SM against ~4k of FMA issue: the rest is stalls).
+//   1. cp.async 16-byte copies, one tile ahead (taken). Predicted 1.2-1.35x on the large case: removes
+//      the exposed global latency at every tile (the block waited for its loads between two barriers) and
+//      ~100 scalar load/convert/address instructions per thread and tile; K row-major also removes the
+//      4-way bank conflicts of the transposed scalar stores.
+//   2. split keys for small grids (taken). Predicted ~2x on the seed case: 4 splits turn the heaviest
+//      block's 16 tiles into 4, 512 blocks on 132 SMs (2 resident per SM), plus a merge of ~5 us.
+//   3. a larger register micro-tile (8 x 4) (not taken). Predicted <= 5%: shared-memory reads are 1 per
+//      8 FMAs already (2 of 18 issue slots in the inner loops), and the extra 32 registers would break
+//      the 128-register cap that keeps two blocks (16 warps) per SM.
+//
 // Registers: __launch_bounds__(256, 2) for D <= 128 caps a thread at 128 registers so that two blocks
-// (16 warps) share a multiprocessor; D = 256 needs ~145 KB of shared memory, one block per SM, so it is
-// given the registers instead (no spills either way: python -m attnlab compile-check).
+// (16 warps) share a multiprocessor; D = 256 runs one block per SM and is given the registers instead
+// (no spills either way: python -m attnlab compile-check).
 //
 // Masking: as in the tiled kernel. Key tiles run over the block's structural range [lo, hi) only; the
 // per-element predicate is evaluated only in tiles that are not entirely allowed by structure or when an
-// explicit mask/bias is present. A masked score is -inf, so its p is exp(-inf) = 0. A row whose tile holds
-// no allowed key keeps m_i = -inf and is protected by safe_max.
+// explicit mask/bias is present. A masked score is -inf, so its p is exp(-inf) = 0 (keys past the tile's
+// end are zero in shared memory and masked by structure). A row whose tile holds no allowed key keeps
+// m_i = -inf and is protected by safe_max.
 
-template <int TN>
-__device__ __forceinline__ void load_floats(const float* p, float (&x)[TN]) {
-    if constexpr (TN == 4) {
-        const float4 t = *reinterpret_cast<const float4*>(p);
-        x[0] = t.x; x[1] = t.y; x[2] = t.z; x[3] = t.w;
-    } else {
-        static_assert(TN == 2, "TN is 2 or 4");
-        const float2 t = *reinterpret_cast<const float2*>(p);
-        x[0] = t.x; x[1] = t.y;
-    }
+// ---- cp.async (sm_80+): 16-byte global -> shared copies that complete asynchronously -------------------
+
+// Copy 16 bytes from global `src` to shared `dst`; src_bytes = 0 writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async_16(float* dst, const float* src, int src_bytes) {
+    const unsigned int dst_shared = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_shared), "l"(src), "r"(src_bytes)
+                 : "memory");
 }
+
+// Close the group of copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Wait until at most `PENDING` committed groups are still in flight (the newest ones).
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// ---- tile shapes -------------------------------------------------------------------------------------
 
 template <int DMAX>
 struct RowmaxTiles {
@@ -55,10 +97,49 @@ struct RowmaxTiles {
     static constexpr int TN = BN / 16;       // keys per thread
     static constexpr int DPT = DMAX / 16;    // output dims per thread
     static constexpr int NTHREADS = 256;
-    static constexpr int Q_LD = BM + 4;      // row lengths (leading dims) of the shared arrays
-    static constexpr int K_LD = BN + 4;
-    static constexpr int P_LD = BM + 4;
+    static constexpr int STAGES = DMAX <= 128 ? 2 : 1;
+    static constexpr int LD = DMAX + 4;      // row length (leading dim) of q_s, k_s, v_s
+    static constexpr int P_LD = BM + 4;      // row length of p_t
 };
+
+// Load the K and V rows of keys j0 .. j0 + n_keys - 1 into k_s, v_s ([BN][LD]); zero elsewhere.
+template <int DTYPE, int DMAX>
+__device__ __forceinline__ void load_kv_tile(
+    const void* k, const void* v, long long k_base, long long v_base, long long k_sn, long long k_sd,
+    long long v_sn, long long v_sd, int j0, int n_keys, int D, bool async_copy, float* k_s, float* v_s)
+{
+    using T = RowmaxTiles<DMAX>;
+    if (async_copy) {
+        // 16-byte chunks: thread t copies chunk column t % CHUNKS (dims 4*that .. +3) of every
+        // ROWS_PER_PASS-th row from t / CHUNKS on. Consecutive threads copy consecutive 16 bytes of a row.
+        constexpr int CHUNKS = DMAX / 4;
+        constexpr int ROWS_PER_PASS = T::NTHREADS / CHUNKS;
+        const int d = (threadIdx.x % CHUNKS) * 4;
+        const float* kf = static_cast<const float*>(k);
+        const float* vf = static_cast<const float*>(v);
+#pragma unroll
+        for (int c = threadIdx.x / CHUNKS; c < T::BN; c += ROWS_PER_PASS) {
+            const bool in = c < n_keys && d < D;
+            const long long j = j0 + c;
+            // Out of range: copy nothing (zero fill) from a valid address.
+            const float* k_src = in ? kf + k_base + j * k_sn + d : kf;
+            const float* v_src = in ? vf + v_base + j * v_sn + d : vf;
+            cp_async_16(&k_s[c * T::LD + d], k_src, in ? 16 : 0);
+            cp_async_16(&v_s[c * T::LD + d], v_src, in ? 16 : 0);
+        }
+    } else {
+        // One element per thread and row: thread t handles dim t % DMAX of every ROWS_PER_PASS-th row.
+        constexpr int ROWS_PER_PASS = T::NTHREADS / DMAX;
+        const int d = threadIdx.x % DMAX;
+        const bool d_in = d < D;
+        for (int c = threadIdx.x / DMAX; c < T::BN; c += ROWS_PER_PASS) {
+            const bool in = d_in && c < n_keys;
+            const long long j = j0 + c;
+            k_s[c * T::LD + d] = in ? load_elem<DTYPE>(k, k_base + j * k_sn + d * k_sd) : 0.0f;
+            v_s[c * T::LD + d] = in ? load_elem<DTYPE>(v, v_base + j * v_sn + d * v_sd) : 0.0f;
+        }
+    }
+}
 
 template <int DTYPE, int DMAX, bool FAST_EXP>
 __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
@@ -73,20 +154,23 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
     long long v_sb, long long v_sh, long long v_sn, long long v_sd,
     long long o_sb, long long o_sh, long long o_sn, long long o_sd,
     long long lse_sb, long long lse_sh, long long lse_sn,
-    long long m_sb, long long m_sh, long long m_sn, long long m_sk)
+    long long m_sb, long long m_sh, long long m_sn, long long m_sk,
+    int async_copy, int split_tiles, float* __restrict__ part_acc, float* __restrict__ part_ml)
 {
     using T = RowmaxTiles<DMAX>;
-    static_assert(T::TM == 4, "the 16-byte loads and stores of q_t and p_t hold 4 rows");
-    constexpr int BM = T::BM, BN = T::BN, TM = T::TM, TN = T::TN, DPT = T::DPT, NTHREADS = T::NTHREADS;
+    static_assert(T::TM == 4, "the 16-byte loads and stores of q_s and p_t hold 4 rows");
+    static_assert(T::NTHREADS % DMAX == 0 && T::NTHREADS % (DMAX / 4) == 0, "whole rows per load pass");
+    constexpr int BM = T::BM, BN = T::BN, TM = T::TM, TN = T::TN, DPT = T::DPT, LD = T::LD;
+    constexpr int STAGES = T::STAGES;
     const Strides4 qs = {q_sb, q_sh, q_sn, q_sd}, ks = {k_sb, k_sh, k_sn, k_sd};
     const Strides4 vs = {v_sb, v_sh, v_sn, v_sd}, os = {o_sb, o_sh, o_sn, o_sd};
     const Strides4 ms = {m_sb, m_sh, m_sn, m_sk};
 
     extern __shared__ __align__(16) float smem[];
-    float* q_t = smem;                       // [DMAX][Q_LD]
-    float* k_t = q_t + DMAX * T::Q_LD;       // [DMAX][K_LD]
-    float* v_s = k_t + DMAX * T::K_LD;       // [BN][DMAX]
-    float* p_t = v_s + BN * DMAX;            // [BN][P_LD]
+    float* q_s = smem;                          // [BM][LD]
+    float* k_s = q_s + BM * LD;                 // [STAGES][BN][LD]
+    float* v_s = k_s + STAGES * BN * LD;        // [STAGES][BN][LD]
+    float* p_t = v_s + STAGES * BN * LD;        // [BN][P_LD]
 
     const int b = blockIdx.x / Hq;
     const int h = blockIdx.x % Hq;
@@ -95,26 +179,40 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
     const int tx = threadIdx.x % 16;
     const int ty = threadIdx.x / 16;
 
+    // This block's keys: its split's share of the query tile's structural range [lo, hi), in whole tiles.
     const RowRule rule = row_rule(q_len, kv_len, b, Nq, Nk, left, right, bottom_right);
     int lo, hi;
     key_range(rule, i0, i0 + BM, &lo, &hi);
+    const int range_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
+    const int t_begin = min(range_tiles, (int)blockIdx.z * split_tiles);
+    const int t_end = min(range_tiles, t_begin + split_tiles);
+    const int n_tiles = t_end - t_begin;
+    const int j_begin = lo + t_begin * BN;
 
-    // Tile loads: thread t always loads head dim ld_d = t % DMAX, of rows (or keys) t / DMAX, then every
-    // ROWS_PER_PASS-th after it. Consecutive threads read consecutive d (coalesced when stride_d is 1), and
-    // the per-element address is one multiply-add on a precomputed base.
-    constexpr int ROWS_PER_PASS = NTHREADS / DMAX;  // 4, 2 or 1
-    static_assert(NTHREADS % DMAX == 0, "each thread keeps one head dim in the tile loads");
-    const int ld_d = threadIdx.x % DMAX;
-    const int ld_row = threadIdx.x / DMAX;
-    const bool ld_d_in = ld_d < D;
-    const long long q_base = offset4(qs, b, h, 0, ld_d);
-    const long long k_base = offset4(ks, b, hk, 0, ld_d);
-    const long long v_base = offset4(vs, b, hk, 0, ld_d);
+    const long long k_base = offset4(ks, b, hk, 0, 0);
+    const long long v_base = offset4(vs, b, hk, 0, 0);
 
-    // Load the Q tile transposed and scaled; zero outside [0, Nq) x [0, D).
-    for (int r = ld_row; r < BM; r += ROWS_PER_PASS) {
-        const bool in = ld_d_in && i0 + r < Nq;
-        q_t[ld_d * T::Q_LD + r] = in ? scale * load_elem<DTYPE>(q, q_base + (long long)(i0 + r) * q_sn) : 0.0f;
+    // Start the first K/V tiles on their way before loading Q (the copies run meanwhile).
+    auto issue_tile = [&](int t) {
+        if (t < n_tiles) {
+            const int j0 = j_begin + t * BN;
+            const int stage = t % STAGES;
+            load_kv_tile<DTYPE, DMAX>(k, v, k_base, v_base, k_sn, k_sd, v_sn, v_sd, j0, min(BN, hi - j0), D,
+                                      async_copy != 0, k_s + stage * BN * LD, v_s + stage * BN * LD);
+        }
+        cp_async_commit();  // one group per tile (empty past the end), so the wait count is always the same
+    };
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) issue_tile(t);
+
+    // Load the Q tile scaled; zero outside [0, Nq) x [0, D). Consecutive threads read consecutive d.
+    {
+        const int d = threadIdx.x % DMAX;
+        const long long q_base = offset4(qs, b, h, 0, d);
+        for (int r = threadIdx.x / DMAX; r < BM; r += T::NTHREADS / DMAX) {
+            const bool in = d < D && i0 + r < Nq;
+            q_s[r * LD + d] = in ? scale * load_elem<DTYPE>(q, q_base + (long long)(i0 + r) * q_sn) : 0.0f;
+        }
     }
 
     float m_i[TM], l_i[TM], acc[TM][DPT];
@@ -125,33 +223,41 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
 #pragma unroll
         for (int e = 0; e < DPT; ++e) acc[r][e] = 0.0f;
     }
+    const int d_end = (D + 3) / 4 * 4;  // head dims actually multiplied (q_s and k_s are zero up to DMAX)
+    // This thread's corner of each shared array, so that the inner loops address by constant offsets.
+    const float* q_row = q_s + ty * TM * LD;   // its first query row; the others follow at LD
+    const float* p_col = p_t + ty * TM;        // its 4 rows of p_t (then one key per P_LD)
 
-    for (int j0 = lo; j0 < hi; j0 += BN) {
-        const int n_keys = min(BN, hi - j0);
-        __syncthreads();  // the previous tile's k_t, v_s and p_t are no longer read
-        for (int c = ld_row; c < BN; c += ROWS_PER_PASS) {
-            const bool in = ld_d_in && c < n_keys;
-            const long long j = j0 + c;
-            k_t[ld_d * T::K_LD + c] = in ? load_elem<DTYPE>(k, k_base + j * k_sn) : 0.0f;
-            v_s[c * DMAX + ld_d] = in ? load_elem<DTYPE>(v, v_base + j * v_sn) : 0.0f;
-        }
-        __syncthreads();
+    for (int t = 0; t < n_tiles; ++t) {
+        const int j0 = j_begin + t * BN;
+        const float* k_row = k_s + (t % STAGES) * BN * LD + tx * LD;  // its first key (the others: +16 rows)
+        const float* v_col = v_s + (t % STAGES) * BN * LD + tx * 4;   // its 4 dims of V (per 64)
+        issue_tile(t + STAGES - 1);       // the next tile goes into the other stage (read two barriers ago)
+        cp_async_wait<STAGES - 1>();      // this thread's copies of tile t have landed ...
+        __syncthreads();                  // ... and everyone's (and q_s, on the first tile)
 
-        // S = Q K^T for this thread's 4 x TN micro-tile (only the first D dims: the rest are zero).
+        // S = Q K^T for this thread's 4 x TN micro-tile, 4 head dims per step.
         float s[TM][TN];
 #pragma unroll
         for (int r = 0; r < TM; ++r)
 #pragma unroll
             for (int c = 0; c < TN; ++c) s[r][c] = 0.0f;
-#pragma unroll 4
-        for (int d = 0; d < D; ++d) {
-            float qv[TM], kv[TN];
-            load_floats<TM>(&q_t[d * T::Q_LD + ty * TM], qv);
-            load_floats<TN>(&k_t[d * T::K_LD + tx * TN], kv);
+#pragma unroll 1
+        for (int d = 0; d < d_end; d += 4) {
+            float4 qv[TM], kv[TN];
+#pragma unroll
+            for (int r = 0; r < TM; ++r) qv[r] = *reinterpret_cast<const float4*>(q_row + r * LD + d);
+#pragma unroll
+            for (int c = 0; c < TN; ++c) kv[c] = *reinterpret_cast<const float4*>(k_row + c * 16 * LD + d);
 #pragma unroll
             for (int r = 0; r < TM; ++r)
 #pragma unroll
-                for (int c = 0; c < TN; ++c) s[r][c] += qv[r] * kv[c];
+                for (int c = 0; c < TN; ++c) {
+                    s[r][c] += qv[r].x * kv[c].x;
+                    s[r][c] += qv[r].y * kv[c].y;
+                    s[r][c] += qv[r].z * kv[c].z;
+                    s[r][c] += qv[r].w * kv[c].w;
+                }
         }
 
         // Mask where needed: structure first (it keeps the mask read in bounds), then the explicit term.
@@ -162,7 +268,7 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
                 const int i = i0 + ty * TM + r;
 #pragma unroll
                 for (int c = 0; c < TN; ++c) {
-                    const int j = j0 + tx * TN + c;
+                    const int j = j0 + c * 16 + tx;
                     s[r][c] = structure_allows(rule, i, j)
                                   ? s[r][c] + explicit_term(mask, mask_kind, ms, b, h, i, j)
                                   : NEG_INF;
@@ -194,43 +300,103 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
         // p_t[key][row]: the thread's 4 rows of one key are contiguous, one 16-byte store per key.
 #pragma unroll
         for (int c = 0; c < TN; ++c) {
-            *reinterpret_cast<float4*>(&p_t[(tx * TN + c) * T::P_LD + ty * TM]) =
+            *reinterpret_cast<float4*>(&p_t[(c * 16 + tx) * T::P_LD + ty * TM]) =
                 make_float4(s[0][c], s[1][c], s[2][c], s[3][c]);
         }
         __syncthreads();  // p_t complete
 
-        // O += P V for this thread's 4 x DPT micro-tile.
-#pragma unroll 2
-        for (int c = 0; c < n_keys; ++c) {
-            float pv[TM];
-            load_floats<TM>(&p_t[c * T::P_LD + ty * TM], pv);
+        // O += P V for this thread's 4 x DPT micro-tile (keys past the tile's end have p = 0 and v = 0).
+#pragma unroll 8
+        for (int c = 0; c < BN; ++c) {
+            const float4 pv = *reinterpret_cast<const float4*>(p_col + c * T::P_LD);
+            const float p[TM] = {pv.x, pv.y, pv.z, pv.w};
 #pragma unroll
             for (int kk = 0; kk < DPT / 4; ++kk) {
-                float vv[4];
-                load_floats<4>(&v_s[c * DMAX + kk * 64 + tx * 4], vv);
+                const float4 vv = *reinterpret_cast<const float4*>(v_col + c * LD + kk * 64);
 #pragma unroll
-                for (int r = 0; r < TM; ++r)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[r][kk * 4 + e] += pv[r] * vv[e];
+                for (int r = 0; r < TM; ++r) {
+                    acc[r][kk * 4 + 0] += p[r] * vv.x;
+                    acc[r][kk * 4 + 1] += p[r] * vv.y;
+                    acc[r][kk * 4 + 2] += p[r] * vv.z;
+                    acc[r][kk * 4 + 3] += p[r] * vv.w;
+                }
             }
         }
+        __syncthreads();  // p_t and this stage are free for the next tiles
     }
 
-    // Finish: sum l_i over the row's 16 threads, normalize, write. Empty rows write 0 and lse = -inf.
+    // Finish: sum l_i over the row's 16 threads. One split: normalize and write (empty rows write 0 and
+    // lse = -inf). Several: write the unnormalized state for attn_rowmax_merge.
+    const bool split = gridDim.z > 1;
+    const long long bh = blockIdx.x;
+    const long long rows = (long long)gridDim.x * Nq;  // rows of one split's workspace
 #pragma unroll
     for (int r = 0; r < TM; ++r) {
         const int i = i0 + ty * TM + r;
         const float l = group_sum(l_i[r], 16);
-        if (i < Nq) {
-            const float inv_l = row_inv_l(l);
+        if (i >= Nq) continue;
+        const long long row = blockIdx.z * rows + bh * Nq + i;
+        const float inv_l = split ? 1.0f : row_inv_l(l);
 #pragma unroll
-            for (int kk = 0; kk < DPT / 4; ++kk)
+        for (int kk = 0; kk < DPT / 4; ++kk)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int d = kk * 64 + tx * 4 + e;
-                    if (d < D) store_elem<DTYPE>(out, offset4(os, b, h, i, d), acc[r][kk * 4 + e] * inv_l);
+            for (int e = 0; e < 4; ++e) {
+                const int d = kk * 64 + tx * 4 + e;
+                if (d >= D) continue;
+                if (split) {
+                    part_acc[row * D + d] = acc[r][kk * 4 + e];
+                } else {
+                    store_elem<DTYPE>(out, offset4(os, b, h, i, d), acc[r][kk * 4 + e] * inv_l);
                 }
-            if (lse != nullptr && tx == 0) lse[b * lse_sb + h * lse_sh + (long long)i * lse_sn] = row_lse(m_i[r], l);
+            }
+        if (tx == 0) {
+            if (split) {
+                part_ml[row * 2] = m_i[r];
+                part_ml[row * 2 + 1] = l;
+            } else if (lse != nullptr) {
+                lse[b * lse_sb + h * lse_sh + (long long)i * lse_sn] = row_lse(m_i[r], l);
+            }
         }
     }
+}
+
+// Merge the split states of every row (one warp per row, lanes over the head dims):
+//   m = max_z m_z;  l = sum_z l_z exp(m_z - m);  out = sum_z acc_z exp(m_z - m) / l;  lse = m + log(l).
+// A split that saw no allowed key has m_z = -inf and l_z = 0 and weighs exp(-inf) = 0; a row no split
+// saw keeps m = -inf, l = 0 and writes out = 0, lse = -inf (safe_max keeps exp away from -inf - -inf).
+// expf always: a handful of exps per row, so fast_exp would buy nothing.
+template <int DTYPE>
+__global__ void attn_rowmax_merge(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+    void* __restrict__ out, float* __restrict__ lse,
+    int splits, int Hq, int Nq, int D, long long rows,
+    long long o_sb, long long o_sh, long long o_sn, long long o_sd,
+    long long lse_sb, long long lse_sh, long long lse_sn)
+{
+    const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= rows) return;
+    const int lane = threadIdx.x % 32;
+    const int i = (int)(row % Nq);
+    const int bh = (int)(row / Nq);
+    const int b = bh / Hq, h = bh % Hq;
+    const Strides4 os = {o_sb, o_sh, o_sn, o_sd};
+
+    float m = NEG_INF;
+    for (int z = 0; z < splits; ++z) m = fmaxf(m, part_ml[(z * rows + row) * 2]);
+    const float m_use = safe_max(m);
+    float l = 0.0f;
+    for (int z = 0; z < splits; ++z) {
+        const long long zr = z * rows + row;
+        l += part_ml[zr * 2 + 1] * expf(part_ml[zr * 2] - m_use);
+    }
+    const float inv_l = row_inv_l(l);
+    for (int d = lane; d < D; d += 32) {
+        float o = 0.0f;
+        for (int z = 0; z < splits; ++z) {
+            const long long zr = z * rows + row;
+            o += part_acc[zr * D + d] * expf(part_ml[zr * 2] - m_use);
+        }
+        store_elem<DTYPE>(out, offset4(os, b, h, i, d), o * inv_l);
+    }
+    if (lse != nullptr && lane == 0) lse[b * lse_sb + h * lse_sh + (long long)i * lse_sn] = row_lse(m, l);
 }
