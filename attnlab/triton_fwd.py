@@ -283,7 +283,8 @@ def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
         # IEEE products run on the FMA units, and Triton's FMA dot keeps each thread's rows and columns
         # of both operands in registers for the whole reduction: small per-thread tiles, or it spills.
         if block_d <= 64:
-            return [Config(64, 32, 8, 2), Config(32, 32, 4, 2), Config(32, 64, 8, 2)]
+            return [Config(64, 32, 8, 2), Config(32, 32, 4, 2), Config(32, 64, 8, 2), Config(32, 64, 8, 3),
+                    Config(16, 64, 4, 3), Config(16, 128, 8, 3), Config(32, 32, 4, 3)]
         if block_d <= 128:
             return [Config(32, 64, 8, 2), Config(32, 32, 8, 2)]
         return [Config(16, 64, 8, 2)]
@@ -319,17 +320,34 @@ def _interpreter() -> Iterator:
     outside a compiled kernel; while the interpreter runs, such calls are routed to interpreted
     wrappers of the same functions (what TRITON_INTERPRET=1 would have built), and restored after.
     """
+    from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
     def call_interpreted(self, *args, **kwargs):
         return _interpreted_fn(self)(*args, **kwargs)
 
+    # The kernel's loop bounds are scalar tensors, which the interpreter turns into Python ints through
+    # ``tensor.__index__``. Before triton 3.7 that is ``int(data)`` on a one-element 1-D array, which
+    # NumPy >= 2.5 refuses (seen with triton 3.6 + NumPy 2.5.2); ``.item()`` works with every version.
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_scalar_index(tensor, *rest, **kwargs):
+        patch_tensor(tensor, *rest, **kwargs)
+        scope = rest[0] if rest else kwargs.get("scope")
+        index = lambda self: int(self.handle.data.item())
+        if scope is not None:
+            scope.set_attr(tensor, "__index__", index)  # restored with the interpreter's own patches
+        else:
+            tensor.__index__ = index
+
     with _interpreter_lock:
         saved = JITFunction.__call__
         JITFunction.__call__ = call_interpreted
+        interpreter._patch_lang_tensor = patch_tensor_scalar_index
         try:
             yield _interpreted_fn(_attn_fwd_kernel)
         finally:
+            interpreter._patch_lang_tensor = patch_tensor
             JITFunction.__call__ = saved
 
 
