@@ -42,8 +42,7 @@
 // attn_rowmax_merge then combines the states of each row (the merge rule of online softmax, notebook 04):
 //   m = max_z m_z;  l = sum_z l_z exp(m_z - m);  out = sum_z acc_z exp(m_z - m) / l;  lse = m + log l.
 //
-// Performance steps (fp32 IEEE, H200; prediction made before measuring, measured figures in the
-// commit message and notebook 05). The previous version of this kernel (transposed K tile written by
+// Performance steps (fp32 IEEE, H200; each predicted before it was measured). The previous version of this kernel (transposed K tile written by
 // scalar stores, no prefetch, no split) ran B1 H8 N1024 D64 causal in 0.112 ms (128 blocks on 132 SMs,
 // one block per SM, the heaviest block streaming all 16 key tiles) and B8 H16 N2048 D64 causal at
 // 23.6 TFLOP/s (about 11k cycles per 64 x 64 tile per SM against ~4k of FMA issue: the rest is stalls).
@@ -242,13 +241,15 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
         for (int r = 0; r < TM; ++r)
 #pragma unroll
             for (int c = 0; c < TN; ++c) s[r][c] = 0.0f;
+        const float* q_d = q_row;  // &q_s[ty*4][d]
+        const float* k_d = k_row;  // &k_tile[tx][d]
 #pragma unroll 1
-        for (int d = 0; d < d_end; d += 4) {
+        for (int d = 0; d < d_end; d += 4, q_d += 4, k_d += 4) {
             float4 qv[TM], kv[TN];
 #pragma unroll
-            for (int r = 0; r < TM; ++r) qv[r] = *reinterpret_cast<const float4*>(q_row + r * LD + d);
+            for (int r = 0; r < TM; ++r) qv[r] = *reinterpret_cast<const float4*>(q_d + r * LD);
 #pragma unroll
-            for (int c = 0; c < TN; ++c) kv[c] = *reinterpret_cast<const float4*>(k_row + c * 16 * LD + d);
+            for (int c = 0; c < TN; ++c) kv[c] = *reinterpret_cast<const float4*>(k_d + c * 16 * LD);
 #pragma unroll
             for (int r = 0; r < TM; ++r)
 #pragma unroll
