@@ -256,6 +256,7 @@ _TF32 = False
 _tuned: dict[tuple, Config] = {}
 _interpreted: dict = {}
 _interpreter_lock = threading.Lock()
+_MISSING = object()
 
 
 @contextlib.contextmanager
@@ -341,6 +342,10 @@ def _interpreter() -> Iterator:
             tensor.__index__ = index
 
     with _interpreter_lock:
+        # The interpreter swaps triton.language's functions for its own while it runs. Not all of that is
+        # undone afterwards (patches made by nested library calls, and, before triton 3.7, none at all),
+        # which breaks the next *compiled* launch in this process. Snapshot and restore it all here.
+        snapshot = _language_snapshot()
         saved = JITFunction.__call__
         JITFunction.__call__ = call_interpreted
         interpreter._patch_lang_tensor = patch_tensor_scalar_index
@@ -349,6 +354,32 @@ def _interpreter() -> Iterator:
         finally:
             interpreter._patch_lang_tensor = patch_tensor
             JITFunction.__call__ = saved
+            _language_restore(snapshot)
+
+
+def _language_snapshot() -> list[tuple[object, dict]]:
+    """The attribute dicts of every triton.language module and of the classes triton.language.core defines."""
+    import sys
+
+    mods = [m for name, m in list(sys.modules.items()) if name.startswith("triton.language") and m is not None]
+    classes = [c for c in vars(tl.core).values() if isinstance(c, type) and c.__module__.startswith("triton.language")]
+    return [(obj, dict(vars(obj))) for obj in mods + classes]
+
+
+def _language_restore(snapshot: list[tuple[object, dict]]) -> None:
+    """Put back every attribute changed since :func:`_language_snapshot`, and remove those added to classes.
+
+    Names added to a module stay: they are the interpreter's helpers, which it injects into the globals of
+    the library functions it rewrites (and caches), and compiled code never looks them up.
+    """
+    for obj, saved in snapshot:
+        current = vars(obj)
+        if isinstance(obj, type):
+            for key in [k for k in current if k not in saved]:
+                delattr(obj, key)
+        for key, value in saved.items():
+            if current.get(key, _MISSING) is not value:
+                setattr(obj, key, value)
 
 
 def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool) -> None:

@@ -179,6 +179,23 @@ def test_interpreter_loop_bounds_with_old_triton_and_new_numpy(monkeypatch):
     assert compare(out, ref)
 
 
+def test_interpreter_leaves_triton_language_as_it_was():
+    """Running on CPU must not leave interpreter patches in triton.language: the next compiled launch in
+    the same process would fail (seen on the GPU machine: 'value' object has no attribute 'dtype')."""
+    import triton.language as tl
+
+    watched = [tl, tl.core, tl.math, tl.core.tensor, tl.core.dtype]
+    before = [dict(vars(obj)) for obj in watched]
+    q, k, v, kw = _empty_row_inputs("cpu")
+    attnlab.attention(q, k, v, backend="triton", **kw)
+    for obj, saved in zip(watched, before):
+        now = dict(vars(obj))
+        if isinstance(obj, type):  # (modules may gain the interpreter's helper names, never read when compiling)
+            assert now.keys() == saved.keys(), (obj, now.keys() ^ saved.keys())
+        changed = [key for key in saved if now.get(key) is not saved[key]]
+        assert not changed, (obj, changed)
+
+
 def test_tf32_opt_in_is_scoped_and_cpu_stays_exact():
     q, k, v, kw = _empty_row_inputs("cpu")
     ref, _ = attnlab.reference(q, k, v, **kw)
