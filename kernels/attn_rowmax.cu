@@ -42,19 +42,28 @@
 // attn_rowmax_merge then combines the states of each row (the merge rule of online softmax, notebook 04):
 //   m = max_z m_z;  l = sum_z l_z exp(m_z - m);  out = sum_z acc_z exp(m_z - m) / l;  lse = m + log l.
 //
-// Performance steps (fp32 IEEE, H200; each predicted before it was measured). The previous version of this kernel (transposed K tile written by
-// scalar stores, no prefetch, no split) ran B1 H8 N1024 D64 causal in 0.112 ms (128 blocks on 132 SMs,
-// one block per SM, the heaviest block streaming all 16 key tiles) and B8 H16 N2048 D64 causal at
-// 23.6 TFLOP/s (about 11k cycles per 64 x 64 tile per SM against ~4k of FMA issue: the rest is stalls).
+// Performance steps (fp32 IEEE, H200; each predicted before it was measured, then measured side by side
+// in one run against the previous version of this kernel and sdpa-efficient). The previous version
+// (transposed K tile written by scalar stores, no prefetch, no split) ran B1 H8 N1024 D64 causal in
+// 0.113 ms (128 blocks on 132 SMs, one block per SM, the heaviest block streaming all 16 key tiles) and
+// B8 H16 N2048 D64 causal in 2.90 ms, 23.7 TFLOP/s (about 11k cycles per 64 x 64 tile per SM against
+// ~4k of FMA issue: the rest is stalls).
+//   0. K row-major with keys strided by 16, tiles issued one ahead, pointer-walking inner loops (the
+//      layout cp.async needs). Measured with element loads: 2.62 ms on the large case (1.11x).
 //   1. cp.async 16-byte copies, one tile ahead (taken). Predicted 1.2-1.35x on the large case: removes
-//      the exposed global latency at every tile (the block waited for its loads between two barriers) and
-//      ~100 scalar load/convert/address instructions per thread and tile; K row-major also removes the
-//      4-way bank conflicts of the transposed scalar stores.
-//   2. split keys for small grids (taken). Predicted ~2x on the seed case: 4 splits turn the heaviest
-//      block's 16 tiles into 4, 512 blocks on 132 SMs (2 resident per SM), plus a merge of ~5 us.
+//      the exposed global latency at every tile and ~100 scalar load/convert/address instructions per
+//      thread and tile. Measured against the element loads: 1.15x (2.62 -> 2.27 ms), 1.12x on the seed
+//      case.
+//   2. split keys for small grids (taken). Predicted ~2x on the seed case (4 splits turn the heaviest
+//      block's 16 tiles into 4; 512 blocks on 132 SMs). Measured 1.18x (0.087 -> 0.0735 ms, merge
+//      included); 8 splits ran the same, 2 and 16 slower, so the plan's 4 stays. That is ~2x the
+//      balanced estimate (8.2 tiles per SM at the large case's 4.4 us per tile = 36 us); where the rest
+//      goes was not measured (candidates: the second launch and merge, per-block Q loads, the tail).
 //   3. a larger register micro-tile (8 x 4) (not taken). Predicted <= 5%: shared-memory reads are 1 per
-//      8 FMAs already (2 of 18 issue slots in the inner loops), and the extra 32 registers would break
+//      8 FMAs already (8 of ~77 instructions in the inner loops), and the extra registers would break
 //      the 128-register cap that keeps two blocks (16 warps) per SM.
+//   Result: seed case 0.0735 ms (1.53x the previous kernel, 1.44x sdpa-efficient's 0.106 ms); large case
+//   2.27 ms, 30.3 TFLOP/s (1.28x the previous kernel, 0.95x sdpa-efficient's 2.16 ms).
 //
 // Registers: __launch_bounds__(256, 2) for D <= 128 caps a thread at 128 registers so that two blocks
 // (16 warps) share a multiprocessor; D = 256 runs one block per SM and is given the registers instead
