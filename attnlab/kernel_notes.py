@@ -88,12 +88,12 @@ def tiled_map(dmax: int = 64, rows: int = 16, group: int = 8) -> np.ndarray:
 
 def rowmax_score_map(dmax: int = 64, bm: int = 64, tm: int = 4) -> np.ndarray:
     """Rowmax kernel, S = Q K^T: ``[bm, bn]`` thread ids; thread (ty, tx) of the 16 x 16 grid computes
-    the 4 x TN block of rows ``4 ty ..`` and keys ``TN tx ..`` (BN = 64 for D <= 64, else 32)."""
+    the 4 x TN block of rows ``4 ty ..`` and keys ``tx, tx + 16, ...`` (keys strided by 16, so the 16
+    threads of a row read 16 consecutive K rows; BN = 64 for D <= 64, else 32)."""
     bn = 64 if dmax <= 64 else 32
-    tn = bn // 16
     r = np.arange(bm).reshape(-1, 1)
     c = np.arange(bn).reshape(1, -1)
-    return (r // tm) * 16 + c // tn
+    return (r // tm) * 16 + c % 16
 
 
 def rowmax_out_map(dmax: int = 64, bm: int = 64, tm: int = 4) -> np.ndarray:

@@ -591,11 +591,33 @@ def summary(df: pd.DataFrame | None, *, backends: Iterable[str] | None = None,
 
 
 # ---- kernels -----------------------------------------------------------------------------------------
+def _components(owner: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(thread id, cells) of each 4-connected region of equal ids, in row-major order of first cell."""
+    seen = np.zeros(owner.shape, dtype=bool)
+    out = []
+    rows, cols = owner.shape
+    for r in range(rows):
+        for c in range(cols):
+            if seen[r, c]:
+                continue
+            t, stack, cells = owner[r, c], [(r, c)], []
+            seen[r, c] = True
+            while stack:
+                y, x = stack.pop()
+                cells.append((y, x))
+                for yy, xx in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
+                    if 0 <= yy < rows and 0 <= xx < cols and not seen[yy, xx] and owner[yy, xx] == t:
+                        seen[yy, xx] = True
+                        stack.append((yy, xx))
+            out.append((int(t), np.array(cells)))
+    return out
+
+
 def thread_map(owner: np.ndarray, *, color: np.ndarray | None = None, title: str = "", xlabel: str = "",
                ylabel: str = "", ax=None, fontsize: float = 5.5) -> Figure:
     """Draw which thread owns each element of a tile: ``owner`` holds thread ids. Colours follow ``color``
     (default: the thread id, cycling through 20), white lines separate owners, and each thread's id is
-    written once on its block (or on each of its cells when they are scattered)."""
+    written once on every rectangular region it owns (on each cell of an irregular one)."""
     from matplotlib.collections import LineCollection
 
     owner = np.asarray(owner)
@@ -610,13 +632,12 @@ def thread_map(owner: np.ndarray, *, color: np.ndarray | None = None, title: str
     segs = [[(c + 0.5, r - 0.5), (c + 0.5, r + 0.5)] for r, c in np.argwhere(owner[:, 1:] != owner[:, :-1])]
     segs += [[(c - 0.5, r + 0.5), (c + 0.5, r + 0.5)] for r, c in np.argwhere(owner[1:, :] != owner[:-1, :])]
     ax.add_collection(LineCollection(segs, colors="white", linewidths=0.7))
-    for t in np.unique(owner):
-        cells = np.argwhere(owner == t)
-        (r0, c0), (r1, c1) = cells.min(0), cells.max(0)
-        if len(cells) == (r1 - r0 + 1) * (c1 - c0 + 1):
+    for t, comp in _components(owner):
+        (r0, c0), (r1, c1) = comp.min(0), comp.max(0)
+        if len(comp) == (r1 - r0 + 1) * (c1 - c0 + 1):  # a rectangle: one label in its middle
             ax.text((c0 + c1) / 2, (r0 + r1) / 2, str(t), ha="center", va="center", fontsize=fontsize)
         else:
-            for r, c in cells:
+            for r, c in comp:
                 ax.text(c, r, str(t), ha="center", va="center", fontsize=fontsize)
     ax.set_xlim(-0.5, cols - 0.5)
     ax.set_ylim(rows - 0.5, -0.5)
