@@ -210,10 +210,15 @@ class MaskSpec:
     # ---- lengths and diagonals ---------------------------------------------------------------------
     def lengths(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(Lq, Lk) as int64 tensors [B] (defaults filled in)."""
-        dev = self.device if device is None else device
-        lk = self.kv_len.long() if self.kv_len is not None else torch.full((self.B,), self.Nk, dtype=torch.long)
-        lq = self.q_len.long() if self.q_len is not None else torch.full((self.B,), self.Nq, dtype=torch.long)
-        return lq.to(dev), lk.to(dev)
+        dev = self.device if device is None else torch.device(device)
+
+        def filled(given: torch.Tensor | None, default: int) -> torch.Tensor:
+            # Defaults are made on the device itself: a host tensor moved there would sync the stream.
+            if given is None:
+                return torch.full((self.B,), default, dtype=torch.long, device=dev)
+            return given.to(device=dev, dtype=torch.long)
+
+        return filled(self.q_len, self.Nq), filled(self.kv_len, self.Nk)
 
     def host_lengths(self) -> tuple[list[int], list[int]]:
         """(Lq, Lk) as Python lists, cached (one device sync the first time)."""
@@ -244,12 +249,12 @@ class MaskSpec:
         """
         i1 = self.Nq if i1 is None else i1
         dev = torch.device(device) if device is not None else self.device
-        lq, lk = self.lengths(dev)
+        lq, lk = (t.view(-1, 1, 1, 1) for t in self.lengths(dev))
         i = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
         j = torch.arange(self.Nk, device=dev).view(1, 1, 1, -1)
-        ok = (j < lk.view(-1, 1, 1, 1)) & (i < lq.view(-1, 1, 1, 1))
+        ok = (j < lk) & (i < lq)
         if self.banded:
-            diag = i + self.diag_offset(dev).view(-1, 1, 1, 1)
+            diag = i + (lk - lq) if self.align == "bottom_right" else i
             if self.left is not None:
                 ok = ok & (j >= diag - self.left)
             if self.right is not None:
