@@ -162,15 +162,18 @@ def test_interpreter_loop_bounds_with_old_triton_and_new_numpy(monkeypatch):
 
     original = interpreter._patch_lang_tensor
 
-    def old_style(tensor, scope):
-        original(tensor, scope)
+    def old_style(tensor, *scope):  # triton < 3.5 patches without a scope argument
+        original(tensor, *scope)
 
         def index(self):
             if self.handle.data.ndim > 0:
                 raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
             return int(self.handle.data)
 
-        scope.set_attr(tensor, "__index__", index)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", old_style)
     q, k, v, kw = _empty_row_inputs("cpu")
