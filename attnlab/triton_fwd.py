@@ -24,7 +24,8 @@ subtraction uses ``m_safe = 0`` there, which makes both ``alpha`` and every ``p`
 ``out = acc / l_i`` and ``lse = (m_i + log2 l_i) * ln 2``; rows with ``l_i = 0`` (no allowed key) and
 padding rows (``i >= Lq_b``) write out = 0 and lse = -inf. For float16/bfloat16 inputs P is rounded to
 the input dtype before ``P @ V`` (as FlashAttention does); for float32 both products are exact IEEE
-(``input_precision="ieee"``) unless the caller opts into TF32 with :func:`allow_tf32`.
+(``input_precision="ieee"``: no TF32 rounding of the inputs) unless the caller opts into TF32 with
+:func:`allow_tf32`.
 
 Block skipping
 --------------
@@ -41,10 +42,14 @@ time by ``tl.static_range``.
 Where it runs
 -------------
 On CUDA tensors the kernel is compiled by Triton, with a small autotune space (block sizes, warps,
-stages) keyed on dtype, head dim, mask kind and the sizes' powers of two. On CPU tensors the very same
-Python function runs through Triton's interpreter (``triton.runtime.interpreter.InterpretedFunction``),
-with one small config, so the user sets no ``TRITON_INTERPRET`` and one process can use both. The code
-uses plain pointer arithmetic only (no ``tl.make_block_ptr``): it runs on triton 3.4 to 3.9.
+stages; :func:`candidates`) keyed on dtype, head dim, mask kind and the sizes' powers of two
+(:func:`tune_key`); ``AUTOTUNE = False`` uses each space's first entry. On CPU tensors the very same
+Python function runs through Triton's interpreter (``triton.runtime.interpreter.InterpretedFunction``)
+with one small config, so the user sets no ``TRITON_INTERPRET``. The interpreter swaps
+``triton.language``'s functions for its own while it runs; :func:`_interpreter` routes the library's
+@triton.jit helpers (``tl.max``, ``tl.sum``) to interpreted twins and restores ``triton.language``
+afterwards, so interpreted and compiled launches mix in one process. The code uses plain pointer
+arithmetic only (no ``tl.make_block_ptr``); its CPU tests pass with triton 3.4, 3.6 and 3.9.
 """
 
 from __future__ import annotations
