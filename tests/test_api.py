@@ -190,3 +190,24 @@ def test_cli_info_and_check():
                          timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "torch:" in res.stdout and "passed" in res.stdout
+
+
+def test_auto_picks_by_device_and_dtype():
+    from attnlab.backend import resolve
+    from attnlab.problem import make_problem
+
+    assert resolve("auto", make_problem(*qkv())).name == "sdpa"
+
+
+@pytest.mark.gpu
+def test_auto_on_gpu_prefers_the_measured_fastest():
+    from attnlab.backend import resolve, status
+    from attnlab.problem import make_problem
+
+    st = status()
+    half = make_problem(*(t.cuda() for t in qkv(dtype=torch.bfloat16)))
+    fp32 = make_problem(*(t.cuda() for t in qkv()))
+    if st["triton"].available:
+        assert resolve("auto", half).name == "triton"
+    if st["cuda-rowmax"].available:
+        assert resolve("auto", fp32).name == "cuda-rowmax"
