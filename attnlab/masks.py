@@ -124,7 +124,7 @@ class MaskSpec:
     mask: torch.Tensor | None = None  #: bool view expanded to [B, Hq, Nq, Nk]
     bias: torch.Tensor | None = None  #: float32 view expanded to [B, Hq, Nq, Nk] (what kernels read)
     bias_src: torch.Tensor | None = None  #: the bias in the caller's dtype, expanded (what the reference adds)
-    device: torch.device = torch.device("cpu")  #: where the inputs live; predicates are built there
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  #: where predicates are built
     _host: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
