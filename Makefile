@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not gpu" tests
 
 compile-check: $(STAMP)
 	@if $(BIN)/python -c "import attnlab.cuda" 2>/dev/null; then $(BIN)/python -m attnlab compile-check --strict; \
