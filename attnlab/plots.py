@@ -31,6 +31,21 @@ from attnlab.masks import EMPTY, FULL, PARTIAL, MaskSpec
 TILE_COLORS = {EMPTY: "#f0f0f0", PARTIAL: "#f4a259", FULL: "#3d7ea6"}
 MASK_CMAP = ListedColormap(["#f0f0f0", "#3d7ea6"])
 
+#: One colour per backend, the same in every benchmark figure (unknown names get further colours).
+BACKEND_COLORS = {
+    "triton": "tab:blue", "cuda-rowmax": "tab:orange", "cuda-tiled": "tab:olive", "cuda-naive": "tab:brown",
+    "torch": "tab:gray", "sdpa": "tab:cyan", "sdpa-flash": "tab:green", "sdpa-cudnn": "tab:red",
+    "sdpa-efficient": "tab:purple", "sdpa-math": "tab:pink", "flex": "black",
+}
+
+
+def backend_colors(names: Iterable[str]) -> dict[str, object]:
+    """name -> colour: :data:`BACKEND_COLORS` for known backends, distinct extra colours for the rest."""
+    names = list(dict.fromkeys(names))
+    extra = iter(sns.color_palette("husl", max(1, sum(n not in BACKEND_COLORS for n in names))))
+    return {n: BACKEND_COLORS[n] if n in BACKEND_COLORS else next(extra) for n in names}
+
+
 #: Where recorded benchmarks live: $ATTNLAB_BENCH_DIR, else a checkout's data/bench (a wheel has none).
 DATA_ROOT = Path(os.environ.get("ATTNLAB_BENCH_DIR") or Path(__file__).resolve().parent.parent / "data" / "bench")
 
@@ -252,7 +267,8 @@ def traffic_vs_n(sweep: pd.DataFrame, *, tbps: float = memory.H200["copy_tbps"],
 
 def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *,
              peak_tflops: float = memory.H200["bf16_tflops"], tbps: float = memory.H200["copy_tbps"],
-             extra_peaks: Mapping[str, float] | None = None, title: str = "") -> Figure:
+             extra_peaks: Mapping[str, float] | None = None, colors: Sequence[object] | None = None,
+             title: str = "") -> Figure:
     """The roofline ``min(peak, I * bandwidth)`` with labelled points.
 
     ``points``: rows of (label, intensity FLOP/byte, measured TFLOP/s or None); a point without a measured
@@ -260,7 +276,7 @@ def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *
     """
     if isinstance(points, pd.DataFrame):
         points = list(points[["label", "intensity", "tflops"]].itertuples(index=False, name=None))
-    fig, axes = _fig(size=(7.0, 4.6))
+    fig, axes = _fig(size=(9.5, 4.6) if len(points) > 5 else (7.0, 4.6))
     ax = axes[0, 0]
     ridge = memory.ridge_point(peak_tflops, tbps)
     kinks = [ridge] + [memory.ridge_point(p, tbps) for p in (extra_peaks or {}).values()]
@@ -272,7 +288,7 @@ def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *
     ax.axvline(ridge, color="grey", linestyle=":", label=f"ridge point {ridge:.0f} FLOP/B")
     for name, p in (extra_peaks or {}).items():
         ax.plot(x, np.minimum(p, x * tbps), linestyle="--", linewidth=1.2, label=f"{name}: {p:g} TFLOP/s")
-    palette = sns.color_palette("colorblind", max(3, len(points)))
+    palette = list(colors) if colors is not None else sns.color_palette("colorblind", max(3, len(points)))
     for (label, inten, meas), col in zip(points, palette):
         bound = memory.attainable_tflops(inten, peak_tflops, tbps)
         y = bound if meas is None or (isinstance(meas, float) and np.isnan(meas)) else meas
@@ -287,7 +303,10 @@ def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *
     ax.set_xlabel("arithmetic intensity (FLOP per HBM byte, log scale)")
     ax.set_ylabel("throughput (TFLOP/s, log scale)")
     ax.set_title(title or "roofline")
-    ax.legend(loc="lower right", fontsize=8)
+    if len(points) > 5:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    else:
+        ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -428,7 +447,7 @@ def throughput_vs_n(df: pd.DataFrame | None, *, backends: Iterable[str] | None =
     nrows = -(-len(panels) // ncols)
     fig, axes = _fig(nrows, ncols, size=(4.3 * ncols, 3.4 * nrows + 0.6), sharey=True)
     order = list(dict.fromkeys(d["backend"]))
-    pal = dict(zip(order, sns.color_palette("colorblind", len(order))))
+    pal = backend_colors(order)
     tf = pd.to_numeric(d["tflops"], errors="coerce")
     log = bool(tf.max() / max(tf[tf > 0].min(), 1e-9) > 20)  # a log axis when backends differ by > 20x
     for ax, p in zip(axes.flat, panels):
@@ -495,10 +514,12 @@ def ratio_bars(df: pd.DataFrame | None, baselines: Sequence[str] = ("sdpa-flash"
     return fig
 
 
-def memory_measured(df: pd.DataFrame | None, *, live_scores: Sequence[int] = (2, 3),
+def memory_measured(df: pd.DataFrame | None, *, live_scores: Sequence[int] = (2, 3), include_output: bool = False,
                     title: str = "") -> Figure | None:
-    """Measured peak extra memory against N per backend, with the models dashed: the textbook version
-    holding each of ``live_scores`` score-sized tensors (plus the output), and a fused kernel."""
+    """Measured peak extra memory against N per backend, with the models in black: the textbook version
+    holding each of ``live_scores`` score-sized tensors, and a fused kernel holding its float32 lse. The
+    benchmark's ``peak_extra_mib`` excludes the output, so the models do too unless ``include_output``.
+    Backends at 0 bytes cannot appear on the log axis; their legend entry says so."""
     if not _has_data(df, "memory"):
         return None
     d = df[pd.to_numeric(df["peak_extra_mib"], errors="coerce").notna()].copy()
@@ -508,17 +529,22 @@ def memory_measured(df: pd.DataFrame | None, *, live_scores: Sequence[int] = (2,
     d["N"] = d["Nk"]
     fig, axes = _fig(size=(7.5, 4.4))
     ax = axes[0, 0]
+    cols = backend_colors(d["backend"])
     for b, g in d.groupby("backend", sort=False):
         g = g.groupby("N", as_index=False)["peak_extra_mib"].max()
-        ax.plot(g["N"], g["peak_extra_mib"] * 2**20, marker="o", label=f"{b} (measured)")
+        zero = bool((g["peak_extra_mib"] <= 0).all())
+        ax.plot(g["N"], g["peak_extra_mib"] * 2**20, marker="o", color=cols[b],
+                label=f"{b} (measured{': 0 B, not drawn' if zero else ''})")
     r = d.iloc[0]
     B, H, D, dt = int(r["B"]), int(r["Hq"]), int(r["D"]), str(r["dtype"])
     Ns = sorted(int(n) for n in d["N"].unique())
+    out = [memory.qkvo_bytes(B, H, n, n, D, dt)["o"] if include_output else 0 for n in Ns]
+    plus = " + out" if include_output else ""
     for k, style in zip(live_scores, ("--", "-.", (0, (5, 1)))):
-        tb = [memory.textbook_peak_extra(B, H, n, n, D, dt, live_scores=k) for n in Ns]
-        ax.plot(Ns, tb, linestyle=style, color="black", label=f"model: textbook ({k} scores + out)")
-    fu = [memory.fused_peak_extra(B, H, n, n, D, dt) for n in Ns]
-    ax.plot(Ns, fu, linestyle=":", color="black", label="model: fused (out + lse)")
+        tb = [k * memory.score_bytes(B, H, n, n, dt) + o for n, o in zip(Ns, out)]
+        ax.plot(Ns, tb, linestyle=style, color="black", label=f"model: textbook ({k} scores{plus})")
+    fu = [B * H * n * 4 + o for n, o in zip(Ns, out)]
+    ax.plot(Ns, fu, linestyle=":", color="black", label=f"model: fused (lse{plus})")
     _binary_axis(ax)
     _n_axis(ax, Ns)
     ax.set_ylabel("peak extra memory (bytes, log scale)")
@@ -541,7 +567,7 @@ def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.H200[
     fig, axes = _fig(size=(7.5, 4.2))
     ax = axes[0, 0]
     g = d.groupby(["backend", "Nk"], as_index=False)["gbps"].median()
-    sns.lineplot(data=g, x="Nk", y="gbps", hue="backend", marker="o", ax=ax)
+    sns.lineplot(data=g, x="Nk", y="gbps", hue="backend", marker="o", ax=ax, palette=backend_colors(g["backend"]))
     ax.axhline(copy_tbps * 1e3, color="#c0392b", linestyle="--", label=f"device copy {copy_tbps:g} TB/s")
     _n_axis(ax, sorted(d["Nk"].unique()), "KV length Nk (tokens)")
     ax.set_ylabel("K/V read bandwidth (GB/s)")
@@ -553,8 +579,9 @@ def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.H200[
 
 def bench_roofline(df: pd.DataFrame | None, *, backends: Iterable[str] | None = None,
                    peak_tflops: float = memory.H200["bf16_tflops"], tbps: float = memory.H200["copy_tbps"],
-                   title: str = "") -> Figure | None:
-    """Measured configurations on the roofline: intensity of the fused traffic model, measured TFLOP/s."""
+                   unfused: Iterable[str] = ("torch", "sdpa-math"), title: str = "") -> Figure | None:
+    """The best measured configuration of each backend on the roofline, at the intensity of the traffic
+    model that fits it: unfused for the backends in ``unfused`` (they write the scores), fused otherwise."""
     if not _has_data(df, "roofline"):
         return None
     d = _ok(df)
@@ -564,14 +591,18 @@ def bench_roofline(df: pd.DataFrame | None, *, backends: Iterable[str] | None = 
         print("Nothing to plot for the roofline: no passed rows.")
         return None
     d = d.copy()
+    unfused = set(unfused)
     d["intensity"] = [
-        memory.flops(r.B, r.Hq, r.Nq, r.Nk, r.D) / memory.fused_traffic(r.B, r.Hq, r.Nq, r.Nk, r.D, r.dtype,
-                                                                         Hkv=r.Hkv).total
+        memory.flops(r.B, r.Hq, r.Nq, r.Nk, r.D)
+        / (memory.unfused_traffic if r.backend in unfused else memory.fused_traffic)(
+            r.B, r.Hq, r.Nq, r.Nk, r.D, r.dtype, Hkv=r.Hkv).total
         for r in d.itertuples()
     ]
-    best = d.loc[d.groupby("backend")["tflops"].idxmax()]
+    best = d.loc[d.groupby("backend", sort=False)["tflops"].idxmax()]
     pts = [(f"{r.backend} N{r.Nk} D{r.D}", r.intensity, r.tflops) for r in best.itertuples()]
-    return roofline(pts, peak_tflops=peak_tflops, tbps=tbps, title=title or "best measured point per backend")
+    cols = backend_colors(best["backend"])
+    return roofline(pts, peak_tflops=peak_tflops, tbps=tbps, colors=[cols[b] for b in best["backend"]],
+                    title=title or "best measured point per backend")
 
 
 def summary(df: pd.DataFrame | None, *, backends: Iterable[str] | None = None,
