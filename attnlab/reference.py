@@ -39,15 +39,17 @@ def softmax_rows(s: torch.Tensor, v: torch.Tensor, group: int) -> tuple[torch.Te
     """Softmax of masked scores ``s`` [B, Hq, rows, Nk] times v [B, Hkv, Nk, D], with the empty-row rule.
 
     Returns (out [B, Hq, rows, D], lse [B, Hq, rows]) in ``s``'s dtype. A row whose scores are all -inf
-    gives out = 0 and lse = -inf; NaN in the scores propagates.
+    gives out = 0 and lse = -inf; NaN in the scores propagates. (A NaN in V at a key the row does not
+    attend also reaches it here, as 0 * NaN in the matmul; kernels that never load that key do not.)
     """
     m = s.amax(dim=-1, keepdim=True)
-    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    empty = m == float("-inf")  # every score -inf: no allowed key (a NaN row is not empty: it propagates)
+    m_safe = torch.where(empty, torch.zeros_like(m), m)
     p = torch.exp(s - m_safe)
     l = p.sum(dim=-1, keepdim=True)
     B, Hq, rows, Nk = s.shape
     pv = torch.matmul(p.reshape(B, Hq // group, group, rows, Nk), v.unsqueeze(2)).reshape(B, Hq, rows, -1)
-    out = torch.where(l > 0, pv / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(pv))
+    out = torch.where(empty, torch.zeros_like(pv), pv / torch.where(empty, torch.ones_like(l), l))
     lse = (m_safe + torch.log(l)).squeeze(-1)
     return out, lse
 

@@ -225,7 +225,7 @@ if triton is not None:
                 m_i = m_new
 
         # ---- epilogue: normalize; empty rows and padding rows give 0 and lse = -inf --------------------
-        live = (l_i > 0.0) & (rows < Lq)
+        live = (l_i != 0.0) & (rows < Lq)  # l_i = 0: no allowed key; NaN (from NaN inputs) propagates
         l_div = tl.where(live, l_i, 1.0)
         out = tl.where(live[:, None], acc / l_div[:, None], 0.0)
         o_ptrs = (Out + b64 * s_ob + h.to(tl.int64) * s_oh + i0.to(tl.int64) * s_on

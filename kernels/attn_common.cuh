@@ -167,12 +167,13 @@ __device__ __forceinline__ float group_max(float x, int width) {
 
 // ---- finishing a row ----------------------------------------------------------------------------------
 
-// lse of a finished row: m_i + log(l_i), or -inf for an empty row (l_i == 0).
+// lse of a finished row: m_i + log(l_i), or -inf for an empty row (l_i == 0). A NaN l_i (NaN in the
+// inputs) is not empty: it propagates, as the contract says.
 __device__ __forceinline__ float row_lse(float m_i, float l_i) {
-    return l_i > 0.0f ? m_i + logf(l_i) : NEG_INF;
+    return l_i != 0.0f ? m_i + logf(l_i) : NEG_INF;
 }
 
 // 1 / l_i, or 0 for an empty row so that out = acc * 0 = 0 (acc is 0 there too).
 __device__ __forceinline__ float row_inv_l(float l_i) {
-    return l_i > 0.0f ? 1.0f / l_i : 0.0f;
+    return l_i != 0.0f ? 1.0f / l_i : 0.0f;
 }

@@ -211,3 +211,44 @@ def test_auto_on_gpu_prefers_the_measured_fastest():
         assert resolve("auto", half).name == "triton"
     if st["cuda-rowmax"].available:
         assert resolve("auto", fp32).name == "cuda-rowmax"
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "sdpa", "triton"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_in_the_inputs_propagates(backend, where):
+    """NaN in the inputs is the caller's and propagates (DESIGN.md): the affected rows come back NaN, not
+    0 as an empty row would; every other element is untouched."""
+    if backend not in attnlab.backends():
+        pytest.skip(f"backend {backend} not in this build")
+    q, k, v = qkv(Hq=2, Hkv=2, Nq=20, Nk=20)
+    # v: key 0, which every causal row sees (a NaN in V at a key a row does not attend reaches that row in
+    # the reference's matmul as 0 * NaN, but not in kernels that never load it: the caller's problem).
+    {"q": q, "k": k, "v": v}[where][1, 0, 0 if where == "v" else 7, 3] = float("nan")
+    out, lse = attnlab.attention(q, k, v, causal=True, backend=backend, return_lse=True)
+    ref, _ = attnlab.reference(q, k, v, causal=True)
+    # q NaN: row 7 only; k NaN: every row that sees key 7 (rows 7..19); v NaN: column 3 of every row
+    rows = {"q": slice(7, 8), "k": slice(7, 20), "v": slice(0, 20)}[where]
+    want = torch.zeros_like(ref, dtype=torch.bool)
+    if where == "v":
+        want[1, 0, rows, 3] = True
+    else:
+        want[1, 0, rows, :] = True
+    assert torch.equal(torch.isnan(ref), want), "the reference itself must propagate exactly there"
+    assert torch.equal(torch.isnan(out), want)
+    assert torch.equal(torch.isnan(lse), want.any(-1) if where != "v" else torch.zeros_like(lse, dtype=torch.bool))
+    assert torch.allclose(out[~want].double(), ref[~want], atol=1e-5), "the other elements are unaffected"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "triton", "cuda-naive", "cuda-tiled", "cuda-rowmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_in_the_inputs_propagates_on_gpu(backend, dtype):
+    q, k, v = (t.cuda() for t in qkv(B=2, Hq=4, Hkv=2, Nq=300, Nk=300, D=64, dtype=dtype))
+    q[1, 2, 150, 3] = float("nan")  # query row 150 of head 2
+    k[0, 1, 40, 5] = float("nan")  # key 40 of kv head 1 (query heads 2 and 3): rows 40.. see it
+    out, lse = attnlab.attention(q, k, v, causal=True, backend=backend, return_lse=True)
+    want = torch.zeros(out.shape, dtype=torch.bool, device="cuda")
+    want[1, 2, 150] = True
+    want[0, 2:4, 40:] = True
+    assert torch.equal(torch.isnan(out), want)
+    assert torch.equal(torch.isnan(lse), want.any(-1))
