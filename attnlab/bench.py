@@ -146,6 +146,7 @@ from typing import Any
 
 import torch
 
+from attnlab.cases import mask_keywords
 from attnlab.masks import MaskSpec
 
 # ---------------------------------------------------------------------------------------------------------
@@ -219,18 +220,7 @@ class BenchCase:
 
     def keywords(self, device: torch.device | str) -> dict[str, Any]:
         """Mask keywords for :func:`attnlab.attention` / :func:`attnlab.reference` (lengths on ``device``)."""
-        kw: dict[str, Any] = {}
-        if self.causal:
-            kw["causal"] = True
-        if self.window is not None:
-            kw["window"] = self.window
-        if self.align is not None:
-            kw["align"] = self.align
-        if self.kv_len is not None:
-            kw["kv_len"] = torch.tensor(self.kv_len, dtype=torch.int32, device=device)
-        if self.q_len is not None:
-            kw["q_len"] = torch.tensor(self.q_len, dtype=torch.int32, device=device)
-        return kw
+        return mask_keywords(self, device)
 
     def spec(self, device: torch.device | str = "cpu") -> MaskSpec:
         """The validated :class:`MaskSpec` of this case."""

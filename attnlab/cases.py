@@ -116,13 +116,10 @@ def make_mask(kind: str, B: int, H: int, Nq: int, Nk: int, device, gen: torch.Ge
     return bias.to(device)
 
 
-def make_inputs(case: Case, *, dtype: torch.dtype, device, seed: int):
-    """(q, k, v, keywords) for ``case``, drawn from ``seed``; keywords go to attention() and reference()."""
-    gen = torch.Generator().manual_seed(seed)
-    q = _tensor((case.B, case.Hq, case.Nq, case.D), case.layout, case.view, dtype, device, gen)
-    k = _tensor((case.B, case.hkv, case.nk, case.D), case.layout, case.view, dtype, device, gen)
-    v = _tensor((case.B, case.hkv, case.nk, case.D), case.layout, case.view, dtype, device, gen)
-    kw: dict[str, Any] = {"layout": case.layout}
+def mask_keywords(case: Any, device) -> dict[str, Any]:
+    """The structural mask keywords of a case-like object (``causal``, ``window``, ``align``, ``kv_len``,
+    ``q_len`` attributes) for attention()/reference(), lengths as int32 tensors on ``device``."""
+    kw: dict[str, Any] = {}
     if case.causal:
         kw["causal"] = True
     if case.window is not None:
@@ -130,9 +127,19 @@ def make_inputs(case: Case, *, dtype: torch.dtype, device, seed: int):
     if case.align is not None:
         kw["align"] = case.align
     if case.kv_len is not None:
-        kw["kv_len"] = torch.tensor(case.kv_len, device=device)
+        kw["kv_len"] = torch.tensor(case.kv_len, dtype=torch.int32, device=device)
     if case.q_len is not None:
-        kw["q_len"] = torch.tensor(case.q_len, device=device)
+        kw["q_len"] = torch.tensor(case.q_len, dtype=torch.int32, device=device)
+    return kw
+
+
+def make_inputs(case: Case, *, dtype: torch.dtype, device, seed: int):
+    """(q, k, v, keywords) for ``case``, drawn from ``seed``; keywords go to attention() and reference()."""
+    gen = torch.Generator().manual_seed(seed)
+    q = _tensor((case.B, case.Hq, case.Nq, case.D), case.layout, case.view, dtype, device, gen)
+    k = _tensor((case.B, case.hkv, case.nk, case.D), case.layout, case.view, dtype, device, gen)
+    v = _tensor((case.B, case.hkv, case.nk, case.D), case.layout, case.view, dtype, device, gen)
+    kw: dict[str, Any] = {"layout": case.layout, **mask_keywords(case, device)}
     if case.mask is not None:
         kw["mask"] = make_mask(case.mask, case.B, case.Hq, case.Nq, case.nk, device, gen)
     return q, k, v, kw
