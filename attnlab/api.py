@@ -53,6 +53,7 @@ def attention(
     [B, Hq, Nq, Nk]. A row with no allowed key returns 0 (and lse -inf), never NaN.
 
     Returns out (q's dtype, device and layout) or, with ``return_lse``, (out, lse [B, Hq, Nq] float32).
+    Validating ``kv_len``/``q_len`` reads their min and max: one device sync when they are GPU tensors.
     """
     prob = make_problem(
         q, k, v, causal=causal, window=window, align=align, kv_len=kv_len, q_len=q_len,
