@@ -427,20 +427,12 @@ def _clamp_bound(x: int | None) -> np.int32:
     return np.int32(NO_BOUND if x is None else max(-NO_BOUND, min(NO_BOUND, int(x))))
 
 
-def _lengths_arg(t: torch.Tensor | None) -> torch.Tensor | None:
-    """kv_len / q_len as the kernels read them: contiguous int32 (a 0-dim length arrives expanded)."""
-    if t is None:
-        return None
-    return t.to(torch.int32).contiguous()
-
-
-def kernel_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
-                q_len: torch.Tensor | None = None, kv_len: torch.Tensor | None = None) -> tuple:
+def kernel_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
     """The argument tuple of every attention kernel, in the order of their signatures.
 
     Pointers go as ``numpy.uint64`` (a device pointer is 8 bytes), sizes as ``numpy.int32``, strides (in
-    elements) as ``numpy.int64``, the scale as ``numpy.float32``. ``q_len``/``kv_len`` default to the
-    spec's, made contiguous int32 (the caller must keep the tensors alive until the kernel has run).
+    elements) as ``numpy.int64``, the scale as ``numpy.float32``. The lengths are the spec's (contiguous
+    int32 already). The caller must keep ``prob``, ``out`` and ``lse`` alive until the kernel has run.
     """
     spec = prob.spec
     if spec.mask is not None:
@@ -449,11 +441,9 @@ def kernel_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
         mask, kind = spec.bias, 2
     else:
         mask, kind = None, 0
-    q_len = _lengths_arg(spec.q_len) if q_len is None else q_len
-    kv_len = _lengths_arg(spec.kv_len) if kv_len is None else kv_len
     return (
         _ptr(prob.q), _ptr(prob.k), _ptr(prob.v), _ptr(out), _ptr(lse),
-        _ptr(q_len), _ptr(kv_len), _ptr(mask), np.int32(kind),
+        _ptr(spec.q_len), _ptr(spec.kv_len), _ptr(mask), np.int32(kind),
         np.int32(prob.Hq), np.int32(prob.group), np.int32(prob.Nq), np.int32(prob.Nk), np.int32(prob.D),
         np.float32(prob.scale),
         _clamp_bound(spec.left), _clamp_bound(spec.right), np.int32(spec.align == "bottom_right"),
@@ -502,9 +492,8 @@ def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | N
     dev = prob.device.index if prob.device.index is not None else torch.cuda.current_device()
     kern = get_kernel(variant, dev)
     limits = _limits(variant, dev, kern)
-    q_len, kv_len = _lengths_arg(prob.spec.q_len), _lengths_arg(prob.spec.kv_len)
-    args = kernel_args(prob, out, lse, q_len, kv_len)
-    keep_alive: tuple = (prob, out, lse, q_len, kv_len)  # the pointers in args point into these
+    args = kernel_args(prob, out, lse)
+    keep_alive: tuple = (prob, out, lse)  # the pointers in args point into these
     splits, merge, async_copy = 1, None, False
     if family == "rowmax":
         async_copy = _rowmax_async and can_async_copy(prob)

@@ -33,7 +33,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.device) -> torch.Tensor | None:
-    """Validate kv_len / q_len and return an int32 tensor [B] on ``device`` (None if not given)."""
+    """Validate kv_len / q_len and return a contiguous int32 tensor [B] on ``device`` (None if not given)."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -62,7 +62,10 @@ def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.dev
         lo, hi = (int(x) for x in torch.stack([t.min(), t.max()]).tolist())
         if lo < 0 or hi > limit:
             raise ValueError(f"{name} values must lie in [0, {limit}]; got values in [{lo}, {hi}]")
-    return t.to(device=device, dtype=torch.int32)
+    t = t.to(device=device, dtype=torch.int32)
+    if t.stride() != (1,):  # an expanded 0-dim length or a strided view: kernels read a plain int32 array
+        t = torch.empty(batch, dtype=torch.int32, device=device).copy_(t)
+    return t
 
 
 def _as_window(window: Any, causal: bool) -> tuple[int | None, int | None]:
@@ -119,8 +122,8 @@ class MaskSpec:
     left: int | None = None  #: keys before the diagonal a row may see (None: unbounded)
     right: int | None = None  #: keys after the diagonal a row may see (None: unbounded; causal: 0)
     align: str = "top_left"
-    kv_len: torch.Tensor | None = None  #: int32 [B] on the inputs' device, None = Nk
-    q_len: torch.Tensor | None = None  #: int32 [B] on the inputs' device, None = Nq
+    kv_len: torch.Tensor | None = None  #: contiguous int32 [B] on the inputs' device, None = Nk
+    q_len: torch.Tensor | None = None  #: contiguous int32 [B] on the inputs' device, None = Nq
     mask: torch.Tensor | None = None  #: bool view expanded to [B, Hq, Nq, Nk]
     bias: torch.Tensor | None = None  #: float32 view expanded to [B, Hq, Nq, Nk] (what kernels read)
     bias_src: torch.Tensor | None = None  #: the bias in the caller's dtype, expanded (what the reference adds)

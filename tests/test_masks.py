@@ -119,3 +119,13 @@ def test_predicate_is_built_on_the_inputs_device():
     s = MaskSpec.build(1, 1, 4, 4, causal=True, device="meta")
     assert s.allowed().device.type == "meta"
     assert s.lengths()[0].device.type == "meta"
+
+
+def test_lengths_are_contiguous_int32_even_from_a_scalar_tensor():
+    """Kernels index kv_len[b] as a plain array: a 0-dim tensor must not arrive as a stride-0 view."""
+    s = MaskSpec.build(3, 1, 4, 6, kv_len=torch.tensor(5, dtype=torch.int32),
+                       q_len=torch.tensor([1, 9, 2, 9, 3], dtype=torch.int32)[::2])
+    for t in (s.kv_len, s.q_len):
+        assert t.dtype == torch.int32 and t.is_contiguous() and t.stride() == (1,)
+        assert t.untyped_storage().nbytes() == 3 * 4
+    assert s.kv_len.tolist() == [5, 5, 5]

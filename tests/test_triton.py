@@ -317,3 +317,14 @@ def test_no_extra_memory_gpu():
     triton_fwd.TritonBackend().forward(prob, out, lse)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < 2**20
+
+
+def test_scalar_tensor_kv_len_is_read_per_batch_entry():
+    """A 0-dim kv_len tensor means the same length for every batch entry (read as kv_len[b] in the kernel)."""
+    import attnlab
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, 2, 20, 16, generator=g) for _ in range(3))
+    out = attnlab.attention(q, k, v, kv_len=torch.tensor(7, dtype=torch.int32), backend="triton")
+    ref, _ = attnlab.reference(q, k, v, kv_len=7)
+    assert attnlab.check.compare(out, ref).passed
