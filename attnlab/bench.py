@@ -146,7 +146,7 @@ from typing import Any
 
 import torch
 
-from attnlab.cases import mask_keywords
+from attnlab.cases import ShapeDefaults, mask_keywords
 from attnlab.masks import MaskSpec
 
 # ---------------------------------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 @dataclass(frozen=True)
-class BenchCase:
+class BenchCase(ShapeDefaults):
     """One benchmark configuration: shapes, dtype and mask keywords (layout bhnd, contiguous inputs)."""
 
     suite: str
@@ -201,14 +201,6 @@ class BenchCase:
     align: str | None = None
     kv_len: tuple[int, ...] | None = None
     q_len: tuple[int, ...] | None = None
-
-    @property
-    def hkv(self) -> int:
-        return self.Hq if self.Hkv is None else self.Hkv
-
-    @property
-    def nk(self) -> int:
-        return self.Nq if self.Nk is None else self.Nk
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -32,8 +32,25 @@ MASKS = {
 }
 
 
+class ShapeDefaults:
+    """Shared by test and benchmark cases: Hkv and Nk default to Hq and Nq."""
+
+    Hq: int
+    Hkv: int | None
+    Nq: int
+    Nk: int | None
+
+    @property
+    def hkv(self) -> int:
+        return self.Hq if self.Hkv is None else self.Hkv
+
+    @property
+    def nk(self) -> int:
+        return self.Nq if self.Nk is None else self.Nk
+
+
 @dataclass(frozen=True)
-class Case:
+class Case(ShapeDefaults):
     """One attention problem to check: shapes, layout, memory view and mask keywords."""
 
     name: str
@@ -52,14 +69,6 @@ class Case:
     q_len: tuple[int, ...] | None = None
     mask: str | None = None  #: a key of MASKS
     dtypes: tuple[torch.dtype, ...] = field(default=ALL_DTYPES)
-
-    @property
-    def hkv(self) -> int:
-        return self.Hq if self.Hkv is None else self.Hkv
-
-    @property
-    def nk(self) -> int:
-        return self.Nq if self.Nk is None else self.Nk
 
     def describe(self) -> dict[str, Any]:
         return {
