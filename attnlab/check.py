@@ -208,6 +208,7 @@ def verify(
     from attnlab import backend as _backends
     from attnlab.api import attention, poison_outputs
     from attnlab.cases import default_cases, make_inputs
+    from attnlab.reference import reference
 
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if backends is None:
@@ -231,7 +232,7 @@ def verify(
         for idx, (case, dt) in enumerate(it):
             case_seed = seed + idx
             q, k, v, kw = make_inputs(case, dtype=dt, device=dev, seed=case_seed)
-            ref, ref_lse = reference_lse(q, k, v, kw)
+            ref, ref_lse = reference(q, k, v, **kw)
             base = None
             if dt != torch.float32:
                 base = attention(q, k, v, backend="torch", **kw)
@@ -261,14 +262,6 @@ def verify(
 def _lse_atol(dtype: torch.dtype) -> float:
     """lse is float32 from float32 scores: its error is that of the scores, so scaled to the input dtype."""
     return {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-4)
-
-
-def reference_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference of a case in the caller's layout: (out64, lse64)."""
-    from attnlab.reference import reference
-
-    kw = {key: val for key, val in kw.items() if key != "backend"}
-    return reference(q, k, v, **kw)
 
 
 def summarize(df) -> str:

@@ -11,6 +11,8 @@ it (on the H200 its float32 kernel's NaN pattern differed from the contract's; a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,7 @@ from attnlab.reference import masked_scores
 _LSE_CHUNK_BYTES = 256 * 2**20
 
 
+@functools.cache
 def _has_enable_gqa() -> bool:
     doc = F.scaled_dot_product_attention.__doc__ or ""
     return "enable_gqa" in doc
