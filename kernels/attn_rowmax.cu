@@ -28,7 +28,9 @@
 //     d = 64*kk + tx*4 + e' (DPT = DMAX / 16). For each key c it reads 4 p's (16 bytes) and DPT v's
 //     (16-byte loads) and does 4*DPT FMAs.
 //
-// K/V tile loads, two paths chosen by the host (argument async_copy):
+// Parameters: one `struct AttnParams` (attn_common.cuh), as for every kernel of attnlab.
+//
+// K/V tile loads, two paths chosen by the host (field async_copy):
 //   cp.async (float32 inputs with stride_d = 1, D % 4 == 0, 16-byte aligned rows): every thread issues
 //     16-byte cp.async.cg copies global -> shared (no registers, no conversion; rows past the tile's keys
 //     and dims past D are zero-filled by a source size of 0). Tile t+1 is issued before tile t is
@@ -64,7 +66,16 @@
 //      the 128-register cap that keeps two blocks (16 warps) per SM.
 //   Result: seed case 0.0735 ms (1.53x the previous kernel, 1.44x sdpa-efficient's 0.106 ms); large case
 //   2.27 ms, 30.3 TFLOP/s (1.28x the previous kernel, 0.95x sdpa-efficient's 2.16 ms).
-//
+//   Issue #4 (the benchmark harness's per-call timing, with the Python launch on the path). Measured in one
+//   run on an H200 (medians of 30 calls, two rounds a few seconds apart; round 2 in brackets):
+//   4. one struct parameter instead of ~40 (attnlab/cuda.py packs it once, CuPy passes one address;
+//      kernel otherwise unchanged). Host time per backend call (tiny problem, wall / call): 134 us
+//      before, 126 us with the struct passed as a structured numpy array; the launch alone got slower
+//      (45 -> 60-75 us): CuPy reads such an array's __array_interface__ on every launch and numpy builds
+//      it field by field (24 us here on a CPU). Passed as one CPointer (an address, no conversion) since.
+//      Kernel: 2.289 (2.291) ms against 2.266 (2.266) ms before the change, 1% slower on the large case;
+//      not explained (same 128 registers, no spills; the tile loop's code is the same).
+
 // Registers: __launch_bounds__(256, 2) for D <= 128 caps a thread at 128 registers so that two blocks
 // (16 warps) share a multiprocessor; D = 256 runs one block per SM and is given the registers instead
 // (no spills either way: python -m attnlab compile-check).
@@ -110,28 +121,28 @@ struct RowmaxTiles {
     static constexpr int P_LD = BM + 4;      // row length of p_t
 };
 
-// Load the K and V rows of keys j0 .. j0 + n_keys - 1 into k_s, v_s ([BN][LD]); zero elsewhere.
+// Load the K and V rows of keys j0 .. j0 + n_keys - 1 into k_s, v_s ([BN][LD]); zero elsewhere (dims D ..
+// DMAX - 1 too, so that the products may run over all DMAX dims).
 template <int DTYPE, int DMAX>
-__device__ __forceinline__ void load_kv_tile(
-    const void* k, const void* v, long long k_base, long long v_base, long long k_sn, long long k_sd,
-    long long v_sn, long long v_sd, int j0, int n_keys, int D, bool async_copy, float* k_s, float* v_s)
+__device__ __forceinline__ void load_kv_tile(const AttnParams& args, long long k_base, long long v_base, int j0,
+                                             int n_keys, float* k_s, float* v_s)
 {
     using T = RowmaxTiles<DMAX>;
-    if (async_copy) {
+    if (args.async_copy) {
         // 16-byte chunks: thread t copies chunk column t % CHUNKS (dims 4*that .. +3) of every
         // ROWS_PER_PASS-th row from t / CHUNKS on. Consecutive threads copy consecutive 16 bytes of a row.
         constexpr int CHUNKS = DMAX / 4;
         constexpr int ROWS_PER_PASS = T::NTHREADS / CHUNKS;
         const int d = (threadIdx.x % CHUNKS) * 4;
-        const float* kf = static_cast<const float*>(k);
-        const float* vf = static_cast<const float*>(v);
+        const float* kf = static_cast<const float*>(args.k);
+        const float* vf = static_cast<const float*>(args.v);
 #pragma unroll
         for (int c = threadIdx.x / CHUNKS; c < T::BN; c += ROWS_PER_PASS) {
-            const bool in = c < n_keys && d < D;
+            const bool in = c < n_keys && d < args.D;
             const long long j = j0 + c;
             // Out of range: copy nothing (zero fill) from a valid address.
-            const float* k_src = in ? kf + k_base + j * k_sn + d : kf;
-            const float* v_src = in ? vf + v_base + j * v_sn + d : vf;
+            const float* k_src = in ? kf + k_base + j * args.ks.n + d : kf;
+            const float* v_src = in ? vf + v_base + j * args.vs.n + d : vf;
             cp_async_16(&k_s[c * T::LD + d], k_src, in ? 16 : 0);
             cp_async_16(&v_s[c * T::LD + d], v_src, in ? 16 : 0);
         }
@@ -139,40 +150,25 @@ __device__ __forceinline__ void load_kv_tile(
         // One element per thread and row: thread t handles dim t % DMAX of every ROWS_PER_PASS-th row.
         constexpr int ROWS_PER_PASS = T::NTHREADS / DMAX;
         const int d = threadIdx.x % DMAX;
-        const bool d_in = d < D;
+        const bool d_in = d < args.D;
         for (int c = threadIdx.x / DMAX; c < T::BN; c += ROWS_PER_PASS) {
             const bool in = d_in && c < n_keys;
             const long long j = j0 + c;
-            k_s[c * T::LD + d] = in ? load_elem<DTYPE>(k, k_base + j * k_sn + d * k_sd) : 0.0f;
-            v_s[c * T::LD + d] = in ? load_elem<DTYPE>(v, v_base + j * v_sn + d * v_sd) : 0.0f;
+            k_s[c * T::LD + d] = in ? load_elem<DTYPE>(args.k, k_base + j * args.ks.n + d * args.ks.d) : 0.0f;
+            v_s[c * T::LD + d] = in ? load_elem<DTYPE>(args.v, v_base + j * args.vs.n + d * args.vs.d) : 0.0f;
         }
     }
 }
 
 template <int DTYPE, int DMAX, bool FAST_EXP>
-__global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
-    const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v,
-    void* __restrict__ out, float* __restrict__ lse,
-    const int* __restrict__ q_len, const int* __restrict__ kv_len,
-    const void* __restrict__ mask, int mask_kind,
-    int Hq, int group, int Nq, int Nk, int D, float scale,
-    int left, int right, int bottom_right,
-    long long q_sb, long long q_sh, long long q_sn, long long q_sd,
-    long long k_sb, long long k_sh, long long k_sn, long long k_sd,
-    long long v_sb, long long v_sh, long long v_sn, long long v_sd,
-    long long o_sb, long long o_sh, long long o_sn, long long o_sd,
-    long long lse_sb, long long lse_sh, long long lse_sn,
-    long long m_sb, long long m_sh, long long m_sn, long long m_sk,
-    int async_copy, int split_tiles, float* __restrict__ part_acc, float* __restrict__ part_ml)
+__global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(const __grid_constant__ AttnParams args)
 {
     using T = RowmaxTiles<DMAX>;
     static_assert(T::TM == 4, "the 16-byte loads and stores of q_s and p_t hold 4 rows");
     static_assert(T::NTHREADS % DMAX == 0 && T::NTHREADS % (DMAX / 4) == 0, "whole rows per load pass");
     constexpr int BM = T::BM, BN = T::BN, TM = T::TM, TN = T::TN, DPT = T::DPT, LD = T::LD;
     constexpr int STAGES = T::STAGES;
-    const Strides4 qs = {q_sb, q_sh, q_sn, q_sd}, ks = {k_sb, k_sh, k_sn, k_sd};
-    const Strides4 vs = {v_sb, v_sh, v_sn, v_sd}, os = {o_sb, o_sh, o_sn, o_sd};
-    const Strides4 ms = {m_sb, m_sh, m_sn, m_sk};
+    const int Nq = args.Nq, D = args.D;
 
     extern __shared__ __align__(16) float smem[];
     float* q_s = smem;                          // [BM][LD]
@@ -180,35 +176,36 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
     float* v_s = k_s + STAGES * BN * LD;        // [STAGES][BN][LD]
     float* p_t = v_s + STAGES * BN * LD;        // [BN][P_LD]
 
-    const int b = blockIdx.x / Hq;
-    const int h = blockIdx.x % Hq;
-    const int hk = h / group;
+    const int b = blockIdx.x / args.Hq;
+    const int h = blockIdx.x % args.Hq;
+    const int hk = h / args.group;
     const int i0 = (gridDim.y - 1 - blockIdx.y) * BM;  // heaviest (last) query tiles first
     const int tx = threadIdx.x % 16;
     const int ty = threadIdx.x / 16;
 
     // This block's keys: its split's share of the query tile's structural range [lo, hi), in whole tiles.
-    const RowRule rule = row_rule(q_len, kv_len, b, Nq, Nk, left, right, bottom_right);
+    const RowRule rule = row_rule(args, b);
     int lo, hi;
     key_range(rule, i0, i0 + BM, &lo, &hi);
     const int range_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
-    const int t_begin = min(range_tiles, (int)blockIdx.z * split_tiles);
-    const int t_end = min(range_tiles, t_begin + split_tiles);
+    const int t_begin = min(range_tiles, (int)blockIdx.z * args.split_tiles);
+    const int t_end = min(range_tiles, t_begin + args.split_tiles);
     const int n_tiles = t_end - t_begin;
     const int j_begin = lo + t_begin * BN;
 
-    const long long k_base = offset4(ks, b, hk, 0, 0);
-    const long long v_base = offset4(vs, b, hk, 0, 0);
+    const long long k_base = offset4(args.ks, b, hk, 0, 0);
+    const long long v_base = offset4(args.vs, b, hk, 0, 0);
 
-    // Start the first K/V tiles on their way before loading Q (the copies run meanwhile).
+    // Start the first K/V tiles on their way before loading Q (the copies run meanwhile): tile t goes to
+    // stage t % STAGES as one cp.async group (empty past the end, so the wait count is always the same).
     auto issue_tile = [&](int t) {
         if (t < n_tiles) {
             const int j0 = j_begin + t * BN;
             const int stage = t % STAGES;
-            load_kv_tile<DTYPE, DMAX>(k, v, k_base, v_base, k_sn, k_sd, v_sn, v_sd, j0, min(BN, hi - j0), D,
-                                      async_copy != 0, k_s + stage * BN * LD, v_s + stage * BN * LD);
+            load_kv_tile<DTYPE, DMAX>(args, k_base, v_base, j0, min(BN, hi - j0), k_s + stage * BN * LD,
+                                      v_s + stage * BN * LD);
         }
-        cp_async_commit();  // one group per tile (empty past the end), so the wait count is always the same
+        cp_async_commit();
     };
 #pragma unroll
     for (int t = 0; t < STAGES - 1; ++t) issue_tile(t);
@@ -216,10 +213,11 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
     // Load the Q tile scaled; zero outside [0, Nq) x [0, D). Consecutive threads read consecutive d.
     {
         const int d = threadIdx.x % DMAX;
-        const long long q_base = offset4(qs, b, h, 0, d);
+        const long long q_base = offset4(args.qs, b, h, 0, d);
         for (int r = threadIdx.x / DMAX; r < BM; r += T::NTHREADS / DMAX) {
             const bool in = d < D && i0 + r < Nq;
-            q_s[r * LD + d] = in ? scale * load_elem<DTYPE>(q, q_base + (long long)(i0 + r) * q_sn) : 0.0f;
+            const long long o = q_base + (long long)(i0 + r) * args.qs.n;
+            q_s[r * LD + d] = in ? args.scale * load_elem<DTYPE>(args.q, o) : 0.0f;
         }
     }
 
@@ -271,7 +269,7 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
         }
 
         // Mask where needed: structure first (it keeps the mask read in bounds), then the explicit term.
-        const bool check_each = mask_kind != 0 || !tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN);
+        const bool check_each = args.mask_kind != 0 || !tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN);
         if (check_each) {
 #pragma unroll
             for (int r = 0; r < TM; ++r) {
@@ -279,9 +277,7 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
 #pragma unroll
                 for (int c = 0; c < TN; ++c) {
                     const int j = j0 + c * 16 + tx;
-                    s[r][c] = structure_allows(rule, i, j)
-                                  ? s[r][c] + explicit_term(mask, mask_kind, ms, b, h, i, j)
-                                  : NEG_INF;
+                    s[r][c] = structure_allows(rule, i, j) ? s[r][c] + explicit_term(args, b, h, i, j) : NEG_INF;
                 }
             }
         }
@@ -354,17 +350,17 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
                 const int d = kk * 64 + tx * 4 + e;
                 if (d >= D) continue;
                 if (split) {
-                    part_acc[row * D + d] = acc[r][kk * 4 + e];
+                    args.part_acc[row * D + d] = acc[r][kk * 4 + e];
                 } else {
-                    store_elem<DTYPE>(out, offset4(os, b, h, i, d), acc[r][kk * 4 + e] * inv_l);
+                    store_elem<DTYPE>(args.out, offset4(args.os, b, h, i, d), acc[r][kk * 4 + e] * inv_l);
                 }
             }
         if (tx == 0) {
             if (split) {
-                part_ml[row * 2] = m_i[r];
-                part_ml[row * 2 + 1] = l;
-            } else if (lse != nullptr) {
-                lse[b * lse_sb + h * lse_sh + (long long)i * lse_sn] = row_lse(m_i[r], l);
+                args.part_ml[row * 2] = m_i[r];
+                args.part_ml[row * 2 + 1] = l;
+            } else if (args.lse != nullptr) {
+                store_lse(args, b, h, i, row_lse(m_i[r], l));
             }
         }
     }
@@ -374,39 +370,37 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
 //   m = max_z m_z;  l = sum_z l_z exp(m_z - m);  out = sum_z acc_z exp(m_z - m) / l;  lse = m + log(l).
 // A split that saw no allowed key has m_z = -inf and l_z = 0 and weighs exp(-inf) = 0; a row no split
 // saw keeps m = -inf, l = 0 and writes out = 0, lse = -inf (safe_max keeps exp away from -inf - -inf).
-// expf always: a handful of exps per row, so fast_exp would buy nothing.
+// expf always: a handful of exps per row, so fast_exp would buy nothing. Launched with the same AttnParams
+// as attn_rowmax, right after it on the same stream.
 template <int DTYPE>
-__global__ void attn_rowmax_merge(
-    const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-    void* __restrict__ out, float* __restrict__ lse,
-    int splits, int Hq, int Nq, int D, long long rows,
-    long long o_sb, long long o_sh, long long o_sn, long long o_sd,
-    long long lse_sb, long long lse_sh, long long lse_sn)
+__global__ void attn_rowmax_merge(const __grid_constant__ AttnParams args)
 {
+    const long long rows = (long long)args.B * args.Hq * args.Nq;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
     const int lane = threadIdx.x % 32;
-    const int i = (int)(row % Nq);
-    const int bh = (int)(row / Nq);
-    const int b = bh / Hq, h = bh % Hq;
-    const Strides4 os = {o_sb, o_sh, o_sn, o_sd};
+    const int i = (int)(row % args.Nq);
+    const int bh = (int)(row / args.Nq);
+    const int b = bh / args.Hq, h = bh % args.Hq;
+    const float* part_ml = args.part_ml;
+    const float* part_acc = args.part_acc;
 
     float m = NEG_INF;
-    for (int z = 0; z < splits; ++z) m = fmaxf(m, part_ml[(z * rows + row) * 2]);
+    for (int z = 0; z < args.splits; ++z) m = fmaxf(m, part_ml[(z * rows + row) * 2]);
     const float m_use = safe_max(m);
     float l = 0.0f;
-    for (int z = 0; z < splits; ++z) {
+    for (int z = 0; z < args.splits; ++z) {
         const long long zr = z * rows + row;
         l += part_ml[zr * 2 + 1] * expf(part_ml[zr * 2] - m_use);
     }
     const float inv_l = row_inv_l(l);
-    for (int d = lane; d < D; d += 32) {
+    for (int d = lane; d < args.D; d += 32) {
         float o = 0.0f;
-        for (int z = 0; z < splits; ++z) {
+        for (int z = 0; z < args.splits; ++z) {
             const long long zr = z * rows + row;
-            o += part_acc[zr * D + d] * expf(part_ml[zr * 2] - m_use);
+            o += part_acc[zr * args.D + d] * expf(part_ml[zr * 2] - m_use);
         }
-        store_elem<DTYPE>(out, offset4(os, b, h, i, d), o * inv_l);
+        store_elem<DTYPE>(args.out, offset4(args.os, b, h, i, d), o * inv_l);
     }
-    if (lse != nullptr && lane == 0) lse[b * lse_sb + h * lse_sh + (long long)i * lse_sn] = row_lse(m, l);
+    if (args.lse != nullptr && lane == 0) store_lse(args, b, h, i, row_lse(m, l));
 }
