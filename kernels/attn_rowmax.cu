@@ -19,7 +19,8 @@
 //   S = Q K^T: thread (ty, tx) computes the 4 x TN block s[r][c] for rows ty*4 + r and keys c*16 + tx
 //     (TN = BN / 16; keys strided by 16 so that the 16 threads of a row read 16 consecutive K rows, which
 //     the padding spreads over all banks). Per 4 head dims it reads 4 q float4s (the two rows of a warp
-//     are broadcasts) and TN k float4s, and does 16*TN FMAs.
+//     are broadcasts) and TN k float4s, and does 16*TN FMAs. For DMAX = 64 the 16 steps are unrolled
+//     (all 64 dims, the padding being zero), so the loads of later steps overlap earlier FMAs.
 //   softmax: the 16 threads of a row (same ty) hold its BN scores. Per row: tile max over the thread's
 //     TN scores, then 4 xor shuffles over the 16 threads; m_new = max(m_i, tile max);
 //     alpha = exp(m_i - m_new) rescales l_i and acc once per tile; p = exp(s - m_new), one exp per score.
@@ -27,6 +28,11 @@
 //   O += P V: thread (ty, tx) owns the 4 x DPT block acc[r][e] of rows ty*4 + r and dims
 //     d = 64*kk + tx*4 + e' (DPT = DMAX / 16). For each key c it reads 4 p's (16 bytes) and DPT v's
 //     (16-byte loads) and does 4*DPT FMAs.
+//
+// Pipeline, two barriers per tile (D <= 128): (A) tile t has landed and every thread is done with tile
+// t - 1; then tile t + 1 is issued into the stage tile t - 1 used, and tile t is computed; (B) p_t is
+// complete, then O += P V. Barrier A of tile t + 1 also protects p_t and the stage from being overwritten
+// while still read. With one stage (D = 256), tile t + 1 is issued after a third barrier, once t is consumed.
 //
 // Parameters: one `struct AttnParams` (attn_common.cuh), as for every kernel of attnlab.
 //
@@ -75,6 +81,18 @@
 //      it field by field (24 us here on a CPU). Passed as one CPointer (an address, no conversion) since.
 //      Kernel: 2.289 (2.291) ms against 2.266 (2.266) ms before the change, 1% slower on the large case;
 //      not explained (same 128 registers, no spills; the tile loop's code is the same).
+//   5. two barriers per tile instead of three (taken). Predicted 1-3% on the large case (a barrier where
+//      all 8 warps of a block wait, with one other block per SM to cover it). Measured 2.289 -> 2.276
+//      (2.281) ms, 0.6%; with step 6 in place 2.181 -> 2.163 (2.160) ms, 0.8%.
+//   6. S = Q K^T loop unrolled for DMAX = 64 over all 64 dims (taken). Predicted 5-10% on the large case:
+//      with one step per iteration each step's 8 shared loads are exposed before its 64 FMAs. Measured
+//      2.276 -> 2.163 ms (5.2%); unrolled by 2 instead, 2.209 ms (3.0%). Unrolling D = 128 spills on
+//      sm_90 (128 registers), so it keeps one step per iteration.
+//   7. fast_exp as exp2f with log2(e) folded into the Q scale (not taken, not measured): it saves one FMUL
+//      per exp, 20 of ~2700 instructions per thread and tile, predicted < 1%.
+//   Result (same run): large case 2.163 (2.160) ms, 31.8 TFLOP/s, against sdpa-efficient's 2.174 (2.166)
+//   ms: 1.005 (1.003)x; with fast_exp 2.098 (2.095) ms, 1.04x. The seed case's per-call time was
+//   dominated by the host there (see step 4).
 
 // Registers: __launch_bounds__(256, 2) for D <= 128 caps a thread at 128 registers so that two blocks
 // (16 warps) share a multiprocessor; D = 256 runs one block per SM and is given the registers instead
@@ -196,8 +214,8 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(const __
     const long long k_base = offset4(args.ks, b, hk, 0, 0);
     const long long v_base = offset4(args.vs, b, hk, 0, 0);
 
-    // Start the first K/V tiles on their way before loading Q (the copies run meanwhile): tile t goes to
-    // stage t % STAGES as one cp.async group (empty past the end, so the wait count is always the same).
+    // Issue the copies of tile t into stage t % STAGES, as one cp.async group (empty past the last tile, so
+    // that every wait below counts the same groups).
     auto issue_tile = [&](int t) {
         if (t < n_tiles) {
             const int j0 = j_begin + t * BN;
@@ -207,8 +225,7 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(const __
         }
         cp_async_commit();
     };
-#pragma unroll
-    for (int t = 0; t < STAGES - 1; ++t) issue_tile(t);
+    issue_tile(0);  // on its way before Q is loaded (the copies run meanwhile)
 
     // Load the Q tile scaled; zero outside [0, Nq) x [0, D). Consecutive threads read consecutive d.
     {
@@ -229,34 +246,38 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(const __
 #pragma unroll
         for (int e = 0; e < DPT; ++e) acc[r][e] = 0.0f;
     }
-    const int d_end = (D + 3) / 4 * 4;  // head dims actually multiplied (q_s and k_s are zero up to DMAX)
+    const int d_end = (D + 3) / 4 * 4;  // head dims present (q_s and k_s are zero from D to DMAX)
     // This thread's corner of each shared array, so that the inner loops address by constant offsets.
     const float* q_row = q_s + ty * TM * LD;   // its first query row; the others follow at LD
     const float* p_col = p_t + ty * TM;        // its 4 rows of p_t (then one key per P_LD)
 
+    // Two barriers per tile. The first (A) says: tile t has landed in shared memory, and every thread has
+    // finished tile t - 1, so its stage and p_t may be overwritten. Only then is tile t + 1 issued, into the
+    // stage tile t - 1 used; its copies run while tile t is computed. The second (B) says: p_t is complete.
+    // With one stage (D = 256) tile t + 1 can only be issued once tile t is consumed: a third barrier.
     for (int t = 0; t < n_tiles; ++t) {
         const int j0 = j_begin + t * BN;
         const float* k_row = k_s + (t % STAGES) * BN * LD + tx * LD;  // its first key (the others: +16 rows)
         const float* v_col = v_s + (t % STAGES) * BN * LD + tx * 4;   // its 4 dims of V (per 64)
-        issue_tile(t + STAGES - 1);       // the next tile goes into the other stage (read two barriers ago)
-        cp_async_wait<STAGES - 1>();      // this thread's copies of tile t have landed ...
-        __syncthreads();                  // ... and everyone's (and q_s, on the first tile)
+        cp_async_wait<0>();               // this thread's copies of tile t have landed ...
+        __syncthreads();                  // (A) ... and everyone's (and q_s, on the first tile)
+        if (STAGES == 2) issue_tile(t + 1);
 
-        // S = Q K^T for this thread's 4 x TN micro-tile, 4 head dims per step.
+        // S = Q K^T for this thread's 4 x TN micro-tile, 4 head dims per step. For DMAX = 64 the steps run
+        // over all DMAX dims (q_s and k_s are zero past D), a compile-time count, and are unrolled: the shared
+        // loads of later steps are issued while earlier steps' FMAs run. Larger DMAX have no registers to
+        // spare for that (it spills at 128 per thread): one step at a time, over the dims present.
         float s[TM][TN];
 #pragma unroll
         for (int r = 0; r < TM; ++r)
 #pragma unroll
             for (int c = 0; c < TN; ++c) s[r][c] = 0.0f;
-        const float* q_d = q_row;  // &q_s[ty*4][d]
-        const float* k_d = k_row;  // &k_tile[tx][d]
-#pragma unroll 1
-        for (int d = 0; d < d_end; d += 4, q_d += 4, k_d += 4) {
+        auto qk_step = [&](int d) {
             float4 qv[TM], kv[TN];
 #pragma unroll
-            for (int r = 0; r < TM; ++r) qv[r] = *reinterpret_cast<const float4*>(q_d + r * LD);
+            for (int r = 0; r < TM; ++r) qv[r] = *reinterpret_cast<const float4*>(q_row + r * LD + d);
 #pragma unroll
-            for (int c = 0; c < TN; ++c) kv[c] = *reinterpret_cast<const float4*>(k_d + c * 16 * LD);
+            for (int c = 0; c < TN; ++c) kv[c] = *reinterpret_cast<const float4*>(k_row + c * 16 * LD + d);
 #pragma unroll
             for (int r = 0; r < TM; ++r)
 #pragma unroll
@@ -266,6 +287,13 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(const __
                     s[r][c] += qv[r].z * kv[c].z;
                     s[r][c] += qv[r].w * kv[c].w;
                 }
+        };
+        if (DMAX <= 64) {
+#pragma unroll
+            for (int d = 0; d < DMAX; d += 4) qk_step(d);
+        } else {
+#pragma unroll 1
+            for (int d = 0; d < d_end; d += 4) qk_step(d);
         }
 
         // Mask where needed: structure first (it keeps the mask read in bounds), then the explicit term.
@@ -309,7 +337,7 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(const __
             *reinterpret_cast<float4*>(&p_t[(c * 16 + tx) * T::P_LD + ty * TM]) =
                 make_float4(s[0][c], s[1][c], s[2][c], s[3][c]);
         }
-        __syncthreads();  // p_t complete
+        __syncthreads();  // (B) p_t complete
 
         // O += P V for this thread's 4 x DPT micro-tile (keys past the tile's end have p = 0 and v = 0).
 #pragma unroll 8
@@ -328,7 +356,10 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(const __
                 }
             }
         }
-        __syncthreads();  // p_t and this stage are free for the next tiles
+        if (STAGES == 1) {
+            __syncthreads();  // the single stage and p_t are free
+            issue_tile(t + 1);
+        }
     }
 
     // Finish: sum l_i over the row's 16 threads. One split: normalize and write (empty rows write 0 and
