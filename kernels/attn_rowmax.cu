@@ -72,27 +72,34 @@
 //      the 128-register cap that keeps two blocks (16 warps) per SM.
 //   Result: seed case 0.0735 ms (1.53x the previous kernel, 1.44x sdpa-efficient's 0.106 ms); large case
 //   2.27 ms, 30.3 TFLOP/s (1.28x the previous kernel, 0.95x sdpa-efficient's 2.16 ms).
-//   Issue #4 (the benchmark harness's per-call timing, with the Python launch on the path). Measured in one
-//   run on an H200 (medians of 30 calls, two rounds a few seconds apart; round 2 in brackets):
-//   4. one struct parameter instead of ~40 (attnlab/cuda.py packs it once, CuPy passes one address;
-//      kernel otherwise unchanged). Host time per backend call (tiny problem, wall / call): 134 us
-//      before, 126 us with the struct passed as a structured numpy array; the launch alone got slower
-//      (45 -> 60-75 us): CuPy reads such an array's __array_interface__ on every launch and numpy builds
-//      it field by field (24 us here on a CPU). Passed as one CPointer (an address, no conversion) since.
-//      Kernel: 2.289 (2.291) ms against 2.266 (2.266) ms before the change, 1% slower on the large case;
-//      not explained (same 128 registers, no spills; the tile loop's code is the same).
+//   Issue #4 (the benchmark harness's per-call timing, with the Python launch on the path). Two runs on an
+//   H200 (medians of 30 harness calls, two rounds a few seconds apart, round 2 in brackets; "kernel":
+//   30 prepared launches queued, / 30):
+//   4. one struct parameter instead of ~40 (attnlab/cuda.py packs it once, CuPy passes one address).
+//      Host time per backend call, tiny problem (wall / call, run 2): 72-84 us before, 17-22 us after;
+//      a prepared launch alone 25-32 us -> 10 us. (Passed as a structured numpy array, as CuPy documents,
+//      the launch got slower instead, 45 -> 60-75 us in run 1: CuPy reads the array's __array_interface__
+//      on every launch and numpy builds it field by field. Hence one CPointer.) Kernel, run 1, large case:
+//      2.289 (2.291) ms against 2.266 (2.266) ms before, 1% slower; not explained (same 128 registers,
+//      no spills, same tile loop).
 //   5. two barriers per tile instead of three (taken). Predicted 1-3% on the large case (a barrier where
-//      all 8 warps of a block wait, with one other block per SM to cover it). Measured 2.289 -> 2.276
-//      (2.281) ms, 0.6%; with step 6 in place 2.181 -> 2.163 (2.160) ms, 0.8%.
+//      all 8 warps of a block wait, with one other block per SM to cover it). Measured (run 1) 2.289 ->
+//      2.276 (2.281) ms, 0.6%; with step 6 in place 2.181 -> 2.163 (2.160) ms, 0.8%.
 //   6. S = Q K^T loop unrolled for DMAX = 64 over all 64 dims (taken). Predicted 5-10% on the large case:
 //      with one step per iteration each step's 8 shared loads are exposed before its 64 FMAs. Measured
-//      2.276 -> 2.163 ms (5.2%); unrolled by 2 instead, 2.209 ms (3.0%). Unrolling D = 128 spills on
-//      sm_90 (128 registers), so it keeps one step per iteration.
+//      (run 1) 2.276 -> 2.163 ms (5.0%); unrolled by 2 instead, 2.209 ms (3.0%). Unrolling D = 128 spills
+//      on sm_90 (128 registers), so it keeps one step per iteration.
 //   7. fast_exp as exp2f with log2(e) folded into the Q scale (not taken, not measured): it saves one FMUL
 //      per exp, 20 of ~2700 instructions per thread and tile, predicted < 1%.
-//   Result (same run): large case 2.163 (2.160) ms, 31.8 TFLOP/s, against sdpa-efficient's 2.174 (2.166)
-//   ms: 1.005 (1.003)x; with fast_exp 2.098 (2.095) ms, 1.04x. The seed case's per-call time was
-//   dominated by the host there (see step 4).
+//   8. the O += P V loop fully unrolled instead of by 8 (not taken: measured in run 2 only, after the
+//      tests): 2.156 (2.156) ms against 2.159 (2.159) ms, 0.2%.
+//   Result (run 2, steps 4-6): large case 2.159 (2.159) ms, 31.8 TFLOP/s, kernel 2.161 ms (before: 2.267
+//   (2.266), kernel 2.271); sdpa-efficient 2.149 (2.165) ms: 0.995 (1.003)x, parity within sdpa's own
+//   spread between rounds. fast_exp 2.094 (2.095) ms: 1.03x. Seed case 0.082 (0.081) ms against
+//   sdpa-efficient's 0.116 (0.116): 1.41 (1.43)x (before: 0.156 (0.224) ms, host-bound); fast_exp 0.082
+//   (0.089) ms. The seed case's kernel (4 splits + merge) got slower though: 0.0795 ms against 0.0719
+//   before; not investigated (candidates: tile 1 is now issued after tile 0 has landed, so the first two
+//   tiles of a 4-tile split block no longer travel together; the longer unrolled code).
 
 // Registers: __launch_bounds__(256, 2) for D <= 128 caps a thread at 128 registers so that two blocks
 // (16 warps) share a multiprocessor; D = 256 runs one block per SM and is given the registers instead
