@@ -13,8 +13,13 @@ The pieces, in the order a call goes through them:
 * :func:`get_kernel` compiles a variant once per device (the kernel file with ``attn_common.cuh`` inlined,
   one NVRTC name expression per variant), caches it, and raises its dynamic shared-memory limit when the
   variant needs more than the default 48 KB.
-* :func:`run` launches on torch's current stream: pointers are passed as 64-bit integers (zero copy, any
-  strides), scalars as ``numpy.int32`` / ``numpy.int64`` / ``numpy.float32``, and the launch is checked.
+* :func:`run` launches on torch's current stream. Every kernel takes one argument, ``struct AttnParams``
+  (``kernels/attn_common.cuh``; :data:`PARAMS_DTYPE` is its numpy twin): tensor pointers (zero copy, any
+  strides), strides, sizes, the mask rule. It is packed with one :mod:`struct` call and handed to CuPy as
+  one host address, so a launch converts no Python scalars; the compiled kernel, the device limits, the
+  validated configurations and CuPy's view of torch's stream are cached, and the launch names the stream
+  instead of switching CuPy's current one (the device is switched only when another one is current).
+  :func:`prepare` does the same once and returns a :class:`PreparedLaunch` to call repeatedly.
 * :func:`compile_check_main` (``python -m attnlab compile-check``) compiles every variant for sm_80 and
   sm_90 with NVRTC from the pip package ``nvidia-cuda-nvrtc-cu12`` through ctypes, without a GPU, and
   prints registers, shared memory, stack and spills.
@@ -33,9 +38,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import glob
 import os
 import re
+import struct
 import sys
 import threading
 import time
@@ -270,6 +277,7 @@ def validate_launch(cfg: LaunchConfig, limits: DeviceLimits, what: str = "kernel
             )
 
 
+@functools.lru_cache(maxsize=4096)
 def rowmax_split_plan(B: int, Hq: int, Nq: int, Nk: int, dmax: int, sm_count: int,
                       force: int | None = None) -> tuple[int, int]:
     """(splits, split_tiles) for the rowmax kernel: each query tile's key range is cut into pieces of
@@ -295,12 +303,14 @@ def rowmax_split_plan(B: int, Hq: int, Nq: int, Nk: int, dmax: int, sm_count: in
 def can_async_copy(prob: Problem) -> bool:
     """Whether rowmax may copy K/V rows with 16-byte cp.async: float32, D a multiple of 4, unit stride on
     D, and every K/V row start 16-byte aligned (pointers and the b/h/n strides multiples of 4 elements)."""
-    if prob.dtype != torch.float32 or prob.D % 4 != 0:
+    return _async_ok(prob.dtype, prob.D, prob.k.data_ptr(), prob.k.stride(), prob.v.data_ptr(), prob.v.stride())
+
+
+def _async_ok(dtype: torch.dtype, D: int, k_ptr: int, k_strides: tuple, v_ptr: int, v_strides: tuple) -> bool:
+    if dtype != torch.float32 or D % 4 != 0:
         return False
-    for t in (prob.k, prob.v):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
-            return False
-        if any(s % 4 != 0 for s in t.stride()[:3]):
+    for ptr, st in ((k_ptr, k_strides), (v_ptr, v_strides)):
+        if st[3] != 1 or ptr % 16 != 0 or st[0] % 4 != 0 or st[1] % 4 != 0 or st[2] % 4 != 0:
             return False
     return True
 
@@ -412,63 +422,227 @@ def get_merge_kernel(dtype_code: int, device_index: int):
     return kern
 
 
-def _ptr(t: torch.Tensor | None) -> np.uint64:
-    """A tensor's data pointer as a kernel argument (8 bytes, as a pointer is): zero copy, any strides."""
-    return np.uint64(0 if t is None else t.data_ptr())
+# ---- the kernels' one argument: struct AttnParams ---------------------------------------------------------
+
+#: ``struct Strides4`` of kernels/attn_common.cuh: the four strides (in elements) of a [B, H, N, D] view.
+STRIDES4_DTYPE = np.dtype([(n, np.int64) for n in "bhnd"], align=True)
+
+#: ``struct AttnParams`` of kernels/attn_common.cuh, field for field and in its order. ``align=True`` lays
+#: the fields out by C's rules (each at a multiple of its own alignment, the size a multiple of the largest),
+#: as NVRTC does for this plain struct; a size-1 array of this dtype is passed to the kernels by value (CuPy
+#: copies ``itemsize`` bytes from its data pointer). tests/test_cuda.py compiles ``offsetof`` checks of every
+#: field against the C declaration.
+PARAMS_DTYPE = np.dtype(
+    [(n, np.uint64) for n in ("q", "k", "v", "out", "lse", "q_len", "kv_len", "mask", "part_acc", "part_ml")]
+    + [(n, STRIDES4_DTYPE) for n in ("qs", "ks", "vs", "os", "ms")]
+    + [(n, np.int64) for n in ("lse_sb", "lse_sh", "lse_sn")]
+    + [(n, np.int32) for n in ("B", "Hq", "group", "Nq", "Nk", "D")]
+    + [("scale", np.float32)]
+    + [(n, np.int32) for n in ("mask_kind", "left", "right", "bottom_right", "async_copy", "split_tiles", "splits")],
+    align=True,
+)
+
+_STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i", np.dtype(np.float32): "f"}
 
 
-def _strides(t: torch.Tensor | None, n: int) -> list[np.int64]:
-    if t is None:
-        return [np.int64(0)] * n
-    return [np.int64(s) for s in t.stride()]
+def struct_format(dtype: np.dtype) -> str:
+    """The :mod:`struct` format that packs the scalar fields of ``dtype`` (nested structs flattened, in
+    order) into exactly its bytes: pad bytes where the dtype has padding, native byte order."""
+
+    def walk(dt: np.dtype, base: int) -> tuple[str, int]:
+        parts, pos = [], base
+        for name in dt.names:
+            sub, off = dt.fields[name][0], base + dt.fields[name][1]
+            if off < pos:
+                raise ValueError(f"field {name!r} of {dt} overlaps the one before it")
+            parts.append("x" * (off - pos))
+            if sub.names:
+                fmt, pos = walk(sub, off)
+                parts.append(fmt)
+            else:
+                parts.append(_STRUCT_CODES[sub])
+                pos = off + sub.itemsize
+        end = base + dt.itemsize
+        return "".join(parts) + "x" * (end - pos), end
+
+    return "=" + walk(dtype, 0)[0]
 
 
-def _clamp_bound(x: int | None) -> np.int32:
-    return np.int32(NO_BOUND if x is None else max(-NO_BOUND, min(NO_BOUND, int(x))))
+_PARAMS_PACK = struct.Struct(struct_format(PARAMS_DTYPE))
+_NO_STRIDES4 = (0, 0, 0, 0)
 
 
-def kernel_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
-    """The argument tuple of every attention kernel, in the order of their signatures.
+def _addr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
-    Pointers go as ``numpy.uint64`` (a device pointer is 8 bytes), sizes as ``numpy.int32``, strides (in
-    elements) as ``numpy.int64``, the scale as ``numpy.float32``. The lengths are the spec's (contiguous
-    int32 already). The caller must keep ``prob``, ``out`` and ``lse`` alive until the kernel has run.
-    """
+
+def _clamp_bound(x: int | None) -> int:
+    return NO_BOUND if x is None else max(-NO_BOUND, min(NO_BOUND, int(x)))
+
+
+def _param_values(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, async_copy: bool, splits: int,
+                  split_tiles: int, workspace: torch.Tensor | None, q_ptr: int, k_ptr: int, v_ptr: int,
+                  q_st: tuple, k_st: tuple, v_st: tuple) -> tuple:
+    """The fields of ``struct AttnParams`` in order, nested strides flattened (what ``_PARAMS_PACK`` packs)."""
     spec = prob.spec
     if spec.mask is not None:
-        mask, kind = spec.mask.view(torch.uint8), 1
+        mask, kind = spec.mask, 1  # bool, read as bytes
     elif spec.bias is not None:
         mask, kind = spec.bias, 2
     else:
         mask, kind = None, 0
+    B, Hq, Nq, D = prob.q.shape
+    Hkv, Nk = prob.k.shape[1], prob.k.shape[2]
+    part_acc = part_ml = 0
+    if workspace is not None:
+        part_acc = workspace.data_ptr()
+        part_ml = part_acc + 4 * splits * B * Hq * Nq * D
     return (
-        _ptr(prob.q), _ptr(prob.k), _ptr(prob.v), _ptr(out), _ptr(lse),
-        _ptr(spec.q_len), _ptr(spec.kv_len), _ptr(mask), np.int32(kind),
-        np.int32(prob.Hq), np.int32(prob.group), np.int32(prob.Nq), np.int32(prob.Nk), np.int32(prob.D),
-        np.float32(prob.scale),
-        _clamp_bound(spec.left), _clamp_bound(spec.right), np.int32(spec.align == "bottom_right"),
-        *_strides(prob.q, 4), *_strides(prob.k, 4), *_strides(prob.v, 4), *_strides(out, 4),
-        *_strides(lse, 3), *_strides(mask, 4),
+        q_ptr, k_ptr, v_ptr, out.data_ptr(), _addr(lse), _addr(spec.q_len), _addr(spec.kv_len), _addr(mask),
+        part_acc, part_ml,
+        *q_st, *k_st, *v_st, *out.stride(), *(_NO_STRIDES4 if mask is None else mask.stride()),
+        *((0, 0, 0) if lse is None else lse.stride()),
+        B, Hq, Hq // Hkv, Nq, Nk, D, prob.scale,
+        kind, _clamp_bound(spec.left), _clamp_bound(spec.right), int(spec.align == "bottom_right"),
+        int(async_copy), split_tiles, splits,
     )
 
 
-_limits_cache: dict[tuple[Variant, int], DeviceLimits] = {}
+def kernel_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, *, async_copy: bool = False,
+                splits: int = 1, split_tiles: int = NO_BOUND, workspace: torch.Tensor | None = None) -> np.ndarray:
+    """The one argument of every attention kernel as a size-1 array of :data:`PARAMS_DTYPE` (``struct
+    AttnParams``; a writable view of the packed bytes).
+
+    Pointers are the tensors' data pointers (zero copy, any strides; 0 for an absent tensor), strides are in
+    elements. ``async_copy``, ``splits``, ``split_tiles`` and ``workspace`` (float32, ``splits * B*Hq*Nq *
+    (D + 2)`` elements: the split states' acc, then their (m, l)) are rowmax's. The caller keeps ``prob``,
+    ``out``, ``lse`` and ``workspace`` alive until the kernel has run.
+    """
+    q, k, v = prob.q, prob.k, prob.v
+    values = _param_values(prob, out, lse, async_copy, splits, split_tiles, workspace, q.data_ptr(), k.data_ptr(),
+                           v.data_ptr(), q.stride(), k.stride(), v.stride())
+    return np.frombuffer(bytearray(_PARAMS_PACK.pack(*values)), dtype=PARAMS_DTYPE)
+
+
+# ---- launching ---------------------------------------------------------------------------------------------
+
+
+class _ParamBlock:
+    """Host bytes of one ``struct AttnParams`` and the CuPy kernel argument that passes them by value.
+
+    CuPy launches by handing the driver one host address per kernel parameter, and the driver copies
+    ``sizeof(parameter)`` bytes from it when the launch is enqueued. A ``cupy.cuda.function.CPointer`` is
+    such an address, taken as it is; it is made once per block, so a launch converts nothing. (A size-1
+    structured numpy array would also do, as CuPy documents, but CuPy reads its ``__array_interface__``
+    on every launch, and numpy builds that dict field by field for a structured dtype: tens of
+    microseconds per launch.) Without CPointer, a size-1 array of an unstructured void dtype is passed.
+    """
+
+    __slots__ = ("arg", "buffer", "view")
+
+    def __init__(self) -> None:
+        self.buffer = bytearray(PARAMS_DTYPE.itemsize)
+        self.view = np.frombuffer(self.buffer, dtype=PARAMS_DTYPE)  # shares the bytes (inspection, tests)
+        cpointer = getattr(_cupy().cuda.function, "CPointer", None)
+        if cpointer is not None:
+            self.arg = cpointer(self.view.ctypes.data)
+        else:
+            self.arg = self.view.view(np.dtype((np.void, PARAMS_DTYPE.itemsize)))
+
+    def pack(self, values: tuple) -> None:
+        _PARAMS_PACK.pack_into(self.buffer, 0, *values)
+
+
+class _Compiled:
+    """What a launch of one (family, dtype, D, fast_exp) on one device needs and what stays the same from
+    call to call: the variant, its compiled kernel as a CuPy ``Function`` of that device (whose launch takes
+    the stream as an argument, so no current-stream switch is needed), rowmax's merge kernel, the device's
+    limits, and the launch configurations already validated against them."""
+
+    def __init__(self, variant: Variant, dev: int):
+        cp = self.cupy = _cupy()
+        self.variant = variant
+        self.device = dev
+        self.kernel = get_kernel(variant, dev)
+        self.limits = _limits(variant, dev, self.kernel)
+        with cp.cuda.Device(dev):
+            self.function = self.kernel.kernel
+            self.merge = get_merge_kernel(variant.dtype, dev).kernel if variant.family == "rowmax" else None
+        self._configs: dict[tuple, tuple[LaunchConfig, tuple | None]] = {}
+
+    def config(self, B: int, Hq: int, Nq: int, splits: int) -> tuple[LaunchConfig, tuple[int, int, int] | None]:
+        """(kernel configuration, merge grid or None), validated against the device's limits (once per shape)."""
+        key = (B, Hq, Nq, splits)
+        got = self._configs.get(key)
+        if got is None:
+            cfg = launch_config(self.variant, B, Hq, Nq, splits)
+            validate_launch(cfg, self.limits, self.variant.label)
+            merge_grid = None
+            if splits > 1:
+                merge_grid = (-(-(B * Hq * Nq) // (MERGE_THREADS // 32)), 1, 1)
+                validate_launch(LaunchConfig(merge_grid, (MERGE_THREADS, 1, 1), 0), self.limits, "attn_rowmax_merge")
+            got = self._configs[key] = (cfg, merge_grid)
+        return got
+
+    def launch(self, cfg: LaunchConfig, merge_grid: tuple[int, int, int] | None, arg, splits: int) -> None:
+        """Enqueue the kernel (then the merge) on torch's current stream of the device; raise on failure."""
+        cp, dev = self.cupy, self.device
+        try:
+            stream = _cupy_stream(dev)
+            args = (arg,)
+            if cp.cuda.runtime.getDevice() == dev:
+                self.function(cfg.grid, cfg.block, args, shared_mem=cfg.shared_bytes, stream=stream)
+                if merge_grid is not None:
+                    self.merge(merge_grid, (MERGE_THREADS, 1, 1), args, stream=stream)
+            else:  # the kernels belong to dev's context: make it current for the launch
+                with cp.cuda.Device(dev):
+                    self.function(cfg.grid, cfg.block, args, shared_mem=cfg.shared_bytes, stream=stream)
+                    if merge_grid is not None:
+                        self.merge(merge_grid, (MERGE_THREADS, 1, 1), args, stream=stream)
+        except Exception as e:
+            raise RuntimeError(
+                f"launch of {self.variant.label} failed (grid {cfg.grid}, block {cfg.block}, "
+                f"{cfg.shared_bytes} bytes of dynamic shared memory, {splits} split(s)): {e}"
+            ) from e
+        if _debug_sync:
+            torch.cuda.current_stream(dev).synchronize()  # raises on an asynchronous error of the kernel
+
+
+_compiled_cache: dict[tuple, _Compiled] = {}
+
+
+def _compiled(family: str, dtype: torch.dtype, D: int, fast: bool | None, dev: int) -> _Compiled:
+    fast = _fast_exp if fast is None else bool(fast)
+    key = (family, dtype, D, fast, dev)
+    c = _compiled_cache.get(key)
+    if c is None:
+        c = _compiled_cache[key] = _Compiled(choose_variant(family, dtype, D, fast), dev)
+    return c
+
+
 _stream_cache: dict[tuple[int, int], object] = {}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cudaStream_t, without a Stream object
 
 
-def _cupy_stream(torch_stream: torch.cuda.Stream, dev: int):
-    """CuPy's view of a torch stream (same cudaStream_t), cached by handle. CuPy 14 takes it through the
-    CUDA stream protocol (``Stream.from_external``); older CuPy through ``ExternalStream``."""
-    key = (dev, int(torch_stream.cuda_stream))
-    st = _stream_cache.get(key)
+def _cupy_stream(dev: int):
+    """CuPy's view of torch's current stream on ``dev`` (same cudaStream_t), cached by handle. CuPy 14 takes
+    it through the CUDA stream protocol (``Stream.from_external``); older CuPy through ``ExternalStream``."""
+    handle = _raw_stream(dev) if _raw_stream is not None else torch.cuda.current_stream(dev).cuda_stream
+    st = _stream_cache.get((dev, handle))
     if st is None:
         cp = _cupy()
+        torch_stream = torch.cuda.current_stream(dev)
+        if int(torch_stream.cuda_stream) != handle:
+            raise RuntimeError(f"torch's current stream on cuda:{dev} changed while it was looked up")
         if hasattr(cp.cuda.Stream, "from_external") and hasattr(torch_stream, "__cuda_stream__"):
             st = cp.cuda.Stream.from_external(torch_stream)
         else:
-            st = cp.cuda.ExternalStream(key[1], dev)
-        _stream_cache[key] = st
+            st = cp.cuda.ExternalStream(handle, dev)
+        _stream_cache[(dev, handle)] = st
     return st
+
+
+_limits_cache: dict[tuple[Variant, int], DeviceLimits] = {}
 
 
 def _limits(variant: Variant, device_index: int, kern) -> DeviceLimits:
@@ -479,72 +653,82 @@ def _limits(variant: Variant, device_index: int, kern) -> DeviceLimits:
     return lim
 
 
-def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
-            fast: bool | None = None):
-    """Compile (once), validate the launch, and return a function that launches ``family`` on ``prob``.
-
-    Calling the returned function launches on torch's current stream of the problem's device, every time
-    (benchmarks call it repeatedly, so only the launch itself is on the timed path). ``fast`` overrides
-    the module's fast_exp setting.
-    """
-    cp = _cupy()
-    variant = choose_variant(family, prob.dtype, prob.D, fast)
-    dev = prob.device.index if prob.device.index is not None else torch.cuda.current_device()
-    kern = get_kernel(variant, dev)
-    limits = _limits(variant, dev, kern)
-    args = kernel_args(prob, out, lse)
-    keep_alive: tuple = (prob, out, lse)  # the pointers in args point into these
-    splits, merge, async_copy = 1, None, False
+def _plan(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, fast: bool | None):
+    """Everything one launch needs, from the cached compiled kernel and the tensors' pointers and strides
+    (each read once): (compiled, config, merge grid, splits, async_copy, struct values, workspace)."""
+    q, k, v = prob.q, prob.k, prob.v
+    dev = q.device.index
+    if dev is None:
+        dev = torch.cuda.current_device()
+    B, Hq, Nq, D = q.shape
+    c = _compiled(family, q.dtype, D, fast, dev)
+    q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    q_st, k_st, v_st = q.stride(), k.stride(), v.stride()
+    splits, split_tiles, async_copy, workspace = 1, NO_BOUND, False, None
     if family == "rowmax":
-        async_copy = _rowmax_async and can_async_copy(prob)
-        splits, split_tiles = rowmax_split_plan(prob.B, prob.Hq, prob.Nq, prob.Nk, variant.dmax, limits.sm_count,
+        async_copy = _rowmax_async and _async_ok(q.dtype, D, k_ptr, k_st, v_ptr, v_st)
+        splits, split_tiles = rowmax_split_plan(B, Hq, Nq, k.shape[2], c.variant.dmax, c.limits.sm_count,
                                                 _rowmax_force_splits)
-        part_acc = part_ml = None
         if splits > 1:
-            # Workspace of the split states: acc [splits][B*Hq*Nq][D], (m, l) [splits][B*Hq*Nq][2].
-            rows = prob.B * prob.Hq * prob.Nq
-            part_acc = torch.empty(splits * rows * prob.D, dtype=torch.float32, device=prob.device)
-            part_ml = torch.empty(splits * rows * 2, dtype=torch.float32, device=prob.device)
-            merge_args = (
-                _ptr(part_acc), _ptr(part_ml), _ptr(out), _ptr(lse), np.int32(splits), np.int32(prob.Hq),
-                np.int32(prob.Nq), np.int32(prob.D), np.int64(rows), *_strides(out, 4), *_strides(lse, 3),
-            )
-            merge_grid = (-(-rows // (MERGE_THREADS // 32)), 1, 1)
-            merge = (get_merge_kernel(variant.dtype, dev), merge_grid, merge_args)
-        args = (*args, np.int32(async_copy), np.int32(split_tiles if splits > 1 else NO_BOUND),
-                _ptr(part_acc), _ptr(part_ml))
-        keep_alive = (*keep_alive, part_acc, part_ml)
-    cfg = launch_config(variant, prob.B, prob.Hq, prob.Nq, splits)
-    validate_launch(cfg, limits, variant.label)
+            # One allocation: acc [splits][B*Hq*Nq][D], then (m, l) [splits][B*Hq*Nq][2] (see kernel_args).
+            workspace = torch.empty(splits * B * Hq * Nq * (D + 2), dtype=torch.float32, device=q.device)
+        else:
+            split_tiles = NO_BOUND
+    cfg, merge_grid = c.config(B, Hq, Nq, splits)
+    values = _param_values(prob, out, lse, async_copy, splits, split_tiles, workspace, q_ptr, k_ptr, v_ptr,
+                           q_st, k_st, v_st)
+    return c, cfg, merge_grid, splits, async_copy, values, workspace
 
-    def launch() -> None:
-        torch_stream = torch.cuda.current_stream(prob.device)
-        with cp.cuda.Device(dev):
-            stream = _cupy_stream(torch_stream, dev)
-            try:
-                with stream:
-                    kern(cfg.grid, cfg.block, args, shared_mem=cfg.shared_bytes)
-                    if merge is not None:
-                        merge[0](merge[1], (MERGE_THREADS, 1, 1), merge[2])
-            except Exception as e:
-                raise RuntimeError(
-                    f"launch of {variant.label} failed (grid {cfg.grid}, block {cfg.block}, "
-                    f"{cfg.shared_bytes} bytes of dynamic shared memory): {e}"
-                ) from e
-            if _debug_sync:
-                torch_stream.synchronize()  # raises on an asynchronous error of the kernel
 
-    launch.variant = variant  # type: ignore[attr-defined]
-    launch.config = cfg  # type: ignore[attr-defined]
-    launch.splits = splits  # type: ignore[attr-defined]
-    launch.async_copy = async_copy  # type: ignore[attr-defined]
-    launch.keep_alive = keep_alive  # type: ignore[attr-defined]
-    return launch
+class PreparedLaunch:
+    """A validated launch of one kernel (and rowmax's merge, when it splits) on fixed tensors; calling it
+    enqueues the kernel(s) on torch's current stream of the problem's device. Benchmarks call it repeatedly,
+    so only the launch itself is on the timed path.
+
+    Attributes: ``variant``, ``config`` (grid, block, shared memory), ``splits``, ``async_copy``, ``params``
+    (the packed :data:`PARAMS_DTYPE` argument, size-1 array) and ``keep_alive`` (the tensors its pointers
+    point into).
+    """
+
+    def __init__(self, family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
+                 fast: bool | None = None):
+        c, cfg, merge_grid, splits, async_copy, values, workspace = _plan(family, prob, out, lse, fast)
+        self._compiled, self._merge_grid = c, merge_grid
+        self._block = _ParamBlock()
+        self._block.pack(values)
+        self.variant, self.config, self.splits, self.async_copy = c.variant, cfg, splits, async_copy
+        self.params = self._block.view
+        self.keep_alive = (prob, out, lse, workspace)
+
+    def __call__(self) -> None:
+        self._compiled.launch(self.config, self._merge_grid, self._block.arg, self.splits)
+
+
+def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
+            fast: bool | None = None) -> PreparedLaunch:
+    """Compile (once per variant and device), validate the launch, and return a :class:`PreparedLaunch` of
+    ``family`` on ``prob`` into ``out`` / ``lse``. ``fast`` overrides the module's fast_exp setting."""
+    return PreparedLaunch(family, prob, out, lse, fast)
+
+
+_local = threading.local()  # each thread's parameter block for run()
 
 
 def run(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-    """Launch ``family`` on ``prob`` into ``out`` / ``lse`` on torch's current stream."""
-    prepare(family, prob, out, lse)()
+    """Launch ``family`` on ``prob`` into ``out`` / ``lse`` on torch's current stream.
+
+    The per-call path (every backend call): look up the compiled kernel, read the tensors' pointers and
+    strides once, plan rowmax's split (one workspace tensor when it splits), pack the struct into this
+    thread's parameter block (the driver copies it at the launch, so the block is free again right after),
+    take the validated configuration from the cache, and enqueue.
+    """
+    c, cfg, merge_grid, splits, _async, values, workspace = _plan(family, prob, out, lse, None)
+    block = getattr(_local, "block", None)
+    if block is None:
+        block = _local.block = _ParamBlock()
+    block.pack(values)
+    c.launch(cfg, merge_grid, block.arg, splits)
+    del workspace  # freed after the launch: torch's allocator orders its reuse after these kernels (same stream)
 
 
 # ---- backends ----------------------------------------------------------------------------------------
@@ -682,8 +866,10 @@ class Nvrtc:
         if rc != 0:
             raise RuntimeError(f"{what}: {self.lib.nvrtcGetErrorString(rc).decode()}")
 
-    def compile(self, source: str, name: str, options: Sequence[str], name_expressions: Sequence[str]):
-        """Compile; returns (ok, log, {name expression: lowered (mangled) name})."""
+    def compile(self, source: str, name: str, options: Sequence[str], name_expressions: Sequence[str],
+                ptx: list[str] | None = None):
+        """Compile; returns (ok, log, {name expression: lowered (mangled) name}). When ``ptx`` is a list,
+        the program's PTX is appended to it."""
         prog = ctypes.c_void_p()
         self._check(
             self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
@@ -707,6 +893,12 @@ class Nvrtc:
                     self._check(self.lib.nvrtcGetLoweredName(prog, ne.encode(), ctypes.byref(p)),
                                 "nvrtcGetLoweredName")
                     lowered[ne] = p.value.decode()
+                if ptx is not None:
+                    size = ctypes.c_size_t()
+                    self._check(self.lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+                    buf = ctypes.create_string_buffer(size.value)
+                    self._check(self.lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
+                    ptx.append(buf.value.decode())
             return rc == 0, log, lowered
         finally:
             self.lib.nvrtcDestroyProgram(ctypes.byref(prog))

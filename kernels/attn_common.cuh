@@ -48,14 +48,15 @@ __device__ __forceinline__ unsigned short float_to_bf16_bits(float f) {
     return h;
 }
 
+// Inputs are read through the read-only data path (__ldg): they do not change while a kernel runs.
 template <int DTYPE>
 __device__ __forceinline__ float load_elem(const void* base, long long offset) {
     if (DTYPE == 0) {
-        return static_cast<const float*>(base)[offset];
+        return __ldg(static_cast<const float*>(base) + offset);
     } else if (DTYPE == 1) {
-        return half_bits_to_float(static_cast<const unsigned short*>(base)[offset]);
+        return half_bits_to_float(__ldg(static_cast<const unsigned short*>(base) + offset));
     } else {
-        return bf16_bits_to_float(static_cast<const unsigned short*>(base)[offset]);
+        return bf16_bits_to_float(__ldg(static_cast<const unsigned short*>(base) + offset));
     }
 }
 
@@ -93,6 +94,35 @@ __device__ __forceinline__ long long offset4(const Strides4& s, int b, int h, lo
     return (long long)b * s.b + (long long)h * s.h + n * s.n + d * s.d;
 }
 
+// ---- kernel parameters --------------------------------------------------------------------------------
+
+// Everything a launch tells the kernels, passed as ONE argument by value (the naive, tiled and rowmax kernels
+// and rowmax's merge all take it). attnlab/cuda.py builds the same bytes from a numpy structured dtype
+// (PARAMS_DTYPE, align=True: C's layout rules); tests/test_cuda.py checks every field's offset and the size
+// against this declaration, compiled. Keep the order: 8-byte fields first, then 4-byte ones, so that no
+// padding hides between fields. Pointers are device addresses, 0 for an absent tensor; strides are in elements.
+struct AttnParams {
+    const void* q;          // [B, Hq, Nq, D]
+    const void* k;          // [B, Hkv, Nk, D]
+    const void* v;          // [B, Hkv, Nk, D]
+    void* out;              // [B, Hq, Nq, D], q's dtype
+    float* lse;             // [B, Hq, Nq] float32, or 0
+    const int* q_len;       // [B] int32, or 0 (every row is real)
+    const int* kv_len;      // [B] int32, or 0 (every key is real)
+    const void* mask;       // bool mask as bytes (mask_kind 1) or float32 bias (mask_kind 2), or 0
+    float* part_acc;        // rowmax split keys: acc of each split [splits][B*Hq*Nq][D], or 0
+    float* part_ml;         //                    (m, l) of each split [splits][B*Hq*Nq][2], or 0
+    Strides4 qs, ks, vs, os, ms;             // q, k, v, out, mask (ms: stride 0 on broadcast dims)
+    long long lse_sb, lse_sh, lse_sn;
+    int B, Hq, group, Nq, Nk, D;             // group = Hq / Hkv (GQA: query head h reads kv head h / group)
+    float scale;
+    int mask_kind;                           // 0 none, 1 bool, 2 additive bias
+    int left, right, bottom_right;           // the window (causal: right = 0), NO_BOUND when unbounded
+    int async_copy;                          // rowmax: K/V tiles by cp.async (1) or element loads (0)
+    int split_tiles;                         // rowmax: key tiles per split (NO_BOUND: one split)
+    int splits;                              // rowmax: number of splits (grid z), read by the merge
+};
+
 // ---- the mask rule ------------------------------------------------------------------------------------
 
 // The structure of one batch entry: effective lengths, the diagonal offset and the window.
@@ -104,14 +134,13 @@ struct RowRule {
     int right;  //          j <= diag_i + right
 };
 
-__device__ __forceinline__ RowRule row_rule(const int* q_len, const int* kv_len, int b, int Nq, int Nk,
-                                            int left, int right, int bottom_right) {
+__device__ __forceinline__ RowRule row_rule(const AttnParams& args, int b) {
     RowRule r;
-    r.lq = q_len ? q_len[b] : Nq;
-    r.lk = kv_len ? kv_len[b] : Nk;
-    r.off = bottom_right ? r.lk - r.lq : 0;
-    r.left = left;
-    r.right = right;
+    r.lq = args.q_len ? args.q_len[b] : args.Nq;
+    r.lk = args.kv_len ? args.kv_len[b] : args.Nk;
+    r.off = args.bottom_right ? r.lk - r.lq : 0;
+    r.left = args.left;
+    r.right = args.right;
     return r;
 }
 
@@ -143,12 +172,11 @@ __device__ __forceinline__ bool tile_fully_allowed(const RowRule& r, int i0, int
 
 // The explicit mask's contribution to score (b, h, i, j): 0 or -inf for a bool mask (kind 1), the bias
 // value for an additive bias (kind 2), 0 when there is none (kind 0). Broadcast dims have stride 0.
-__device__ __forceinline__ float explicit_term(const void* mask, int kind, const Strides4& s, int b, int h,
-                                               int i, int j) {
-    if (kind == 0) return 0.0f;
-    long long o = offset4(s, b, h, i, j);
-    if (kind == 1) return static_cast<const unsigned char*>(mask)[o] ? 0.0f : NEG_INF;
-    return static_cast<const float*>(mask)[o];
+__device__ __forceinline__ float explicit_term(const AttnParams& args, int b, int h, int i, int j) {
+    if (args.mask_kind == 0) return 0.0f;
+    long long o = offset4(args.ms, b, h, i, j);
+    if (args.mask_kind == 1) return __ldg(static_cast<const unsigned char*>(args.mask) + o) ? 0.0f : NEG_INF;
+    return __ldg(static_cast<const float*>(args.mask) + o);
 }
 
 // ---- warp reductions ----------------------------------------------------------------------------------
@@ -171,6 +199,11 @@ __device__ __forceinline__ float group_max(float x, int width) {
 // inputs) is not empty: it propagates, as the contract says.
 __device__ __forceinline__ float row_lse(float m_i, float l_i) {
     return l_i != 0.0f ? m_i + logf(l_i) : NEG_INF;
+}
+
+// Store the lse of row i of (batch b, head h).
+__device__ __forceinline__ void store_lse(const AttnParams& args, int b, int h, int i, float value) {
+    args.lse[b * args.lse_sb + h * args.lse_sh + (long long)i * args.lse_sn] = value;
 }
 
 // 1 / l_i, or 0 for an empty row so that out = acc * 0 = 0 (acc is 0 there too).

@@ -16,37 +16,27 @@
 // this kernel: the tiled kernels exist to remove exactly this traffic.
 
 template <int DTYPE, bool FAST_EXP>
-__global__ void __launch_bounds__(128) attn_naive(
-    const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v,
-    void* __restrict__ out, float* __restrict__ lse,
-    const int* __restrict__ q_len, const int* __restrict__ kv_len,
-    const void* __restrict__ mask, int mask_kind,
-    int Hq, int group, int Nq, int Nk, int D, float scale,
-    int left, int right, int bottom_right,
-    long long q_sb, long long q_sh, long long q_sn, long long q_sd,
-    long long k_sb, long long k_sh, long long k_sn, long long k_sd,
-    long long v_sb, long long v_sh, long long v_sn, long long v_sd,
-    long long o_sb, long long o_sh, long long o_sn, long long o_sd,
-    long long lse_sb, long long lse_sh, long long lse_sn,
-    long long m_sb, long long m_sh, long long m_sn, long long m_sk)
+__global__ void __launch_bounds__(128) attn_naive(const __grid_constant__ AttnParams args)
 {
     constexpr int WARPS = 4;
     constexpr int DIMS_PER_LANE = 8;  // 8 * 32 = 256 = the largest D
-    const Strides4 qs = {q_sb, q_sh, q_sn, q_sd}, ks = {k_sb, k_sh, k_sn, k_sd};
-    const Strides4 vs = {v_sb, v_sh, v_sn, v_sd}, os = {o_sb, o_sh, o_sn, o_sd};
-    const Strides4 ms = {m_sb, m_sh, m_sn, m_sk};
+    const void* q = args.q;
+    const void* k = args.k;
+    const void* v = args.v;
+    const int Hq = args.Hq, D = args.D;
+    const Strides4 qs = args.qs, ks = args.ks, vs = args.vs, os = args.os;
 
     const int i = blockIdx.x;
     const int b = blockIdx.y / Hq;
     const int h = blockIdx.y % Hq;
-    const int hk = h / group;  // GQA: the kv head this query head reads
+    const int hk = h / args.group;  // GQA: the kv head this query head reads
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
 
     __shared__ float warp_part[WARPS];
     __shared__ float acc_part[WARPS][DIMS_PER_LANE * 32];
 
-    const RowRule rule = row_rule(q_len, kv_len, b, Nq, Nk, left, right, bottom_right);
+    const RowRule rule = row_rule(args, b);
     int lo, hi;
     key_range(rule, i, i + 1, &lo, &hi);  // for one row this is exactly its allowed structure
 
@@ -55,7 +45,7 @@ __global__ void __launch_bounds__(128) attn_naive(
 #pragma unroll
     for (int c = 0; c < DIMS_PER_LANE; ++c) {
         const int d = lane + 32 * c;
-        q_reg[c] = d < D ? scale * load_elem<DTYPE>(q, offset4(qs, b, h, i, d)) : 0.0f;
+        q_reg[c] = d < D ? args.scale * load_elem<DTYPE>(q, offset4(qs, b, h, i, d)) : 0.0f;
     }
 
     // s_ij (+ bias, or -inf where the explicit mask removes key j), the same value in every lane.
@@ -66,7 +56,7 @@ __global__ void __launch_bounds__(128) attn_naive(
             const int d = lane + 32 * c;
             if (d < D) part += q_reg[c] * load_elem<DTYPE>(k, offset4(ks, b, hk, j, d));
         }
-        return group_sum(part, 32) + explicit_term(mask, mask_kind, ms, b, h, i, j);
+        return group_sum(part, 32) + explicit_term(args, b, h, i, j);
     };
 
     // Pass 1: the row max m_i.
@@ -105,9 +95,7 @@ __global__ void __launch_bounds__(128) attn_naive(
     const float inv_l = row_inv_l(l_i);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         const float o = (acc_part[0][d] + acc_part[1][d]) + (acc_part[2][d] + acc_part[3][d]);
-        store_elem<DTYPE>(out, offset4(os, b, h, i, d), o * inv_l);
+        store_elem<DTYPE>(args.out, offset4(os, b, h, i, d), o * inv_l);
     }
-    if (lse != nullptr && threadIdx.x == 0) {
-        lse[b * lse_sb + h * lse_sh + (long long)i * lse_sn] = row_lse(m_i, l_i);
-    }
+    if (args.lse != nullptr && threadIdx.x == 0) store_lse(args, b, h, i, row_lse(m_i, l_i));
 }

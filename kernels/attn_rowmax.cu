@@ -19,7 +19,8 @@
 //   S = Q K^T: thread (ty, tx) computes the 4 x TN block s[r][c] for rows ty*4 + r and keys c*16 + tx
 //     (TN = BN / 16; keys strided by 16 so that the 16 threads of a row read 16 consecutive K rows, which
 //     the padding spreads over all banks). Per 4 head dims it reads 4 q float4s (the two rows of a warp
-//     are broadcasts) and TN k float4s, and does 16*TN FMAs.
+//     are broadcasts) and TN k float4s, and does 16*TN FMAs. For DMAX = 64 the 16 steps are unrolled
+//     (all 64 dims, the padding being zero), so the loads of later steps overlap earlier FMAs.
 //   softmax: the 16 threads of a row (same ty) hold its BN scores. Per row: tile max over the thread's
 //     TN scores, then 4 xor shuffles over the 16 threads; m_new = max(m_i, tile max);
 //     alpha = exp(m_i - m_new) rescales l_i and acc once per tile; p = exp(s - m_new), one exp per score.
@@ -28,7 +29,14 @@
 //     d = 64*kk + tx*4 + e' (DPT = DMAX / 16). For each key c it reads 4 p's (16 bytes) and DPT v's
 //     (16-byte loads) and does 4*DPT FMAs.
 //
-// K/V tile loads, two paths chosen by the host (argument async_copy):
+// Pipeline, two barriers per tile (D <= 128): (A) tile t has landed and every thread is done with tile
+// t - 1; then tile t + 1 is issued into the stage tile t - 1 used, and tile t is computed; (B) p_t is
+// complete, then O += P V. Barrier A of tile t + 1 also protects p_t and the stage from being overwritten
+// while still read. With one stage (D = 256), tile t + 1 is issued after a third barrier, once t is consumed.
+//
+// Parameters: one `struct AttnParams` (attn_common.cuh), as for every kernel of attnlab.
+//
+// K/V tile loads, two paths chosen by the host (field async_copy):
 //   cp.async (float32 inputs with stride_d = 1, D % 4 == 0, 16-byte aligned rows): every thread issues
 //     16-byte cp.async.cg copies global -> shared (no registers, no conversion; rows past the tile's keys
 //     and dims past D are zero-filled by a source size of 0). Tile t+1 is issued before tile t is
@@ -64,7 +72,35 @@
 //      the 128-register cap that keeps two blocks (16 warps) per SM.
 //   Result: seed case 0.0735 ms (1.53x the previous kernel, 1.44x sdpa-efficient's 0.106 ms); large case
 //   2.27 ms, 30.3 TFLOP/s (1.28x the previous kernel, 0.95x sdpa-efficient's 2.16 ms).
-//
+//   Issue #4 (the benchmark harness's per-call timing, with the Python launch on the path). Two runs on an
+//   H200 (medians of 30 harness calls, two rounds a few seconds apart, round 2 in brackets; "kernel":
+//   30 prepared launches queued, / 30):
+//   4. one struct parameter instead of ~40 (attnlab/cuda.py packs it once, CuPy passes one address).
+//      Host time per backend call, tiny problem (wall / call, run 2): 72-84 us before, 17-22 us after;
+//      a prepared launch alone 25-32 us -> 10 us. (Passed as a structured numpy array, as CuPy documents,
+//      the launch got slower instead, 45 -> 60-75 us in run 1: CuPy reads the array's __array_interface__
+//      on every launch and numpy builds it field by field. Hence one CPointer.) Kernel, run 1, large case:
+//      2.289 (2.291) ms against 2.266 (2.266) ms before, 1% slower; not explained (same 128 registers,
+//      no spills, same tile loop).
+//   5. two barriers per tile instead of three (taken). Predicted 1-3% on the large case (a barrier where
+//      all 8 warps of a block wait, with one other block per SM to cover it). Measured (run 1) 2.289 ->
+//      2.276 (2.281) ms, 0.6%; with step 6 in place 2.181 -> 2.163 (2.160) ms, 0.8%.
+//   6. S = Q K^T loop unrolled for DMAX = 64 over all 64 dims (taken). Predicted 5-10% on the large case:
+//      with one step per iteration each step's 8 shared loads are exposed before its 64 FMAs. Measured
+//      (run 1) 2.276 -> 2.163 ms (5.0%); unrolled by 2 instead, 2.209 ms (3.0%). Unrolling D = 128 spills
+//      on sm_90 (128 registers), so it keeps one step per iteration.
+//   7. fast_exp as exp2f with log2(e) folded into the Q scale (not taken, not measured): it saves one FMUL
+//      per exp, 20 of ~2700 instructions per thread and tile, predicted < 1%.
+//   8. the O += P V loop fully unrolled instead of by 8 (not taken: measured in run 2 only, after the
+//      tests): 2.156 (2.156) ms against 2.159 (2.159) ms, 0.2%.
+//   Result (run 2, steps 4-6): large case 2.159 (2.159) ms, 31.8 TFLOP/s, kernel 2.161 ms (before: 2.267
+//   (2.266), kernel 2.271); sdpa-efficient 2.149 (2.165) ms: 0.995 (1.003)x, parity within sdpa's own
+//   spread between rounds. fast_exp 2.094 (2.095) ms: 1.03x. Seed case 0.082 (0.081) ms against
+//   sdpa-efficient's 0.116 (0.116): 1.41 (1.43)x (before: 0.156 (0.224) ms, host-bound); fast_exp 0.082
+//   (0.089) ms. The seed case's kernel (4 splits + merge) got slower though: 0.0795 ms against 0.0719
+//   before; not investigated (candidates: tile 1 is now issued after tile 0 has landed, so the first two
+//   tiles of a 4-tile split block no longer travel together; the longer unrolled code).
+
 // Registers: __launch_bounds__(256, 2) for D <= 128 caps a thread at 128 registers so that two blocks
 // (16 warps) share a multiprocessor; D = 256 runs one block per SM and is given the registers instead
 // (no spills either way: python -m attnlab compile-check).
@@ -110,28 +146,28 @@ struct RowmaxTiles {
     static constexpr int P_LD = BM + 4;      // row length of p_t
 };
 
-// Load the K and V rows of keys j0 .. j0 + n_keys - 1 into k_s, v_s ([BN][LD]); zero elsewhere.
+// Load the K and V rows of keys j0 .. j0 + n_keys - 1 into k_s, v_s ([BN][LD]); zero elsewhere (dims D ..
+// DMAX - 1 too, so that the products may run over all DMAX dims).
 template <int DTYPE, int DMAX>
-__device__ __forceinline__ void load_kv_tile(
-    const void* k, const void* v, long long k_base, long long v_base, long long k_sn, long long k_sd,
-    long long v_sn, long long v_sd, int j0, int n_keys, int D, bool async_copy, float* k_s, float* v_s)
+__device__ __forceinline__ void load_kv_tile(const AttnParams& args, long long k_base, long long v_base, int j0,
+                                             int n_keys, float* k_s, float* v_s)
 {
     using T = RowmaxTiles<DMAX>;
-    if (async_copy) {
+    if (args.async_copy) {
         // 16-byte chunks: thread t copies chunk column t % CHUNKS (dims 4*that .. +3) of every
         // ROWS_PER_PASS-th row from t / CHUNKS on. Consecutive threads copy consecutive 16 bytes of a row.
         constexpr int CHUNKS = DMAX / 4;
         constexpr int ROWS_PER_PASS = T::NTHREADS / CHUNKS;
         const int d = (threadIdx.x % CHUNKS) * 4;
-        const float* kf = static_cast<const float*>(k);
-        const float* vf = static_cast<const float*>(v);
+        const float* kf = static_cast<const float*>(args.k);
+        const float* vf = static_cast<const float*>(args.v);
 #pragma unroll
         for (int c = threadIdx.x / CHUNKS; c < T::BN; c += ROWS_PER_PASS) {
-            const bool in = c < n_keys && d < D;
+            const bool in = c < n_keys && d < args.D;
             const long long j = j0 + c;
             // Out of range: copy nothing (zero fill) from a valid address.
-            const float* k_src = in ? kf + k_base + j * k_sn + d : kf;
-            const float* v_src = in ? vf + v_base + j * v_sn + d : vf;
+            const float* k_src = in ? kf + k_base + j * args.ks.n + d : kf;
+            const float* v_src = in ? vf + v_base + j * args.vs.n + d : vf;
             cp_async_16(&k_s[c * T::LD + d], k_src, in ? 16 : 0);
             cp_async_16(&v_s[c * T::LD + d], v_src, in ? 16 : 0);
         }
@@ -139,40 +175,25 @@ __device__ __forceinline__ void load_kv_tile(
         // One element per thread and row: thread t handles dim t % DMAX of every ROWS_PER_PASS-th row.
         constexpr int ROWS_PER_PASS = T::NTHREADS / DMAX;
         const int d = threadIdx.x % DMAX;
-        const bool d_in = d < D;
+        const bool d_in = d < args.D;
         for (int c = threadIdx.x / DMAX; c < T::BN; c += ROWS_PER_PASS) {
             const bool in = d_in && c < n_keys;
             const long long j = j0 + c;
-            k_s[c * T::LD + d] = in ? load_elem<DTYPE>(k, k_base + j * k_sn + d * k_sd) : 0.0f;
-            v_s[c * T::LD + d] = in ? load_elem<DTYPE>(v, v_base + j * v_sn + d * v_sd) : 0.0f;
+            k_s[c * T::LD + d] = in ? load_elem<DTYPE>(args.k, k_base + j * args.ks.n + d * args.ks.d) : 0.0f;
+            v_s[c * T::LD + d] = in ? load_elem<DTYPE>(args.v, v_base + j * args.vs.n + d * args.vs.d) : 0.0f;
         }
     }
 }
 
 template <int DTYPE, int DMAX, bool FAST_EXP>
-__global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
-    const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v,
-    void* __restrict__ out, float* __restrict__ lse,
-    const int* __restrict__ q_len, const int* __restrict__ kv_len,
-    const void* __restrict__ mask, int mask_kind,
-    int Hq, int group, int Nq, int Nk, int D, float scale,
-    int left, int right, int bottom_right,
-    long long q_sb, long long q_sh, long long q_sn, long long q_sd,
-    long long k_sb, long long k_sh, long long k_sn, long long k_sd,
-    long long v_sb, long long v_sh, long long v_sn, long long v_sd,
-    long long o_sb, long long o_sh, long long o_sn, long long o_sd,
-    long long lse_sb, long long lse_sh, long long lse_sn,
-    long long m_sb, long long m_sh, long long m_sn, long long m_sk,
-    int async_copy, int split_tiles, float* __restrict__ part_acc, float* __restrict__ part_ml)
+__global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(const __grid_constant__ AttnParams args)
 {
     using T = RowmaxTiles<DMAX>;
     static_assert(T::TM == 4, "the 16-byte loads and stores of q_s and p_t hold 4 rows");
     static_assert(T::NTHREADS % DMAX == 0 && T::NTHREADS % (DMAX / 4) == 0, "whole rows per load pass");
     constexpr int BM = T::BM, BN = T::BN, TM = T::TM, TN = T::TN, DPT = T::DPT, LD = T::LD;
     constexpr int STAGES = T::STAGES;
-    const Strides4 qs = {q_sb, q_sh, q_sn, q_sd}, ks = {k_sb, k_sh, k_sn, k_sd};
-    const Strides4 vs = {v_sb, v_sh, v_sn, v_sd}, os = {o_sb, o_sh, o_sn, o_sd};
-    const Strides4 ms = {m_sb, m_sh, m_sn, m_sk};
+    const int Nq = args.Nq, D = args.D;
 
     extern __shared__ __align__(16) float smem[];
     float* q_s = smem;                          // [BM][LD]
@@ -180,46 +201,47 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
     float* v_s = k_s + STAGES * BN * LD;        // [STAGES][BN][LD]
     float* p_t = v_s + STAGES * BN * LD;        // [BN][P_LD]
 
-    const int b = blockIdx.x / Hq;
-    const int h = blockIdx.x % Hq;
-    const int hk = h / group;
+    const int b = blockIdx.x / args.Hq;
+    const int h = blockIdx.x % args.Hq;
+    const int hk = h / args.group;
     const int i0 = (gridDim.y - 1 - blockIdx.y) * BM;  // heaviest (last) query tiles first
     const int tx = threadIdx.x % 16;
     const int ty = threadIdx.x / 16;
 
     // This block's keys: its split's share of the query tile's structural range [lo, hi), in whole tiles.
-    const RowRule rule = row_rule(q_len, kv_len, b, Nq, Nk, left, right, bottom_right);
+    const RowRule rule = row_rule(args, b);
     int lo, hi;
     key_range(rule, i0, i0 + BM, &lo, &hi);
     const int range_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
-    const int t_begin = min(range_tiles, (int)blockIdx.z * split_tiles);
-    const int t_end = min(range_tiles, t_begin + split_tiles);
+    const int t_begin = min(range_tiles, (int)blockIdx.z * args.split_tiles);
+    const int t_end = min(range_tiles, t_begin + args.split_tiles);
     const int n_tiles = t_end - t_begin;
     const int j_begin = lo + t_begin * BN;
 
-    const long long k_base = offset4(ks, b, hk, 0, 0);
-    const long long v_base = offset4(vs, b, hk, 0, 0);
+    const long long k_base = offset4(args.ks, b, hk, 0, 0);
+    const long long v_base = offset4(args.vs, b, hk, 0, 0);
 
-    // Start the first K/V tiles on their way before loading Q (the copies run meanwhile).
+    // Issue the copies of tile t into stage t % STAGES, as one cp.async group (empty past the last tile, so
+    // that every wait below counts the same groups).
     auto issue_tile = [&](int t) {
         if (t < n_tiles) {
             const int j0 = j_begin + t * BN;
             const int stage = t % STAGES;
-            load_kv_tile<DTYPE, DMAX>(k, v, k_base, v_base, k_sn, k_sd, v_sn, v_sd, j0, min(BN, hi - j0), D,
-                                      async_copy != 0, k_s + stage * BN * LD, v_s + stage * BN * LD);
+            load_kv_tile<DTYPE, DMAX>(args, k_base, v_base, j0, min(BN, hi - j0), k_s + stage * BN * LD,
+                                      v_s + stage * BN * LD);
         }
-        cp_async_commit();  // one group per tile (empty past the end), so the wait count is always the same
+        cp_async_commit();
     };
-#pragma unroll
-    for (int t = 0; t < STAGES - 1; ++t) issue_tile(t);
+    issue_tile(0);  // on its way before Q is loaded (the copies run meanwhile)
 
     // Load the Q tile scaled; zero outside [0, Nq) x [0, D). Consecutive threads read consecutive d.
     {
         const int d = threadIdx.x % DMAX;
-        const long long q_base = offset4(qs, b, h, 0, d);
+        const long long q_base = offset4(args.qs, b, h, 0, d);
         for (int r = threadIdx.x / DMAX; r < BM; r += T::NTHREADS / DMAX) {
             const bool in = d < D && i0 + r < Nq;
-            q_s[r * LD + d] = in ? scale * load_elem<DTYPE>(q, q_base + (long long)(i0 + r) * q_sn) : 0.0f;
+            const long long o = q_base + (long long)(i0 + r) * args.qs.n;
+            q_s[r * LD + d] = in ? args.scale * load_elem<DTYPE>(args.q, o) : 0.0f;
         }
     }
 
@@ -231,34 +253,38 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
 #pragma unroll
         for (int e = 0; e < DPT; ++e) acc[r][e] = 0.0f;
     }
-    const int d_end = (D + 3) / 4 * 4;  // head dims actually multiplied (q_s and k_s are zero up to DMAX)
+    const int d_end = (D + 3) / 4 * 4;  // head dims present (q_s and k_s are zero from D to DMAX)
     // This thread's corner of each shared array, so that the inner loops address by constant offsets.
     const float* q_row = q_s + ty * TM * LD;   // its first query row; the others follow at LD
     const float* p_col = p_t + ty * TM;        // its 4 rows of p_t (then one key per P_LD)
 
+    // Two barriers per tile. The first (A) says: tile t has landed in shared memory, and every thread has
+    // finished tile t - 1, so its stage and p_t may be overwritten. Only then is tile t + 1 issued, into the
+    // stage tile t - 1 used; its copies run while tile t is computed. The second (B) says: p_t is complete.
+    // With one stage (D = 256) tile t + 1 can only be issued once tile t is consumed: a third barrier.
     for (int t = 0; t < n_tiles; ++t) {
         const int j0 = j_begin + t * BN;
         const float* k_row = k_s + (t % STAGES) * BN * LD + tx * LD;  // its first key (the others: +16 rows)
         const float* v_col = v_s + (t % STAGES) * BN * LD + tx * 4;   // its 4 dims of V (per 64)
-        issue_tile(t + STAGES - 1);       // the next tile goes into the other stage (read two barriers ago)
-        cp_async_wait<STAGES - 1>();      // this thread's copies of tile t have landed ...
-        __syncthreads();                  // ... and everyone's (and q_s, on the first tile)
+        cp_async_wait<0>();               // this thread's copies of tile t have landed ...
+        __syncthreads();                  // (A) ... and everyone's (and q_s, on the first tile)
+        if (STAGES == 2) issue_tile(t + 1);
 
-        // S = Q K^T for this thread's 4 x TN micro-tile, 4 head dims per step.
+        // S = Q K^T for this thread's 4 x TN micro-tile, 4 head dims per step. For DMAX = 64 the steps run
+        // over all DMAX dims (q_s and k_s are zero past D), a compile-time count, and are unrolled: the shared
+        // loads of later steps are issued while earlier steps' FMAs run. Larger DMAX have no registers to
+        // spare for that (it spills at 128 per thread): one step at a time, over the dims present.
         float s[TM][TN];
 #pragma unroll
         for (int r = 0; r < TM; ++r)
 #pragma unroll
             for (int c = 0; c < TN; ++c) s[r][c] = 0.0f;
-        const float* q_d = q_row;  // &q_s[ty*4][d]
-        const float* k_d = k_row;  // &k_tile[tx][d]
-#pragma unroll 1
-        for (int d = 0; d < d_end; d += 4, q_d += 4, k_d += 4) {
+        auto qk_step = [&](int d) {
             float4 qv[TM], kv[TN];
 #pragma unroll
-            for (int r = 0; r < TM; ++r) qv[r] = *reinterpret_cast<const float4*>(q_d + r * LD);
+            for (int r = 0; r < TM; ++r) qv[r] = *reinterpret_cast<const float4*>(q_row + r * LD + d);
 #pragma unroll
-            for (int c = 0; c < TN; ++c) kv[c] = *reinterpret_cast<const float4*>(k_d + c * 16 * LD);
+            for (int c = 0; c < TN; ++c) kv[c] = *reinterpret_cast<const float4*>(k_row + c * 16 * LD + d);
 #pragma unroll
             for (int r = 0; r < TM; ++r)
 #pragma unroll
@@ -268,10 +294,17 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
                     s[r][c] += qv[r].z * kv[c].z;
                     s[r][c] += qv[r].w * kv[c].w;
                 }
+        };
+        if (DMAX <= 64) {
+#pragma unroll
+            for (int d = 0; d < DMAX; d += 4) qk_step(d);
+        } else {
+#pragma unroll 1
+            for (int d = 0; d < d_end; d += 4) qk_step(d);
         }
 
         // Mask where needed: structure first (it keeps the mask read in bounds), then the explicit term.
-        const bool check_each = mask_kind != 0 || !tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN);
+        const bool check_each = args.mask_kind != 0 || !tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN);
         if (check_each) {
 #pragma unroll
             for (int r = 0; r < TM; ++r) {
@@ -279,9 +312,7 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
 #pragma unroll
                 for (int c = 0; c < TN; ++c) {
                     const int j = j0 + c * 16 + tx;
-                    s[r][c] = structure_allows(rule, i, j)
-                                  ? s[r][c] + explicit_term(mask, mask_kind, ms, b, h, i, j)
-                                  : NEG_INF;
+                    s[r][c] = structure_allows(rule, i, j) ? s[r][c] + explicit_term(args, b, h, i, j) : NEG_INF;
                 }
             }
         }
@@ -313,7 +344,7 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
             *reinterpret_cast<float4*>(&p_t[(c * 16 + tx) * T::P_LD + ty * TM]) =
                 make_float4(s[0][c], s[1][c], s[2][c], s[3][c]);
         }
-        __syncthreads();  // p_t complete
+        __syncthreads();  // (B) p_t complete
 
         // O += P V for this thread's 4 x DPT micro-tile (keys past the tile's end have p = 0 and v = 0).
 #pragma unroll 8
@@ -332,7 +363,10 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
                 }
             }
         }
-        __syncthreads();  // p_t and this stage are free for the next tiles
+        if (STAGES == 1) {
+            __syncthreads();  // the single stage and p_t are free
+            issue_tile(t + 1);
+        }
     }
 
     // Finish: sum l_i over the row's 16 threads. One split: normalize and write (empty rows write 0 and
@@ -354,17 +388,17 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
                 const int d = kk * 64 + tx * 4 + e;
                 if (d >= D) continue;
                 if (split) {
-                    part_acc[row * D + d] = acc[r][kk * 4 + e];
+                    args.part_acc[row * D + d] = acc[r][kk * 4 + e];
                 } else {
-                    store_elem<DTYPE>(out, offset4(os, b, h, i, d), acc[r][kk * 4 + e] * inv_l);
+                    store_elem<DTYPE>(args.out, offset4(args.os, b, h, i, d), acc[r][kk * 4 + e] * inv_l);
                 }
             }
         if (tx == 0) {
             if (split) {
-                part_ml[row * 2] = m_i[r];
-                part_ml[row * 2 + 1] = l;
-            } else if (lse != nullptr) {
-                lse[b * lse_sb + h * lse_sh + (long long)i * lse_sn] = row_lse(m_i[r], l);
+                args.part_ml[row * 2] = m_i[r];
+                args.part_ml[row * 2 + 1] = l;
+            } else if (args.lse != nullptr) {
+                store_lse(args, b, h, i, row_lse(m_i[r], l));
             }
         }
     }
@@ -374,39 +408,37 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(
 //   m = max_z m_z;  l = sum_z l_z exp(m_z - m);  out = sum_z acc_z exp(m_z - m) / l;  lse = m + log(l).
 // A split that saw no allowed key has m_z = -inf and l_z = 0 and weighs exp(-inf) = 0; a row no split
 // saw keeps m = -inf, l = 0 and writes out = 0, lse = -inf (safe_max keeps exp away from -inf - -inf).
-// expf always: a handful of exps per row, so fast_exp would buy nothing.
+// expf always: a handful of exps per row, so fast_exp would buy nothing. Launched with the same AttnParams
+// as attn_rowmax, right after it on the same stream.
 template <int DTYPE>
-__global__ void attn_rowmax_merge(
-    const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-    void* __restrict__ out, float* __restrict__ lse,
-    int splits, int Hq, int Nq, int D, long long rows,
-    long long o_sb, long long o_sh, long long o_sn, long long o_sd,
-    long long lse_sb, long long lse_sh, long long lse_sn)
+__global__ void attn_rowmax_merge(const __grid_constant__ AttnParams args)
 {
+    const long long rows = (long long)args.B * args.Hq * args.Nq;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
     const int lane = threadIdx.x % 32;
-    const int i = (int)(row % Nq);
-    const int bh = (int)(row / Nq);
-    const int b = bh / Hq, h = bh % Hq;
-    const Strides4 os = {o_sb, o_sh, o_sn, o_sd};
+    const int i = (int)(row % args.Nq);
+    const int bh = (int)(row / args.Nq);
+    const int b = bh / args.Hq, h = bh % args.Hq;
+    const float* part_ml = args.part_ml;
+    const float* part_acc = args.part_acc;
 
     float m = NEG_INF;
-    for (int z = 0; z < splits; ++z) m = fmaxf(m, part_ml[(z * rows + row) * 2]);
+    for (int z = 0; z < args.splits; ++z) m = fmaxf(m, part_ml[(z * rows + row) * 2]);
     const float m_use = safe_max(m);
     float l = 0.0f;
-    for (int z = 0; z < splits; ++z) {
+    for (int z = 0; z < args.splits; ++z) {
         const long long zr = z * rows + row;
         l += part_ml[zr * 2 + 1] * expf(part_ml[zr * 2] - m_use);
     }
     const float inv_l = row_inv_l(l);
-    for (int d = lane; d < D; d += 32) {
+    for (int d = lane; d < args.D; d += 32) {
         float o = 0.0f;
-        for (int z = 0; z < splits; ++z) {
+        for (int z = 0; z < args.splits; ++z) {
             const long long zr = z * rows + row;
-            o += part_acc[zr * D + d] * expf(part_ml[zr * 2] - m_use);
+            o += part_acc[zr * args.D + d] * expf(part_ml[zr * 2] - m_use);
         }
-        store_elem<DTYPE>(out, offset4(os, b, h, i, d), o * inv_l);
+        store_elem<DTYPE>(args.out, offset4(args.os, b, h, i, d), o * inv_l);
     }
-    if (lse != nullptr && lane == 0) lse[b * lse_sb + h * lse_sh + (long long)i * lse_sn] = row_lse(m, l);
+    if (args.lse != nullptr && lane == 0) store_lse(args, b, h, i, row_lse(m, l));
 }

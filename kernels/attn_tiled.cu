@@ -22,28 +22,15 @@
 // A masked key is skipped (it would contribute exp(-inf) = 0).
 
 template <int DTYPE, int DMAX, bool FAST_EXP>
-__global__ void __launch_bounds__(128, 4) attn_tiled(
-    const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v,
-    void* __restrict__ out, float* __restrict__ lse,
-    const int* __restrict__ q_len, const int* __restrict__ kv_len,
-    const void* __restrict__ mask, int mask_kind,
-    int Hq, int group, int Nq, int Nk, int D, float scale,
-    int left, int right, int bottom_right,
-    long long q_sb, long long q_sh, long long q_sn, long long q_sd,
-    long long k_sb, long long k_sh, long long k_sn, long long k_sd,
-    long long v_sb, long long v_sh, long long v_sn, long long v_sd,
-    long long o_sb, long long o_sh, long long o_sn, long long o_sd,
-    long long lse_sb, long long lse_sh, long long lse_sn,
-    long long m_sb, long long m_sh, long long m_sn, long long m_sk)
+__global__ void __launch_bounds__(128, 4) attn_tiled(const __grid_constant__ AttnParams args)
 {
     constexpr int BM = 16;               // query rows per block
     constexpr int BN = 32;               // keys per K/V tile
     constexpr int GROUP = 8;             // threads per query row
     constexpr int NTHREADS = BM * GROUP;
     constexpr int DPT = DMAX / GROUP;    // head dims per thread
-    const Strides4 qs = {q_sb, q_sh, q_sn, q_sd}, ks = {k_sb, k_sh, k_sn, k_sd};
-    const Strides4 vs = {v_sb, v_sh, v_sn, v_sd}, os = {o_sb, o_sh, o_sn, o_sd};
-    const Strides4 ms = {m_sb, m_sh, m_sn, m_sk};
+    const int Hq = args.Hq, Nq = args.Nq, D = args.D;
+    const Strides4 qs = args.qs, ks = args.ks, vs = args.vs, os = args.os;
 
     // Dynamic shared memory: Q tile [BM][DMAX], K tile [BN][DMAX], V tile [BN][DMAX], all float32.
     extern __shared__ float smem[];
@@ -53,13 +40,13 @@ __global__ void __launch_bounds__(128, 4) attn_tiled(
 
     const int b = blockIdx.x / Hq;
     const int h = blockIdx.x % Hq;
-    const int hk = h / group;
+    const int hk = h / args.group;
     const int i0 = blockIdx.y * BM;
     const int row = threadIdx.x / GROUP;  // this thread's row in the tile
     const int g = threadIdx.x % GROUP;    // this thread's place in the row's group
     const int i = i0 + row;
 
-    const RowRule rule = row_rule(q_len, kv_len, b, Nq, Nk, left, right, bottom_right);
+    const RowRule rule = row_rule(args, b);
     int lo, hi;
     key_range(rule, i0, i0 + BM, &lo, &hi);
 
@@ -67,7 +54,7 @@ __global__ void __launch_bounds__(128, 4) attn_tiled(
     for (int idx = threadIdx.x; idx < BM * DMAX; idx += NTHREADS) {
         const int r = idx / DMAX, d = idx % DMAX;
         const bool in = i0 + r < Nq && d < D;
-        q_tile[idx] = in ? scale * load_elem<DTYPE>(q, offset4(qs, b, h, i0 + r, d)) : 0.0f;
+        q_tile[idx] = in ? args.scale * load_elem<DTYPE>(args.q, offset4(qs, b, h, i0 + r, d)) : 0.0f;
     }
     __syncthreads();
     float q_reg[DPT];
@@ -87,12 +74,12 @@ __global__ void __launch_bounds__(128, 4) attn_tiled(
         for (int idx = threadIdx.x; idx < BN * DMAX; idx += NTHREADS) {
             const int jj = idx / DMAX, d = idx % DMAX;
             const bool in = jj < n_keys && d < D;
-            k_tile[idx] = in ? load_elem<DTYPE>(k, offset4(ks, b, hk, j0 + jj, d)) : 0.0f;
-            v_tile[idx] = in ? load_elem<DTYPE>(v, offset4(vs, b, hk, j0 + jj, d)) : 0.0f;
+            k_tile[idx] = in ? load_elem<DTYPE>(args.k, offset4(ks, b, hk, j0 + jj, d)) : 0.0f;
+            v_tile[idx] = in ? load_elem<DTYPE>(args.v, offset4(vs, b, hk, j0 + jj, d)) : 0.0f;
         }
         __syncthreads();
 
-        const bool check_each = mask_kind != 0 || !tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN);
+        const bool check_each = args.mask_kind != 0 || !tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN);
         for (int jj = 0; jj < n_keys; ++jj) {
             const int j = j0 + jj;
             float part = 0.0f;
@@ -101,7 +88,7 @@ __global__ void __launch_bounds__(128, 4) attn_tiled(
             float s = group_sum(part, GROUP);
             if (check_each) {
                 // Structure first: it keeps the mask read inside [0, Nq) x [0, Nk).
-                s = structure_allows(rule, i, j) ? s + explicit_term(mask, mask_kind, ms, b, h, i, j) : NEG_INF;
+                s = structure_allows(rule, i, j) ? s + explicit_term(args, b, h, i, j) : NEG_INF;
             }
             // A masked key (s = -inf) changes nothing: skip it rather than compute exp(-inf - -inf).
             if (s != NEG_INF) {
@@ -122,8 +109,8 @@ __global__ void __launch_bounds__(128, 4) attn_tiled(
 #pragma unroll
         for (int c = 0; c < DPT; ++c) {
             const int d = g + GROUP * c;
-            if (d < D) store_elem<DTYPE>(out, offset4(os, b, h, i, d), acc[c] * inv_l);
+            if (d < D) store_elem<DTYPE>(args.out, offset4(os, b, h, i, d), acc[c] * inv_l);
         }
-        if (lse != nullptr && g == 0) lse[b * lse_sb + h * lse_sh + (long long)i * lse_sn] = row_lse(m_i, l_i);
+        if (args.lse != nullptr && g == 0) store_lse(args, b, h, i, row_lse(m_i, l_i));
     }
 }

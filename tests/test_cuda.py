@@ -113,39 +113,131 @@ def test_validate_launch_names_limit_and_value():
     assert issubclass(C.LaunchConfigError, ValueError)
 
 
-# ---- the argument tuple matches the C signatures --------------------------------------------------------
+# ---- the one kernel argument: struct AttnParams and its numpy dtype ---------------------------------------
 
-_C_TO_NUMPY = {"void*": np.uint64, "float*": np.uint64, "int*": np.uint64, "int": np.int32,
-               "long long": np.int64, "float": np.float32}
+#: size and alignment of the C types the struct uses (x86-64 / aarch64 hosts, the CUDA device ABI).
+_C_SCALARS = {"pointer": (8, 8), "long long": (8, 8), "int": (4, 4), "float": (4, 4)}
+_NP_SCALARS = {"pointer": np.uint64, "long long": np.int64, "int": np.int32, "float": np.float32}
 
 
-def _signature(family: str) -> list[str]:
+def _c_struct(name: str) -> list[tuple[str, str]]:
+    """(field, C type) of ``struct name`` in kernels/attn_common.cuh, in declaration order; every pointer
+    type is "pointer"."""
+    src = C.kernels_dir().joinpath("attn_common.cuh").read_text()
+    m = re.search(rf"struct {name} \{{(.*?)\n\}};", src, re.S)
+    assert m, name
+    fields = []
+    for line in m.group(1).splitlines():
+        decl = line.split("//")[0].strip()
+        if not decl:
+            continue
+        d = re.fullmatch(r"(?:const\s+)?(long long|\w+)\s*(\*?)\s*([\w\s,]+);", decl)
+        assert d, decl
+        ctype = "pointer" if d.group(2) else d.group(1)
+        fields += [(n.strip(), ctype) for n in d.group(3).split(",")]
+    return fields
+
+
+def _c_layout(name: str, base: int = 0) -> tuple[list[tuple[str, int, str]], int, int]:
+    """C's layout rules applied to ``struct name``: ([(flattened field, offset, scalar type)], size, align)."""
+    out, pos, align = [], base, 1
+    for field, ctype in _c_struct(name):
+        if ctype in _C_SCALARS:
+            size, al = _C_SCALARS[ctype]
+            pos = -(-pos // al) * al
+            out.append((field, pos, ctype))
+        else:  # a nested struct
+            sub, size, al = _c_layout(ctype, 0)
+            pos = -(-pos // al) * al
+            out += [(f"{field}.{f}", pos + off, t) for f, off, t in sub]
+        align = max(align, al)
+        pos += size
+    return out, -(-(pos - base) // align) * align, align
+
+
+def _np_layout(dt: np.dtype, prefix: str = "", base: int = 0) -> list[tuple[str, int, np.dtype]]:
+    out = []
+    for name in dt.names:
+        sub, off = dt.fields[name][0], base + dt.fields[name][1]
+        if sub.names:
+            out += _np_layout(sub, f"{prefix}{name}.", off)
+        else:
+            out.append((f"{prefix}{name}", off, sub))
+    return out
+
+
+def test_params_dtype_follows_the_c_struct_and_c_layout_rules():
+    """PARAMS_DTYPE has the C struct's fields, in order, with C's offsets (each field at a multiple of its
+    alignment, no other gaps) and C's size (a multiple of the largest alignment)."""
+    c_fields, c_size, c_align = _c_layout("AttnParams")
+    np_fields = _np_layout(C.PARAMS_DTYPE)
+    assert [f for f, _, _ in np_fields] == [f for f, _, _ in c_fields]
+    for (f, c_off, ctype), (_, np_off, npt) in zip(c_fields, np_fields):
+        assert np_off == c_off, f
+        assert npt == np.dtype(_NP_SCALARS[ctype]), f
+    assert C.PARAMS_DTYPE.itemsize == c_size == 320 and c_align == 8
+    assert C.PARAMS_DTYPE.isalignedstruct
+    # the struct format packs exactly those bytes (explicit pad bytes, native order)
+    assert C._PARAMS_PACK.size == C.PARAMS_DTYPE.itemsize
+
+
+def _compiled_offsets(fields: list[str]) -> tuple[dict[str, int], int, int]:
+    """Where NVRTC puts each field of AttnParams: one probe kernel per field reads it, and the PTX names the
+    byte offset of that read in the kernel's parameter (``ld.param... [probe_i_param_0+OFFSET]``), and the
+    parameter's size and alignment (``.param .align A .b8 probe_0_param_0[SIZE]``)."""
+    probes = [f'extern "C" __global__ void probe_{i}(const __grid_constant__ AttnParams args, '
+              f"unsigned long long* out) {{ *out = (unsigned long long)args.{f}; }}" for i, f in enumerate(fields)]
+    src = C.kernels_dir().joinpath("attn_common.cuh").read_text() + "\n" + "\n".join(probes) + "\n"
+    ptx: list[str] = []
+    ok, log, _ = C.Nvrtc().compile(src, "params_probe.cu", [*C.NVRTC_OPTIONS, "--gpu-architecture=sm_80"], [],
+                                   ptx=ptx)
+    assert ok, log
+    offsets = {}
+    for i, f in enumerate(fields):
+        loads = re.findall(rf"ld\.param\.\w+\s+%\w+, \[probe_{i}_param_0(?:\+(\d+))?\];", ptx[0])
+        assert len(loads) == 1, (f, loads)
+        offsets[f] = int(loads[0] or 0)
+    m = re.search(r"\.param \.align (\d+) \.b8 probe_0_param_0\[(\d+)\]", ptx[0])
+    assert m, ptx[0][:2000]
+    return offsets, int(m.group(2)), int(m.group(1))
+
+
+@needs_nvrtc
+def test_params_dtype_offsets_match_the_compiled_struct():
+    """NVRTC's own layout of the C struct (read from the PTX of probe kernels) is the numpy dtype's."""
+    fields = _np_layout(C.PARAMS_DTYPE)
+    offsets, size, align = _compiled_offsets([f for f, _, _ in fields])
+    assert {f: off for f, off, _ in fields} == offsets
+    assert (size, align) == (C.PARAMS_DTYPE.itemsize, C.PARAMS_DTYPE.alignment) == (320, 8)
+
+
+def test_struct_format_pads_like_the_dtype():
+    import struct
+
+    inner = np.dtype([("x", np.int32)], align=True)
+    dt = np.dtype([("a", np.int32), ("b", np.int64), ("c", inner), ("d", np.float32)], align=True)
+    assert C.struct_format(dt) == "=ixxxxqif"  # 4 pad bytes before the 8-byte field
+    rec = np.frombuffer(struct.pack(C.struct_format(dt), 7, -3, 5, 2.5), dtype=dt)[0]
+    assert (rec["a"], rec["b"], rec["c"]["x"], rec["d"]) == (7, -3, 5, 2.5)
+    tail = np.dtype([("a", np.int64), ("b", np.int32)], align=True)
+    assert C.struct_format(tail) == "=qixxxx" and struct.calcsize(C.struct_format(tail)) == tail.itemsize == 16
+
+
+#: What each kernel takes: exactly one AttnParams by value (__grid_constant__: read in place, never copied).
+_PARAM_DECL = re.compile(r"^const __grid_constant__ AttnParams args$")
+
+
+@pytest.mark.parametrize("family, kernel", [("naive", "attn_naive"), ("tiled", "attn_tiled"),
+                                            ("rowmax", "attn_rowmax"), ("rowmax", "attn_rowmax_merge")])
+def test_every_kernel_takes_one_attn_params(family, kernel):
     src = C.kernels_dir().joinpath(f"attn_{family}.cu").read_text()
-    m = re.search(rf"attn_{family}\((.*?)\)\s*\{{", src, re.S)
-    assert m, family
-    types = []
-    for param in m.group(1).split(","):
-        p = param.replace("__restrict__", "").replace("const", "").strip()
-        p = re.sub(r"\s+", " ", p)
-        ctype = p.rsplit(" ", 1)[0].replace(" *", "*").strip()
-        if p.split()[-1].startswith("*"):
-            ctype += "*"
-        types.append(ctype)
-    return types
-
-
-#: rowmax's parameters after the common ones: cp.async on/off, key tiles per split, split workspace.
-ROWMAX_EXTRA = ["int", "int", "float*", "float*"]
-
-
-def test_kernel_signatures_agree():
-    sigs = {f: _signature(f) for f in C.FAMILIES}
-    assert sigs["naive"] == sigs["tiled"] == sigs["rowmax"][: -len(ROWMAX_EXTRA)]
-    assert sigs["rowmax"][-len(ROWMAX_EXTRA):] == ROWMAX_EXTRA
+    m = re.search(rf"\b{kernel}\((.*?)\)\s*\{{", src, re.S)
+    assert m, kernel
+    assert _PARAM_DECL.match(m.group(1).strip()), m.group(1)
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "bias"])
-def test_kernel_args_match_signature(mask_kind):
+def test_kernel_args_fields(mask_kind):
     B, H, N, D = 2, 4, 9, 8
     q = torch.randn(B, N, H, D)
     k = torch.randn(B, N, 2, D)
@@ -158,22 +250,53 @@ def test_kernel_args_match_signature(mask_kind):
     out = torch.empty(B, H, N, D)
     lse = torch.empty(B, H, N)
     args = C.kernel_args(prob, out, lse)
-    sig = _signature("tiled")
-    assert len(args) == len(sig)
-    for a, t in zip(args, sig):
-        assert type(a) is _C_TO_NUMPY[t], (a, t)
+    assert args.dtype == C.PARAMS_DTYPE and args.shape == (1,)
+    a = args[0]
+    assert int(a["q"]) == q.data_ptr() and int(a["k"]) == int(a["v"]) == k.data_ptr()
+    assert int(a["out"]) == out.data_ptr() and int(a["lse"]) == lse.data_ptr()
+    assert int(a["kv_len"]) == prob.spec.kv_len.data_ptr() and int(a["q_len"]) == 0
     # The bnhd view reaches the kernel with its real strides (no copy): q's H stride is D.
-    assert int(args[18]) == q.stride(0) and int(args[19]) == D and int(args[20]) == H * D
-    assert int(args[8]) == {"none": 0, "bool": 1, "bias": 2}[mask_kind]
-    assert int(args[16]) == 0 and int(args[15]) == C.NO_BOUND  # causal: right 0, left unbounded
+    assert tuple(int(x) for x in a["qs"]) == (q.stride(0), D, H * D, 1)
+    assert tuple(int(x) for x in a["os"]) == out.stride()
+    assert (int(a["lse_sb"]), int(a["lse_sh"]), int(a["lse_sn"])) == lse.stride()
+    assert (int(a["B"]), int(a["Hq"]), int(a["group"]), int(a["Nq"]), int(a["Nk"]), int(a["D"])) == (B, H, 2, N, N, D)
+    assert float(a["scale"]) == np.float32(D**-0.5)
+    assert int(a["mask_kind"]) == {"none": 0, "bool": 1, "bias": 2}[mask_kind]
+    assert int(a["right"]) == 0 and int(a["left"]) == C.NO_BOUND  # causal: right 0, left unbounded
+    assert int(a["bottom_right"]) == 0 and int(a["splits"]) == 1 and int(a["split_tiles"]) == C.NO_BOUND
+    if mask_kind == "none":
+        assert int(a["mask"]) == 0 and tuple(int(x) for x in a["ms"]) == (0, 0, 0, 0)
     if mask_kind == "bool":  # broadcast over B and H: stride 0
-        assert [int(x) for x in args[-4:]] == [0, 0, N, 1]
+        assert int(a["mask"]) == prob.spec.mask.data_ptr()
+        assert tuple(int(x) for x in a["ms"]) == (0, 0, N, 1)
 
 
-def test_merge_kernel_signature():
-    src = C.kernels_dir().joinpath("attn_rowmax.cu").read_text()
-    m = re.search(r"attn_rowmax_merge\((.*?)\)\s*\{", src, re.S)
-    assert m and len(m.group(1).split(",")) == 4 + 5 + 4 + 3  # pointers, sizes, out strides, lse strides
+def test_param_block_hands_cupy_the_packed_bytes():
+    """run()'s launch argument: the struct's bytes in a block whose address CuPy passes as it is."""
+    pytest.importorskip("cupy")
+    q = torch.randn(2, 3, 40, 24)
+    prob = make_problem(q, q, q, window=(5, 2))
+    out = torch.empty_like(q)
+    values = C._param_values(prob, out, None, False, 1, C.NO_BOUND, None, q.data_ptr(), q.data_ptr(),
+                             q.data_ptr(), q.stride(), q.stride(), q.stride())
+    block = C._ParamBlock()
+    block.pack(values)
+    assert bytes(block.buffer) == C.kernel_args(prob, out, None).tobytes()
+    assert int(block.view[0]["left"]) == 5 and int(block.view[0]["right"]) == 2
+    if hasattr(block.arg, "ptr"):  # cupy.cuda.function.CPointer: the address of those bytes
+        assert block.arg.ptr == block.view.ctypes.data
+
+
+def test_kernel_args_rowmax_workspace():
+    """The split workspace is one tensor: acc of every split first, then their (m, l) pairs."""
+    q = torch.randn(1, 2, 70, 16)
+    prob = make_problem(q, q, q)
+    out = torch.empty_like(q)
+    ws = torch.empty(3 * 2 * 70 * (16 + 2))
+    a = C.kernel_args(prob, out, None, async_copy=True, splits=3, split_tiles=2, workspace=ws)[0]
+    assert int(a["part_acc"]) == ws.data_ptr()
+    assert int(a["part_ml"]) == ws.data_ptr() + 4 * 3 * 2 * 70 * 16
+    assert (int(a["async_copy"]), int(a["splits"]), int(a["split_tiles"]), int(a["lse"])) == (1, 3, 2, 0)
 
 
 # ---- rowmax's launch-time choices -------------------------------------------------------------------------
