@@ -328,3 +328,46 @@ def test_scalar_tensor_kv_len_is_read_per_batch_entry():
     out = attnlab.attention(q, k, v, kv_len=torch.tensor(7, dtype=torch.int32), backend="triton")
     ref, _ = attnlab.reference(q, k, v, kv_len=7)
     assert attnlab.check.compare(out, ref).passed
+
+
+# ------------------------------------------------------------------------------------------------------
+# The float32 chunked Q K^T
+# ------------------------------------------------------------------------------------------------------
+#: Cases for the D-chunked Q K^T: D of at least 32 (a chunk of 16 must split BLOCK_D), every mask kind.
+CHUNK_CASES = [
+    Case("chunk_d64_causal", B=1, Hq=2, Nq=35, D=64, causal=True),
+    Case("chunk_d40_window_br_kv_len", B=2, Hq=2, Nq=37, Nk=21, D=40, window=(6, 3), align="bottom_right",
+         kv_len=(21, 9)),
+    Case("chunk_d100_bias_gqa", B=1, Hq=4, Hkv=2, Nq=20, Nk=43, D=100, mask="bias_full"),
+    Case("chunk_d128_bool_strided", B=1, Hq=2, Nq=18, Nk=30, D=128, layout="bnhd", view="strided_d",
+         mask="bool_1h1k", q_len=(13,)),
+]
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: c.name if isinstance(c, Case) else f"chunk{c}")
+def test_qk_chunks_cpu(case, chunk, monkeypatch):
+    """The D-chunked Q K^T (the float32 GPU candidates' qk_chunk) computes the same function: every mask
+    kind, a D that is not a power of two, strided views; bfloat16 also runs the upcast branch."""
+    monkeypatch.setattr(triton_fwd, "INTERPRETER_CONFIG", triton_fwd.Config(16, 16, 1, 1, qk_chunk=chunk))
+    _check_all(verify(backends=["triton"], cases=[case], device="cpu", dtypes=[F32, BF16]))
+
+
+def test_qk_chunk_applies_only_when_it_splits_d():
+    cfg = triton_fwd.Config(32, 32, 4, 2, qk_chunk=16)
+    assert [triton_fwd._qk_chunk(cfg, bd) for bd in (16, 32, 64, 256)] == [0, 16, 16, 16]
+    assert triton_fwd._qk_chunk(triton_fwd.Config(32, 32), 64) == 0
+    assert repr(triton_fwd.Config(16, 16, 1, 1)) == "Config(block_m=16, block_n=16, num_warps=1, num_stages=1)"
+    assert "qk_chunk=16" in repr(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c.scaled(4) for c in CHUNK_CASES] + [c.scaled(4) for c in EXTRA_CASES if c.D >= 32],
+                         ids=lambda c: f"{c.name}_N{c.Nq}")
+def test_qk_chunk_matrix_gpu(case, monkeypatch):
+    """The compiled float32 D-chunked Q K^T on every mask kind (the autotune space only times it on
+    dense and causal problems)."""
+    monkeypatch.setattr(triton_fwd, "AUTOTUNE", False)
+    monkeypatch.setattr(triton_fwd, "candidates", lambda dtype, block_d: [triton_fwd.Config(32, 64, 4, 2, qk_chunk=16)])
+    with strict_fp32():
+        _check_all(verify(backends=["triton"], cases=[case], device="cuda", dtypes=[F32]))
