@@ -44,6 +44,11 @@ Where it runs
 On CUDA tensors the kernel is compiled by Triton, with a small autotune space (block sizes, warps,
 stages, and for float32 the D chunk of Q K^T; :func:`candidates`) keyed on dtype, head dim, mask kind and
 the sizes' powers of two (:func:`tune_key`); ``AUTOTUNE = False`` uses each space's first entry.
+Repeated launches of one :class:`~attnlab.problem.Problem` (a benchmark loop, a layer called with the same
+problem) reuse its arguments and compiled kernel and call Triton's launcher directly (:class:`_Plan`): on
+an H200 that cut the host time of a call from about 86 us to 20 us (sdpa-flash: 20 us), which had been
+the floor of every small problem. ``FAST_LAUNCH = False`` (or ATTNLAB_TRITON_FAST_LAUNCH=0) sends every
+launch through the JIT.
 
 On CPU tensors the very same Python function runs through Triton's interpreter
 (``triton.runtime.interpreter.InterpretedFunction``) with one small config, so the user sets no
@@ -436,17 +441,17 @@ def _qk_chunk(cfg: Config, block_d: int) -> int:
     return cfg.qk_chunk if 16 <= cfg.qk_chunk < block_d else 0
 
 
-def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool) -> None:
-    """Launch the kernel once with ``cfg`` (writes every element of out and lse)."""
+def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> tuple[list, list, list, dict]:
+    """The kernel's arguments for ``prob`` and ``cfg`` except those of out and lse, in signature order:
+    (pointers before Out, the arguments between Lse and out's strides, those after lse's strides,
+    the compile-time constants). :func:`_launch` and :class:`_Plan` put out and lse in between."""
     spec = prob.spec
     q, k, v = prob.q, prob.k, prob.v
-    B, Hq, Nq, Nk, D = prob.B, prob.Hq, prob.Nq, prob.Nk, prob.D
+    D = prob.D
     block_d = max(16, triton.next_power_of_2(D))
     explicit = spec.mask.view(torch.uint8) if spec.mask is not None else spec.bias
     e = explicit if explicit is not None else q  # a placeholder pointer when absent (never read)
     e_strides = explicit.stride() if explicit is not None else (0, 0, 0, 0)
-    lse_t = lse if lse is not None else out  # placeholder, never written
-    l_strides = lse.stride() if lse is not None else (0, 0, 0)
     kv_len = spec.kv_len if spec.kv_len is not None else q
     q_len = spec.q_len if spec.q_len is not None else q
     left = spec.left if spec.left is not None else 0
@@ -455,21 +460,36 @@ def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Con
         precision = "tf32" if (_TF32 and not interpret) else "ieee"
     else:
         precision = "ieee"  # ignored for half types (their products are exact in float32)
-    grid = (triton.cdiv(Nq, cfg.block_m), Hq, B)
+    head = [q, k, v]
+    mid = [kv_len, q_len, e, *q.stride(), *k.stride(), *v.stride()]
+    tail = [*e_strides, prob.Nq, prob.Nk, D, prob.group, prob.scale * LOG2E, left, right]
+    constants = dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=(block_d == D),
+        HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
+        BOTTOM_RIGHT=spec.align == "bottom_right",
+        HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
+        HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
+        WRITE_LSE=write_lse, DOT_PRECISION=precision,
+        # The interpreter multiplies bfloat16 bit patterns (stored as uint16) as integers in tl.dot;
+        # upcasting to float32 first (exact) gives the tensor cores' products.
+        UPCAST_DOT=interpret and not dtype_is_f32,
+        QK_CHUNK=_qk_chunk(cfg, block_d),
+    )
+    return head, mid, tail, constants
+
+
+def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool):
+    """Launch the kernel once with ``cfg`` through Triton's JIT (writes every element of out and lse).
+
+    Returns what the JIT returns for a compiled launch (the compiled kernel), None in the interpreter.
+    """
+    head, mid, tail, constants = _arguments(prob, cfg, interpret, lse is not None)
+    lse_t = lse if lse is not None else out  # placeholder, never written
+    l_strides = lse.stride() if lse is not None else (0, 0, 0)
+    grid = (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
     with _interpreter() if interpret else contextlib.nullcontext(_attn_fwd_kernel) as kernel:
-        kernel[grid](
-            q, k, v, out, lse_t, kv_len, q_len, e,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *l_strides, *e_strides,
-            Nq, Nk, D, prob.group, prob.scale * LOG2E, left, right,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=(block_d == D),
-            HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
-            BOTTOM_RIGHT=spec.align == "bottom_right",
-            HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
-            HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
-            WRITE_LSE=lse is not None, DOT_PRECISION=precision,
-            # The interpreter multiplies bfloat16 bit patterns (stored as uint16) as integers in tl.dot;
-            # upcasting to float32 first (exact) gives the tensor cores' products.
-            UPCAST_DOT=interpret and not dtype_is_f32, QK_CHUNK=_qk_chunk(cfg, block_d),
+        return kernel[grid](
+            *head, out, lse_t, *mid, *out.stride(), *l_strides, *tail, **constants,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -514,6 +534,103 @@ def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Co
 
 
 # ---------------------------------------------------------------------------------------------------
+# Repeated launches of one problem
+# ---------------------------------------------------------------------------------------------------
+#: Whether repeated GPU launches of one Problem skip Triton's JIT dispatch (ATTNLAB_TRITON_FAST_LAUNCH=0:
+#: never; every launch then goes through ``kernel[grid](...)``).
+FAST_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_FAST_LAUNCH", "1") != "0"
+
+_PLANS = "_attnlab_triton_plans"  # the attribute of a Problem that holds its plans
+
+
+class _Plan:
+    """How one :class:`Problem` is launched with one config: the arguments that do not depend on out and
+    lse, computed once, and the compiled kernel of each out/lse layout seen so far.
+
+    The first launch of each layout goes through Triton's JIT (``kernel[grid](...)``), which specializes,
+    compiles or finds the compiled kernel, and returns it. Later launches of that layout call the compiled
+    kernel's launcher directly, with the arguments the JIT would pass: the JIT's per-call work (binding
+    about 45 arguments, specializing each, building the cache key) is what made small problems wait for
+    the host. That is sound because everything the JIT specializes on is fixed: the problem's tensors,
+    sizes, strides and constants belong to the (immutable) Problem, and the layout key holds out's and
+    lse's dtypes, strides and 16-byte alignment. Launch hooks are honoured as the JIT honours them.
+    """
+
+    __slots__ = ("args", "cfg", "device", "grid", "kernels")
+
+    def __init__(self, prob: Problem, cfg: Config) -> None:
+        self.cfg = cfg
+        self.grid = (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
+        self.device = prob.device.index
+        self.kernels: dict[tuple, tuple] = {}
+        self.args: dict[bool, tuple] = {}  # write_lse -> (head, mid, tail with the constants)
+
+    def launch(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        if lse is None:
+            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0)
+        else:
+            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0, lse.dtype, lse.stride(), lse.data_ptr() % 16 == 0)
+        hit = self.kernels.get(key)
+        if hit is None or not FAST_LAUNCH:
+            kernel = _launch(prob, out, lse, self.cfg, interpret=False)
+            if FAST_LAUNCH and hit is None and _fast_launch_supported(kernel):
+                self.kernels[key] = (kernel, *self._arguments(prob, lse is not None))
+            return
+        kernel, head, mid, tail = hit
+        if lse is None:
+            args = (*head, out, out, *mid, *out.stride(), 0, 0, 0, *tail)
+        else:
+            args = (*head, out, lse, *mid, *out.stride(), *lse.stride(), *tail)
+        grid = self.grid
+        stream = _current_stream(self.device)
+        hooks = triton.knobs.runtime
+        # As CompiledKernel's own launcher (``kernel[grid](*args)``) and the JIT call it, in triton 3.4 to 3.9.
+        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
+                   *args)
+
+    def _arguments(self, prob: Problem, write_lse: bool) -> tuple:
+        got = self.args.get(write_lse)
+        if got is None:
+            head, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
+            # The launcher takes every parameter in signature order, the constants (which come last) too.
+            got = self.args[write_lse] = (tuple(head), tuple(mid), (*tail, *(constants[n] for n in _constexpr_names())))
+        return got
+
+
+def _current_stream(device: int):
+    """The raw handle of the current CUDA stream of ``device``, as Triton's JIT launches on it."""
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
+def _constexpr_names() -> list[str]:
+    params = _attn_fwd_kernel.params
+    names = [p.name for p in params if p.is_constexpr]
+    assert all(p.is_constexpr for p in params[len(params) - len(names):]), "constants must come last"
+    return names
+
+
+def _fast_launch_supported(kernel) -> bool:
+    """Whether ``kernel`` (what the JIT returned) has the launcher interface of triton 3.4 to 3.9."""
+    knobs = getattr(triton, "knobs", None)
+    return (kernel is not None and knobs is not None and hasattr(knobs, "runtime")
+            and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")))
+
+
+def _plan(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
+    """The problem's plan for the current TF32 and autotune settings (tunes on first use, see config_for)."""
+    plans = vars(prob).get(_PLANS)
+    if plans is None:
+        plans = {}
+        object.__setattr__(prob, _PLANS, plans)  # Problem is frozen: the cache rides along, outside its fields
+    key = (_TF32, AUTOTUNE)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _Plan(prob, config_for(prob, out, lse))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------
 # The backend
 # ---------------------------------------------------------------------------------------------------
 class TritonBackend(Backend):
@@ -549,8 +666,12 @@ class TritonBackend(Backend):
             if lse is not None:
                 lse.fill_(float("-inf"))
             return
-        if prob.device.type == "cpu":
+        q = prob.q
+        if not q.is_cuda:
             _launch(prob, out, lse, INTERPRETER_CONFIG, interpret=True)
             return
-        with torch.cuda.device(prob.device):
-            _launch(prob, out, lse, config_for(prob, out, lse), interpret=False)
+        if torch.cuda.current_device() == q.get_device():
+            _plan(prob, out, lse).launch(prob, out, lse)
+        else:
+            with torch.cuda.device(q.device):
+                _plan(prob, out, lse).launch(prob, out, lse)
