@@ -429,6 +429,33 @@ def test_repeated_launches_skip_the_jit_with_the_same_arguments(monkeypatch, fas
             assert _same(swapped, fast_call[3])
 
 
+
+def test_autotune_times_direct_launches_and_keeps_the_median_best(monkeypatch):
+    """Each candidate is timed through its own plan (the JIT once, then direct launches, so the host
+    stays ahead of the GPU), by the median, and the fastest is kept."""
+    import triton.testing
+
+    fake = _FakeJit(triton_fwd._attn_fwd_kernel)
+    monkeypatch.setattr(triton_fwd, "_attn_fwd_kernel", fake)
+    monkeypatch.setattr(triton_fwd, "_current_stream", lambda device: 0)
+    cfgs = [triton_fwd.Config(16, 16), triton_fwd.Config(32, 16), triton_fwd.Config(64, 16)]
+    monkeypatch.setattr(triton_fwd, "candidates", lambda dtype, block_d: cfgs)
+    ms_of_block_m = {16: 3.0, 32: 1.0, 64: 2.0}
+    block_m_at = [p.name for p in fake.params].index("BLOCK_M")
+
+    def fake_do_bench(fn, warmup, rep, return_mode):
+        assert return_mode == "median"
+        for _ in range(3):
+            fn()
+        return ms_of_block_m[fake.calls[-1][3][block_m_at]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    q, k, v, kw = _empty_row_inputs("cpu")
+    prob = make_problem(q, k, v, **kw)
+    assert triton_fwd._autotune(prob, torch.empty_like(q), None) == cfgs[1]
+    assert [c[0] for c in fake.calls] == ["jit", "fast", "fast"] * 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [c.scaled(4) for c in CHUNK_CASES] + [c.scaled(4) for c in EXTRA_CASES if c.D >= 32],
                          ids=lambda c: f"{c.name}_N{c.Nq}")
