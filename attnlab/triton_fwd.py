@@ -42,14 +42,21 @@ time by ``tl.static_range``.
 Where it runs
 -------------
 On CUDA tensors the kernel is compiled by Triton, with a small autotune space (block sizes, warps,
-stages; :func:`candidates`) keyed on dtype, head dim, mask kind and the sizes' powers of two
-(:func:`tune_key`); ``AUTOTUNE = False`` uses each space's first entry. On CPU tensors the very same
-Python function runs through Triton's interpreter (``triton.runtime.interpreter.InterpretedFunction``)
-with one small config, so the user sets no ``TRITON_INTERPRET``. The interpreter swaps
-``triton.language``'s functions for its own while it runs; :func:`_interpreter` routes the library's
-@triton.jit helpers (``tl.max``, ``tl.sum``) to interpreted twins and restores ``triton.language``
-afterwards, so interpreted and compiled launches mix in one process. The code uses plain pointer
-arithmetic only (no ``tl.make_block_ptr``); its CPU tests pass with triton 3.4, 3.6 and 3.9.
+stages, and for float32 the D chunk of Q K^T; :func:`candidates`) keyed on dtype, head dim, mask kind and
+the sizes' powers of two (:func:`tune_key`); ``AUTOTUNE = False`` uses each space's first entry.
+Repeated launches of one :class:`~attnlab.problem.Problem` (a benchmark loop, a layer called with the same
+problem) reuse its arguments and compiled kernel and call Triton's launcher directly (:class:`_Plan`): on
+an H200 that cut the host time of a call from about 86 us to 20 us (sdpa-flash: 20 us), which had been
+the floor of every small problem. ``FAST_LAUNCH = False`` (or ATTNLAB_TRITON_FAST_LAUNCH=0) sends every
+launch through the JIT.
+
+On CPU tensors the very same Python function runs through Triton's interpreter
+(``triton.runtime.interpreter.InterpretedFunction``) with one small config, so the user sets no
+``TRITON_INTERPRET``. The interpreter swaps ``triton.language``'s functions for its own while it runs;
+:func:`_interpreter` routes the library's @triton.jit helpers (``tl.max``, ``tl.sum``) to interpreted
+twins and restores ``triton.language`` afterwards, so interpreted and compiled launches mix in one
+process. The code uses plain pointer arithmetic only (no ``tl.make_block_ptr``); its CPU tests pass with
+triton 3.4, 3.6 and 3.9.
 """
 
 from __future__ import annotations
@@ -96,7 +103,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QK_CHUNK: tl.constexpr,
     ):
         # ---- which tile: row tile pid_m (last first), query head h, batch b; kv head h // group ----------
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -148,11 +155,12 @@ if triton is not None:
         rows = i0 + offs_m
         d_ok = offs_d < D
         b64 = b.to(tl.int64)
-        q_ptrs = (Q + b64 * s_qb + h.to(tl.int64) * s_qh + i0.to(tl.int64) * s_qn
-                  + offs_m[:, None] * s_qn + offs_d[None, :] * s_qd)
-        q = tl.load(q_ptrs, mask=(rows < Nq)[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST_DOT:
-            q = q.to(tl.float32)
+        q_tile = Q + b64 * s_qb + h.to(tl.int64) * s_qh + i0.to(tl.int64) * s_qn
+        if QK_CHUNK == 0:
+            q = tl.load(q_tile + offs_m[:, None] * s_qn + offs_d[None, :] * s_qd,
+                        mask=(rows < Nq)[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST_DOT:
+                q = q.to(tl.float32)
         k_base = K + b64 * s_kb + kvh.to(tl.int64) * s_kh
         v_base = V + b64 * s_vb + kvh.to(tl.int64) * s_vh
         e_base = Explicit + b64 * s_eb + h.to(tl.int64) * s_eh + i0.to(tl.int64) * s_ei
@@ -179,20 +187,48 @@ if triton is not None:
                 v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
                 if phase != 1:  # partial tile: keys past Lk are not read
                     kv_ok = (keys < Lk)[:, None] & d_ok[None, :]
-                    k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
                     v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+                    if QK_CHUNK == 0:
+                        k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
                 elif EVEN_D:  # full tile, D a power of two: no predicate at all
-                    k = tl.load(k_ptrs)
                     v = tl.load(v_ptrs)
+                    if QK_CHUNK == 0:
+                        k = tl.load(k_ptrs)
                 else:
-                    k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
                     v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+                    if QK_CHUNK == 0:
+                        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
                 if UPCAST_DOT:
-                    k = k.to(tl.float32)
                     v = v.to(tl.float32)
 
                 # s = scale * log2(e) * q k^T (+ log2(e) * bias), in base 2
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+                if QK_CHUNK == 0:
+                    if UPCAST_DOT:
+                        k = k.to(tl.float32)
+                    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                else:
+                    # D in chunks of QK_CHUNK columns, Q's re-read from L1 each tile: the FMA lowering of a
+                    # float32 dot keeps a thread's operand rows for the whole reduction in registers, so a
+                    # short reduction lets each thread own more scores without spilling.
+                    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    for c in tl.static_range(BLOCK_D // QK_CHUNK):
+                        offs_c = c * QK_CHUNK + tl.arange(0, QK_CHUNK)
+                        c_ok = offs_c < D
+                        qc = tl.load(q_tile + offs_m[:, None] * s_qn + offs_c[None, :] * s_qd,
+                                     mask=(rows < Nq)[:, None] & c_ok[None, :], other=0.0)
+                        kc_ptrs = (k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn
+                                   + offs_c[None, :] * s_kd)
+                        if phase != 1:
+                            kc = tl.load(kc_ptrs, mask=(keys < Lk)[:, None] & c_ok[None, :], other=0.0)
+                        elif EVEN_D:
+                            kc = tl.load(kc_ptrs)
+                        else:
+                            kc = tl.load(kc_ptrs, mask=c_ok[None, :], other=0.0)
+                        if UPCAST_DOT:
+                            qc = qc.to(tl.float32)
+                            kc = kc.to(tl.float32)
+                        s = tl.dot(qc, tl.trans(kc), s, input_precision=DOT_PRECISION)
+                s = s * qk_scale
                 if HAS_MASK or HAS_BIAS:
                     e_ptrs = e_base + n0.to(tl.int64) * s_ej + offs_m[:, None] * s_ei + offs_n[None, :] * s_ej
                     e_ok = (rows < Nq)[:, None] & (keys < Nk)[None, :]
@@ -240,14 +276,21 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------------
 # Configs, autotuning and the interpreter
 # ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Config:
-    """One launch configuration: tile sizes and the compiler's warps and pipeline stages."""
+    """One launch configuration: tile sizes, the compiler's warps and pipeline stages, and (float32 only)
+    the D chunk of the Q K^T product (0: one dot over all of D)."""
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    qk_chunk: int = 0
+
+    def __repr__(self) -> str:
+        chunk = f", qk_chunk={self.qk_chunk}" if self.qk_chunk else ""
+        return (f"Config(block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}, "
+                f"num_stages={self.num_stages}{chunk})")
 
 
 #: The one config of the interpreter: small tiles, so that the CPU tests' short sequences still span
@@ -288,14 +331,20 @@ def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
     if dtype == torch.float32:
         # IEEE products run on the FMA units, and Triton's FMA dot keeps each thread's rows and columns
         # of both operands in registers for the whole reduction: small per-thread tiles, or it spills.
+        # Splitting Q K^T's reduction over D into chunks of 16 (qk_chunk) lets a thread own 16 scores
+        # without spilling. H200, B8 H16 N2048 D64 causal: (32, 64, 4, 2, 16) 5.88 ms against 6.16 for the
+        # best unchunked tile; B1 H8 N1024 D64 causal: (16, 64, 4, 3) 0.152 ms, the rest 0.19 to 0.38.
         if block_d <= 64:
-            return [Config(64, 32, 8, 2), Config(32, 32, 4, 2), Config(32, 64, 8, 2), Config(32, 64, 8, 3),
-                    Config(16, 64, 4, 3), Config(16, 128, 8, 3), Config(32, 32, 4, 3)]
+            return [Config(64, 32, 8, 2), Config(32, 32, 4, 2), Config(16, 64, 4, 3),
+                    Config(32, 64, 4, 2, qk_chunk=16), Config(64, 64, 8, 2, qk_chunk=16)]
         if block_d <= 128:
-            return [Config(32, 64, 8, 2), Config(32, 32, 8, 2)]
+            return [Config(32, 64, 8, 2), Config(32, 32, 8, 2), Config(32, 64, 8, 2, qk_chunk=16)]
         return [Config(16, 64, 8, 2)]
     if block_d <= 64:
-        return [Config(128, 64, 4, 3), Config(128, 128, 8, 3), Config(128, 64, 8, 4), Config(64, 64, 4, 3)]
+        # (64, 64, 4, 2): small causal problems (H200, B8 H16 N1024 D64 causal: 0.070 ms of GPU time against
+        # 0.078 for (128, 64, 4, 3) and 0.094 for (128, 128, 8, 3)).
+        return [Config(128, 64, 4, 3), Config(128, 128, 8, 3), Config(128, 64, 8, 4), Config(64, 64, 4, 3),
+                Config(64, 64, 4, 2)]
     if block_d <= 128:
         return [Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3), Config(128, 32, 4, 3)]
     return [Config(64, 32, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2)]
@@ -387,17 +436,22 @@ def _language_restore(snapshot: list[tuple[object, dict]]) -> None:
                 setattr(obj, key, value)
 
 
-def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool) -> None:
-    """Launch the kernel once with ``cfg`` (writes every element of out and lse)."""
+def _qk_chunk(cfg: Config, block_d: int) -> int:
+    """The kernel's QK_CHUNK for ``cfg``: 0 (one dot) unless a chunk of at least 16 splits BLOCK_D."""
+    return cfg.qk_chunk if 16 <= cfg.qk_chunk < block_d else 0
+
+
+def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> tuple[list, list, list, dict]:
+    """The kernel's arguments for ``prob`` and ``cfg`` except those of out and lse, in signature order:
+    (pointers before Out, the arguments between Lse and out's strides, those after lse's strides,
+    the compile-time constants). :func:`_launch` and :class:`_Plan` put out and lse in between."""
     spec = prob.spec
     q, k, v = prob.q, prob.k, prob.v
-    B, Hq, Nq, Nk, D = prob.B, prob.Hq, prob.Nq, prob.Nk, prob.D
+    D = prob.D
     block_d = max(16, triton.next_power_of_2(D))
     explicit = spec.mask.view(torch.uint8) if spec.mask is not None else spec.bias
     e = explicit if explicit is not None else q  # a placeholder pointer when absent (never read)
     e_strides = explicit.stride() if explicit is not None else (0, 0, 0, 0)
-    lse_t = lse if lse is not None else out  # placeholder, never written
-    l_strides = lse.stride() if lse is not None else (0, 0, 0)
     kv_len = spec.kv_len if spec.kv_len is not None else q
     q_len = spec.q_len if spec.q_len is not None else q
     left = spec.left if spec.left is not None else 0
@@ -406,21 +460,36 @@ def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Con
         precision = "tf32" if (_TF32 and not interpret) else "ieee"
     else:
         precision = "ieee"  # ignored for half types (their products are exact in float32)
-    grid = (triton.cdiv(Nq, cfg.block_m), Hq, B)
+    head = [q, k, v]
+    mid = [kv_len, q_len, e, *q.stride(), *k.stride(), *v.stride()]
+    tail = [*e_strides, prob.Nq, prob.Nk, D, prob.group, prob.scale * LOG2E, left, right]
+    constants = dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=(block_d == D),
+        HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
+        BOTTOM_RIGHT=spec.align == "bottom_right",
+        HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
+        HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
+        WRITE_LSE=write_lse, DOT_PRECISION=precision,
+        # The interpreter multiplies bfloat16 bit patterns (stored as uint16) as integers in tl.dot;
+        # upcasting to float32 first (exact) gives the tensor cores' products.
+        UPCAST_DOT=interpret and not dtype_is_f32,
+        QK_CHUNK=_qk_chunk(cfg, block_d),
+    )
+    return head, mid, tail, constants
+
+
+def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool):
+    """Launch the kernel once with ``cfg`` through Triton's JIT (writes every element of out and lse).
+
+    Returns what the JIT returns for a compiled launch (the compiled kernel), None in the interpreter.
+    """
+    head, mid, tail, constants = _arguments(prob, cfg, interpret, lse is not None)
+    lse_t = lse if lse is not None else out  # placeholder, never written
+    l_strides = lse.stride() if lse is not None else (0, 0, 0)
+    grid = (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
     with _interpreter() if interpret else contextlib.nullcontext(_attn_fwd_kernel) as kernel:
-        kernel[grid](
-            q, k, v, out, lse_t, kv_len, q_len, e,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *l_strides, *e_strides,
-            Nq, Nk, D, prob.group, prob.scale * LOG2E, left, right,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=(block_d == D),
-            HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
-            BOTTOM_RIGHT=spec.align == "bottom_right",
-            HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
-            HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
-            WRITE_LSE=lse is not None, DOT_PRECISION=precision,
-            # The interpreter multiplies bfloat16 bit patterns (stored as uint16) as integers in tl.dot;
-            # upcasting to float32 first (exact) gives the tensor cores' products.
-            UPCAST_DOT=interpret and not dtype_is_f32,
+        return kernel[grid](
+            *head, out, lse_t, *mid, *out.stride(), *l_strides, *tail, **constants,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -434,14 +503,23 @@ def tune_key(prob: Problem) -> tuple:
 
 
 def _autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
-    """Time each candidate on this problem (outputs are overwritten by the final launch) and keep the best."""
+    """Time each candidate on this problem (outputs are overwritten by the final launch) and keep the best.
+
+    Each candidate launches through its own :class:`_Plan` (the JIT once, then the direct launcher), so
+    that the host stays ahead of the GPU and ``do_bench`` (which clears the L2 before every call) times
+    the kernel rather than the host; and the median is kept, not the mean, so that one slow call cannot
+    decide. (On the H200, JIT launches cost 97 us of host time, more than the L2 clear between two timed
+    calls; with them and the mean, fp16 B8 H16 N1024 D64 causal was once tuned to (128, 128, 8, 3),
+    0.095 ms of GPU time, over (64, 64, 4, 2), 0.070 ms.)
+    """
     from triton.testing import do_bench
 
     block_d = max(16, triton.next_power_of_2(prob.D))
     best, best_ms = None, math.inf
     for cfg in candidates(prob.dtype, block_d):
+        plan = _Plan(prob, cfg)
         try:
-            ms = do_bench(lambda cfg=cfg: _launch(prob, out, lse, cfg, False), warmup=5, rep=20)
+            ms = do_bench(lambda plan=plan: plan.launch(prob, out, lse), warmup=5, rep=20, return_mode="median")
         except Exception as err:  # a config that does not fit (shared memory, registers) is skipped
             if "OutOfResources" in type(err).__name__ or "out of resource" in str(err).lower():
                 continue
@@ -462,6 +540,103 @@ def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Co
     if cfg is None:
         cfg = _tuned[key] = _autotune(prob, out, lse)
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# Repeated launches of one problem
+# ---------------------------------------------------------------------------------------------------
+#: Whether repeated GPU launches of one Problem skip Triton's JIT dispatch (ATTNLAB_TRITON_FAST_LAUNCH=0:
+#: never; every launch then goes through ``kernel[grid](...)``).
+FAST_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_FAST_LAUNCH", "1") != "0"
+
+_PLANS = "_attnlab_triton_plans"  # the attribute of a Problem that holds its plans
+
+
+class _Plan:
+    """How one :class:`Problem` is launched with one config: the arguments that do not depend on out and
+    lse, computed once, and the compiled kernel of each out/lse layout seen so far.
+
+    The first launch of each layout goes through Triton's JIT (``kernel[grid](...)``), which specializes,
+    compiles or finds the compiled kernel, and returns it. Later launches of that layout call the compiled
+    kernel's launcher directly, with the arguments the JIT would pass: the JIT's per-call work (binding
+    about 45 arguments, specializing each, building the cache key) is what made small problems wait for
+    the host. That is sound because everything the JIT specializes on is fixed: the problem's tensors,
+    sizes, strides and constants belong to the (immutable) Problem, and the layout key holds out's and
+    lse's dtypes, strides and 16-byte alignment. Launch hooks are honoured as the JIT honours them.
+    """
+
+    __slots__ = ("args", "cfg", "device", "grid", "kernels")
+
+    def __init__(self, prob: Problem, cfg: Config) -> None:
+        self.cfg = cfg
+        self.grid = (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
+        self.device = prob.device.index
+        self.kernels: dict[tuple, tuple] = {}
+        self.args: dict[bool, tuple] = {}  # write_lse -> (head, mid, tail with the constants)
+
+    def launch(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        if lse is None:
+            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0)
+        else:
+            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0, lse.dtype, lse.stride(), lse.data_ptr() % 16 == 0)
+        hit = self.kernels.get(key)
+        if hit is None or not FAST_LAUNCH:
+            kernel = _launch(prob, out, lse, self.cfg, interpret=False)
+            if FAST_LAUNCH and hit is None and _fast_launch_supported(kernel):
+                self.kernels[key] = (kernel, *self._arguments(prob, lse is not None))
+            return
+        kernel, head, mid, tail = hit
+        if lse is None:
+            args = (*head, out, out, *mid, *out.stride(), 0, 0, 0, *tail)
+        else:
+            args = (*head, out, lse, *mid, *out.stride(), *lse.stride(), *tail)
+        grid = self.grid
+        stream = _current_stream(self.device)
+        hooks = triton.knobs.runtime
+        # As CompiledKernel's own launcher (``kernel[grid](*args)``) and the JIT call it, in triton 3.4 to 3.9.
+        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
+                   *args)
+
+    def _arguments(self, prob: Problem, write_lse: bool) -> tuple:
+        got = self.args.get(write_lse)
+        if got is None:
+            head, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
+            # The launcher takes every parameter in signature order, the constants (which come last) too.
+            got = self.args[write_lse] = (tuple(head), tuple(mid), (*tail, *(constants[n] for n in _constexpr_names())))
+        return got
+
+
+def _current_stream(device: int):
+    """The raw handle of the current CUDA stream of ``device``, as Triton's JIT launches on it."""
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
+def _constexpr_names() -> list[str]:
+    params = _attn_fwd_kernel.params
+    names = [p.name for p in params if p.is_constexpr]
+    assert all(p.is_constexpr for p in params[len(params) - len(names):]), "constants must come last"
+    return names
+
+
+def _fast_launch_supported(kernel) -> bool:
+    """Whether ``kernel`` (what the JIT returned) has the launcher interface of triton 3.4 to 3.9."""
+    knobs = getattr(triton, "knobs", None)
+    return (kernel is not None and knobs is not None and hasattr(knobs, "runtime")
+            and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")))
+
+
+def _plan(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
+    """The problem's plan for the current TF32 and autotune settings (tunes on first use, see config_for)."""
+    plans = vars(prob).get(_PLANS)
+    if plans is None:
+        plans = {}
+        object.__setattr__(prob, _PLANS, plans)  # Problem is frozen: the cache rides along, outside its fields
+    key = (_TF32, AUTOTUNE)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _Plan(prob, config_for(prob, out, lse))
+    return plan
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -500,8 +675,12 @@ class TritonBackend(Backend):
             if lse is not None:
                 lse.fill_(float("-inf"))
             return
-        if prob.device.type == "cpu":
+        q = prob.q
+        if not q.is_cuda:
             _launch(prob, out, lse, INTERPRETER_CONFIG, interpret=True)
             return
-        with torch.cuda.device(prob.device):
-            _launch(prob, out, lse, config_for(prob, out, lse), interpret=False)
+        if torch.cuda.current_device() == q.get_device():
+            _plan(prob, out, lse).launch(prob, out, lse)
+        else:
+            with torch.cuda.device(q.device):
+                _plan(prob, out, lse).launch(prob, out, lse)

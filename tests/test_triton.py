@@ -328,3 +328,174 @@ def test_scalar_tensor_kv_len_is_read_per_batch_entry():
     out = attnlab.attention(q, k, v, kv_len=torch.tensor(7, dtype=torch.int32), backend="triton")
     ref, _ = attnlab.reference(q, k, v, kv_len=7)
     assert attnlab.check.compare(out, ref).passed
+
+
+# ------------------------------------------------------------------------------------------------------
+# CPU: the float32 chunked Q K^T, and the launch path of repeated calls
+# ------------------------------------------------------------------------------------------------------
+#: Cases for the D-chunked Q K^T: D of at least 32 (a chunk of 16 must split BLOCK_D), every mask kind.
+CHUNK_CASES = [
+    Case("chunk_d64_causal", B=1, Hq=2, Nq=35, D=64, causal=True),
+    Case("chunk_d40_window_br_kv_len", B=2, Hq=2, Nq=37, Nk=21, D=40, window=(6, 3), align="bottom_right",
+         kv_len=(21, 9)),
+    Case("chunk_d100_bias_gqa", B=1, Hq=4, Hkv=2, Nq=20, Nk=43, D=100, mask="bias_full"),
+    Case("chunk_d128_bool_strided", B=1, Hq=2, Nq=18, Nk=30, D=128, layout="bnhd", view="strided_d",
+         mask="bool_1h1k", q_len=(13,)),
+]
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: c.name if isinstance(c, Case) else f"chunk{c}")
+def test_qk_chunks_cpu(case, chunk, monkeypatch):
+    """The D-chunked Q K^T (the float32 GPU candidates' qk_chunk) computes the same function: every mask
+    kind, a D that is not a power of two, strided views; bfloat16 also runs the upcast branch."""
+    monkeypatch.setattr(triton_fwd, "INTERPRETER_CONFIG", triton_fwd.Config(16, 16, 1, 1, qk_chunk=chunk))
+    _check_all(verify(backends=["triton"], cases=[case], device="cpu", dtypes=[F32, BF16]))
+
+
+def test_qk_chunk_applies_only_when_it_splits_d():
+    cfg = triton_fwd.Config(32, 32, 4, 2, qk_chunk=16)
+    assert [triton_fwd._qk_chunk(cfg, bd) for bd in (16, 32, 64, 256)] == [0, 16, 16, 16]
+    assert triton_fwd._qk_chunk(triton_fwd.Config(32, 32), 64) == 0
+    assert repr(triton_fwd.Config(16, 16, 1, 1)) == "Config(block_m=16, block_n=16, num_warps=1, num_stages=1)"
+    assert "qk_chunk=16" in repr(cfg)
+
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: records the launcher calls."""
+
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, gx, gy, gz, stream, function, packed, launch_md, enter, exit_, *args):
+        self.calls.append(("fast", (gx, gy, gz), stream, args))
+
+
+class _FakeJit:
+    """Stands in for the @triton.jit kernel: ``kernel[grid](*args, **constants)`` records and returns a
+    compiled kernel, as the JIT does."""
+
+    def __init__(self, real):
+        self.params = real.params
+        self.calls = []
+        self.compiled = _FakeCompiled(self.calls)
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, num_stages, **constants):
+            names = [p.name for p in self.params if p.is_constexpr]
+            self.calls.append(("jit", grid, None, (*args, *(constants[n] for n in names))))
+            return self.compiled
+
+        return launch
+
+
+def _same(a, b):
+    def sig(x):  # a tensor argument is what the kernel sees of it: address, dtype, shape, strides
+        return (x.data_ptr(), x.dtype, x.shape, x.stride()) if isinstance(x, torch.Tensor) else (type(x), x)
+
+    return [sig(x) for x in a] == [sig(x) for x in b]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "jit_only"])
+def test_repeated_launches_skip_the_jit_with_the_same_arguments(monkeypatch, fast):
+    """The second launch of a problem with an out/lse of the same layout calls the compiled kernel
+    directly, with exactly the arguments the JIT got; a new layout goes through the JIT again; with
+    FAST_LAUNCH off every launch goes through the JIT."""
+    fake = _FakeJit(triton_fwd._attn_fwd_kernel)
+    monkeypatch.setattr(triton_fwd, "_attn_fwd_kernel", fake)
+    monkeypatch.setattr(triton_fwd, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(triton_fwd, "FAST_LAUNCH", fast)
+    q, k, v, kw = _empty_row_inputs("cpu")
+    prob = make_problem(q, k, v, **kw)
+    plan = triton_fwd._Plan(prob, triton_fwd.Config(16, 32, 4, 2))
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    out2, lse2 = torch.empty_like(q), torch.empty(q.shape[:3])
+    for o, l in ((out, lse), (out2, lse2), (out, None), (out2, None)):
+        plan.launch(prob, o, l)
+    strided = torch.empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+    plan.launch(prob, strided, None)
+    kinds = [c[0] for c in fake.calls]
+    assert kinds == (["jit", "fast", "jit", "fast", "jit"] if fast else ["jit"] * 5)
+    if fast:
+        for jit_call, fast_call in ((fake.calls[0], fake.calls[1]), (fake.calls[2], fake.calls[3])):
+            assert fast_call[1] == plan.grid == jit_call[1] and fast_call[2] == 1234
+            # the same arguments except out and lse themselves (the second launch writes out2/lse2)
+            swapped = [out2 if x is out else lse2 if x is lse else x for x in jit_call[3]]
+            assert _same(swapped, fast_call[3])
+
+
+
+def test_autotune_times_direct_launches_and_keeps_the_median_best(monkeypatch):
+    """Each candidate is timed through its own plan (the JIT once, then direct launches, so the host
+    stays ahead of the GPU), by the median, and the fastest is kept."""
+    import triton.testing
+
+    fake = _FakeJit(triton_fwd._attn_fwd_kernel)
+    monkeypatch.setattr(triton_fwd, "_attn_fwd_kernel", fake)
+    monkeypatch.setattr(triton_fwd, "_current_stream", lambda device: 0)
+    cfgs = [triton_fwd.Config(16, 16), triton_fwd.Config(32, 16), triton_fwd.Config(64, 16)]
+    monkeypatch.setattr(triton_fwd, "candidates", lambda dtype, block_d: cfgs)
+    ms_of_block_m = {16: 3.0, 32: 1.0, 64: 2.0}
+    block_m_at = [p.name for p in fake.params].index("BLOCK_M")
+
+    def fake_do_bench(fn, warmup, rep, return_mode):
+        assert return_mode == "median"
+        for _ in range(3):
+            fn()
+        return ms_of_block_m[fake.calls[-1][3][block_m_at]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    q, k, v, kw = _empty_row_inputs("cpu")
+    prob = make_problem(q, k, v, **kw)
+    assert triton_fwd._autotune(prob, torch.empty_like(q), None) == cfgs[1]
+    assert [c[0] for c in fake.calls] == ["jit", "fast", "fast"] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c.scaled(4) for c in CHUNK_CASES] + [c.scaled(4) for c in EXTRA_CASES if c.D >= 32],
+                         ids=lambda c: f"{c.name}_N{c.Nq}")
+def test_qk_chunk_matrix_gpu(case, monkeypatch):
+    """The compiled float32 D-chunked Q K^T on every mask kind (the autotune space only times it on
+    dense and causal problems)."""
+    monkeypatch.setattr(triton_fwd, "AUTOTUNE", False)
+    monkeypatch.setattr(triton_fwd, "candidates", lambda dtype, block_d: [triton_fwd.Config(32, 64, 4, 2, qk_chunk=16)])
+    with strict_fp32():
+        _check_all(verify(backends=["triton"], cases=[case], device="cuda", dtypes=[F32]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_fast_launch_same_as_jit_gpu(dtype, monkeypatch, untuned):
+    """Launches that skip the JIT write bit for bit what JIT launches write, go through the JIT once per
+    out/lse layout, and a FAST_LAUNCH of False sends every launch through the JIT."""
+    case = Case("fast", B=2, Hq=4, Hkv=2, Nq=300, Nk=333, D=64, layout="bnhd", causal=True, align="bottom_right",
+                kv_len=(333, 100), mask="bias_11qk")
+    q, k, v, kw = make_inputs(case, dtype=dtype, device="cuda", seed=11)
+    prob = make_problem(q, k, v, **kw)
+    jit_calls = []
+    real_launch = triton_fwd._launch
+
+    def counting_launch(*args, **kwargs):
+        jit_calls.append(1)
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_fwd, "_launch", counting_launch)
+    results = {}
+    for fast in (False, True):
+        monkeypatch.setattr(triton_fwd, "FAST_LAUNCH", fast)
+        vars(prob).pop(triton_fwd._PLANS, None)
+        jit_calls.clear()
+        for with_lse in (True, True, True, False, False):
+            out = torch.full_like(prob.q, float("nan"))
+            lse = torch.full((prob.B, prob.Hq, prob.Nq), float("nan"), device="cuda") if with_lse else None
+            triton_fwd.TritonBackend().forward(prob, out, lse)
+            results.setdefault(fast, []).append((out, lse))
+        assert len(jit_calls) == (2 if fast else 5), (fast, len(jit_calls))
+    for (o1, l1), (o2, l2) in zip(results[False], results[True]):
+        assert torch.equal(o1, o2) and not torch.isnan(o1).any()
+        assert (l1 is None and l2 is None) or torch.equal(l1, l2)
