@@ -44,10 +44,12 @@ Where it runs
 On CUDA tensors the kernel is compiled by Triton, with a small autotune space (block sizes, warps,
 stages, and for float32 the D chunk of Q K^T; :func:`candidates`) keyed on dtype, head dim, mask kind and
 the sizes' powers of two (:func:`tune_key`); ``AUTOTUNE = False`` uses each space's first entry.
-Repeated launches of one :class:`~attnlab.problem.Problem` (a benchmark loop, a layer called with the same
-problem) reuse its arguments and compiled kernel and call Triton's launcher directly (:class:`_Plan`): on
-an H200 that cut the host time of a call from about 86 us to 20 us (sdpa-flash: 20 us), which had been
-the floor of every small problem. ``FAST_LAUNCH = False`` (or ATTNLAB_TRITON_FAST_LAUNCH=0) sends every
+Repeated launches of one :class:`~attnlab.problem.Problem` (validated once with ``make_problem`` and
+passed to ``TritonBackend().forward`` again and again, as the benchmark harness does) reuse its arguments
+and compiled kernel and call Triton's launcher directly (:class:`_Plan`): on an H200 that cut the host
+time of such a call from about 86 us to 20 us (a sdpa-flash call: 20 us), which had been the floor of
+every small problem. :func:`attnlab.attention` validates its arguments into a new Problem on every call,
+so it always takes the JIT path. ``FAST_LAUNCH = False`` (or ATTNLAB_TRITON_FAST_LAUNCH=0) sends every
 launch through the JIT.
 
 On CPU tensors the very same Python function runs through Triton's interpreter
@@ -62,10 +64,11 @@ triton 3.4, 3.6 and 3.9.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +86,6 @@ except ImportError as e:  # the backend reports itself unavailable
     _IMPORT_ERROR = f"triton is not importable ({e})"
 
 LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2
-LN2 = 0.6931471805599453  # ln(2): converts the base-2 lse back to a natural log
 
 # ---------------------------------------------------------------------------------------------------
 # The kernel
@@ -354,6 +356,11 @@ def _pow2_bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def _block_d(D: int) -> int:
+    """The head dim the kernel works on: D padded to a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, _pow2_bucket(D))
+
+
 def _interpreted_fn(fn):
     """``fn`` (a @triton.jit function) wrapped in Triton's interpreter, built once per function."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -448,8 +455,10 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
     spec = prob.spec
     q, k, v = prob.q, prob.k, prob.v
     D = prob.D
-    block_d = max(16, triton.next_power_of_2(D))
-    explicit = spec.mask.view(torch.uint8) if spec.mask is not None else spec.bias
+    block_d = _block_d(D)
+    explicit = spec.explicit
+    if explicit is not None and explicit.dtype == torch.bool:
+        explicit = explicit.view(torch.uint8)  # the kernel reads a bool mask as bytes
     e = explicit if explicit is not None else q  # a placeholder pointer when absent (never read)
     e_strides = explicit.stride() if explicit is not None else (0, 0, 0, 0)
     kv_len = spec.kv_len if spec.kv_len is not None else q
@@ -478,26 +487,35 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
     return head, mid, tail, constants
 
 
+def _bind(head: Sequence, mid: Sequence, tail: Sequence, out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
+    """The kernel's run-time arguments in signature order: :func:`_arguments`' parts with out and lse (and
+    their strides) in between; without lse, out stands in for its pointer (never written) with strides 0."""
+    if lse is None:
+        return (*head, out, out, *mid, *out.stride(), 0, 0, 0, *tail)
+    return (*head, out, lse, *mid, *out.stride(), *lse.stride(), *tail)
+
+
 def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool):
     """Launch the kernel once with ``cfg`` through Triton's JIT (writes every element of out and lse).
 
     Returns what the JIT returns for a compiled launch (the compiled kernel), None in the interpreter.
     """
     head, mid, tail, constants = _arguments(prob, cfg, interpret, lse is not None)
-    lse_t = lse if lse is not None else out  # placeholder, never written
-    l_strides = lse.stride() if lse is not None else (0, 0, 0)
-    grid = (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
     with _interpreter() if interpret else contextlib.nullcontext(_attn_fwd_kernel) as kernel:
-        return kernel[grid](
-            *head, out, lse_t, *mid, *out.stride(), *l_strides, *tail, **constants,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        return kernel[_grid(prob, cfg)](
+            *_bind(head, mid, tail, out, lse), **constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+
+
+def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
+    """One program per (row tile, query head, batch entry)."""
+    return (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
 
 
 def tune_key(prob: Problem) -> tuple:
     """What a tuned config is remembered by: device, dtype, head dim, mask kind and size buckets."""
     return (
-        prob.device.index, prob.dtype, max(16, 1 << max(0, prob.D - 1).bit_length()), prob.spec.kind,
+        prob.device.index, prob.dtype, _block_d(prob.D), prob.spec.kind,
         _TF32, _pow2_bucket(prob.Nq), _pow2_bucket(prob.Nk), _pow2_bucket(prob.B * prob.Hq),
     )
 
@@ -514,9 +532,8 @@ def _autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Con
     """
     from triton.testing import do_bench
 
-    block_d = max(16, triton.next_power_of_2(prob.D))
     best, best_ms = None, math.inf
-    for cfg in candidates(prob.dtype, block_d):
+    for cfg in candidates(prob.dtype, _block_d(prob.D)):
         plan = _Plan(prob, cfg)
         try:
             ms = do_bench(lambda plan=plan: plan.launch(prob, out, lse), warmup=5, rep=20, return_mode="median")
@@ -534,7 +551,7 @@ def _autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Con
 def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
     """The config a GPU launch uses: tuned once per :func:`tune_key`, or the default candidate."""
     if not AUTOTUNE:
-        return candidates(prob.dtype, max(16, triton.next_power_of_2(prob.D)))[0]
+        return candidates(prob.dtype, _block_d(prob.D))[0]
     key = tune_key(prob)
     cfg = _tuned.get(key)
     if cfg is None:
@@ -549,12 +566,9 @@ def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Co
 #: never; every launch then goes through ``kernel[grid](...)``).
 FAST_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_FAST_LAUNCH", "1") != "0"
 
-_PLANS = "_attnlab_triton_plans"  # the attribute of a Problem that holds its plans
-
-
 class _Plan:
-    """How one :class:`Problem` is launched with one config: the arguments that do not depend on out and
-    lse, computed once, and the compiled kernel of each out/lse layout seen so far.
+    """How one :class:`Problem` is launched with one config: the compiled kernel of each out/lse layout
+    seen so far, and the arguments that do not depend on out and lse (computed at the first direct launch).
 
     The first launch of each layout goes through Triton's JIT (``kernel[grid](...)``), which specializes,
     compiles or finds the compiled kernel, and returns it. Later launches of that layout call the compiled
@@ -569,27 +583,25 @@ class _Plan:
 
     def __init__(self, prob: Problem, cfg: Config) -> None:
         self.cfg = cfg
-        self.grid = (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
+        self.grid = _grid(prob, cfg)
         self.device = prob.device.index
-        self.kernels: dict[tuple, tuple] = {}
-        self.args: dict[bool, tuple] = {}  # write_lse -> (head, mid, tail with the constants)
+        self.kernels: dict[tuple, object] = {}
+        self.args: dict[bool, tuple] = {}  # write_lse -> (head, mid, tail, the constants' values)
 
     def launch(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         if lse is None:
             key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0)
         else:
             key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0, lse.dtype, lse.stride(), lse.data_ptr() % 16 == 0)
-        hit = self.kernels.get(key)
-        if hit is None or not FAST_LAUNCH:
+        kernel = self.kernels.get(key)
+        if kernel is None or not FAST_LAUNCH:
             kernel = _launch(prob, out, lse, self.cfg, interpret=False)
-            if FAST_LAUNCH and hit is None and _fast_launch_supported(kernel):
-                self.kernels[key] = (kernel, *self._arguments(prob, lse is not None))
+            if FAST_LAUNCH and _fast_launch_supported(kernel):
+                self.kernels[key] = kernel
             return
-        kernel, head, mid, tail = hit
-        if lse is None:
-            args = (*head, out, out, *mid, *out.stride(), 0, 0, 0, *tail)
-        else:
-            args = (*head, out, lse, *mid, *out.stride(), *lse.stride(), *tail)
+        head, mid, tail, constants = self._arguments(prob, lse is not None)
+        # The launcher takes every parameter in signature order, the constants (which come last) too.
+        args = (*_bind(head, mid, tail, out, lse), *constants)
         grid = self.grid
         stream = _current_stream(self.device)
         hooks = triton.knobs.runtime
@@ -602,8 +614,7 @@ class _Plan:
         got = self.args.get(write_lse)
         if got is None:
             head, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
-            # The launcher takes every parameter in signature order, the constants (which come last) too.
-            got = self.args[write_lse] = (tuple(head), tuple(mid), (*tail, *(constants[n] for n in _constexpr_names())))
+            got = self.args[write_lse] = (head, mid, tail, tuple(constants[n] for n in _constexpr_names()))
         return got
 
 
@@ -612,9 +623,10 @@ def _current_stream(device: int):
     return triton.runtime.driver.active.get_current_stream(device)
 
 
-def _constexpr_names() -> list[str]:
+@functools.cache
+def _constexpr_names() -> tuple[str, ...]:
     params = _attn_fwd_kernel.params
-    names = [p.name for p in params if p.is_constexpr]
+    names = tuple(p.name for p in params if p.is_constexpr)
     assert all(p.is_constexpr for p in params[len(params) - len(names):]), "constants must come last"
     return names
 
@@ -627,11 +639,9 @@ def _fast_launch_supported(kernel) -> bool:
 
 
 def _plan(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
-    """The problem's plan for the current TF32 and autotune settings (tunes on first use, see config_for)."""
-    plans = vars(prob).get(_PLANS)
-    if plans is None:
-        plans = {}
-        object.__setattr__(prob, _PLANS, plans)  # Problem is frozen: the cache rides along, outside its fields
+    """The problem's plan for the current TF32 and autotune settings (tunes on first use, see config_for),
+    kept in the problem's own cache: it lives as long as the problem and its tensors."""
+    plans = prob.cache.setdefault("triton_plans", {})
     key = (_TF32, AUTOTUNE)
     plan = plans.get(key)
     if plan is None:

@@ -488,7 +488,7 @@ def test_fast_launch_same_as_jit_gpu(dtype, monkeypatch, untuned):
     results = {}
     for fast in (False, True):
         monkeypatch.setattr(triton_fwd, "FAST_LAUNCH", fast)
-        vars(prob).pop(triton_fwd._PLANS, None)
+        prob.cache.pop("triton_plans", None)
         jit_calls.clear()
         for with_lse in (True, True, True, False, False):
             out = torch.full_like(prob.q, float("nan"))
