@@ -353,17 +353,6 @@ DEFAULT_REPS, DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS = 30, 100.0, 3
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _spec_device(spec: MaskSpec) -> torch.device:
-    """Where the spec's tensors live (``MaskSpec.device`` where this version has it)."""
-    dev = getattr(spec, "device", None)
-    if isinstance(dev, torch.device):
-        return dev
-    for t in (spec.kv_len, spec.q_len, spec.mask, spec.bias):
-        if t is not None:
-            return t.device
-    return torch.device("cpu")
-
-
 def row_counts(spec: MaskSpec) -> torch.Tensor:
     """Allowed keys of each query row from the lengths and the band, analytically: int64 [B, Nq] (CPU).
 
@@ -371,10 +360,9 @@ def row_counts(spec: MaskSpec) -> torch.Tensor:
     ``hi = min(Lk_b, diag + right + 1)`` (unbounded sides give 0 and Lk_b), ``diag = i`` (top-left) or
     ``i + Lk_b - Lq_b`` (bottom-right). An explicit mask is not included (see :func:`allowed_count`).
     """
-    lq, lk = spec.lengths(torch.device("cpu"))
-    lq, lk = lq.view(-1, 1), lk.view(-1, 1)
+    lq, lk = (t.view(-1, 1) for t in spec.lengths("cpu"))
     i = torch.arange(spec.Nq, dtype=torch.long).view(1, -1)
-    diag = i + (lk - lq if spec.align == "bottom_right" else torch.zeros_like(lk))
+    diag = i + spec.diag_offset("cpu").view(-1, 1)
     lo = torch.zeros_like(diag) if spec.left is None else (diag - spec.left).clamp_min(0)
     hi = lk.expand_as(diag) if spec.right is None else torch.minimum(lk, diag + spec.right + 1)
     return (hi - lo).clamp_min(0) * (i < lq)
@@ -391,10 +379,7 @@ def allowed_count(spec: MaskSpec, chunk_rows: int = 1024) -> int:
     total = 0
     for i0 in range(0, spec.Nq, chunk_rows):
         i1 = min(spec.Nq, i0 + chunk_rows)
-        ok = spec.allowed(i0, i1)
-        if spec.bias is not None:
-            ok = ok & (spec.bias_rows(i0, i1) != float("-inf"))
-        total += int(ok.expand(spec.B, spec.Hq, i1 - i0, spec.Nk).sum())
+        total += int(spec.allowed_with_bias(i0, i1).expand(spec.B, spec.Hq, i1 - i0, spec.Nk).sum())
     return total
 
 
@@ -418,14 +403,9 @@ def empty_rows(spec: MaskSpec) -> torch.Tensor | None:
     """bool [B, Hm, Nq, 1] of rows with no allowed key (on the spec's device), or None when there is none."""
     if spec.mask is None and spec.bias is None:
         e = (row_counts(spec) == 0).view(spec.B, 1, spec.Nq, 1)
-        return e.to(_spec_device(spec)) if bool(e.any()) else None
-    rows = []
-    for i0 in range(0, spec.Nq, 1024):
-        i1 = min(spec.Nq, i0 + 1024)
-        ok = spec.allowed(i0, i1)
-        if spec.bias is not None:
-            ok = ok & (spec.bias_rows(i0, i1) != float("-inf"))
-        rows.append(~ok.any(dim=-1, keepdim=True))
+        return e.to(spec.device) if bool(e.any()) else None
+    rows = [~spec.allowed_with_bias(i0, min(spec.Nq, i0 + 1024)).any(dim=-1, keepdim=True)
+            for i0 in range(0, spec.Nq, 1024)]
     e = torch.cat(rows, dim=2)
     return e if bool(e.any()) else None
 
@@ -736,8 +716,7 @@ def flex_mods(spec: MaskSpec) -> tuple[Callable | None, Callable | None, bool, b
     const_off = 0
     if spec.align == "bottom_right":
         if per_b:
-            lq, lk = spec.lengths(_spec_device(spec))
-            off_b = (lk - lq).long()
+            off_b = spec.diag_offset()
         else:
             const_off = spec.Nk - spec.Nq
     left, right, mask, bias = spec.left, spec.right, spec.mask, spec.bias

@@ -11,8 +11,8 @@ The pieces, in the order a call goes through them:
   against the device's limits (pure Python, testable without a GPU) and raises :class:`LaunchConfigError`
   naming the limit and the value.
 * :func:`get_kernel` compiles a variant once per device (the kernel file with ``attn_common.cuh`` inlined,
-  one NVRTC name expression per variant), caches it, and raises its dynamic shared-memory limit when the
-  variant needs more than the default 48 KB.
+  one NVRTC run per variant; a rowmax variant's also instantiates the merge kernel of its dtype), caches
+  it, and raises its dynamic shared-memory limit when the variant needs more than the default 48 KB.
 * :func:`run` launches on torch's current stream. Every kernel takes one argument, ``struct AttnParams``
   (``kernels/attn_common.cuh``; :data:`PARAMS_DTYPE` is its numpy twin): tensor pointers (zero copy, any
   strides), strides, sizes, the mask rule. It is packed with one :mod:`struct` call and handed to CuPy as
@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnlab.backend import Availability, Backend, cuda_device_reason
+from attnlab.backend import Availability, Backend, cuda_device_reason, no_cuda_reason
 from attnlab.problem import Problem
 
 FAMILIES = ("naive", "tiled", "rowmax")
@@ -372,31 +372,6 @@ def device_limits(device_index: int, kernel=None) -> DeviceLimits:
     )
 
 
-def get_kernel(variant: Variant, device_index: int):
-    """The compiled ``cupy.RawKernel`` of ``variant`` on a device, compiled once and cached."""
-    key = (variant, device_index)
-    kern = _kernel_cache.get(key)
-    if kern is not None:
-        return kern
-    with _cache_lock:
-        kern = _kernel_cache.get(key)
-        if kern is None:
-            cp = _cupy()
-            with cp.cuda.Device(device_index):
-                mod = cp.RawModule(
-                    code=kernel_source(variant.family), options=NVRTC_OPTIONS,
-                    name_expressions=[variant.name_expression],
-                )
-                kern = mod.get_function(variant.name_expression)
-                need = variant.shared_bytes()
-                if need > DEFAULT_SMEM:
-                    limits = device_limits(device_index)
-                    validate_launch(LaunchConfig((1, 1, 1), (variant.threads, 1, 1), need), limits, variant.label)
-                    kern.max_dynamic_shared_size_bytes = need  # cudaFuncAttributeMaxDynamicSharedMemorySize
-            _kernel_cache[key] = kern
-    return kern
-
-
 #: The merge kernel of rowmax's split keys (one per dtype; 4 rows = 4 warps per block).
 MERGE_THREADS = 128
 
@@ -405,21 +380,37 @@ def merge_name_expression(dtype_code: int) -> str:
     return f"attn_rowmax_merge<{dtype_code}>"
 
 
-def get_merge_kernel(dtype_code: int, device_index: int):
-    """The compiled ``attn_rowmax_merge<dtype>`` on a device, compiled once and cached."""
-    key = ("merge", dtype_code, device_index)
-    kern = _kernel_cache.get(key)
-    if kern is None:
-        with _cache_lock:
-            kern = _kernel_cache.get(key)
-            if kern is None:
-                cp = _cupy()
-                name = merge_name_expression(dtype_code)
-                with cp.cuda.Device(device_index):
-                    mod = cp.RawModule(code=kernel_source("rowmax"), options=NVRTC_OPTIONS, name_expressions=[name])
-                    kern = mod.get_function(name)
-                _kernel_cache[key] = kern
-    return kern
+def _compiled_module(variant: Variant, device_index: int) -> tuple:
+    """(kernel, merge kernel or None) of ``variant`` on a device as ``cupy.RawKernel``s, compiled once (one
+    NVRTC run: a rowmax variant's module also instantiates the merge of its dtype) and cached."""
+    key = (variant, device_index)
+    got = _kernel_cache.get(key)
+    if got is not None:
+        return got
+    with _cache_lock:
+        got = _kernel_cache.get(key)
+        if got is None:
+            cp = _cupy()
+            merge_name = merge_name_expression(variant.dtype) if variant.family == "rowmax" else None
+            with cp.cuda.Device(device_index):
+                mod = cp.RawModule(
+                    code=kernel_source(variant.family), options=NVRTC_OPTIONS,
+                    name_expressions=[variant.name_expression] + ([merge_name] if merge_name else []),
+                )
+                kern = mod.get_function(variant.name_expression)
+                need = variant.shared_bytes()
+                if need > DEFAULT_SMEM:
+                    limits = device_limits(device_index)
+                    validate_launch(LaunchConfig((1, 1, 1), (variant.threads, 1, 1), need), limits, variant.label)
+                    kern.max_dynamic_shared_size_bytes = need  # cudaFuncAttributeMaxDynamicSharedMemorySize
+                got = (kern, mod.get_function(merge_name) if merge_name else None)
+            _kernel_cache[key] = got
+    return got
+
+
+def get_kernel(variant: Variant, device_index: int):
+    """The compiled ``cupy.RawKernel`` of ``variant`` on a device, compiled once and cached."""
+    return _compiled_module(variant, device_index)[0]
 
 
 # ---- the kernels' one argument: struct AttnParams ---------------------------------------------------------
@@ -429,9 +420,9 @@ STRIDES4_DTYPE = np.dtype([(n, np.int64) for n in "bhnd"], align=True)
 
 #: ``struct AttnParams`` of kernels/attn_common.cuh, field for field and in its order. ``align=True`` lays
 #: the fields out by C's rules (each at a multiple of its own alignment, the size a multiple of the largest),
-#: as NVRTC does for this plain struct; a size-1 array of this dtype is passed to the kernels by value (CuPy
-#: copies ``itemsize`` bytes from its data pointer). tests/test_cuda.py compiles ``offsetof`` checks of every
-#: field against the C declaration.
+#: as NVRTC does for this plain struct. A launch passes the struct by value: its bytes (packed by
+#: ``_PARAMS_PACK`` into a :class:`_ParamBlock`) go to the driver by address. tests/test_cuda.py checks every
+#: field's offset against NVRTC's own layout of the C declaration.
 PARAMS_DTYPE = np.dtype(
     [(n, np.uint64) for n in ("q", "k", "v", "out", "lse", "q_len", "kv_len", "mask", "part_acc", "part_ml")]
     + [(n, STRIDES4_DTYPE) for n in ("qs", "ks", "vs", "os", "ms")]
@@ -485,12 +476,8 @@ def _param_values(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, as
                   q_st: tuple, k_st: tuple, v_st: tuple) -> tuple:
     """The fields of ``struct AttnParams`` in order, nested strides flattened (what ``_PARAMS_PACK`` packs)."""
     spec = prob.spec
-    if spec.mask is not None:
-        mask, kind = spec.mask, 1  # bool, read as bytes
-    elif spec.bias is not None:
-        mask, kind = spec.bias, 2
-    else:
-        mask, kind = None, 0
+    mask = spec.explicit  # a bool mask is read as bytes, a bias as float32
+    kind = 0 if mask is None else 1 if spec.mask is not None else 2
     B, Hq, Nq, D = prob.q.shape
     Hkv, Nk = prob.k.shape[1], prob.k.shape[2]
     part_acc = part_ml = 0
@@ -563,11 +550,11 @@ class _Compiled:
         cp = self.cupy = _cupy()
         self.variant = variant
         self.device = dev
-        self.kernel = get_kernel(variant, dev)
+        self.kernel, merge = _compiled_module(variant, dev)
         self.limits = _limits(variant, dev, self.kernel)
         with cp.cuda.Device(dev):
             self.function = self.kernel.kernel
-            self.merge = get_merge_kernel(variant.dtype, dev).kernel if variant.family == "rowmax" else None
+            self.merge = merge.kernel if merge is not None else None
         self._configs: dict[tuple, tuple[LaunchConfig, tuple | None]] = {}
 
     def config(self, B: int, Hq: int, Nq: int, splits: int) -> tuple[LaunchConfig, tuple[int, int, int] | None]:
@@ -742,9 +729,8 @@ class _CudaBackend(Backend):
             import cupy  # noqa: F401
         except Exception as e:  # ImportError, or a broken CUDA install
             return Availability(False, f"cupy is not importable ({type(e).__name__}: {e})")
-        if not torch.cuda.is_available():
-            return Availability(False, "no CUDA GPU (torch.cuda.is_available() is False)")
-        return Availability(True)
+        why = no_cuda_reason()
+        return Availability(True) if why is None else Availability(False, why)
 
     def unsupported(self, prob: Problem) -> str | None:
         why = cuda_device_reason(prob)

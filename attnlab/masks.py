@@ -306,7 +306,7 @@ class MaskSpec:
         pad_n = tn * block_n - self.Nk
         for t in range(tm):
             i0, i1 = t * block_m, min(self.Nq, (t + 1) * block_m)
-            ok = self._allowed_explicit(i0, i1) if use_explicit else self.allowed(i0, i1, "cpu", explicit=False)
+            ok = self.allowed_with_bias(i0, i1, "cpu") if use_explicit else self.allowed(i0, i1, "cpu", explicit=False)
             ok = ok.expand(self.B, hm, i1 - i0, self.Nk)
             ok = torch.nn.functional.pad(ok.to(torch.int8), (0, pad_n)).view(self.B, hm, i1 - i0, tn, block_n)
             valid = torch.nn.functional.pad(
@@ -317,10 +317,13 @@ class MaskSpec:
             out[:, :, t] = torch.where(all_ok, FULL, torch.where(any_ok, PARTIAL, EMPTY)).to(torch.int8)
         return out
 
-    def _allowed_explicit(self, i0: int, i1: int) -> torch.Tensor:
-        ok = self.allowed(i0, i1, device="cpu")
+    def allowed_with_bias(self, i0: int = 0, i1: int | None = None,
+                          device: torch.device | str | None = None) -> torch.Tensor:
+        """:meth:`allowed`, and where a bias is given also its entries that are not -inf: the keys that get
+        a nonzero weight (rows ``i0 .. i1``, on ``device``, default the spec's)."""
+        ok = self.allowed(i0, i1, device)
         if self.bias is not None:
-            ok = ok & (self.bias[:, :, i0:i1].cpu() != float("-inf"))
+            ok = ok & (self.bias[:, :, i0 : (self.Nq if i1 is None else i1)].to(ok.device) != float("-inf"))
         return ok
 
     def work_fraction(self, block_m: int, block_n: int, *, explicit: bool = False) -> dict[str, float]:

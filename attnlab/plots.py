@@ -49,7 +49,7 @@ def backend_colors(names: Iterable[str]) -> dict[str, object]:
 #: Where recorded benchmarks live: $ATTNLAB_BENCH_DIR, else a checkout's data/bench (a wheel has none).
 DATA_ROOT = Path(os.environ.get("ATTNLAB_BENCH_DIR") or Path(__file__).resolve().parent.parent / "data" / "bench")
 
-#: Columns every benchmark CSV has (issue 6).
+#: Columns every benchmark CSV has (a subset of ``attnlab.bench.COLUMNS``: what the figures read).
 BENCH_COLUMNS = (
     "backend", "suite", "case", "B", "Hq", "Hkv", "Nq", "Nk", "D", "dtype", "causal", "mask", "ms", "tflops",
     "gbps", "peak_extra_mib", "max_abs_err", "passed",
@@ -365,24 +365,20 @@ def load_bench(suite: str, *, gpu: str | None = None, root: Path | str | None = 
                quiet: bool = False) -> pd.DataFrame | None:
     """The recorded rows of ``suite`` (``data/bench/<gpu>/<suite>.csv``), or None with a printed message.
 
-    ``gpu`` picks the directory (default: the first, by name, that has the suite). Uses
-    ``attnlab.bench.load`` when present, else reads the CSV directly (same schema).
+    ``gpu`` picks the directory (default: the first, by name, that has the suite); read by
+    ``attnlab.bench.load`` (typed columns).
     """
     dirs = [d for d in bench_dirs(root) if gpu is None or d.name == gpu]
     path = next((d / f"{suite}.csv" for d in dirs if (d / f"{suite}.csv").is_file()), None)
     if path is None:
         if not quiet:
-            where = Path(root) if root is not None else Path("data/bench")
+            where = Path(root) if root is not None else DATA_ROOT
             print(f"No recorded benchmark data for suite {suite!r} yet (looked for {where}/<gpu>/{suite}.csv). "
                   f"Run `python -m attnlab bench --suite {suite}` on a GPU and commit the result.")
         return None
-    try:
-        from attnlab.bench import load as _load
+    from attnlab.bench import load  # lazily: the harness module is large and needed only here
 
-        df = _load(path)
-    except ImportError:
-        df = pd.read_csv(path)
-    df = df.copy()
+    df = load(path).copy()
     df.attrs["path"] = str(path)
     df.attrs["gpu"] = path.parent.name
     return df
@@ -514,11 +510,10 @@ def ratio_bars(df: pd.DataFrame | None, baselines: Sequence[str] = ("sdpa-flash"
     return fig
 
 
-def memory_measured(df: pd.DataFrame | None, *, live_scores: Sequence[int] = (2, 3), include_output: bool = False,
-                    title: str = "") -> Figure | None:
-    """Measured peak extra memory against N per backend, with the models in black: the textbook version
-    holding each of ``live_scores`` score-sized tensors, and a fused kernel holding its float32 lse. The
-    benchmark's ``peak_extra_mib`` excludes the output, so the models do too unless ``include_output``.
+def memory_measured(df: pd.DataFrame | None, *, live_scores: Sequence[int] = (2, 3), title: str = "") -> Figure | None:
+    """Measured peak extra memory against N per backend, with the models of :mod:`attnlab.memory` in black:
+    the textbook version holding each of ``live_scores`` score-sized tensors, and a fused kernel holding
+    its float32 lse. The benchmark's ``peak_extra_mib`` excludes the output, so the models do too.
     Backends at 0 bytes cannot appear on the log axis; their legend entry says so."""
     if not _has_data(df, "memory"):
         return None
@@ -538,13 +533,12 @@ def memory_measured(df: pd.DataFrame | None, *, live_scores: Sequence[int] = (2,
     r = d.iloc[0]
     B, H, D, dt = int(r["B"]), int(r["Hq"]), int(r["D"]), str(r["dtype"])
     Ns = sorted(int(n) for n in d["N"].unique())
-    out = [memory.qkvo_bytes(B, H, n, n, D, dt)["o"] if include_output else 0 for n in Ns]
-    plus = " + out" if include_output else ""
+    out = [memory.qkvo_bytes(B, H, n, n, D, dt)["o"] for n in Ns]  # the models count it; the suite does not
     for k, style in zip(live_scores, ("--", "-.", (0, (5, 1)))):
-        tb = [k * memory.score_bytes(B, H, n, n, dt) + o for n, o in zip(Ns, out)]
-        ax.plot(Ns, tb, linestyle=style, color="black", label=f"model: textbook ({k} scores{plus})")
-    fu = [B * H * n * 4 + o for n, o in zip(Ns, out)]
-    ax.plot(Ns, fu, linestyle=":", color="black", label=f"model: fused (lse{plus})")
+        tb = [memory.textbook_peak_extra(B, H, n, n, D, dt, live_scores=k) - o for n, o in zip(Ns, out)]
+        ax.plot(Ns, tb, linestyle=style, color="black", label=f"model: textbook ({k} scores)")
+    fu = [memory.fused_peak_extra(B, H, n, n, D, dt) - o for n, o in zip(Ns, out)]
+    ax.plot(Ns, fu, linestyle=":", color="black", label="model: fused (lse)")
     _binary_axis(ax)
     _n_axis(ax, Ns)
     ax.set_ylabel("peak extra memory (bytes, log scale)")
@@ -592,8 +586,8 @@ def bench_roofline(df: pd.DataFrame | None, *, backends: Iterable[str] | None = 
         return None
     d = d.copy()
     unfused = set(unfused)
-    d["intensity"] = [
-        memory.flops(r.B, r.Hq, r.Nq, r.Nk, r.D)
+    d["intensity"] = [  # useful FLOPs (the CSV's, as the y axis counts them) per byte of the pipeline's traffic
+        r.flops
         / (memory.unfused_traffic if r.backend in unfused else memory.fused_traffic)(
             r.B, r.Hq, r.Nq, r.Nk, r.D, r.dtype, Hkv=r.Hkv).total
         for r in d.itertuples()

@@ -1,7 +1,8 @@
 """The CUDA C backends (attnlab/cuda.py, kernels/*.cu).
 
 CPU tests: the compile check (NVRTC from pip, no GPU) and its parser, launch-config validation, variant
-naming and selection, and that the Python argument tuple matches every kernel's C signature.
+naming and selection, and that ``PARAMS_DTYPE`` matches NVRTC's layout of ``struct AttnParams``, the one
+argument of every kernel.
 GPU tests (``-m gpu``): every backend through ``attnlab.check.verify`` / ``summarize`` (as users call them)
 on the case matrix, larger sizes, N = 8192, the fast_exp variant at its own tolerance, and rowmax's
 split-key and element-load paths forced on the matrix.

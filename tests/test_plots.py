@@ -32,7 +32,7 @@ def synthetic_bench(suite: str = "dense") -> pd.DataFrame:
         rows.append({
             "backend": backend, "suite": suite, "case": f"N{N}{'_causal' if causal else ''}", "B": 4, "Hq": 16,
             "Hkv": 16, "Nq": N if suite != "decode" else 1, "Nk": N, "D": 128, "dtype": "bfloat16",
-            "causal": causal, "mask": "causal" if causal else "dense", "ms": 1.0, "tflops": t,
+            "causal": causal, "mask": "causal" if causal else "dense", "ms": 1.0, "tflops": t, "flops": t * 1e9,
             "gbps": 2000.0 + N / 4, "peak_extra_mib": (64.0 if backend != "torch" else 4096.0),
             "max_abs_err": 1e-3, "passed": True, "status": "ok",
         })
