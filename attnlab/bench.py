@@ -345,6 +345,24 @@ ALL_ORDER = ("fp32", "padding", "prefill", "decode", "memory", "dense")
 #: Per-suite timing overrides: (most timed calls, timing budget per measurement in ms, fewest timed calls).
 #: The memory suite is about bytes: a few calls suffice.
 SUITE_TIMING = {"memory": (3, 50.0, 1)}
+
+
+def _eager_fallbacks(caught: list) -> list[str]:
+    """The recorded warnings that say flex_attention ran eagerly (unfused) instead of compiled."""
+    return [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
+
+
+def _timing(case: BenchCase, opts: Options) -> tuple[int, float, int]:
+    """(most timed calls, timing budget in ms, fewest timed calls) for ``case``: the suite's override, never
+    more calls than the options allow."""
+    max_reps, budget, min_reps = SUITE_TIMING.get(case.suite, (opts.max_reps, opts.budget_ms, opts.min_reps))
+    return min(max_reps, opts.max_reps), budget, min(min_reps, opts.min_reps)
+
+
+def _reps_and_warmup(est_ms: float, max_reps: int, budget_ms: float, min_reps: int) -> tuple[int, int]:
+    """Timed calls (the budget over the estimated call, clamped) and warm-up calls (fewer for long calls)."""
+    reps = int(min(max_reps, max(min_reps, budget_ms // max(est_ms, 1e-3))))
+    return reps, 0 if est_ms > 20 else (2 if est_ms > 2 else 5)
 DEFAULT_REPS, DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS = 30, 100.0, 3
 
 
@@ -995,7 +1013,7 @@ def run_one(
         first_s = time.perf_counter() - t0
         if prep.mark is not None:
             prep.mark()
-        fallback = [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
+        fallback = _eager_fallbacks(caught)
         if comp.name == "flex" and first_s > 1.0:
             notes.append(f"first call (compile) {first_s:.1f} s")
         got = out
@@ -1019,8 +1037,7 @@ def run_one(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             est_ms, peak = measure_peak(prep.call, 1 % inp.sets, dev)
-            reps = int(min(max_reps, max(min_reps, budget_ms // max(est_ms, 1e-3))))
-            warm = 0 if est_ms > 20 else (2 if est_ms > 2 else 5)
+            reps, warm = _reps_and_warmup(est_ms, max_reps, budget_ms, min_reps)
             if warm:
                 time_calls(prep.call, inp.sets, warm, dev, start=2)
             if prep.mark is not None:
@@ -1029,7 +1046,7 @@ def run_one(
                     notes.append(changed)
             times = time_calls(prep.call, inp.sets, reps, dev, start=2 + warm)
         bad = prep.after_timing() if prep.after_timing is not None else None
-        eager = [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
+        eager = _eager_fallbacks(caught)
         if bad or eager:
             return _row(case, comp, opts, counts, status="fallback", passed=True,
                         notes="; ".join([*notes, bad or eager[0]]), **base)
@@ -1070,8 +1087,7 @@ def run_case(
 ) -> list[dict[str, Any]]:
     """Every competitor on one case; ``skip(name)`` returns a reason to record a competitor as skipped."""
     dev = torch.device(opts.device)
-    max_reps, budget, min_reps = SUITE_TIMING.get(case.suite, (opts.max_reps, opts.budget_ms, opts.min_reps))
-    max_reps, min_reps = min(max_reps, opts.max_reps), min(min_reps, opts.min_reps)
+    max_reps, budget, min_reps = _timing(case, opts)
     counts = case_counts(case)
     rows: list[dict[str, Any]] = []
 
@@ -1313,7 +1329,7 @@ def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Opt
         gpu = opts.device.startswith("cuda")
         total += 0.5 + (FLEX_COMPILE_S if "flex" in names and gpu else 0.0)
         total += TRITON_TUNE_S if "triton" in names and gpu else 0.0
-        max_reps, budget, min_reps = SUITE_TIMING.get(case.suite, (opts.max_reps, opts.budget_ms, opts.min_reps))
+        max_reps, budget, min_reps = _timing(case, opts)
         for n in names:
             half = case.dtype != "float32"
             rate = _RATE.get(n, _RATE["fused"])[0 if half else 1]
@@ -1324,8 +1340,7 @@ def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Opt
             ms = max(ms, c["bytes"] / 3e9, 0.02)
             if ms > opts.max_call_s * 1e3:
                 continue  # skipped as predicted too slow (see --max-call-s)
-            reps = min(max_reps, opts.max_reps, max(min(min_reps, opts.min_reps), budget // ms))
-            warm = 0 if ms > 20 else (2 if ms > 2 else 5)
+            reps, warm = _reps_and_warmup(ms, max_reps, budget, min_reps)
             total += 0.15 + (2 + warm + reps) * ms / 1e3
     return total
 

@@ -9,14 +9,12 @@ import os
 import statistics
 import sys
 import time
-
-import torch
+from pathlib import Path
 
 from attnlab import bench
 
 ROUNDS = int(os.environ.get("ROUNDS", "6"))
-out = {"rounds": ROUNDS, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-       "commit": os.environ.get("ATTNLAB_COMMIT", "?"), "cases": {}}
+out = {"rounds": ROUNDS, "environment": bench.environment("cuda", sys.argv), "cases": {}}
 opts = bench.Options(device="cuda", gpu=bench.device_name("cuda"), run_id="rounds")
 comps = bench.competitors(["cuda-rowmax", "sdpa-efficient"])
 t0 = time.time()
@@ -26,8 +24,7 @@ for case in bench.fp32_suite("cuda"):
         order = comps if r % 2 == 0 else comps[::-1]
         rows = bench.run_case(case, order, opts)
         ms = {row["backend"]: row["ms"] for row in rows}
-        ok = all(row["status"] == "ok" and row["passed"] for row in rows)
-        if not ok:
+        if any(row["status"] != "ok" for row in rows):  # "ok": the output passed the checker and was timed
             print("NOT OK", case.name, [(row["backend"], row["status"], row.get("notes")) for row in rows])
             sys.exit(1)
         res["cuda-rowmax"].append(ms["cuda-rowmax"])
@@ -40,4 +37,4 @@ for case in bench.fp32_suite("cuda"):
     out["cases"][case.name] = res
     print(case.name, "median ratio", round(res["ratio_median"], 4), "range", round(res["ratio_min"], 4),
           round(res["ratio_max"], 4), flush=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "fp32_rounds.json"), "w"), indent=2)
+Path(os.environ.get("OUT", "/tmp"), "fp32_rounds.json").write_text(json.dumps(out, indent=2, default=str))
