@@ -106,6 +106,7 @@ if triton is not None:
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QK_CHUNK: tl.constexpr,
+        KEY_AXIS: tl.constexpr,
     ):
         # ---- which tile: row tile pid_m (last first), query head h, batch b; kv head h // group ----------
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -156,9 +157,28 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         rows = i0 + offs_m
         d_ok = offs_d < D
+        # The score tile is [BLOCK_M queries, BLOCK_N keys] (KEY_AXIS = 1) or its transpose (KEY_AXIS = 0);
+        # these are its query and key offsets, and the D and key offsets of the V and output tiles, laid out
+        # along their axes (a V tile is [keys, D] with the first, [D, keys] with the second).
+        tile_m = tl.expand_dims(offs_m, KEY_AXIS)
+        tile_n = tl.expand_dims(offs_n, 1 - KEY_AXIS)
+        tile_vn = tl.expand_dims(offs_n, KEY_AXIS)
+        tile_d = tl.expand_dims(offs_d, 1 - KEY_AXIS)
         b64 = b.to(tl.int64)
         q_tile = Q + b64 * s_qb + h.to(tl.int64) * s_qh + i0.to(tl.int64) * s_qn
-        if QK_CHUNK == 0:
+        if KEY_AXIS == 0:
+            # Keys-major (float32): S^T = K Q^T and O^T = V^T P^T. Q^T is built once, 16 columns of D at a
+            # time, as exact products with the identity (q * 1 + 0 * ...): a dot's result is query-fastest,
+            # so the shared copy that every S^T product reads is query-contiguous. (Loaded directly, Q^T
+            # would be D-contiguous, and the FMA dot's reads of it would hit one shared-memory bank.)
+            q_t = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
+            for c in tl.static_range(BLOCK_D // 16):
+                offs_c = c * 16 + tl.arange(0, 16)
+                qc = tl.load(q_tile + offs_m[:, None] * s_qn + offs_c[None, :] * s_qd,
+                             mask=(rows < Nq)[:, None] & (offs_c < D)[None, :], other=0.0)
+                eye = tl.where(offs_d[:, None] == offs_c[None, :], 1.0, 0.0)
+                q_t = tl.dot(eye, tl.trans(qc), q_t, input_precision="ieee")
+        elif QK_CHUNK == 0:
             q = tl.load(q_tile + offs_m[:, None] * s_qn + offs_d[None, :] * s_qd,
                         mask=(rows < Nq)[:, None] & d_ok[None, :], other=0.0)
             if UPCAST_DOT:
@@ -169,7 +189,10 @@ if triton is not None:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if KEY_AXIS == 0:
+            acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)  # O^T
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         # ---- three phases over key tiles: partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi) --
         for phase in tl.static_range(3):
@@ -186,25 +209,26 @@ if triton is not None:
                 n0 = zero + t * BLOCK_N  # (a tensor also in the interpreter, where t is an int)
                 keys = n0 + offs_n
                 k_ptrs = k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
-                v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
+                v_ptrs = v_base + n0.to(tl.int64) * s_vn + tile_vn * s_vn + tile_d * s_vd
                 if phase != 1:  # partial tile: keys past Lk are not read
-                    kv_ok = (keys < Lk)[:, None] & d_ok[None, :]
-                    v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+                    v = tl.load(v_ptrs, mask=(n0 + tile_vn < Lk) & (tile_d < D), other=0.0)
                     if QK_CHUNK == 0:
-                        k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+                        k = tl.load(k_ptrs, mask=(keys < Lk)[:, None] & d_ok[None, :], other=0.0)
                 elif EVEN_D:  # full tile, D a power of two: no predicate at all
                     v = tl.load(v_ptrs)
                     if QK_CHUNK == 0:
                         k = tl.load(k_ptrs)
                 else:
-                    v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+                    v = tl.load(v_ptrs, mask=tile_d < D, other=0.0)
                     if QK_CHUNK == 0:
                         k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
                 if UPCAST_DOT:
                     v = v.to(tl.float32)
 
-                # s = scale * log2(e) * q k^T (+ log2(e) * bias), in base 2
-                if QK_CHUNK == 0:
+                # s = scale * log2(e) * q k^T (+ log2(e) * bias), in base 2 (keys-major: s^T)
+                if KEY_AXIS == 0:
+                    s = tl.dot(k, q_t, input_precision=DOT_PRECISION)
+                elif QK_CHUNK == 0:
                     if UPCAST_DOT:
                         k = k.to(tl.float32)
                     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -232,8 +256,8 @@ if triton is not None:
                         s = tl.dot(qc, tl.trans(kc), s, input_precision=DOT_PRECISION)
                 s = s * qk_scale
                 if HAS_MASK or HAS_BIAS:
-                    e_ptrs = e_base + n0.to(tl.int64) * s_ej + offs_m[:, None] * s_ei + offs_n[None, :] * s_ej
-                    e_ok = (rows < Nq)[:, None] & (keys < Nk)[None, :]
+                    e_ptrs = e_base + n0.to(tl.int64) * s_ej + tile_m * s_ei + tile_n * s_ej
+                    e_ok = (i0 + tile_m < Nq) & (n0 + tile_n < Nk)
                     if HAS_MASK:
                         allowed = tl.load(e_ptrs, mask=e_ok, other=0)
                         s = tl.where(allowed != 0, s, float("-inf"))
@@ -241,34 +265,39 @@ if triton is not None:
                         bias = tl.load(e_ptrs, mask=e_ok, other=0.0)
                         s = s + bias * 1.4426950408889634
                 if phase != 1:  # partial tile: the length and band predicate
-                    ok = (keys < Lk)[None, :] & (rows >= 0)[:, None]
+                    key_j = n0 + tile_n
+                    row_i = i0 + tile_m
+                    ok = (key_j < Lk) & (row_i >= 0)
                     if HAS_LEFT:
-                        ok = ok & (keys[None, :] >= rows[:, None] + off - win_left)
+                        ok = ok & (key_j >= row_i + off - win_left)
                     if HAS_RIGHT:
-                        ok = ok & (keys[None, :] <= rows[:, None] + off + win_right)
+                        ok = ok & (key_j <= row_i + off + win_right)
                     s = tl.where(ok, s, float("-inf"))
 
-                # online softmax update
-                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # online softmax update (a row's keys run along KEY_AXIS)
+                m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
                 if phase != 1 or HAS_MASK or HAS_BIAS:
                     # a row with no allowed key so far: m_new = -inf; subtract 0 instead (alpha = p = 0)
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 else:
                     m_safe = m_new  # a full tile gives every row a finite score
                 alpha = tl.math.exp2(m_i - m_safe)
-                p = tl.math.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
-                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+                p = tl.math.exp2(s - tl.expand_dims(m_safe, KEY_AXIS))
+                l_i = l_i * alpha + tl.sum(p, KEY_AXIS)
+                acc = acc * tl.expand_dims(alpha, KEY_AXIS)
+                if KEY_AXIS == 0:
+                    acc = tl.dot(v, p, acc, input_precision=DOT_PRECISION)  # O^T += V^T P^T
+                else:
+                    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
                 m_i = m_new
 
         # ---- epilogue: normalize; empty rows and padding rows give 0 and lse = -inf --------------------
         live = (l_i != 0.0) & (rows < Lq)  # l_i = 0: no allowed key; NaN (from NaN inputs) propagates
         l_div = tl.where(live, l_i, 1.0)
-        out = tl.where(live[:, None], acc / l_div[:, None], 0.0)
+        out = tl.where(tl.expand_dims(live, KEY_AXIS), acc / tl.expand_dims(l_div, KEY_AXIS), 0.0)
         o_ptrs = (Out + b64 * s_ob + h.to(tl.int64) * s_oh + i0.to(tl.int64) * s_on
-                  + offs_m[:, None] * s_on + offs_d[None, :] * s_od)
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(rows < Nq)[:, None] & d_ok[None, :])
+                  + tile_m * s_on + tile_d * s_od)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(i0 + tile_m < Nq) & (tile_d < D))
         if WRITE_LSE:
             lse = tl.where(live, (m_i + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf"))
             l_ptrs = Lse + b64 * s_lb + h.to(tl.int64) * s_lh + rows * s_ln
@@ -280,24 +309,33 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, repr=False)
 class Config:
-    """One launch configuration: tile sizes, the compiler's warps and pipeline stages, and (float32 only)
-    the D chunk of the Q K^T product (0: one dot over all of D)."""
+    """One launch configuration: tile sizes, the compiler's warps and pipeline stages, and two float32
+    options: the D chunk of the Q K^T product (0: one dot over all of D) and ``keys_major`` (the score
+    tile held as S^T, keys by queries; see :func:`_key_axis`)."""
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
     qk_chunk: int = 0
+    keys_major: bool = False
+
+    def __post_init__(self) -> None:
+        if self.keys_major and self.qk_chunk:
+            raise ValueError(f"keys_major and qk_chunk exclude each other (keys-major Q K^T is one dot); got "
+                             f"qk_chunk={self.qk_chunk} with keys_major=True")
 
     def __repr__(self) -> str:
         chunk = f", qk_chunk={self.qk_chunk}" if self.qk_chunk else ""
+        major = ", keys_major=True" if self.keys_major else ""
         return (f"Config(block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}, "
-                f"num_stages={self.num_stages}{chunk})")
+                f"num_stages={self.num_stages}{chunk}{major})")
 
 
 #: The one config of the interpreter: small tiles, so that the CPU tests' short sequences still span
-#: several row and key tiles (full and partial phases both run).
-INTERPRETER_CONFIG = Config(16, 16, 1, 1)
+#: several row and key tiles (full and partial phases both run). float32 runs keys-major, as its GPU
+#: candidates do (the option is ignored for float16/bfloat16).
+INTERPRETER_CONFIG = Config(16, 16, 1, 1, keys_major=True)
 
 #: Whether GPU launches autotune (set False, or ATTNLAB_TRITON_AUTOTUNE=0, to use the first candidate).
 AUTOTUNE: bool = os.environ.get("ATTNLAB_TRITON_AUTOTUNE", "1") != "0"
@@ -331,16 +369,18 @@ def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
     Sized for Hopper/Ampere shared memory (Q tile plus ``num_stages`` K and V tiles).
     """
     if dtype == torch.float32:
-        # IEEE products run on the FMA units, and Triton's FMA dot keeps each thread's rows and columns
-        # of both operands in registers for the whole reduction: small per-thread tiles, or it spills.
-        # Splitting Q K^T's reduction over D into chunks of 16 (qk_chunk) lets a thread own 16 scores
-        # without spilling. H200, B8 H16 N2048 D64 causal: (32, 64, 4, 2, 16) 5.88 ms against 6.16 for the
-        # best unchunked tile; B1 H8 N1024 D64 causal: (16, 64, 4, 3) 0.152 ms, the rest 0.19 to 0.38.
+        # IEEE products run on the FMA units, through shared memory: keys-major tiles (see _key_axis) read it
+        # without bank conflicts. H200, D64 causal (exp_fp32 runs of 2026-11-30, a stripped-down kernel):
+        # B8 H16 N2048, (64, 32, 4, 2) keys-major 2.27 ms against 3.58 for the best query-major tile;
+        # B1 H8 N1024, (32, 64, 4, 2) keys-major 0.088 ms. Query-major tiles stay for the D-chunked
+        # Q K^T (qk_chunk: a thread owns more scores without spilling) and for D > 64.
         if block_d <= 64:
-            return [Config(64, 32, 8, 2), Config(32, 32, 4, 2), Config(16, 64, 4, 3),
-                    Config(32, 64, 4, 2, qk_chunk=16), Config(64, 64, 8, 2, qk_chunk=16)]
+            return [Config(64, 32, 4, 2, keys_major=True), Config(32, 64, 4, 2, keys_major=True),
+                    Config(64, 64, 4, 3, keys_major=True), Config(64, 64, 8, 2, keys_major=True),
+                    Config(32, 64, 4, 2, qk_chunk=16)]
         if block_d <= 128:
-            return [Config(32, 64, 8, 2), Config(32, 32, 8, 2), Config(32, 64, 8, 2, qk_chunk=16)]
+            return [Config(32, 64, 8, 2), Config(32, 32, 8, 2), Config(32, 64, 8, 2, qk_chunk=16),
+                    Config(32, 32, 4, 2, keys_major=True), Config(64, 32, 4, 2, keys_major=True)]
         return [Config(16, 64, 8, 2)]
     if block_d <= 64:
         # (64, 64, 4, 2): small causal problems (H200, B8 H16 N1024 D64 causal: 0.070 ms of GPU time against
@@ -448,6 +488,19 @@ def _qk_chunk(cfg: Config, block_d: int) -> int:
     return cfg.qk_chunk if 16 <= cfg.qk_chunk < block_d else 0
 
 
+def _key_axis(cfg: Config, dtype: torch.dtype) -> int:
+    """The kernel's KEY_AXIS: 0 (keys-major, S^T = K Q^T) for a float32 ``keys_major`` config, else 1.
+
+    Why keys-major: exact float32 products run on the FMA units through shared memory, where Triton's FMA
+    dot reads its operands without swizzling. Q K^T with K as the second operand reads K rows that are
+    D floats apart from 16 threads at once, all in one bank (on the H200, 64% of the shared loads of a
+    (64, 64) tile were bank conflicts). As the first operand K is read by two threads per warp, and Q^T,
+    built query-contiguous once per program, is read without conflicts. Half types keep the tensor-core
+    orientation (the option is ignored).
+    """
+    return 0 if cfg.keys_major and dtype == torch.float32 else 1
+
+
 def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> tuple[list, list, list, dict]:
     """The kernel's arguments for ``prob`` and ``cfg`` except those of out and lse, in signature order:
     (pointers before Out, the arguments between Lse and out's strides, those after lse's strides,
@@ -483,6 +536,7 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
         # upcasting to float32 first (exact) gives the tensor cores' products.
         UPCAST_DOT=interpret and not dtype_is_f32,
         QK_CHUNK=_qk_chunk(cfg, block_d),
+        KEY_AXIS=_key_axis(cfg, prob.dtype),
     )
     return head, mid, tail, constants
 

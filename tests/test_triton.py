@@ -353,6 +353,36 @@ def test_qk_chunks_cpu(case, chunk, monkeypatch):
     _check_all(verify(backends=["triton"], cases=[case], device="cpu", dtypes=[F32, BF16]))
 
 
+#: Cases for float32 in the other orientation: every mask kind, alignments, lengths, GQA, views.
+ORIENTATION_CASES = [
+    *CHUNK_CASES,
+    Case("qmajor_causal_tl_nq>nk", B=1, Hq=2, Nq=40, Nk=23, D=16, causal=True, align="top_left"),
+    Case("qmajor_kv_len_zero_br", B=3, Hq=2, Nq=21, Nk=33, D=16, causal=True, align="bottom_right",
+         kv_len=(0, 33, 5)),
+    Case("qmajor_mqa_bnhd_transposed_window", B=2, Hq=4, Hkv=1, Nq=30, Nk=38, D=16, layout="bnhd",
+         view="transposed", window=(5, 5), align="bottom_right"),
+    Case("qmajor_bias_11qk_q_len", B=2, Hq=2, Nq=23, Nk=29, D=16, mask="bias_11qk", kv_len=(29, 9),
+         q_len=(14, 23)),
+]
+
+
+@pytest.mark.parametrize("case", ORIENTATION_CASES, ids=lambda c: c.name)
+def test_query_major_float32_cpu(case, monkeypatch):
+    """float32 runs keys-major (S^T) in the interpreter, as its first GPU candidates do; the query-major
+    orientation (other GPU candidates, D > 64) computes the same function."""
+    monkeypatch.setattr(triton_fwd, "INTERPRETER_CONFIG", triton_fwd.Config(16, 16, 1, 1))
+    _check_all(verify(backends=["triton"], cases=[case], device="cpu", dtypes=[F32]))
+
+
+def test_keys_major_is_float32_only_and_excludes_qk_chunk():
+    cfg = triton_fwd.Config(64, 32, 4, 2, keys_major=True)
+    assert [triton_fwd._key_axis(cfg, dt) for dt in (F32, F16, BF16)] == [0, 1, 1]
+    assert triton_fwd._key_axis(triton_fwd.Config(64, 32), F32) == 1
+    assert repr(cfg).endswith("num_stages=2, keys_major=True)")
+    with pytest.raises(ValueError, match="keys_major and qk_chunk"):
+        triton_fwd.Config(32, 32, keys_major=True, qk_chunk=16)
+
+
 def test_qk_chunk_applies_only_when_it_splits_d():
     cfg = triton_fwd.Config(32, 32, 4, 2, qk_chunk=16)
     assert [triton_fwd._qk_chunk(cfg, bd) for bd in (16, 32, 64, 256)] == [0, 16, 16, 16]
