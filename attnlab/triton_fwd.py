@@ -93,6 +93,29 @@ LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2
 if triton is not None:
 
     @triton.jit
+    def _load_v(v_ptrs, key_j, d_j, Lk, D, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr):
+        """A V tile: a partial tile reads no key at or past Lk, a full one no predicate unless D is padded."""
+        if PARTIAL:
+            v = tl.load(v_ptrs, mask=(key_j < Lk) & (d_j < D), other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_j < D, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        return v
+
+    @triton.jit
+    def _band(s, key_j, row_i, Lk, off, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+        """Scores -inf where key j is past Lk or outside row i's band (diagonal i + off, left/right widths)."""
+        ok = (key_j < Lk) & (row_i >= 0)
+        if HAS_LEFT:
+            ok = ok & (key_j >= row_i + off - win_left)
+        if HAS_RIGHT:
+            ok = ok & (key_j <= row_i + off + win_right)
+        return tl.where(ok, s, float("-inf"))
+
+    @triton.jit
     def _attn_fwd_kernel(
         Q, K, V, Out, Lse, KvLen, QLen, Explicit,
         s_qb, s_qh, s_qn, s_qd,
@@ -195,8 +218,15 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         # ---- three phases over key tiles: partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi) --
-        for phase in tl.static_range(3):
-            if phase == 0:
+        # Keys-major runs one loop over [t_lo, t_hi) instead ("phase 0"): every K/V load carries the Lk
+        # bound, and the score predicate runs behind a run-time branch, for partial tiles only. (That
+        # branch also splits the loop body for ptxas: as one block, Q K^T's operand loads and P V's were
+        # scheduled together, and a (64, 32) tile took 255 registers and spilled instead of 128.)
+        for phase in tl.static_range(1 + 2 * KEY_AXIS):
+            if KEY_AXIS == 0:
+                t_begin = t_lo
+                t_end = t_hi
+            elif phase == 0:
                 t_begin = t_lo
                 t_end = f_lo
             elif phase == 1:
@@ -210,20 +240,15 @@ if triton is not None:
                 keys = n0 + offs_n
                 k_ptrs = k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
                 v_ptrs = v_base + n0.to(tl.int64) * s_vn + tile_vn * s_vn + tile_d * s_vd
-                if phase != 1:  # partial tile: keys past Lk are not read
-                    v = tl.load(v_ptrs, mask=(n0 + tile_vn < Lk) & (tile_d < D), other=0.0)
-                    if QK_CHUNK == 0:
+                if KEY_AXIS == 1:
+                    v = _load_v(v_ptrs, n0 + tile_vn, tile_d, Lk, D, phase != 1, EVEN_D, UPCAST_DOT)
+                if QK_CHUNK == 0:
+                    if phase != 1:  # partial tile: keys past Lk are not read
                         k = tl.load(k_ptrs, mask=(keys < Lk)[:, None] & d_ok[None, :], other=0.0)
-                elif EVEN_D:  # full tile, D a power of two: no predicate at all
-                    v = tl.load(v_ptrs)
-                    if QK_CHUNK == 0:
+                    elif EVEN_D:  # full tile, D a power of two: no predicate at all
                         k = tl.load(k_ptrs)
-                else:
-                    v = tl.load(v_ptrs, mask=tile_d < D, other=0.0)
-                    if QK_CHUNK == 0:
+                    else:
                         k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-                if UPCAST_DOT:
-                    v = v.to(tl.float32)
 
                 # s = scale * log2(e) * q k^T (+ log2(e) * bias), in base 2 (keys-major: s^T)
                 if KEY_AXIS == 0:
@@ -265,14 +290,11 @@ if triton is not None:
                         bias = tl.load(e_ptrs, mask=e_ok, other=0.0)
                         s = s + bias * 1.4426950408889634
                 if phase != 1:  # partial tile: the length and band predicate
-                    key_j = n0 + tile_n
-                    row_i = i0 + tile_m
-                    ok = (key_j < Lk) & (row_i >= 0)
-                    if HAS_LEFT:
-                        ok = ok & (key_j >= row_i + off - win_left)
-                    if HAS_RIGHT:
-                        ok = ok & (key_j <= row_i + off + win_right)
-                    s = tl.where(ok, s, float("-inf"))
+                    if KEY_AXIS == 0:
+                        if (t < f_lo) | (t >= f_hi):
+                            s = _band(s, n0 + tile_n, i0 + tile_m, Lk, off, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+                    else:
+                        s = _band(s, n0 + tile_n, i0 + tile_m, Lk, off, win_left, win_right, HAS_LEFT, HAS_RIGHT)
 
                 # online softmax update (a row's keys run along KEY_AXIS)
                 m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
@@ -286,6 +308,9 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, KEY_AXIS)
                 acc = acc * tl.expand_dims(alpha, KEY_AXIS)
                 if KEY_AXIS == 0:
+                    # V^T is loaded here, after the softmax: loaded first, the FMA dot's operand registers
+                    # of it stay live across Q K^T (on the H200's compiler: 255 registers and spills)
+                    v = _load_v(v_ptrs, n0 + tile_vn, tile_d, Lk, D, phase != 1, EVEN_D, UPCAST_DOT)
                     acc = tl.dot(v, p, acc, input_precision=DOT_PRECISION)  # O^T += V^T P^T
                 else:
                     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
