@@ -5,7 +5,9 @@ Tiling and program mapping
 The score matrix of one (batch b, query head h) is cut into tiles of ``BLOCK_M`` query rows by
 ``BLOCK_N`` keys. One program owns one row tile: the grid is ``(ceil(Nq / BLOCK_M), Hq, B)``, the row
 tiles of one head are neighbours in launch order (so they share that head's K/V in L2), and the row
-tiles are handed out last-first so that under a causal mask the longest rows start first. Query head h
+tiles are handed out last-first so that under a causal mask the longest rows start first. A config
+with ``rows_outer`` launches ``(Hq, B, ceil(Nq / BLOCK_M))`` instead: the longest row tiles of every
+head first, so that a causal launch does not end on one long tile (:func:`_rows_outer`). Query head h
 reads kv head ``h // group`` (GQA/MQA, grouped). The program loads its Q tile once ([BLOCK_M, BLOCK_D],
 D padded to a power of two ``BLOCK_D`` >= 16 with zeros), then streams K/V tiles of ``BLOCK_N`` keys
 through the online softmax and writes its [BLOCK_M, D] slice of the output and its lse once at the end.
@@ -26,6 +28,17 @@ padding rows (``i >= Lq_b``) write out = 0 and lse = -inf. For float16/bfloat16 
 the input dtype before ``P @ V`` (as FlashAttention does); for float32 both products are exact IEEE
 (``input_precision="ieee"``: no TF32 rounding of the inputs) unless the caller opts into TF32 with
 :func:`allow_tf32`.
+
+Keys-major float32
+------------------
+float32 products are exact IEEE ones, which Triton runs on the FMA units with both operands read from
+shared memory that it does not swizzle. With K as the second operand of Q K^T, a warp's threads read K
+rows D floats apart, all in one bank. A ``keys_major`` config (float32 only) holds the score tile
+transposed: ``S^T = K Q^T`` ([BLOCK_N, BLOCK_M]), ``O^T += V^T P^T``, the running max and sum reduced
+over axis 0 (the kernel's ``KEY_AXIS``). K is then read by two threads per warp, and Q^T, built once per
+program as an exact product with the identity (a dot's result is query-contiguous), by all of them
+without conflict. On the H200 that made the float32 kernel 2.8x faster (B8 H16 N2048 D64 causal: 5.90
+to 2.13 ms). Keys-major runs one loop over its key tiles and finds the partial ones at run time.
 
 Block skipping
 --------------
@@ -129,12 +142,17 @@ if triton is not None:
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QK_CHUNK: tl.constexpr,
-        KEY_AXIS: tl.constexpr,
+        KEY_AXIS: tl.constexpr, ROWS_OUTER: tl.constexpr,
     ):
         # ---- which tile: row tile pid_m (last first), query head h, batch b; kv head h // group ----------
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-        h = tl.program_id(1)
-        b = tl.program_id(2)
+        if ROWS_OUTER:  # grid (Hq, B, row tiles): the longest row tiles of every head first
+            pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
+            h = tl.program_id(0)
+            b = tl.program_id(1)
+        else:  # grid (row tiles, Hq, B): a head's row tiles side by side (they share its K/V in L2)
+            pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+            h = tl.program_id(1)
+            b = tl.program_id(2)
         kvh = h // group
         i0 = pid_m * BLOCK_M
         zero = i0 * 0  # an int32 scalar tensor: keeps every bound below a tensor (also when Nk == 1)
@@ -344,6 +362,7 @@ class Config:
     num_stages: int = 2
     qk_chunk: int = 0
     keys_major: bool = False
+    rows_outer: bool = False
 
     def __post_init__(self) -> None:
         if self.keys_major and self.qk_chunk:
@@ -353,14 +372,15 @@ class Config:
     def __repr__(self) -> str:
         chunk = f", qk_chunk={self.qk_chunk}" if self.qk_chunk else ""
         major = ", keys_major=True" if self.keys_major else ""
+        outer = ", rows_outer=True" if self.rows_outer else ""
         return (f"Config(block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}, "
-                f"num_stages={self.num_stages}{chunk}{major})")
+                f"num_stages={self.num_stages}{chunk}{major}{outer})")
 
 
 #: The one config of the interpreter: small tiles, so that the CPU tests' short sequences still span
 #: several row and key tiles (full and partial phases both run). float32 runs keys-major, as its GPU
 #: candidates do (the option is ignored for float16/bfloat16).
-INTERPRETER_CONFIG = Config(16, 16, 1, 1, keys_major=True)
+INTERPRETER_CONFIG = Config(16, 16, 1, 1, keys_major=True, rows_outer=True)
 
 #: Whether GPU launches autotune (set False, or ATTNLAB_TRITON_AUTOTUNE=0, to use the first candidate).
 AUTOTUNE: bool = os.environ.get("ATTNLAB_TRITON_AUTOTUNE", "1") != "0"
@@ -395,17 +415,19 @@ def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
     """
     if dtype == torch.float32:
         # IEEE products run on the FMA units, through shared memory: keys-major tiles (see _key_axis) read it
-        # without bank conflicts. H200, D64 causal (exp_fp32 runs of 2026-11-30, a stripped-down kernel):
-        # B8 H16 N2048, (64, 32, 4, 2) keys-major 2.27 ms against 3.58 for the best query-major tile;
-        # B1 H8 N1024, (32, 64, 4, 2) keys-major 0.088 ms. Query-major tiles stay for the D-chunked
-        # Q K^T (qk_chunk: a thread owns more scores without spilling) and for D > 64.
+        # without bank conflicts. H200, causal, each candidate timed beside sdpa-efficient (data/gpu_tests/
+        # nvidia-h200-fp32-layouts.txt): B8 H16 N2048 D64, (64, 32, 4, 2) keys-major rows-outer 2.13 ms
+        # (sdpa-efficient 2.16; the best query-major tile 3.58, with the D-chunked Q K^T 5.90); B1 H8 N1024
+        # D64, (32, 64, 4, 2) keys-major 0.088 to 0.113 ms (sdpa-efficient 0.107); B4 H16 N2048 D128,
+        # (32, 32, 4, 2) keys-major rows-outer 2.41 ms (query-major 6.21). One query-major candidate each
+        # keeps that orientation in the space (and in the GPU tests).
         if block_d <= 64:
-            return [Config(64, 32, 4, 2, keys_major=True), Config(32, 64, 4, 2, keys_major=True),
-                    Config(64, 64, 4, 3, keys_major=True), Config(64, 64, 8, 2, keys_major=True),
+            return [Config(64, 32, 4, 2, keys_major=True, rows_outer=True), Config(32, 64, 4, 2, keys_major=True),
+                    Config(32, 64, 4, 2, keys_major=True, rows_outer=True), Config(64, 64, 8, 2, keys_major=True),
                     Config(32, 64, 4, 2, qk_chunk=16)]
         if block_d <= 128:
-            return [Config(32, 64, 8, 2), Config(32, 32, 8, 2), Config(32, 64, 8, 2, qk_chunk=16),
-                    Config(32, 32, 4, 2, keys_major=True), Config(64, 32, 4, 2, keys_major=True)]
+            return [Config(32, 32, 4, 2, keys_major=True, rows_outer=True), Config(32, 64, 8, 2),
+                    Config(32, 64, 8, 2, qk_chunk=16)]
         return [Config(16, 64, 8, 2)]
     if block_d <= 64:
         # (64, 64, 4, 2): small causal problems (H200, B8 H16 N1024 D64 causal: 0.070 ms of GPU time against
@@ -562,6 +584,7 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
         UPCAST_DOT=interpret and not dtype_is_f32,
         QK_CHUNK=_qk_chunk(cfg, block_d),
         KEY_AXIS=_key_axis(cfg, prob.dtype),
+        ROWS_OUTER=_rows_outer(prob, cfg),
     )
     return head, mid, tail, constants
 
@@ -586,8 +609,23 @@ def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Con
         )
 
 
+def _rows_outer(prob: Problem, cfg: Config) -> bool:
+    """Whether the grid runs row tiles outermost (``cfg.rows_outer``; a grid's z extent is at most 65535).
+
+    Under a causal mask a row tile's work grows with its index. Launched head by head (each head's
+    tiles longest first), the last head's longest tile starts near the end and runs alone: a greedy
+    schedule of B8 H16 N2048 (64-row tiles, 528 resident programs on an H200) ends at 1.16x the
+    ideal. With row tiles outermost, the longest tiles of every head go first and the tail is short
+    tiles: 1.01x. Heads then share less of their K/V in L2, which the (compute-bound) float32
+    candidates afford.
+    """
+    return cfg.rows_outer and triton.cdiv(prob.Nq, cfg.block_m) <= 65535
+
+
 def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
     """One program per (row tile, query head, batch entry)."""
+    if _rows_outer(prob, cfg):
+        return (prob.Hq, prob.B, triton.cdiv(prob.Nq, cfg.block_m))
     return (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
 
 

@@ -368,8 +368,9 @@ ORIENTATION_CASES = [
 
 @pytest.mark.parametrize("case", ORIENTATION_CASES, ids=lambda c: c.name)
 def test_query_major_float32_cpu(case, monkeypatch):
-    """float32 runs keys-major (S^T) in the interpreter, as its first GPU candidates do; the query-major
-    orientation (other GPU candidates, D > 64) computes the same function."""
+    """float32 runs keys-major (S^T) with rows outermost in the interpreter, as its first GPU candidates
+    do; the query-major orientation and the head-by-head grid (other GPU candidates) compute the same
+    function."""
     monkeypatch.setattr(triton_fwd, "INTERPRETER_CONFIG", triton_fwd.Config(16, 16, 1, 1))
     _check_all(verify(backends=["triton"], cases=[case], device="cpu", dtypes=[F32]))
 
@@ -381,6 +382,17 @@ def test_keys_major_is_float32_only_and_excludes_qk_chunk():
     assert repr(cfg).endswith("num_stages=2, keys_major=True)")
     with pytest.raises(ValueError, match="keys_major and qk_chunk"):
         triton_fwd.Config(32, 32, keys_major=True, qk_chunk=16)
+
+
+def test_rows_outer_grid_puts_row_tiles_last_within_the_z_limit():
+    q = torch.zeros(3, 5, 100, 16)
+    prob = make_problem(q, q, q, causal=True)
+    assert triton_fwd._grid(prob, triton_fwd.Config(32, 32)) == (4, 5, 3)
+    assert triton_fwd._grid(prob, triton_fwd.Config(32, 32, rows_outer=True)) == (5, 3, 4)
+    n = 65536 * 16 + 1  # stride-0 views: the sizes matter, not the data
+    long = make_problem(*(torch.zeros(16).expand(1, 1, n, 16) for _ in range(3)))
+    assert not triton_fwd._rows_outer(long, triton_fwd.Config(16, 16, rows_outer=True))  # 65537 row tiles
+    assert triton_fwd._grid(long, triton_fwd.Config(16, 16, rows_outer=True)) == (65537, 1, 1)
 
 
 def test_qk_chunk_applies_only_when_it_splits_d():
