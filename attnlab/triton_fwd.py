@@ -106,22 +106,38 @@ LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2
 if triton is not None:
 
     @triton.jit
-    def _load_v(v_ptrs, key_j, d_j, Lk, D, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr):
-        """A V tile: a partial tile reads no key at or past Lk, a full one no predicate unless D is padded."""
-        if PARTIAL:
-            v = tl.load(v_ptrs, mask=(key_j < Lk) & (d_j < D), other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=d_j < D, other=0.0)
+    def _load_q(q_tile, offs_m, offs_c, rows, Nq, D, s_qn, s_qd, UPCAST: tl.constexpr):
+        """Columns ``offs_c`` of the Q tile ([BLOCK_M, len(offs_c)]): rows past Nq and columns past D are 0."""
+        q = tl.load(q_tile + offs_m[:, None] * s_qn + offs_c[None, :] * s_qd,
+                    mask=(rows < Nq)[:, None] & (offs_c < D)[None, :], other=0.0)
         if UPCAST:
-            v = v.to(tl.float32)
-        return v
+            q = q.to(tl.float32)
+        return q
 
     @triton.jit
-    def _band(s, key_j, row_i, Lk, off, win_left, win_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-        """Scores -inf where key j is past Lk or outside row i's band (diagonal i + off, left/right widths)."""
-        ok = (key_j < Lk) & (row_i >= 0)
+    def _load_kv(ptrs, keys, cols, Lk, D, KEYS_AT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
+                 UPCAST: tl.constexpr):
+        """A K or V tile whose keys run along axis ``KEYS_AT`` and D columns ``cols`` along the other: a
+        partial tile reads no key at or past Lk, a full one no predicate unless D is padded."""
+        if PARTIAL:
+            ok = tl.expand_dims(keys < Lk, 1 - KEYS_AT) & tl.expand_dims(cols < D, KEYS_AT)
+            x = tl.load(ptrs, mask=ok, other=0.0)
+        elif EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=tl.expand_dims(cols < D, KEYS_AT), other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _band(s, keys, rows, Lk, off, win_left, win_right, KEY_AXIS: tl.constexpr, HAS_LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr):
+        """Scores -inf where a key is past Lk or outside its row's band (diagonal i + off, left/right
+        widths); the score tile's keys run along ``KEY_AXIS``."""
+        key_j = tl.expand_dims(keys, 1 - KEY_AXIS)
+        row_i = tl.expand_dims(rows, KEY_AXIS)
+        ok = tl.expand_dims(keys < Lk, 1 - KEY_AXIS) & tl.expand_dims(rows >= 0, KEY_AXIS)
         if HAS_LEFT:
             ok = ok & (key_j >= row_i + off - win_left)
         if HAS_RIGHT:
@@ -197,7 +213,6 @@ if triton is not None:
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         rows = i0 + offs_m
-        d_ok = offs_d < D
         # The score tile is [BLOCK_M queries, BLOCK_N keys] (KEY_AXIS = 1) or its transpose (KEY_AXIS = 0);
         # these are its query and key offsets, and the D and key offsets of the V and output tiles, laid out
         # along their axes (a V tile is [keys, D] with the first, [D, keys] with the second).
@@ -215,15 +230,11 @@ if triton is not None:
             q_t = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
             for c in tl.static_range(BLOCK_D // 16):
                 offs_c = c * 16 + tl.arange(0, 16)
-                qc = tl.load(q_tile + offs_m[:, None] * s_qn + offs_c[None, :] * s_qd,
-                             mask=(rows < Nq)[:, None] & (offs_c < D)[None, :], other=0.0)
+                qc = _load_q(q_tile, offs_m, offs_c, rows, Nq, D, s_qn, s_qd, False)
                 eye = tl.where(offs_d[:, None] == offs_c[None, :], 1.0, 0.0)
                 q_t = tl.dot(eye, tl.trans(qc), q_t, input_precision="ieee")
         elif QK_CHUNK == 0:
-            q = tl.load(q_tile + offs_m[:, None] * s_qn + offs_d[None, :] * s_qd,
-                        mask=(rows < Nq)[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST_DOT:
-                q = q.to(tl.float32)
+            q = _load_q(q_tile, offs_m, offs_d, rows, Nq, D, s_qn, s_qd, UPCAST_DOT)
         k_base = K + b64 * s_kb + kvh.to(tl.int64) * s_kh
         v_base = V + b64 * s_vb + kvh.to(tl.int64) * s_vh
         e_base = Explicit + b64 * s_eb + h.to(tl.int64) * s_eh + i0.to(tl.int64) * s_ei
@@ -258,22 +269,16 @@ if triton is not None:
                 keys = n0 + offs_n
                 k_ptrs = k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
                 v_ptrs = v_base + n0.to(tl.int64) * s_vn + tile_vn * s_vn + tile_d * s_vd
+                # partial tiles (phase != 1) read no key past Lk; full tiles load without a predicate
                 if KEY_AXIS == 1:
-                    v = _load_v(v_ptrs, n0 + tile_vn, tile_d, Lk, D, phase != 1, EVEN_D, UPCAST_DOT)
+                    v = _load_kv(v_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
                 if QK_CHUNK == 0:
-                    if phase != 1:  # partial tile: keys past Lk are not read
-                        k = tl.load(k_ptrs, mask=(keys < Lk)[:, None] & d_ok[None, :], other=0.0)
-                    elif EVEN_D:  # full tile, D a power of two: no predicate at all
-                        k = tl.load(k_ptrs)
-                    else:
-                        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+                    k = _load_kv(k_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
 
                 # s = scale * log2(e) * q k^T (+ log2(e) * bias), in base 2 (keys-major: s^T)
                 if KEY_AXIS == 0:
                     s = tl.dot(k, q_t, input_precision=DOT_PRECISION)
                 elif QK_CHUNK == 0:
-                    if UPCAST_DOT:
-                        k = k.to(tl.float32)
                     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
                 else:
                     # D in chunks of QK_CHUNK columns, Q's re-read from L1 each tile: the FMA lowering of a
@@ -282,25 +287,15 @@ if triton is not None:
                     s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                     for c in tl.static_range(BLOCK_D // QK_CHUNK):
                         offs_c = c * QK_CHUNK + tl.arange(0, QK_CHUNK)
-                        c_ok = offs_c < D
-                        qc = tl.load(q_tile + offs_m[:, None] * s_qn + offs_c[None, :] * s_qd,
-                                     mask=(rows < Nq)[:, None] & c_ok[None, :], other=0.0)
+                        qc = _load_q(q_tile, offs_m, offs_c, rows, Nq, D, s_qn, s_qd, UPCAST_DOT)
                         kc_ptrs = (k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn
                                    + offs_c[None, :] * s_kd)
-                        if phase != 1:
-                            kc = tl.load(kc_ptrs, mask=(keys < Lk)[:, None] & c_ok[None, :], other=0.0)
-                        elif EVEN_D:
-                            kc = tl.load(kc_ptrs)
-                        else:
-                            kc = tl.load(kc_ptrs, mask=c_ok[None, :], other=0.0)
-                        if UPCAST_DOT:
-                            qc = qc.to(tl.float32)
-                            kc = kc.to(tl.float32)
+                        kc = _load_kv(kc_ptrs, keys, offs_c, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
                         s = tl.dot(qc, tl.trans(kc), s, input_precision=DOT_PRECISION)
                 s = s * qk_scale
                 if HAS_MASK or HAS_BIAS:
                     e_ptrs = e_base + n0.to(tl.int64) * s_ej + tile_m * s_ei + tile_n * s_ej
-                    e_ok = (i0 + tile_m < Nq) & (n0 + tile_n < Nk)
+                    e_ok = tl.expand_dims(rows < Nq, KEY_AXIS) & tl.expand_dims(keys < Nk, 1 - KEY_AXIS)
                     if HAS_MASK:
                         allowed = tl.load(e_ptrs, mask=e_ok, other=0)
                         s = tl.where(allowed != 0, s, float("-inf"))
@@ -310,9 +305,9 @@ if triton is not None:
                 if phase != 1:  # partial tile: the length and band predicate
                     if KEY_AXIS == 0:
                         if (t < f_lo) | (t >= f_hi):
-                            s = _band(s, n0 + tile_n, i0 + tile_m, Lk, off, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+                            s = _band(s, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
                     else:
-                        s = _band(s, n0 + tile_n, i0 + tile_m, Lk, off, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+                        s = _band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
 
                 # online softmax update (a row's keys run along KEY_AXIS)
                 m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
@@ -328,7 +323,7 @@ if triton is not None:
                 if KEY_AXIS == 0:
                     # V^T is loaded here, after the softmax: loaded first, the FMA dot's operand registers
                     # of it stay live across Q K^T (on the H200's compiler: 255 registers and spills)
-                    v = _load_v(v_ptrs, n0 + tile_vn, tile_d, Lk, D, phase != 1, EVEN_D, UPCAST_DOT)
+                    v = _load_kv(v_ptrs, keys, offs_d, Lk, D, 1, phase != 1, EVEN_D, UPCAST_DOT)
                     acc = tl.dot(v, p, acc, input_precision=DOT_PRECISION)  # O^T += V^T P^T
                 else:
                     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -340,7 +335,8 @@ if triton is not None:
         out = tl.where(tl.expand_dims(live, KEY_AXIS), acc / tl.expand_dims(l_div, KEY_AXIS), 0.0)
         o_ptrs = (Out + b64 * s_ob + h.to(tl.int64) * s_oh + i0.to(tl.int64) * s_on
                   + tile_m * s_on + tile_d * s_od)
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(i0 + tile_m < Nq) & (tile_d < D))
+        o_ok = tl.expand_dims(rows < Nq, KEY_AXIS) & tl.expand_dims(offs_d < D, 1 - KEY_AXIS)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_ok)
         if WRITE_LSE:
             lse = tl.where(live, (m_i + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf"))
             l_ptrs = Lse + b64 * s_lb + h.to(tl.int64) * s_lh + rows * s_ln
@@ -536,15 +532,8 @@ def _qk_chunk(cfg: Config, block_d: int) -> int:
 
 
 def _key_axis(cfg: Config, dtype: torch.dtype) -> int:
-    """The kernel's KEY_AXIS: 0 (keys-major, S^T = K Q^T) for a float32 ``keys_major`` config, else 1.
-
-    Why keys-major: exact float32 products run on the FMA units through shared memory, where Triton's FMA
-    dot reads its operands without swizzling. Q K^T with K as the second operand reads K rows that are
-    D floats apart from 16 threads at once, all in one bank (on the H200, 64% of the shared loads of a
-    (64, 64) tile were bank conflicts). As the first operand K is read by two threads per warp, and Q^T,
-    built query-contiguous once per program, is read without conflicts. Half types keep the tensor-core
-    orientation (the option is ignored).
-    """
+    """The kernel's KEY_AXIS: 0 (keys-major, S^T = K Q^T; why: the module docstring's "Keys-major
+    float32") for a float32 ``keys_major`` config, else 1. Half types keep the tensor-core orientation."""
     return 0 if cfg.keys_major and dtype == torch.float32 else 1
 
 

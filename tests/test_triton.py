@@ -354,16 +354,8 @@ def test_qk_chunks_cpu(case, chunk, monkeypatch):
 
 
 #: Cases for float32 in the other orientation: every mask kind, alignments, lengths, GQA, views.
-ORIENTATION_CASES = [
-    *CHUNK_CASES,
-    Case("qmajor_causal_tl_nq>nk", B=1, Hq=2, Nq=40, Nk=23, D=16, causal=True, align="top_left"),
-    Case("qmajor_kv_len_zero_br", B=3, Hq=2, Nq=21, Nk=33, D=16, causal=True, align="bottom_right",
-         kv_len=(0, 33, 5)),
-    Case("qmajor_mqa_bnhd_transposed_window", B=2, Hq=4, Hkv=1, Nq=30, Nk=38, D=16, layout="bnhd",
-         view="transposed", window=(5, 5), align="bottom_right"),
-    Case("qmajor_bias_11qk_q_len", B=2, Hq=2, Nq=23, Nk=29, D=16, mask="bias_11qk", kv_len=(29, 9),
-         q_len=(14, 23)),
-]
+ORIENTATION_CASES = CHUNK_CASES + [c for c in EXTRA_CASES if c.name in {
+    "causal_tl_nq>nk_f32", "kv_len_zero_causal_br", "mqa_bnhd_transposed_window", "bias_11qk_kv_len_q_len"}]
 
 
 @pytest.mark.parametrize("case", ORIENTATION_CASES, ids=lambda c: c.name)
