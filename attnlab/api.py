@@ -53,13 +53,19 @@ def attention(
     [B, Hq, Nq, Nk]. A row with no allowed key returns 0 (and lse -inf), never NaN.
 
     Returns out (q's dtype, device and layout) or, with ``return_lse``, (out, lse [B, Hq, Nq] float32).
+    Gradients: when q, k, v (or a float mask) require grad, ``auto`` picks a differentiable backend, and naming
+    a backend without a backward is a ValueError rather than an output that silently carries no gradient.
     Validating ``kv_len``/``q_len`` reads their min and max: one device sync when they are GPU tensors.
     """
     prob = make_problem(
         q, k, v, causal=causal, window=window, align=align, kv_len=kv_len, q_len=q_len,
         mask=mask, scale=scale, layout=layout,
     )
-    be = _backends.resolve(backend, prob)
+    # A float mask that requires grad counts too: a kernel without a backward would drop its gradient.
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, mask)
+    )
+    be = _backends.resolve(backend, prob, needs_grad=needs_grad)
     out, out_bhnd = prob.new_out()
     lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device) if return_lse else None
     if out.numel() == 0 or prob.Nk == 0:

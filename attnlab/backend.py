@@ -30,6 +30,10 @@ class Backend:
 
     name: str = ""
     description: str = ""
+    #: Whether outputs carry autograd history back to q, k and v. Backends built from PyTorch ops do; a
+    #: kernel without a backward does not, and is then refused for inputs that require grad (never a
+    #: silently detached output).
+    differentiable: bool = True
 
     def availability(self) -> Availability:
         """Can this backend run on this machine at all (packages, GPU)?"""
@@ -55,8 +59,11 @@ def cuda_device_reason(prob: Problem) -> str | None:
 
 
 def no_cuda_reason() -> str | None:
+    """Why CUDA kernels cannot run here (a CPU-only torch, or no visible GPU), or None."""
+    if torch.version.cuda is None:
+        return f"needs a CUDA GPU and a CUDA build of torch; this torch {torch.__version__} is a CPU-only build"
     if not torch.cuda.is_available():
-        return "no CUDA GPU (torch.cuda.is_available() is False)"
+        return "needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)"
     return None
 
 
@@ -116,8 +123,12 @@ def status() -> BackendTable:
     return BackendTable((name, b.availability()) for name, b in registry().items())
 
 
-def resolve(name: str, prob: Problem) -> Backend:
-    """The backend that will run ``prob``; raises ValueError naming the choices or the reason."""
+def resolve(name: str, prob: Problem, needs_grad: bool = False) -> Backend:
+    """The backend that will run ``prob``; raises ValueError naming the choices or the reason.
+
+    ``needs_grad``: an input requires grad, so only a differentiable backend will do (``auto`` skips the
+    others; naming one is an error).
+    """
     reg = registry()
     if not isinstance(name, str):
         raise TypeError(f"backend must be a string, one of {names()}; got {name!r}")
@@ -125,7 +136,9 @@ def resolve(name: str, prob: Problem) -> Backend:
         kind = "float32" if prob.dtype == torch.float32 else "half"
         for cand in AUTO_ORDER.get((prob.device.type, kind), ("sdpa",)):
             b = reg.get(cand)
-            if b is not None and b.availability().available and b.unsupported(prob) is None:
+            if b is None or (needs_grad and not b.differentiable):
+                continue
+            if b.availability().available and b.unsupported(prob) is None:
                 return b
         return reg["torch"]
     if name not in reg:
@@ -137,4 +150,11 @@ def resolve(name: str, prob: Problem) -> Backend:
     why = b.unsupported(prob)
     if why is not None:
         raise ValueError(f"backend {name!r} cannot run this problem: {why}")
+    if needs_grad and not b.differentiable:
+        grad_ok = [n for n, x in reg.items() if x.differentiable]
+        raise ValueError(
+            f"backend {name!r} has no backward, and q, k or v requires grad: its output would silently carry "
+            f"no gradient. Use a differentiable backend ({', '.join(grad_ok)}, or 'auto', which picks one), "
+            "or call it under torch.no_grad() / on detached inputs"
+        )
     return b

@@ -136,6 +136,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -1140,6 +1141,14 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
+def default_out(device: str) -> Path:
+    """Where a run writes by default: data/bench for a GPU; a temporary folder for a CPU smoke run, so that
+    CPU rows never land beside (or displace) the recorded GPU data."""
+    if device.startswith("cuda"):
+        return Path("data/bench")
+    return Path(tempfile.gettempdir()) / "attnlab-bench"
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
@@ -1351,13 +1360,16 @@ def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Opt
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnlab bench", description="Benchmark attnlab backends against SDPA and "
+    from attnlab.cli import OneLineParser
+
+    p = OneLineParser(prog="attnlab bench", description="Benchmark attnlab backends against SDPA and "
                                 "FlexAttention; results in <out>/<gpu>/<suite>.csv and .json")
     p.add_argument("--suite", required=True, choices=[*SUITES, "all"], help="suite to run (all = every one but quick)")
     p.add_argument("--backends", nargs="+", default=None, help="competitors (default: every one)")
     p.add_argument("--exclude", nargs="+", default=[], help="competitors recorded as skipped")
-    p.add_argument("--out", default="data/bench",
-                   help="root folder; files go to <out>/<gpu-slug>/ (default data/bench)")
+    p.add_argument("--out", default=None,
+                   help="root folder; files go to <out>/<gpu-slug>/ (default: data/bench on a GPU; a --device cpu "
+                        "smoke run goes to <tmp>/attnlab-bench, never into the recorded data)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="most timed calls per measurement (default 30)")
     p.add_argument("--min-reps", type=int, default=DEFAULT_MIN_REPS, help="fewest timed calls (default 3)")
@@ -1439,7 +1451,7 @@ def main(argv: list[str] | None = None) -> int:
         "per case)", flush=True)
     if args.estimate:
         return 0
-    folder = Path(args.out) / gpu_slug(gpu)
+    folder = Path(args.out if args.out is not None else default_out(device)) / gpu_slug(gpu)
     env = environment(device, argv)
     env.update(run_id=run_id, options={
         "max_reps": opts.max_reps, "min_reps": opts.min_reps, "budget_ms": opts.budget_ms, "seed": opts.seed,

@@ -1,4 +1,4 @@
-"""Command line: ``python -m attnlab info | check | compile-check | bench``."""
+"""Command line: ``attnlab info | check | compile-check | bench`` (also ``python -m attnlab``), one front door."""
 
 from __future__ import annotations
 
@@ -41,17 +41,45 @@ def info() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="attnlab", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose mistakes are one line on stderr (exit 2), never a usage block or a traceback."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _parser() -> OneLineParser:
+    from attnlab import __version__
+
+    parser = OneLineParser(prog="attnlab", description="attnlab: masked attention kernels, checked and measured.")
+    parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineParser)
     sub.add_parser("info", help="versions, device and backend availability")
     pc = sub.add_parser("check", help="run attnlab.check.verify on the available backends")
-    pc.add_argument("--backends", nargs="*", default=None)
+    pc.add_argument("--backends", nargs="+", default=None, metavar="NAME",
+                    help="backends to check (default: every available one)")
     pc.add_argument("--seed", type=int, default=None)
     pc.add_argument("--scale", type=int, default=1, help="multiply the default case lengths")
-    sub.add_parser("compile-check", help="compile every CUDA kernel variant for sm_80 and sm_90", add_help=False)
-    sub.add_parser("bench", help="run a benchmark suite on the GPU", add_help=False)
-    argv = sys.argv[1:] if argv is None else argv
+    # These two parse their own options (attnlab compile-check --help, attnlab bench --help).
+    sub.add_parser("compile-check", help="compile every CUDA kernel variant for sm_80 and sm_90 (no GPU needed)",
+                   add_help=False)
+    sub.add_parser("bench", help="run a benchmark suite (on a GPU; --device cpu for a smoke run)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``attnlab COMMAND ...``: mistakes in the arguments are reported in one line with exit status 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _run(argv)
+    except (ValueError, TypeError) as e:  # a bad value the parser could not see (a backend name, a suite's case)
+        cmd = argv[0] if argv and not argv[0].startswith("-") else ""
+        print(f"attnlab{' ' + cmd if cmd else ''}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
+    parser = _parser()
     if argv and argv[0] == "compile-check":
         from attnlab.cuda import compile_check_main
 
@@ -61,14 +89,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    if args.cmd == "info":
+    if args.command == "info":
         print(info())
         return 0
     import pandas as pd
 
+    from attnlab.backend import names
     from attnlab.cases import default_cases
     from attnlab.check import summarize, verify
 
+    unknown = [b for b in args.backends or [] if b not in names()]
+    if unknown:
+        parser.exit(2, f"attnlab check: error: unknown backend {unknown[0]!r}; choose from {', '.join(names())}\n")
     df = verify(backends=args.backends, cases=default_cases(args.scale), seed=args.seed, progress=True)
     cols = ["backend", "case", "dtype", "Nq", "Nk", "D", "max_abs", "base_max_abs", "passed", "error"]
     with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 60):

@@ -35,7 +35,6 @@ their states). :func:`rowmax_async_copy` and :func:`rowmax_splits` force either 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import functools
@@ -723,13 +722,17 @@ def run(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None)
 
 class _CudaBackend(Backend):
     family = ""
+    differentiable = False  # forward only for now: refused for inputs that require grad
 
     def availability(self) -> Availability:
+        why = no_cuda_reason()
         try:
             import cupy  # noqa: F401
         except Exception as e:  # ImportError, or a broken CUDA install
-            return Availability(False, f"cupy is not importable ({type(e).__name__}: {e})")
-        why = no_cuda_reason()
+            fix = ("CuPy is not installed: pip install 'attnlab[cuda12]' or 'attnlab[cuda13]' (CuPy for your CUDA "
+                   "major version)" if isinstance(e, ModuleNotFoundError) else
+                   f"CuPy does not import ({type(e).__name__}: {e})")
+            return Availability(False, fix if why is None else f"{why}; and {fix}")
         return Availability(True) if why is None else Availability(False, why)
 
     def unsupported(self, prob: Problem) -> str | None:
@@ -953,7 +956,9 @@ def format_table(results: Sequence[Resources]) -> str:
 
 def compile_check_main(argv: list[str]) -> int:
     """``python -m attnlab compile-check [--strict] [--arch sm_80 sm_90] [--family ...] [--jobs N]``."""
-    ap = argparse.ArgumentParser(prog="attnlab compile-check",
+    from attnlab.cli import OneLineParser
+
+    ap = OneLineParser(prog="attnlab compile-check",
                                  description="compile every CUDA kernel variant with NVRTC (no GPU needed)")
     ap.add_argument("--strict", action="store_true",
                     help="fail on a spill in tiled/rowmax for D <= 128 or shared memory over the arch limit")

@@ -354,11 +354,14 @@ def exp_error(df: pd.DataFrame) -> Figure:
 
 # ---- recorded benchmarks -----------------------------------------------------------------------------
 def bench_dirs(root: Path | str | None = None) -> list[Path]:
-    """The GPU directories under ``data/bench`` that hold at least one CSV, sorted by name."""
+    """The GPU directories under ``data/bench`` that hold at least one CSV, sorted by name.
+
+    A ``cpu`` folder (a smoke run of the harness written there by hand) is never one: plots show GPU data.
+    """
     root = Path(root) if root is not None else DATA_ROOT
     if not root.is_dir():
         return []
-    return sorted(d for d in root.iterdir() if d.is_dir() and any(d.glob("*.csv")))
+    return sorted(d for d in root.iterdir() if d.is_dir() and d.name != "cpu" and any(d.glob("*.csv")))
 
 
 def load_bench(suite: str, *, gpu: str | None = None, root: Path | str | None = None,
