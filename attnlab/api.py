@@ -1,14 +1,25 @@
-"""The public entry point: :func:`attention`."""
+"""The public entry point :func:`attention`, and the PyTorch custom ops behind it.
+
+``attention`` is the op ``attnlab::attention`` (``torch.library.custom_op``): ``torch.compile(fullgraph=True)``
+sees one node (its fake implementation gives the output shapes without running anything) and autograd
+reaches its backward, the op ``attnlab::attention_backward``. A call that needs no gradient and is not being
+traced runs the op's implementation directly: the same code without the dispatcher's per-call cost.
+
+Gradients: backends built from PyTorch ops (``reference``, ``torch``, ``sdpa``) share the chunked backward of
+:mod:`attnlab.backward` (a float mask's gradient included). A backend
+without a backward is refused for inputs that require grad, and ``auto`` then picks one that has one.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from attnlab import backend as _backends
+from attnlab.backward import sum_to_shape, textbook_backward
 from attnlab.problem import make_problem
 
 _poison = False
@@ -53,29 +64,139 @@ def attention(
     [B, Hq, Nq, Nk]. A row with no allowed key returns 0 (and lse -inf), never NaN.
 
     Returns out (q's dtype, device and layout) or, with ``return_lse``, (out, lse [B, Hq, Nq] float32).
+    Lengths given on the host (ints, lists, CPU tensors) are validated (ValueError outside [0, N]); lengths
+    already on the GPU are never read back (no device sync): values outside [0, N] are clamped to it.
     Gradients: when q, k, v (or a float mask) require grad, ``auto`` picks a differentiable backend, and naming
     a backend without a backward is a ValueError rather than an output that silently carries no gradient.
-    Validating ``kv_len``/``q_len`` reads their min and max: one device sync when they are GPU tensors.
     """
-    prob = make_problem(
-        q, k, v, causal=causal, window=window, align=align, kv_len=kv_len, q_len=q_len,
-        mask=mask, scale=scale, layout=layout,
-    )
-    # A float mask that requires grad counts too: a kernel without a backward would drop its gradient.
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, mask)
     )
+    has_window = window is not None
+    if has_window and (not isinstance(window, (tuple, list)) or len(window) != 2):
+        raise TypeError(f"window must be a pair (left, right) of ints or None; got {window!r}")
+    left, right = window if has_window else (None, None)
+    args = (q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout, backend, return_lse,
+            needs_grad)
+    if not (needs_grad or torch.compiler.is_compiling()):
+        out, lse = _forward(*args)
+    else:
+        if not torch.compiler.is_compiling():
+            _problem(*args[:13])  # validate first: a mistake is the same TypeError/ValueError as without grad
+        # The op takes lengths as tensors: Python ints and lists become (host) tensors, validated in the op.
+        args = (*args[:3], _lengths_arg(kv_len), _lengths_arg(q_len), *args[5:])
+        out, lse = torch.ops.attnlab.attention(*args)
+    return (out, lse) if return_lse else out
+
+
+def _lengths_arg(value: Any) -> Any:
+    """kv_len / q_len as the op takes them: None or a tensor (ints and sequences become a CPU tensor)."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, bool):
+        raise TypeError("lengths must be an int, a sequence of ints or an integer tensor of shape [B]; got a bool")
+    if isinstance(value, int):
+        return torch.tensor(value, dtype=torch.int64)
+    if isinstance(value, Sequence) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return torch.tensor(list(value), dtype=torch.int64)
+    raise TypeError(
+        f"lengths must be an int, a sequence of ints or an integer tensor of shape [B]; got {value!r}"
+    )
+
+
+def _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout):
+    return make_problem(q, k, v, causal=causal, window=(left, right) if has_window else None, align=align,
+                        kv_len=kv_len, q_len=q_len, mask=mask, scale=scale, layout=layout)
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
+    mask: torch.Tensor | None, causal: bool, has_window: bool, left: int | None, right: int | None,
+    align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool, needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate, pick the backend, run it: (out, lse); lse is an empty tensor unless ``want_lse``."""
+    prob = _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout)
     be = _backends.resolve(backend, prob, needs_grad=needs_grad)
     out, out_bhnd = prob.new_out()
-    lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device) if return_lse else None
+    shape = (prob.B, prob.Hq, prob.Nq) if want_lse else (0,)
+    lse = torch.empty(shape, dtype=torch.float32, device=prob.device)
     if out.numel() == 0 or prob.Nk == 0:
         out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
+        lse.fill_(float("-inf"))
     else:
         if _poison:
             out.fill_(float("nan"))
-            if lse is not None:
-                lse.fill_(float("nan"))
-        be.forward(prob, out_bhnd, lse)
-    return (out, lse) if return_lse else out
+            lse.fill_(float("nan"))
+        with torch.no_grad():  # the op's outputs carry no history of their own; autograd goes through the op
+            be.forward(prob, out_bhnd, lse if want_lse else None)
+    return out, lse
+
+
+@torch.library.custom_op("attnlab::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
+    mask: torch.Tensor | None, causal: bool, has_window: bool, left: int | None, right: int | None,
+    align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool, needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout, backend,
+                    want_lse, needs_grad)
+
+
+@_attention_op.register_fake
+def _(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout, backend, want_lse,
+      needs_grad):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if not want_lse:
+        return out, q.new_empty((0,), dtype=torch.float32)
+    B, Hq, Nq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhnd" else (q.shape[0], q.shape[2], q.shape[1])
+    return out, q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("attnlab::attention_backward", mutates_args=())
+def _attention_backward_op(
+    dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    kv_len: torch.Tensor | None, q_len: torch.Tensor | None, mask: torch.Tensor | None, causal: bool,
+    has_window: bool, left: int | None, right: int | None, align: str | None, scale: float | None, layout: str,
+    backend: str, mask_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dmask) in the caller's layout; dmask is empty unless ``mask_grad``."""
+    prob = _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout)
+    be = _backends.resolve(backend, prob, needs_grad=True)
+    dtype = torch.float64 if be.name == "reference" else torch.float32
+    dq, dk, dv, dbias = textbook_backward(prob, prob.to_layout(dout), dlse, dtype=dtype, bias_grad=mask_grad)
+    dmask = sum_to_shape(dbias, mask.shape).to(mask.dtype) if mask_grad else q.new_empty((0,))
+    return (prob.to_layout(dq).to(q.dtype), prob.to_layout(dk).to(k.dtype), prob.to_layout(dv).to(v.dtype),
+            dmask)
+
+
+@_attention_backward_op.register_fake
+def _(dout, dlse, q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout, backend,
+      mask_grad):
+    dmask = torch.empty_like(mask) if mask_grad else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+
+
+_ARG_NAMES = ("q", "k", "v", "kv_len", "q_len", "mask", "causal", "has_window", "left", "right", "align", "scale",
+              "layout", "backend", "want_lse", "needs_grad")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a = dict(zip(_ARG_NAMES, inputs))
+    mask = a["mask"]
+    ctx.mask_grad = mask is not None and mask.dtype.is_floating_point and mask.requires_grad
+    ctx.want_lse = a["want_lse"]
+    ctx.options = tuple(a[n] for n in ("causal", "has_window", "left", "right", "align", "scale", "layout",
+                                       "backend"))
+    ctx.save_for_backward(a["q"], a["k"], a["v"], a["kv_len"], a["q_len"], mask)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, kv_len, q_len, mask = ctx.saved_tensors
+    dlse = dlse if ctx.want_lse else None
+    dq, dk, dv, dmask = torch.ops.attnlab.attention_backward(
+        dout, dlse, q, k, v, kv_len, q_len, mask, *ctx.options, ctx.mask_grad)
+    # One gradient per op input: q, k, v, kv_len, q_len, mask, then the ten non-tensor arguments.
+    return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, *([None] * 10))
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)

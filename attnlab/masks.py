@@ -58,10 +58,16 @@ def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.dev
         raise TypeError(
             f"{name} must be an int, a sequence of ints or an integer tensor of shape [B]; got {type(value).__name__}"
         )
-    if batch > 0:
+    if t.device.type != "cpu":
+        # Lengths already on the GPU are never read back to the host (that would synchronize the device on
+        # every call): they are clamped to [0, limit] on the device instead.
+        t = t.clamp(0, limit)
+    elif batch > 0:
         lo, hi = (int(x) for x in torch.stack([t.min(), t.max()]).tolist())
         if lo < 0 or hi > limit:
             raise ValueError(f"{name} values must lie in [0, {limit}]; got values in [{lo}, {hi}]")
+    if t.device != device and device.type == "cuda":
+        t = t.to(torch.int32).pin_memory().to(device, non_blocking=True)  # host lengths: no stream sync
     t = t.to(device=device, dtype=torch.int32)
     if t.stride() != (1,):  # an expanded 0-dim length or a strided view: kernels read a plain int32 array
         t = torch.empty(batch, dtype=torch.int32, device=device).copy_(t)

@@ -1,0 +1,82 @@
+"""The backward of attention in PyTorch ops, chunked over query rows: the gradients of the contract.
+
+For one row i with probabilities ``p = softmax(s)`` over its allowed keys and output ``o = p V``, given
+``dO`` (and ``dlse``, the gradient reaching the row's log-sum-exp when the caller used it):
+
+    dV    += p^T dO                       (summed over the query heads of a kv group: GQA/MQA)
+    dP     = dO V^T
+    Delta  = rowsum(p * dP) = rowsum(dO * o)
+    dS     = p * (dP - Delta + dlse)      (d lse / d s = p)
+    dQ     = scale * dS K,   dK += scale * dS^T Q,   d bias = dS
+
+A key a row may not see has p = 0 and so gets no gradient; a row with no allowed key has p = 0 everywhere
+and gets zero gradients, never NaN. P is recomputed from q and k chunk by chunk (the score blocks stay under
+``max_chunk_bytes``), so the backward never holds the whole [B, H, Nq, Nk] matrix. This is the backward of
+the backends built from PyTorch ops (``reference`` in float64, ``torch`` and ``sdpa`` in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.problem import Problem
+from attnlab.reference import masked_scores
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def textbook_backward(
+    prob: Problem,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    bias_grad: bool = False,
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv, dbias) of ``prob`` for ``dout`` ([B, Hq, Nq, D] view) and ``dlse`` ([B, Hq, Nq] or None).
+
+    dq, dk, dv are [B, H, N, D] in ``dtype``; dbias is [B, Hq, Nq, Nk] in ``dtype`` when ``bias_grad`` (the
+    caller sums it over the mask's broadcast dims), else None. Arithmetic in ``dtype``.
+    """
+    B, Hq, Hkv, g, Nq, Nk, D = prob.B, prob.Hq, prob.Hkv, prob.group, prob.Nq, prob.Nk, prob.D
+    dev = prob.device
+    dq = torch.zeros(B, Hq, Nq, D, dtype=dtype, device=dev)
+    dk = torch.zeros(B, Hkv, Nk, D, dtype=dtype, device=dev)
+    dv = torch.zeros(B, Hkv, Nk, D, dtype=dtype, device=dev)
+    dbias = torch.zeros(B, Hq, Nq, Nk, dtype=dtype, device=dev) if bias_grad else None
+    if dq.numel() == 0 or Nk == 0:
+        return dq, dk, dv, dbias
+    k, v = prob.k.to(dtype), prob.v.to(dtype)
+    rows = max(1, max_chunk_bytes // max(1, B * Hq * Nk * 4 * torch.finfo(dtype).bits // 8))
+    for i0 in range(0, Nq, rows):
+        i1 = min(Nq, i0 + rows)
+        r = i1 - i0
+        s = masked_scores(prob, i0, i1, dtype)  # [B, Hq, r, Nk]
+        m = s.amax(dim=-1, keepdim=True)
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # empty rows: every p is exp(-inf) = 0
+        p = torch.exp(s - m)
+        l = p.sum(dim=-1, keepdim=True)
+        p = p / torch.where(l == 0, torch.ones_like(l), l)
+        do = dout[:, :, i0:i1].to(dtype).reshape(B, Hkv, g, r, D)
+        pg = p.reshape(B, Hkv, g, r, Nk)
+        dv += torch.einsum("bhgrn,bhgrd->bhnd", pg, do)
+        dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))  # [B, Hkv, g, r, Nk]
+        delta = (pg * dp).sum(dim=-1, keepdim=True)
+        if dlse is not None:
+            delta = delta - dlse[:, :, i0:i1].to(dtype).reshape(B, Hkv, g, r, 1)
+        ds = pg * (dp - delta)
+        dq[:, :, i0:i1] = (torch.matmul(ds, k.unsqueeze(2)) * prob.scale).reshape(B, Hq, r, D)
+        q = prob.q[:, :, i0:i1].to(dtype).reshape(B, Hkv, g, r, D)
+        dk += torch.einsum("bhgrn,bhgrd->bhnd", ds, q) * prob.scale
+        if dbias is not None:
+            dbias[:, :, i0:i1] = ds.reshape(B, Hq, r, Nk)
+    return dq, dk, dv, dbias
+
+
+def sum_to_shape(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Sum a [B, Hq, Nq, Nk] gradient over the dims a mask of ``shape`` was broadcast along."""
+    lead = grad.dim() - len(shape)
+    g = grad.sum(dim=tuple(range(lead))) if lead > 0 else grad
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    return (g.sum(dim=dims, keepdim=True) if dims else g).reshape(shape)
