@@ -1,0 +1,106 @@
+"""The public call on a GPU: no device sync, CUDA-graph capture, torch.compile, clamped GPU lengths."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import attnlab
+
+pytestmark = pytest.mark.gpu
+
+KERNELS = ["triton", "cuda-naive", "cuda-tiled", "cuda-rowmax"]
+
+
+def _inputs(dtype=torch.bfloat16, B=2, Hq=4, Hkv=2, N=200, D=64, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+def _available(name):
+    a = attnlab.backends().get(name)
+    if a is None or not a.available:
+        pytest.skip(f"{name}: {a!r}")
+
+
+@contextlib.contextmanager
+def _sync_is_an_error():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_a_call_with_gpu_lengths_never_synchronizes(backend):
+    _available(backend)
+    q, k, v = _inputs()
+    lens = torch.tensor([200, 77], device="cuda", dtype=torch.int32)
+    kw = dict(causal=True, kv_len=lens, q_len=lens, align="bottom_right", backend=backend, return_lse=True)
+    attnlab.attention(q, k, v, **kw)  # first call: compile, autotune (those may synchronize)
+    torch.cuda.synchronize()
+    with _sync_is_an_error():
+        out, lse = attnlab.attention(q, k, v, **kw)
+    ref, ref_lse = attnlab.reference(q, k, v, **{n: x for n, x in kw.items() if n not in ("backend", "return_lse")})
+    assert attnlab.check.compare(out, ref).passed
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-2, rtol=1e-3)  # -inf rows compare equal
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_gpu_lengths_out_of_range_are_clamped(backend):
+    _available(backend)
+    q, k, v = _inputs(dtype=torch.float32)
+    wild = torch.tensor([-5, 10**6], device="cuda")
+    got = attnlab.attention(q, k, v, kv_len=wild, backend=backend)
+    want = attnlab.attention(q, k, v, kv_len=[0, 200], backend=backend)
+    assert torch.equal(got, want)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_cuda_graph_capture_and_replay(backend):
+    _available(backend)
+    q, k, v = _inputs()
+    lens = torch.tensor([150, 200], device="cuda", dtype=torch.int32)
+    kw = dict(causal=True, kv_len=lens, backend=backend)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            attnlab.attention(q, k, v, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attnlab.attention(q, k, v, **kw)
+    q.copy_(torch.randn_like(q))
+    lens.copy_(torch.tensor([33, 180], device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, attnlab.attention(q, k, v, **kw), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda-rowmax", "sdpa"])
+def test_compile_fullgraph_on_gpu(backend):
+    _available(backend)
+    q, k, v = _inputs()
+    lens = torch.tensor([200, 90], device="cuda")
+
+    def f(q, k, v):
+        return attnlab.attention(q, k, v, causal=True, kv_len=lens, backend=backend)
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v), atol=0, rtol=0)
+
+
+def test_auto_with_grad_picks_a_backend_that_differentiates():
+    q, k, v = (t.requires_grad_() for t in _inputs())
+    out = attnlab.attention(q, k, v, causal=True)
+    assert out.grad_fn is not None
+    out.float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
