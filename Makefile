@@ -2,7 +2,9 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# A CPU machine gets the pinned CPU wheel; a GPU user sets TORCH= (keep theirs) or TORCH=torch (PyPI's CUDA build).
+# TORCH: what pip installs first when $(VENV) has no torch (a torch already there is kept). Which build
+# torch==2.13.0 is depends on the index: PyPI's Linux x86-64 wheel is the CUDA one, an index that carries
+# 2.13.0+cpu gives the CPU one. TORCH= skips the step; TORCH=torch takes the newest default build (README).
 TORCH ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
@@ -43,3 +45,11 @@ notebooks: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+# The recipe of `test` (its prerequisites are listed above), run after they all pass: the GPU tests are not
+# part of `make test`, so on a machine with a GPU say how to run them.
+test:
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+		echo "A GPU is present; make test ran the CPU tests only. The GPU tests: $(BIN)/python -m pytest -m gpu"; \
+		$(BIN)/python -c "import cupy" 2>/dev/null || \
+			echo "(the CUDA kernels' tests need CuPy: make test EXTRAS=dev,cuda12 or EXTRAS=dev,cuda13)"; fi

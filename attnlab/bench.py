@@ -165,7 +165,8 @@ COLUMNS = [
 
 STATUSES = ("ok", "failed", "oom", "unsupported", "unavailable", "error", "fallback", "skipped")
 
-#: attnlab backends DESIGN.md names; listed (as unavailable) even when their module is not in this build.
+#: attnlab's backends (docs/contract.md, "Backends"); listed (as unavailable) even when their module is not in
+#: this build.
 DESIGN_BACKENDS = ("torch", "sdpa", "triton", "cuda-naive", "cuda-tiled", "cuda-rowmax")
 
 SDPA_KINDS = {
@@ -827,7 +828,7 @@ def _flex_competitor() -> Competitor:
 
 
 def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
-    """The competitors by name (default: every attnlab backend DESIGN.md lists or the registry holds,
+    """The competitors by name (default: every attnlab backend docs/contract.md lists or the registry holds,
     except ``reference``; then ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``, ``flex``)."""
     from attnlab import backend as _b
 

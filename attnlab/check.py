@@ -1,6 +1,6 @@
 """The checker: how far an output is from the float64 reference, and whether that is close enough.
 
-Two criteria, both reported (DESIGN.md):
+Two criteria, both reported (docs/contract.md, "The checker and its tolerances"):
 
 * **abs/rel**: every element satisfies ``|out - ref| <= atol + rtol * |ref|``, with per-dtype defaults
   (:data:`TOLERANCES`).

@@ -1,6 +1,7 @@
 """Masks: turn attention's mask keywords into one validated description that every backend consumes.
 
-The semantics (DESIGN.md) in one place. For batch b, query head h, row i and key j, key j is *allowed* iff
+The semantics (docs/contract.md, "Masks") in one place. For batch b, query head h, row i and key j, key j
+is *allowed* iff
 
     j < Lk_b  and  i < Lq_b                      (effective lengths: kv_len, q_len)
     and  diag_i - left <= j <= diag_i + right     (window; causal is right = 0; None = unbounded)

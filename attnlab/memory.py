@@ -11,7 +11,8 @@ questions about GPUs you do not have. Conventions:
   writes its result to HBM); the *fused* one (FlashAttention) reads Q, K, V once and writes O and the
   log-sum-exp, never the scores.
 
-The measured H200 ceilings (:data:`H200`) and anchors (:data:`ANCHORS`) come from DESIGN.md.
+The measured H200 ceilings (:data:`H200`) and anchors (:data:`ANCHORS`) are listed with their versions in
+docs/design.md, "Measured figures".
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-#: Measured ceilings of the lent NVIDIA H200 (DESIGN.md, "Measured anchors"): TFLOP/s and TB/s.
+#: Measured ceilings of an NVIDIA H200 (docs/design.md, "Measured figures"): TFLOP/s and TB/s.
 H200 = {
     "name": "NVIDIA H200",
     "bf16_tflops": 692.0,  # dense bf16 matmul, measured
@@ -30,7 +31,7 @@ H200 = {
     "hbm_gib": 141e9 / 2**30,  # 141 GB of HBM3e
 }
 
-#: Extra memory measured on the H200 (DESIGN.md), bf16, textbook torch vs a fused kernel, in MiB.
+#: Extra memory measured on the H200 (docs/design.md), bf16, textbook torch vs a fused kernel, in MiB.
 ANCHORS = pd.DataFrame(
     [
         (8, 16, 1024, 64, 528.0, 16.0),

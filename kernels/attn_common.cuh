@@ -6,7 +6,7 @@
 // * Index math: every tensor is addressed as base + b*s_b + h*s_h + n*s_n + d*s_d with int64 strides in
 //   elements, so any view works (transposed layouts, stride(-1) != 1, stride 0 on broadcast dims).
 //   GQA/MQA: query head h reads kv head h / group.
-// * The mask rule of DESIGN.md. For batch b, row i, key j:
+// * The mask rule (docs/contract.md, "Masks"). For batch b, row i, key j:
 //       j < Lk_b  and  i < Lq_b  and  diag_i - left <= j <= diag_i + right  and  mask[b, h, i, j]
 //   with diag_i = i + off_b, off_b = Lk_b - Lq_b (bottom_right) or 0 (top_left). "Unbounded" window sides
 //   arrive as NO_BOUND (2^30), larger than any distance between a row and a key, so no special case.

@@ -216,7 +216,7 @@ def test_auto_on_gpu_prefers_the_measured_fastest():
 @pytest.mark.parametrize("backend", ["reference", "torch", "sdpa", "triton"])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_nan_in_the_inputs_propagates(backend, where):
-    """NaN in the inputs is the caller's and propagates (DESIGN.md): the affected rows come back NaN, not
+    """NaN in the inputs is the caller's and propagates (docs/contract.md): the affected rows come back NaN, not
     0 as an empty row would; every other element is untouched."""
     if backend not in attnlab.backends():
         pytest.skip(f"backend {backend} not in this build")
