@@ -1,7 +1,7 @@
 """Backends: what one is (a name, where it can run, a forward that fills a preallocated output), and the
 registry of every way attnlab can compute attention, by name.
 
-Each backend implements the same contract (DESIGN.md). Modules that need optional packages (triton,
+Each backend implements the same contract (docs/contract.md). Modules that need optional packages (triton,
 cupy) import them lazily, so ``import attnlab`` stays cheap and works without them.
 """
 
