@@ -1,0 +1,425 @@
+"""The Triton backward kernels of attention (FlashAttention-2 style); :mod:`attnlab.triton_bwd` launches them.
+
+The math
+--------
+The forward saved ``lse_i = log sum_j exp(s_ij)`` (natural log) for every query row. With it, the softmax
+is recomputed tile by tile without a second reduction: ``p_ij = exp(s_ij - lse_i)``, here in base 2 like
+the forward, ``p = exp2(s * log2(e) - lse * log2(e))``. For an upstream gradient dO:
+
+    dV = P^T dO                       dP = dO V^T
+    Delta_i = sum_d dO_id O_id        (= sum_j p_ij dP_ij, the softmax's Jacobian in one number per row)
+    dS = P * (dP - Delta)             (the gradient of the scores s = scale * q.k + bias)
+    dQ = scale * dS K                 dK = scale * dS^T Q
+
+A row with no allowed key (lse = -inf) and a padding row (i >= Lq) must give zero gradients. The
+preprocess stores such rows' base-2 lse as **+inf**, so that every ``p = exp2(s - (+inf))`` is exactly 0
+(also where s is -inf): no guard is needed anywhere in the loops, and dS = 0 * (dP - Delta) = 0.
+
+Tiling and program mapping
+--------------------------
+Three launches, each a grid of programs over tiles of the [Nq, Nk] score matrix of one (batch, head):
+
+1. ``_bwd_preprocess``: grid ``(ceil(Nq / BLOCK_M), Hq, B)``. One program reads a [BLOCK_M, D] tile of O
+   and dO and writes Delta and the base-2 lse (``Lse2``, +inf for empty and padding rows) of its rows:
+   float32 [B, Hq, Nq], contiguous.
+2. ``_bwd_dkdv_kernel``: grid ``(ceil(Nk / BLOCK_N), Hkv, B)``. One program owns one key tile of one kv
+   head: it loads K and V ([BLOCK_N, D]) once and keeps dK and dV accumulators (float32) for them while
+   query tiles of ``BLOCK_M`` rows stream past. The score tile is held transposed, ``S^T = K Q^T``
+   ([BLOCK_N keys, BLOCK_M queries]), so that dV += P^T dO and dK += dS^T Q are plain products. For
+   GQA/MQA the program loops over the ``group`` query heads of its kv head (h = kvh * group + g): the
+   group's sum is accumulated in registers, so K/V are never repeated and no atomics are needed.
+3. ``_bwd_dq_kernel``: grid ``(ceil(Nq / BLOCK_M), Hq, B)``, row tiles last first (a causal row's work
+   grows with its index). One program owns one row tile of one query head: Q, dO, Lse2 and Delta are
+   loaded once; key tiles of kv head ``h // group`` stream past and dQ += dS K accumulates in float32.
+   Each dQ element is written by one program: deterministic, no atomics.
+
+Both loops recompute S (and dP) from Q, K, V, dO: dQ's pass costs two extra products, the price of writing
+every gradient once.
+
+Block skipping
+--------------
+As in the forward, the loops visit only tiles that the lengths and the band allow, and split them into
+partial tiles (bounds and band predicate applied) and full ones (no predicate): the dQ pass uses the
+forward's key range per row tile, ``[lo, hi)`` and ``[full_lo, full_hi)`` (:func:`_key_tiles`); the dK/dV
+pass uses the band solved for rows, the rows ``[lo, hi)`` that may see some key of the tile and
+``[full_lo, full_hi)`` that see all of them (:func:`_query_tiles`): key j is seen by row i iff
+``j - off - right <= i <= j - off + left`` (off the diagonal offset of the alignment). A key tile that
+holds keys past Lk is partial for every row tile. Keys no row may see keep dK = dV = 0. A bool mask or a
+bias is data, read through its broadcast strides in every visited tile (the bias is a constant: it gets no
+gradient).
+
+Precision
+---------
+Every product accumulates in float32. For float16/bfloat16, P and dS are rounded to the input dtype before
+they enter a product (as FlashAttention does); for float32 every product is exact IEEE
+(``input_precision="ieee"``). In the interpreter, half-type operands are upcast to float32 (exactly) before
+``tl.dot``, whose interpreted version multiplies bfloat16 bit patterns as integers otherwise. Addresses
+come from the caller's strides (any layout, views, a non-unit D stride); batch, head and tile offsets are
+64-bit. Plain pointer arithmetic with masks only (no ``tl.make_block_ptr``), for triton 3.4 to 3.9 and the
+interpreter.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # attnlab.triton_bwd reports the backward unavailable
+    triton, tl = None, None
+
+if triton is not None:
+    from attnlab.triton_fwd import _band
+
+    # -----------------------------------------------------------------------------------------------
+    # Helpers: loads, operand rounding, the tile bounds
+    # -----------------------------------------------------------------------------------------------
+    @triton.jit
+    def _load_rows(base, offs, n_valid, offs_d, D, s_n, s_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr,
+                   UPCAST: tl.constexpr):
+        """A [len(offs), BLOCK_D] tile starting at ``base``: rows ``offs >= n_valid`` and columns past D read 0
+        (no predicate at all for a tile known to be in bounds with an unpadded D)."""
+        ptrs = base + offs[:, None] * s_n + offs_d[None, :] * s_d
+        if CHECK_ROWS:
+            x = tl.load(ptrs, mask=(offs < n_valid)[:, None] & (offs_d < D)[None, :], other=0.0)
+        elif EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _operand(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+        """``x`` (float32) rounded to the input dtype for a product; in the interpreter back to float32."""
+        x = x.to(DTYPE)
+        if UPCAST:
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr,
+                 BOTTOM_RIGHT: tl.constexpr):
+        """(Lk, Lq, off) of batch entry b: the effective lengths and the diagonal offset (row i's diagonal
+        is key i + off)."""
+        if HAS_KV_LEN:
+            Lk = tl.load(KvLen + b)
+        else:
+            Lk = zero + Nk
+        if HAS_Q_LEN:
+            Lq = tl.load(QLen + b)
+        else:
+            Lq = zero + Nq
+        if BOTTOM_RIGHT:
+            off = Lk - Lq
+        else:
+            off = zero
+        return Lk, Lq, off
+
+    @triton.jit
+    def _tiles(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+        """Index ranges ``[lo, hi)`` and ``[full_lo, full_hi)`` (lo >= 0) in tiles of BLOCK:
+        (t_lo, f_lo, f_hi, t_hi), with partial tiles [t_lo, f_lo) and [f_hi, t_hi), full ones [f_lo, f_hi).
+        Every operand of // is non-negative, so it floors the same compiled and interpreted."""
+        t_lo = lo // BLOCK
+        t_hi = tl.where(hi > lo, (hi + BLOCK - 1) // BLOCK, t_lo)
+        f_lo = (tl.maximum(full_lo, 0) + BLOCK - 1) // BLOCK
+        f_hi = tl.maximum(full_hi, 0) // BLOCK
+        f_lo = tl.minimum(tl.maximum(f_lo, t_lo), t_hi)
+        f_hi = tl.maximum(tl.minimum(f_hi, t_hi), f_lo)
+        return t_lo, f_lo, f_hi, t_hi
+
+    @triton.jit
+    def _key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+        """Key tiles of rows ``[i0, i0 + BLOCK_M)``: those some row may see, and inside them those every row
+        may see (the forward's bounds)."""
+        i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1  # the last row that is not padding
+        lo = off * 0
+        hi = Lk
+        full_lo = lo
+        full_hi = hi
+        if HAS_LEFT:  # j >= i + off - left
+            lo = tl.maximum(lo, i0 + off - win_left)
+            full_lo = tl.maximum(lo, i_last + off - win_left)
+        if HAS_RIGHT:  # j <= i + off + right
+            hi = tl.minimum(hi, i_last + off + win_right + 1)
+            full_hi = tl.minimum(hi, i0 + off + win_right + 1)
+        hi = tl.where(i0 < Lq, tl.maximum(hi, lo), lo)  # a tile of padding rows sees nothing
+        return _tiles(lo, hi, full_lo, full_hi, BLOCK_N)
+
+    @triton.jit
+    def _query_tiles(n0, Lk, Lq, off, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+        """Row tiles of keys ``[n0, n0 + BLOCK_N)``: those with a row that may see some key of the tile, and
+        inside them those whose every row sees every key (the band solved for i:
+        ``j - off - right <= i <= j - off + left``)."""
+        n_last = tl.minimum(n0 + BLOCK_N, Lk) - 1  # the last key that is not past Lk
+        lo = off * 0
+        hi = Lq
+        full_lo = lo
+        full_hi = hi
+        if HAS_RIGHT:  # i >= j - off - right
+            lo = tl.maximum(lo, n0 - off - win_right)
+            full_lo = tl.maximum(lo, n0 + BLOCK_N - 1 - off - win_right)
+        if HAS_LEFT:  # i <= j - off + left
+            hi = tl.minimum(hi, n_last - off + win_left + 1)
+            full_hi = tl.minimum(hi, n0 - off + win_left + 1)
+        hi = tl.where(n0 < Lk, tl.maximum(hi, lo), lo)  # a tile of keys past Lk is seen by no row
+        full_hi = tl.where(n0 + BLOCK_N <= Lk, full_hi, full_lo)  # keys past Lk: every row tile is partial
+        return _tiles(lo, hi, full_lo, full_hi, BLOCK_M)
+
+    @triton.jit
+    def _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, KEY_AXIS: tl.constexpr, HAS_MASK: tl.constexpr):
+        """The explicit mask (-inf where False) or the bias (times log2(e)) applied to base-2 scores ``s``,
+        whose keys run along KEY_AXIS; ``e_base`` points at the (batch, head) of the mask."""
+        row_i = tl.expand_dims(rows, KEY_AXIS)
+        key_j = tl.expand_dims(keys, 1 - KEY_AXIS)
+        ok = (row_i < Nq) & (key_j < Nk)
+        ptrs = e_base + row_i.to(tl.int64) * s_ei + key_j.to(tl.int64) * s_ej
+        if HAS_MASK:
+            allowed = tl.load(ptrs, mask=ok, other=0)
+            s = tl.where(allowed != 0, s, float("-inf"))
+        else:
+            s = s + tl.load(ptrs, mask=ok, other=0.0) * 1.4426950408889634
+        return s
+
+    # -----------------------------------------------------------------------------------------------
+    # 1. Preprocess: Delta = rowsum(dO * O), and the base-2 lse
+    # -----------------------------------------------------------------------------------------------
+    @triton.jit
+    def _bwd_preprocess(
+        O, DO, Lse, Delta, Lse2, QLen,
+        s_ob, s_oh, s_on, s_od,
+        s_gb, s_gh, s_gn, s_gd,
+        s_lb, s_lh, s_ln,
+        Hq, Nq, D,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Q_LEN: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        i0 = pid_m * BLOCK_M
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = i0 + offs_m
+        b64, h64, i64 = b.to(tl.int64), h.to(tl.int64), i0.to(tl.int64)
+        o = _load_rows(O + b64 * s_ob + h64 * s_oh + i64 * s_on, offs_m, Nq - i0, offs_d, D, s_on, s_od,
+                       True, False, True)
+        do = _load_rows(DO + b64 * s_gb + h64 * s_gh + i64 * s_gn, offs_m, Nq - i0, offs_d, D, s_gn, s_gd,
+                        True, False, True)
+        delta = tl.sum(o * do, 1)
+        lse = tl.load(Lse + b64 * s_lb + h64 * s_lh + rows * s_ln, mask=rows < Nq, other=float("-inf"))
+        live = lse != float("-inf")
+        if HAS_Q_LEN:
+            live = live & (rows < tl.load(QLen + b))
+        # +inf for a row with no allowed key or a padding row: then every p = exp2(s - lse2) is 0
+        lse2 = tl.where(live, lse * 1.4426950408889634, float("inf"))
+        delta = tl.where(live, delta, 0.0)
+        out_ptrs = (b64 * Hq + h64) * Nq + rows  # Delta and Lse2 are contiguous [B, Hq, Nq]
+        tl.store(Delta + out_ptrs, delta, mask=rows < Nq)
+        tl.store(Lse2 + out_ptrs, lse2, mask=rows < Nq)
+
+    # -----------------------------------------------------------------------------------------------
+    # 2. dK and dV: a key tile stationary, query tiles streaming
+    # -----------------------------------------------------------------------------------------------
+    @triton.jit
+    def _dkdv_row_tile(
+        dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, m0, keys, Lk, off, win_left, win_right,
+        Nq, Nk, D, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PARTIAL: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """dK and dV updated with the query rows ``[m0, m0 + BLOCK_M)`` of one head (scores held as S^T)."""
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = m0 + offs_m
+        m64 = m0.to(tl.int64)
+        q = _load_rows(q_base + m64 * s_qn, offs_m, Nq - m0, offs_d, D, s_qn, s_qd, PARTIAL, EVEN_D, UPCAST)
+        do = _load_rows(do_base + m64 * s_gn, offs_m, Nq - m0, offs_d, D, s_gn, s_gd, PARTIAL, EVEN_D, UPCAST)
+        if PARTIAL:
+            lse2 = tl.load(lse2_base + rows, mask=rows < Nq, other=float("inf"))
+            delta = tl.load(delta_base + rows, mask=rows < Nq, other=0.0)
+        else:
+            lse2 = tl.load(lse2_base + rows)
+            delta = tl.load(delta_base + rows)
+
+        # S^T = K Q^T in base 2, masked; P^T = exp2(S^T - lse2) (0 for rows with lse2 = +inf)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_MASK or HAS_BIAS:
+            s_t = _explicit(s_t, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 0, HAS_MASK)
+        if PARTIAL:
+            s_t = _band(s_t, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        dv = tl.dot(_operand(p_t, DTYPE, UPCAST), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T
+        ds_t = p_t * (dp_t - delta[None, :])  # dS^T = P^T * (dP^T - Delta)
+        dk = tl.dot(_operand(ds_t, DTYPE, UPCAST), q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q
+        return dk, dv
+
+    @triton.jit
+    def _bwd_dkdv_kernel(
+        Q, K, V, DO, Lse2, Delta, DK, DV, KvLen, QLen, Explicit,
+        s_qb, s_qh, s_qn, s_qd,
+        s_kb, s_kh, s_kn, s_kd,
+        s_vb, s_vh, s_vn, s_vd,
+        s_gb, s_gh, s_gn, s_gd,
+        s_dkb, s_dkh, s_dkn, s_dkd,
+        s_dvb, s_dvh, s_dvn, s_dvd,
+        s_eb, s_eh, s_ei, s_ej,
+        Hq, Nq, Nk, D, group, qk_scale, scale, win_left, win_right,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+        HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        # ---- which tile: key tile pid_n of kv head kvh, batch b -----------------------------------------
+        pid_n = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        n0 = pid_n * BLOCK_N
+        zero = n0 * 0
+        Lk, Lq, off = _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        t_lo, f_lo, f_hi, t_hi = _query_tiles(n0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
+                                              HAS_LEFT, HAS_RIGHT)
+
+        # ---- the stationary K and V tiles; dK and dV accumulators --------------------------------------
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        keys = n0 + offs_n
+        b64, kvh64, n64 = b.to(tl.int64), kvh.to(tl.int64), n0.to(tl.int64)
+        k = _load_rows(K + b64 * s_kb + kvh64 * s_kh + n64 * s_kn, offs_n, Nk - n0, offs_d, D, s_kn, s_kd,
+                       True, EVEN_D, UPCAST)
+        v = _load_rows(V + b64 * s_vb + kvh64 * s_vh + n64 * s_vn, offs_n, Nk - n0, offs_d, D, s_vn, s_vd,
+                       True, EVEN_D, UPCAST)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+        # ---- every query head of the group, each in three phases of row tiles ---------------------------
+        for g in range(0, group):
+            h64 = (kvh * group + g).to(tl.int64)
+            q_base = Q + b64 * s_qb + h64 * s_qh
+            do_base = DO + b64 * s_gb + h64 * s_gh
+            row0 = (b64 * Hq + h64) * Nq  # Lse2 and Delta are contiguous [B, Hq, Nq]
+            e_base = Explicit + b64 * s_eb + h64 * s_eh
+            for phase in tl.static_range(3):  # partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi)
+                if phase == 0:
+                    t_begin = t_lo
+                    t_end = f_lo
+                elif phase == 1:
+                    t_begin = f_lo
+                    t_end = f_hi
+                else:
+                    t_begin = f_hi
+                    t_end = t_hi
+                for t in range(t_begin, t_end):
+                    dk, dv = _dkdv_row_tile(
+                        dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, zero + t * BLOCK_M,
+                        keys, Lk, off, win_left, win_right, Nq, Nk, D, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale,
+                        BLOCK_M, BLOCK_D, EVEN_D, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                        Q.dtype.element_ty, DOT_PRECISION, UPCAST,
+                    )
+
+        # ---- epilogue: dK = scale * sum dS^T Q; keys no row sees keep 0 --------------------------------
+        dk = dk * scale
+        kv_ok = (keys < Nk)[:, None] & (offs_d < D)[None, :]
+        dk_ptrs = DK + b64 * s_dkb + kvh64 * s_dkh + keys.to(tl.int64)[:, None] * s_dkn + offs_d[None, :] * s_dkd
+        dv_ptrs = DV + b64 * s_dvb + kvh64 * s_dvh + keys.to(tl.int64)[:, None] * s_dvn + offs_d[None, :] * s_dvd
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_ok)
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
+
+    # -----------------------------------------------------------------------------------------------
+    # 3. dQ: a row tile stationary, key tiles streaming
+    # -----------------------------------------------------------------------------------------------
+    @triton.jit
+    def _dq_key_tile(
+        dq, q, do, lse2, delta, k_base, v_base, e_base, n0, rows, Lk, off, win_left, win_right,
+        Nq, Nk, D, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PARTIAL: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """dQ updated with the keys ``[n0, n0 + BLOCK_N)``."""
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        keys = n0 + offs_n
+        n64 = n0.to(tl.int64)
+        k = _load_rows(k_base + n64 * s_kn, offs_n, Lk - n0, offs_d, D, s_kn, s_kd, PARTIAL, EVEN_D, UPCAST)
+        v = _load_rows(v_base + n64 * s_vn, offs_n, Lk - n0, offs_d, D, s_vn, s_vd, PARTIAL, EVEN_D, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # base 2
+        if HAS_MASK or HAS_BIAS:
+            s = _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 1, HAS_MASK)
+        if PARTIAL:
+            s = _band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # dP = dO V^T
+        ds = p * (dp - delta[:, None])  # dS = P * (dP - Delta)
+        return tl.dot(_operand(ds, DTYPE, UPCAST), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K
+
+    @triton.jit
+    def _bwd_dq_kernel(
+        Q, K, V, DO, Lse2, Delta, DQ, KvLen, QLen, Explicit,
+        s_qb, s_qh, s_qn, s_qd,
+        s_kb, s_kh, s_kn, s_kd,
+        s_vb, s_vh, s_vn, s_vd,
+        s_gb, s_gh, s_gn, s_gd,
+        s_dqb, s_dqh, s_dqn, s_dqd,
+        s_eb, s_eh, s_ei, s_ej,
+        Hq, Nq, Nk, D, group, qk_scale, scale, win_left, win_right,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+        HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        # ---- which tile: row tile pid_m (last first) of query head h, batch b; kv head h // group --------
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        i0 = pid_m * BLOCK_M
+        zero = i0 * 0
+        Lk, Lq, off = _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        t_lo, f_lo, f_hi, t_hi = _key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
+                                            HAS_LEFT, HAS_RIGHT)
+
+        # ---- the stationary row tile: Q, dO, Lse2, Delta -----------------------------------------------
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = i0 + offs_m
+        b64, h64, i64 = b.to(tl.int64), h.to(tl.int64), i0.to(tl.int64)
+        kvh64 = (h // group).to(tl.int64)
+        q = _load_rows(Q + b64 * s_qb + h64 * s_qh + i64 * s_qn, offs_m, Nq - i0, offs_d, D, s_qn, s_qd,
+                       True, EVEN_D, UPCAST)
+        do = _load_rows(DO + b64 * s_gb + h64 * s_gh + i64 * s_gn, offs_m, Nq - i0, offs_d, D, s_gn, s_gd,
+                        True, EVEN_D, UPCAST)
+        row0 = (b64 * Hq + h64) * Nq
+        lse2 = tl.load(Lse2 + row0 + rows, mask=rows < Nq, other=float("inf"))
+        delta = tl.load(Delta + row0 + rows, mask=rows < Nq, other=0.0)
+        k_base = K + b64 * s_kb + kvh64 * s_kh
+        v_base = V + b64 * s_vb + kvh64 * s_vh
+        e_base = Explicit + b64 * s_eb + h64 * s_eh
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        for phase in tl.static_range(3):  # partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi)
+            if phase == 0:
+                t_begin = t_lo
+                t_end = f_lo
+            elif phase == 1:
+                t_begin = f_lo
+                t_end = f_hi
+            else:
+                t_begin = f_hi
+                t_end = t_hi
+            for t in range(t_begin, t_end):
+                dq = _dq_key_tile(
+                    dq, q, do, lse2, delta, k_base, v_base, e_base, zero + t * BLOCK_N, rows, Lk, off,
+                    win_left, win_right, Nq, Nk, D, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale,
+                    BLOCK_N, BLOCK_D, EVEN_D, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                    Q.dtype.element_ty, DOT_PRECISION, UPCAST,
+                )
+
+        # ---- epilogue: dQ = scale * sum dS K; empty and padding rows give 0 ----------------------------
+        dq = dq * scale
+        dq_ptrs = (DQ + b64 * s_dqb + h64 * s_dqh + rows.to(tl.int64)[:, None] * s_dqn
+                   + offs_d[None, :] * s_dqd)
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows < Nq)[:, None] & (offs_d < D)[None, :])

@@ -1,0 +1,193 @@
+"""Tests of the Triton backward (attnlab/triton_bwd.py): dq, dk, dv against float64 autograd of the reference.
+
+Each case runs the Triton forward (for out and lse) and :func:`attnlab.triton_bwd.backward` on seeded
+inputs, and compares the gradients with those of :func:`attnlab.reference` (float64, autograd). float32 is
+judged by a tight abs/rel tolerance (IEEE products); float16/bfloat16 by FlashAttention's rule:
+``max|g - g64| <= 2 * max|g_textbook - g64| + floor``, where g_textbook is autograd of the textbook
+computation in the same low dtype and floor the dtype's unit roundoff times max|g64|. Every gradient must
+be free of NaN, and exactly 0 where the contract makes it 0: rows with no allowed key (dq), keys no row
+sees (dk, dv). CPU tests run the kernels through Triton's interpreter on small odd shapes; GPU tests
+(marker ``gpu``) run the same matrix at 8x the lengths, and a larger causal case per dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab import triton_bwd
+from attnlab.api import attention
+from attnlab.cases import Case, make_inputs
+from attnlab.check import UNIT_ROUNDOFF
+from attnlab.problem import make_problem
+from attnlab.reference import masked_scores, reference
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+#: (case, dtype) pairs of the CPU matrix: every mask kind, both alignments with Nq < Nk and Nq > Nk, empty
+#: rows and keys, GQA/MQA, layouts and views, D from 1 to 256, each dtype several times.
+CASES = [
+    (Case("dense_odd", B=1, Hq=2, Nq=37, Nk=53, D=24), F32),
+    (Case("dense_odd", B=1, Hq=2, Nq=37, Nk=53, D=24), F16),
+    (Case("dense_odd", B=1, Hq=2, Nq=37, Nk=53, D=24), BF16),
+    (Case("causal", B=2, Hq=2, Nq=37, D=32, causal=True), BF16),
+    (Case("causal_tl_nq<nk", B=1, Hq=2, Nq=17, Nk=45, D=16, causal=True, align="top_left"), F16),
+    (Case("causal_br_nq<nk", B=1, Hq=2, Nq=21, Nk=50, D=16, causal=True, align="bottom_right"), F32),
+    (Case("causal_br_nq>nk", B=1, Hq=2, Nq=45, Nk=17, D=16, causal=True, align="bottom_right"), BF16),
+    (Case("causal_tl_nq>nk", B=1, Hq=2, Nq=40, Nk=23, D=16, causal=True, align="top_left"), F32),
+    (Case("window", B=1, Hq=2, Nq=41, D=16, window=(8, 4)), F16),
+    (Case("window_br_nq>nk_d40", B=2, Hq=1, Nq=37, Nk=21, D=40, window=(6, 3), align="bottom_right"), F32),
+    (Case("window_left_only", B=1, Hq=2, Nq=35, D=16, window=(6, None)), F32),
+    (Case("window_causal_br", B=1, Hq=2, Nq=19, Nk=50, D=16, causal=True, window=(5, None),
+          align="bottom_right"), BF16),
+    (Case("window_misses", B=1, Hq=2, Nq=30, Nk=12, D=16, window=(2, 1), align="top_left"), F32),
+    (Case("kv_len", B=3, Hq=1, Nq=31, Nk=45, D=16, kv_len=(0, 23, 45)), F32),
+    (Case("q_len_kv_len", B=3, Hq=1, Nq=29, D=16, kv_len=(29, 13, 0), q_len=(29, 20, 5)), BF16),
+    (Case("q_len_causal_br", B=3, Hq=1, Nq=24, Nk=40, D=16, causal=True, align="bottom_right",
+          kv_len=(40, 31, 10), q_len=(24, 9, 17)), F32),
+    (Case("q_len_zero_window", B=2, Hq=1, Nq=27, D=16, window=(4, 4), q_len=(0, 19)), F16),
+    (Case("kv_len_all_zero", B=2, Hq=1, Nq=9, Nk=13, D=16, kv_len=(0, 0)), F32),
+    (Case("bool_full", B=2, Hq=1, Nq=23, Nk=31, D=16, mask="bool_full"), F32),
+    (Case("bool_full", B=2, Hq=1, Nq=23, Nk=31, D=16, mask="bool_full"), BF16),
+    (Case("bool_1h1k_causal", B=1, Hq=3, Nq=27, D=16, mask="bool_1h1k", causal=True), F16),
+    (Case("bias_full", B=1, Hq=2, Nq=21, Nk=26, D=16, mask="bias_full"), F32),
+    (Case("bias_11qk_causal", B=2, Hq=1, Nq=28, D=16, mask="bias_11qk", causal=True), BF16),
+    (Case("bias_b1qk_kv_len", B=2, Hq=1, Nq=22, Nk=30, D=16, mask="bias_b1qk", kv_len=(30, 11)), F16),
+    (Case("gqa", B=1, Hq=6, Hkv=2, Nq=26, Nk=33, D=16), BF16),
+    (Case("gqa_causal_br", B=1, Hq=4, Hkv=2, Nq=14, Nk=39, D=32, causal=True, align="bottom_right"), F32),
+    (Case("mqa_bool", B=1, Hq=4, Hkv=1, Nq=19, D=16, mask="bool_b1qk"), F32),
+    (Case("mqa_bnhd_transposed_window", B=1, Hq=4, Hkv=1, Nq=30, Nk=38, D=16, layout="bnhd", view="transposed",
+          window=(5, 5), align="bottom_right"), F16),
+    (Case("bnhd", B=2, Hq=2, Nq=29, Nk=35, D=16, layout="bnhd"), F16),
+    (Case("transposed_view", B=1, Hq=3, Nq=27, Nk=30, D=16, view="transposed"), BF16),
+    (Case("strided_d_causal_d40", B=1, Hq=2, Nq=31, D=40, view="strided_d", causal=True), F32),
+    (Case("bnhd_transposed_kv_len", B=2, Hq=2, Nq=26, Nk=34, D=16, layout="bnhd", view="transposed",
+          kv_len=(34, 17)), F32),
+    (Case("d1", B=1, Hq=2, Nq=17, D=1), F32),
+    (Case("d1", B=1, Hq=2, Nq=17, D=1), BF16),
+    (Case("d100", B=1, Hq=1, Nq=21, Nk=29, D=100, causal=True, align="top_left"), F16),
+    (Case("d256", B=1, Hq=1, Nq=9, Nk=20, D=256), F32),
+    (Case("d256", B=1, Hq=1, Nq=9, Nk=20, D=256, causal=True, align="bottom_right"), BF16),
+    (Case("tile_aligned", B=1, Hq=2, Nq=32, Nk=48, D=16, causal=True, align="bottom_right"), F32),
+    (Case("decode_nq1", B=3, Hq=2, Hkv=1, Nq=1, Nk=37, D=16, causal=True, align="bottom_right",
+          kv_len=(37, 1, 20)), F32),
+    (Case("nk1", B=1, Hq=2, Nq=17, Nk=1, D=16), F16),
+]
+
+
+def _textbook(q, k, v, kw: dict) -> torch.Tensor:
+    """The textbook attention in the inputs' dtype, differentiable (empty rows: out 0, gradient 0)."""
+    prob = make_problem(q, k, v, **kw)
+    B, Hq, Hkv, Nq, Nk, D = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.D
+    s = masked_scores(prob, 0, Nq, prob.dtype)
+    empty = (s == float("-inf")).all(dim=-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    o = torch.matmul(p.reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2)).reshape(B, Hq, Nq, D)
+    return prob.to_layout(o)
+
+
+def _triton_grads(q, k, v, dout, kw: dict) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) in the caller's layout: the Triton forward's out and lse, then the Triton backward."""
+    prob = make_problem(q, k, v, **kw)
+    out, lse = attention(q, k, v, backend="triton", return_lse=True, **kw)
+    grads = triton_bwd.backward(prob, prob.to_layout(out), lse, prob.to_layout(dout))
+    for g, x in zip(grads, (prob.q, prob.k, prob.v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+    return tuple(prob.to_layout(g) for g in grads)
+
+
+def _autograd(fn, q, k, v, dout, dtype) -> tuple[torch.Tensor, ...]:
+    """Gradients of ``fn(q, k, v)`` with respect to q, k, v (cast to ``dtype``) for the upstream ``dout``."""
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    fn(*leaves).backward(dout.to(dtype))
+    return tuple(x.grad for x in leaves)
+
+
+def _zero_where_unseen(case: Case, q, k, v, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [B, Hq, Nq] with no allowed key, keys [B, Hkv, Nk] that no row of their group sees)."""
+    prob = make_problem(q, k, v, **kw)
+    ok = prob.spec.allowed_with_bias().expand(prob.B, prob.Hq, prob.Nq, prob.Nk)
+    empty_rows = ~ok.any(dim=-1)
+    seen = ok.reshape(prob.B, prob.Hkv, prob.group, prob.Nq, prob.Nk).any(dim=(2, 3))
+    return prob.to_layout(empty_rows.unsqueeze(-1)).squeeze(-1), prob.to_layout((~seen).unsqueeze(-1)).squeeze(-1)
+
+
+def _check(case: Case, dtype: torch.dtype, device: str, seed: int = 0) -> None:
+    q, k, v, kw = make_inputs(case, dtype=dtype, device=device, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(q.shape, generator=gen).to(device=device, dtype=dtype)
+    ours = _triton_grads(q, k, v, dout, kw)
+    ref = _autograd(lambda a, b, c: reference(a, b, c, **kw)[0], q, k, v, dout, torch.float64)
+    base = _autograd(lambda a, b, c: _textbook(a, b, c, kw), q, k, v, dout, dtype) if dtype != F32 else None
+    empty_rows, unseen_keys = _zero_where_unseen(case, q, k, v, kw)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        g, g64 = ours[i].double(), ref[i]
+        assert not torch.isnan(g).any(), f"{name}: NaN"
+        assert torch.isfinite(g).all(), f"{name}: Inf"
+        zero_at = empty_rows if name == "dq" else unseen_keys
+        assert (g[zero_at] == 0).all(), f"{name}: nonzero where no key/row is allowed"
+        err = (g - g64).abs().max().item() if g.numel() else 0.0
+        scale = max(1.0, g64.abs().max().item() if g.numel() else 0.0)
+        if dtype == F32:  # IEEE products: float32 rounding of the sums only
+            tol = 5e-6 * scale
+            assert err <= tol, f"{name}: max|g - g64| = {err:.3e} > {tol:.1e}"
+        else:
+            base_err = (base[i].double() - g64).abs().max().item() if g.numel() else 0.0
+            bound = 2 * base_err + UNIT_ROUNDOFF[dtype] * scale
+            assert err <= bound, f"{name}: max|g - g64| = {err:.3e} > 2 * {base_err:.3e} + floor ({bound:.3e})"
+
+
+# ------------------------------------------------------------------------------------------------------
+# CPU: the interpreter
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("case", "dtype"), CASES, ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
+def test_gradients_cpu(case, dtype):
+    _check(case, dtype, "cpu")
+
+
+def test_empty_problems_launch_nothing():
+    for nq, nk in ((0, 5), (5, 0), (0, 0)):
+        q, k, v = torch.randn(1, 2, nq, 8), torch.randn(1, 2, nk, 8), torch.randn(1, 2, nk, 8)
+        prob = make_problem(q, k, v)
+        out, lse = torch.zeros(1, 2, nq, 8), torch.full((1, 2, nq), float("-inf"))
+        dq, dk, dv = triton_bwd.backward(prob, out, lse, torch.ones_like(out))
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert not dq.any() and not dk.any() and not dv.any()
+
+
+def test_broadcast_dout_and_determinism():
+    """dout with stride 0 (the gradient of a sum) is read as given, and two runs agree bit for bit."""
+    case = Case("gqa_causal", B=1, Hq=4, Hkv=2, Nq=21, Nk=27, D=16, causal=True, align="bottom_right")
+    q, k, v, kw = make_inputs(case, dtype=F32, device="cpu", seed=3)
+    dout = torch.ones(1, 1, 1, 1).expand(q.shape)
+    first = _triton_grads(q, k, v, dout, kw)
+    second = _triton_grads(q, k, v, dout.contiguous(), kw)
+    ref = _autograd(lambda a, b, c: reference(a, b, c, **kw)[0], q, k, v, dout, torch.float64)
+    for a, b, r in zip(first, second, ref):
+        assert torch.equal(a, b)
+        assert (a.double() - r).abs().max().item() <= 2e-5 * max(1.0, r.abs().max().item())
+
+
+def test_rejects_wrong_shapes():
+    q = torch.randn(1, 2, 5, 8)
+    prob = make_problem(q, q, q)
+    with pytest.raises(ValueError, match="lse"):
+        triton_bwd.backward(prob, q, torch.zeros(1, 2, 4), q)
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize(("case", "dtype"), CASES, ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
+def test_gradients_gpu(case, dtype):
+    _check(case.scaled(8), dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gradients_gpu_large(dtype, D):
+    case = Case("gqa_causal_large", B=2, Hq=4, Hkv=2, Nq=1000, Nk=1100, D=D, causal=True, align="bottom_right",
+                kv_len=(1100, 700))
+    _check(case, dtype, "cuda")
