@@ -5,8 +5,10 @@ sees one node (its fake implementation gives the output shapes without running a
 reaches its backward, the op ``attnlab::attention_backward``. A call that needs no gradient and is not being
 traced runs the op's implementation directly: the same code without the dispatcher's per-call cost.
 
-Gradients: backends built from PyTorch ops (``reference``, ``torch``, ``sdpa``) share the chunked backward of
-:mod:`attnlab.backward` (a float mask's gradient included). A backend
+Gradients: the kernel backends (``triton`` and the CUDA kernels) differentiate through the Triton backward
+kernels (:mod:`attnlab.triton_bwd`), from the forward's saved out and lse; the backends built from PyTorch
+ops (``reference``, ``torch``, ``sdpa``), and any call whose float mask requires grad, through the chunked
+backward of :mod:`attnlab.backward` (the mask's gradient included). A backend
 without a backward is refused for inputs that require grad, and ``auto`` then picks one that has one.
 """
 
@@ -114,10 +116,12 @@ def _forward(
     mask: torch.Tensor | None, causal: bool, has_window: bool, left: int | None, right: int | None,
     align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool, needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate, pick the backend, run it: (out, lse); lse is an empty tensor unless ``want_lse``."""
+    """Validate, pick the backend, run it: (out, lse); lse is an empty tensor unless ``want_lse`` or
+    ``needs_grad`` (the kernels' backward starts from the forward's lse)."""
     prob = _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout)
     be = _backends.resolve(backend, prob, needs_grad=needs_grad)
     out, out_bhnd = prob.new_out()
+    want_lse = want_lse or needs_grad
     shape = (prob.B, prob.Hq, prob.Nq) if want_lse else (0,)
     lse = torch.empty(shape, dtype=torch.float32, device=prob.device)
     if out.numel() == 0 or prob.Nk == 0:
@@ -146,7 +150,7 @@ def _attention_op(
 def _(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout, backend, want_lse,
       needs_grad):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if not want_lse:
+    if not (want_lse or needs_grad):
         return out, q.new_empty((0,), dtype=torch.float32)
     B, Hq, Nq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhnd" else (q.shape[0], q.shape[2], q.shape[1])
     return out, q.new_empty((B, Hq, Nq), dtype=torch.float32)
@@ -155,13 +159,22 @@ def _(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scal
 @torch.library.custom_op("attnlab::attention_backward", mutates_args=())
 def _attention_backward_op(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    kv_len: torch.Tensor | None, q_len: torch.Tensor | None, mask: torch.Tensor | None, causal: bool,
-    has_window: bool, left: int | None, right: int | None, align: str | None, scale: float | None, layout: str,
-    backend: str, mask_grad: bool,
+    out: torch.Tensor, lse: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
+    mask: torch.Tensor | None, causal: bool, has_window: bool, left: int | None, right: int | None,
+    align: str | None, scale: float | None, layout: str, backend: str, mask_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dmask) in the caller's layout; dmask is empty unless ``mask_grad``."""
+    """(dq, dk, dv, dmask) in the caller's layout; dmask is empty unless ``mask_grad``.
+
+    The kernel backends (Triton, CUDA) take the Triton backward kernels from the saved out and lse; the
+    backends built from PyTorch ops, and any call whose bias needs a gradient, the chunked PyTorch backward.
+    """
     prob = _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout)
     be = _backends.resolve(backend, prob, needs_grad=True)
+    if be.kernel_backward and not mask_grad and _triton_backward_available():
+        from attnlab.triton_bwd import backward as kernel_backward
+
+        dq, dk, dv = kernel_backward(prob, prob.to_layout(out), lse, prob.to_layout(dout), dlse)
+        return prob.to_layout(dq), prob.to_layout(dk), prob.to_layout(dv), q.new_empty((0,))
     dtype = torch.float64 if be.name == "reference" else torch.float32
     dq, dk, dv, dbias = textbook_backward(prob, prob.to_layout(dout), dlse, dtype=dtype, bias_grad=mask_grad)
     dmask = sum_to_shape(dbias, mask.shape).to(mask.dtype) if mask_grad else q.new_empty((0,))
@@ -169,9 +182,15 @@ def _attention_backward_op(
             dmask)
 
 
+def _triton_backward_available() -> bool:
+    from attnlab.triton_fwd import _IMPORT_ERROR
+
+    return _IMPORT_ERROR is None
+
+
 @_attention_backward_op.register_fake
-def _(dout, dlse, q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout, backend,
-      mask_grad):
+def _(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout,
+      backend, mask_grad):
     dmask = torch.empty_like(mask) if mask_grad else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
@@ -187,14 +206,17 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.want_lse = a["want_lse"]
     ctx.options = tuple(a[n] for n in ("causal", "has_window", "left", "right", "align", "scale", "layout",
                                        "backend"))
-    ctx.save_for_backward(a["q"], a["k"], a["v"], a["kv_len"], a["q_len"], mask)
+    ctx.save_for_backward(a["q"], a["k"], a["v"], *output, a["kv_len"], a["q_len"], mask)
+    ctx.set_materialize_grads(False)  # an unused lse gets no gradient tensor: dlse is None
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, kv_len, q_len, mask = ctx.saved_tensors
+    q, k, v, out, lse, kv_len, q_len, mask = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
     dlse = dlse if ctx.want_lse else None
     dq, dk, dv, dmask = torch.ops.attnlab.attention_backward(
-        dout, dlse, q, k, v, kv_len, q_len, mask, *ctx.options, ctx.mask_grad)
+        dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, *ctx.options, ctx.mask_grad)
     # One gradient per op input: q, k, v, kv_len, q_len, mask, then the ten non-tensor arguments.
     return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, *([None] * 10))
 

@@ -34,6 +34,9 @@ class Backend:
     #: kernel without a backward does not, and is then refused for inputs that require grad (never a
     #: silently detached output).
     differentiable: bool = True
+    #: Whether the backward runs attnlab's Triton backward kernels from the saved out and lse (the kernel
+    #: backends) rather than the chunked PyTorch backward (the backends built from PyTorch ops).
+    kernel_backward: bool = False
 
     def availability(self) -> Availability:
         """Can this backend run on this machine at all (packages, GPU)?"""

@@ -722,7 +722,7 @@ def run(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None)
 
 class _CudaBackend(Backend):
     family = ""
-    differentiable = False  # forward only for now: refused for inputs that require grad
+    kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.triton_bwd)
 
     def availability(self) -> Availability:
         why = no_cuda_reason()

@@ -223,15 +223,22 @@ def _check(name: str, t: torch.Tensor, shape: tuple, prob: Problem) -> None:
         raise ValueError(f"{name} is on {t.device} but q is on {prob.device}")
 
 
-def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor,
-             dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _minus_dlse(delta: torch.Tensor, dlse: torch.Tensor | None) -> None:
+    """Delta -= dlse (rows with no allowed key have p = 0 everywhere: their -inf lse takes no gradient)."""
+    if dlse is not None:
+        delta.sub_(torch.nan_to_num(dlse.float(), nan=0.0, posinf=0.0, neginf=0.0))
+
+
+def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+             dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of attention for ``prob`` given the upstream gradient ``dout``.
 
     ``out`` and ``dout`` are [B, Hq, Nq, D] (any strides), ``lse`` float32 [B, Hq, Nq] as the forward wrote
     them (natural log, -inf for rows with no allowed key). Returns tensors shaped like ``prob.q``,
     ``prob.k``, ``prob.v`` ([B, H, N, D], q's dtype, laid out like the inputs where they are dense). The
     bias, if any, is a constant. Rows with no allowed key and padding rows give dq = 0; keys no row sees
-    give dk = dv = 0. Nothing is launched for an empty problem.
+    give dk = dv = 0. Nothing is launched for an empty problem. ``dlse`` ([B, Hq, Nq], or None) is the
+    gradient reaching the lse when the caller used it: since d lse / d s = p, it enters as Delta - dlse.
     """
     if triton is None:
         raise RuntimeError("the Triton backward needs triton (not importable)")
@@ -255,12 +262,14 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor,
     if interpret:
         with _interpreter():
             _launch_preprocess(prob, out, lse, dout, delta, lse2, True)
+            _minus_dlse(delta, dlse)
             _launch_dkdv(prob, dout, delta, lse2, dk, dv, INTERPRETER_CONFIG, True)
             _launch_dq(prob, dout, delta, lse2, dq, INTERPRETER_CONFIG, True)
         return dq, dk, dv
     same = torch.cuda.current_device() == prob.q.get_device()
     with contextlib.nullcontext() if same else torch.cuda.device(prob.device):
         _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
+        _minus_dlse(delta, dlse)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         _launch_dkdv(prob, dout, delta, lse2, dk, dv, kv_cfg, False)
         _launch_dq(prob, dout, delta, lse2, dq, q_cfg, False)

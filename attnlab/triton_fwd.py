@@ -762,7 +762,7 @@ class TritonBackend(Backend):
     """attnlab's fused Triton forward kernel (the module docstring explains it)."""
 
     name = "triton"
-    differentiable = False  # forward only for now: refused for inputs that require grad
+    kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.triton_bwd)
     description = (
         "fused Triton forward kernel: online softmax in exp2, block skipping, every mask, GQA; "
         "CPU tensors run through Triton's interpreter"
