@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from attnlab import backend as _backends
+from attnlab import backends as _backends
 from attnlab.problem import make_problem
 
 _poison = False

@@ -598,7 +598,7 @@ class Competitor:
 
 def _attnlab_competitor(name: str) -> Competitor:
     def prepare(inp: CaseInputs) -> Prepared:
-        from attnlab import backend as _b
+        from attnlab import backends as _b
         from attnlab.problem import make_problem
 
         reg = _b.registry()
@@ -639,7 +639,7 @@ def _sdpa_competitor(name: str) -> Competitor:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         from attnlab.problem import make_problem
-        from attnlab.sdpa import sdpa_inputs
+        from attnlab.backends.sdpa import sdpa_inputs
 
         if not hasattr(SDPBackend, kind):
             raise Unavailable(f"this torch has no SDPBackend.{kind}")
@@ -828,7 +828,7 @@ def _flex_competitor() -> Competitor:
 def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
     """The competitors by name (default: every attnlab backend DESIGN.md lists or the registry holds,
     except ``reference``; then ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``, ``flex``)."""
-    from attnlab import backend as _b
+    from attnlab import backends as _b
 
     attn = list(DESIGN_BACKENDS) + [n for n in _b.registry() if n not in DESIGN_BACKENDS and n != "reference"]
     known = [*attn, "reference", *SDPA_KINDS, "flex"]
@@ -1165,7 +1165,7 @@ def _version(mod: str) -> str:
 def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
     """The environment a result depends on: device, driver, library versions, commit, date, command."""
     from attnlab import __version__
-    from attnlab import backend as _b
+    from attnlab import backends as _b
 
     root = Path(__file__).resolve().parent.parent
     commit = os.environ.get("ATTNLAB_COMMIT") or _cmd(["git", "-C", str(root), "rev-parse", "HEAD"]) or "unknown"

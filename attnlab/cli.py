@@ -20,7 +20,7 @@ def _version(mod: str) -> str:
 def info() -> str:
     """Versions, the device, and each backend's availability with the reason."""
     from attnlab import __version__
-    from attnlab.backend import status
+    from attnlab.backends import status
 
     lines = [
         f"attnlab {__version__}  python {platform.python_version()}  {platform.machine()}",
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="run a benchmark suite on the GPU", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "compile-check":
-        from attnlab.cuda import compile_check_main
+        from attnlab.backends.cuda.compile_check import compile_check_main
 
         return compile_check_main(argv[1:])
     if argv and argv[0] == "bench":

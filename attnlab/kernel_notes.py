@@ -19,7 +19,7 @@ def kernel_path(family: str) -> Path:
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; one of {FAMILIES}")
     try:
-        from attnlab.cuda import kernels_dir
+        from attnlab.backends.cuda.sources import kernels_dir
 
         base = Path(str(kernels_dir()))
     except ImportError:

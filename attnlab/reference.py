@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from attnlab.backend import Backend
 from attnlab.problem import Problem, make_problem
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
@@ -97,16 +96,3 @@ def reference(
     )
     out, lse = reference_forward(prob, max_chunk_bytes)
     return prob.to_layout(out), lse
-
-
-class ReferenceBackend(Backend):
-    """Backend ``reference``: the float64 reference, cast back to the input dtype."""
-
-    name = "reference"
-    description = "float64 math on the inputs' device, chunked over queries (at most ~256 MiB of scores)"
-
-    def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        o, l = reference_forward(prob)
-        out.copy_(o)
-        if lse is not None:
-            lse.copy_(l)

@@ -165,7 +165,7 @@ def test_gate_wrong_output_is_failed_and_untimed():
 
 def test_attnlab_backend_must_write_every_element():
     """attnlab backends are checked on a NaN-poisoned output: a skipped element fails."""
-    from attnlab import backend as _b
+    from attnlab import backends as _b
 
     real = _b.registry()["sdpa"]
 
