@@ -23,7 +23,7 @@ def kernel_path(family: str) -> Path:
 
         base = Path(str(kernels_dir()))
     except ImportError:
-        base = Path(__file__).resolve().parent.parent / "kernels"
+        base = Path(__file__).resolve().parents[2] / "kernels"
     return base / f"attn_{family}.cu"
 
 
