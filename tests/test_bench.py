@@ -266,7 +266,7 @@ def test_flex_mask_mod_matches_reference(B, Hq, Nq, Nk, kw):
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
     spec = MaskSpec.build(B, Hq, Nq, Nk, **kw)
-    mask_mod, score_mod, by_b, by_h = bench.flex_mods(spec)
+    mask_mod, score_mod, by_b, by_h = spec.flex_mods()
     if mask_mod is None:
         assert spec.kind == "dense"
         return

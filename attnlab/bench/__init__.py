@@ -100,7 +100,6 @@ from attnlab.bench.competitors import (  # noqa: F401
     Unavailable,
     Unsupported,
     competitors,
-    flex_mods,
 )
 from attnlab.bench.counting import (  # noqa: F401
     allowed_count,

@@ -14,7 +14,6 @@ import torch
 from attnlab.bench.counting import empty_rows
 from attnlab.bench.schema import DESIGN_BACKENDS, SDPA_KINDS
 from attnlab.bench.truth import CaseInputs
-from attnlab.masks import MaskSpec
 
 # ---------------------------------------------------------------------------------------------------------
 # Competitors
@@ -181,52 +180,6 @@ def _set_dynamo_limits() -> None:
                 setattr(dcfg, attr, True)
 
 
-def flex_mods(spec: MaskSpec) -> tuple[Callable | None, Callable | None, bool, bool]:
-    """(mask_mod, score_mod, depends on b, depends on h): FlexAttention's form of ``spec``.
-
-    mask_mod: ``kv_idx < kv_len[b]``, ``q_idx < q_len[b]``, and the band around ``diag = q_idx + offset``
-    (offset 0 top-left; ``Lk_b - Lq_b`` bottom-right, per batch entry when lengths are given), and the
-    explicit bool mask; score_mod adds the bias. None when there is nothing to express.
-    """
-    kvl = spec.kv_len.long() if spec.kv_len is not None else None
-    ql = spec.q_len.long() if spec.q_len is not None else None
-    per_b = kvl is not None or ql is not None
-    off_b = None
-    const_off = 0
-    if spec.align == "bottom_right":
-        if per_b:
-            off_b = spec.diag_offset()
-        else:
-            const_off = spec.Nk - spec.Nq
-    left, right, mask, bias = spec.left, spec.right, spec.mask, spec.bias
-    mask_mod = None
-    if spec.banded or per_b or mask is not None:
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            ok = q_idx >= 0
-            if kvl is not None:
-                ok = ok & (kv_idx < kvl[b])
-            if ql is not None:
-                ok = ok & (q_idx < ql[b])
-            if left is not None or right is not None:
-                diag = q_idx + (off_b[b] if off_b is not None else const_off)
-                if left is not None:
-                    ok = ok & (kv_idx >= diag - left)
-                if right is not None:
-                    ok = ok & (kv_idx <= diag + right)
-            if mask is not None:
-                ok = ok & mask[b, h, q_idx, kv_idx]
-            return ok
-
-    score_mod = None
-    if bias is not None:
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + bias[b, h, q_idx, kv_idx]
-
-    return mask_mod, score_mod, per_b or mask is not None, mask is not None
-
-
 #: Compile and run flex on CPU tensors too (off: compiling there is slow; on for debugging the harness).
 FLEX_ON_CPU = False
 
@@ -242,7 +195,7 @@ def _flex_competitor() -> Competitor:
         import torch._dynamo
 
         case, spec = inp.case, inp.spec
-        mask_mod, score_mod, by_b, by_h = flex_mods(spec)
+        mask_mod, score_mod, by_b, by_h = spec.flex_mods()
         torch._dynamo.reset()  # one static compilation per case
         _set_dynamo_limits()
         block_mask = None
