@@ -23,7 +23,7 @@ from attnlab.backends import cuda as C
 from attnlab.backends.cuda import params as P
 from attnlab.backends.cuda import variant as V
 from attnlab.backends.cuda.sources import resolve_includes
-from attnlab.cases import Case, default_cases
+from attnlab.cases import Case, default_cases, gpu_cases, n8192_cases
 from attnlab.problem import make_problem
 
 BACKENDS = ("cuda-naive", "cuda-tiled", "cuda-rowmax")
@@ -493,20 +493,7 @@ def test_each_cu_compiles_alone_with_nvcc(family):
 
 
 def _gpu_cases() -> list[Case]:
-    """The default matrix at 4x the lengths, plus every D of the issue with both alignments and Nq <> Nk."""
-    cases = default_cases(scale=4)
-    for D in (16, 40, 64, 100, 128, 256):
-        cases += [
-            Case(f"d{D}_causal_br_nq<nk", B=2, Hq=4, Hkv=2, Nq=70, Nk=201, D=D, causal=True,
-                 align="bottom_right", kv_len=(201, 90)),
-            Case(f"d{D}_causal_tl_nq>nk", B=1, Hq=3, Hkv=1, Nq=150, Nk=67, D=D, causal=True, align="top_left",
-                 layout="bnhd"),
-            Case(f"d{D}_window_br_nq>nk_bias", B=2, Hq=2, Nq=131, Nk=77, D=D, window=(20, 5),
-                 align="bottom_right", mask="bias_b1qk", view="transposed"),
-            Case(f"d{D}_dense_bool_kv0", B=3, Hq=2, Nq=65, Nk=129, D=D, mask="bool_1h1k", kv_len=(0, 129, 64),
-                 q_len=(65, 1, 30), view="strided_d"),
-        ]
-    return cases
+    return gpu_cases()
 
 
 def _verify(backends, cases, dtypes=None, device="cuda"):
@@ -544,11 +531,7 @@ def test_backend_passes_checker_default_sizes(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backend_long_sequence_8192(backend):
-    cases = [
-        Case("n8192_causal", B=1, Hq=2, Nq=8192, D=64, causal=True, dtypes=(torch.float16, torch.bfloat16)),
-        Case("n8192_gqa_kvlen", B=2, Hq=2, Hkv=1, Nq=64, Nk=8192, D=128, kv_len=(8192, 5000),
-             dtypes=(torch.float32,)),
-    ]
+    cases = n8192_cases()
     _df, bad, summary = _verify([backend], cases)
     print(summary)
     assert bad.empty, summary

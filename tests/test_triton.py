@@ -1,9 +1,10 @@
 """Tests of the ``triton`` backend (attnlab/backends/triton/).
 
 CPU tests run the kernel through Triton's interpreter (attnlab arranges that; nothing is set here) on
-fresh random inputs, judged by the checker against the float64 reference: every case of the default
-matrix plus cases that single out what the issue asks for (D 16/40/64/100/128, both alignments with
-Nq < Nk and Nq > Nk, kv_len 0, windows, broadcast masks, MQA, views, tile-aligned sizes, N = 1).
+fresh random inputs, judged by the checker against the float64 reference. The default matrix and the
+extra cases (``attnlab.cases``) run in tests/test_contract.py, as for every backend; here: what is
+Triton's own (head dims, empty rows, NaN past kv_len, strided outputs, the interpreter, D chunks, both
+orientations, the launch path).
 GPU tests (marker ``gpu``) run the same matrix at larger sizes, sequences up to 16384, every autotune
 candidate, and the TF32 opt-in at its own tolerance.
 """
@@ -18,38 +19,14 @@ from attnlab.backends.triton import backend as tbackend
 from attnlab.backends.triton import configs as tconfigs
 from attnlab.backends.triton import kernel as tkernel
 from attnlab.backends.triton import launch as tlaunch
-from attnlab.cases import Case, default_cases, make_inputs
+from attnlab.cases import Case, chunk_cases, default_cases, extra_cases, long_cases, make_inputs
 from attnlab.check import _lse_atol, compare, strict_fp32, summarize, verify
 from attnlab.problem import make_problem
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 HALVES = (F16, BF16)
 
-#: Cases beyond the default matrix, named after what they single out.
-EXTRA_CASES = [
-    Case("d64_causal", B=1, Hq=2, Nq=35, D=64, causal=True),
-    Case("d40_window_br_nq>nk", B=2, Hq=2, Nq=37, Nk=21, D=40, window=(6, 3), align="bottom_right"),
-    Case("d100_causal_tl_nq<nk", B=1, Hq=2, Nq=20, Nk=43, D=100, causal=True, align="top_left"),
-    Case("d128_causal_br_nq>nk_kv_len", B=2, Hq=1, Nq=34, Nk=19, D=128, causal=True, align="bottom_right",
-         kv_len=(19, 4)),
-    Case("causal_tl_nq>nk_f32", B=1, Hq=2, Nq=40, Nk=23, D=16, causal=True, align="top_left", dtypes=(F32,)),
-    Case("kv_len_zero_causal_br", B=3, Hq=2, Nq=21, Nk=33, D=16, causal=True, align="bottom_right",
-         kv_len=(0, 33, 5)),
-    Case("q_len_zero_window", B=2, Hq=2, Nq=27, D=16, window=(4, 4), q_len=(0, 19)),
-    Case("window_right_only_br", B=2, Hq=2, Nq=18, Nk=40, D=16, window=(None, 3), align="bottom_right"),
-    Case("window_negative_right", B=1, Hq=2, Nq=33, D=16, window=(9, -2)),
-    Case("bool_1h1k_window", B=2, Hq=3, Nq=26, Nk=34, D=16, mask="bool_1h1k", window=(7, 2), align="top_left"),
-    Case("bias_11qk_kv_len_q_len", B=2, Hq=2, Nq=23, Nk=29, D=16, mask="bias_11qk", kv_len=(29, 9),
-         q_len=(14, 23)),
-    Case("bias_full_gqa_causal", B=1, Hq=4, Hkv=2, Nq=25, D=16, mask="bias_full", causal=True),
-    Case("mqa_bnhd_transposed_window", B=2, Hq=4, Hkv=1, Nq=30, Nk=38, D=16, layout="bnhd", view="transposed",
-         window=(5, 5), align="bottom_right"),
-    Case("strided_d_bnhd_gqa", B=1, Hq=6, Hkv=2, Nq=22, D=40, layout="bnhd", view="strided_d", causal=True),
-    Case("tile_aligned", B=1, Hq=2, Nq=32, Nk=48, D=64, causal=True, align="bottom_right"),
-    Case("decode_nq1", B=3, Hq=4, Hkv=2, Nq=1, Nk=37, D=64, causal=True, align="bottom_right",
-         kv_len=(37, 1, 20)),
-    Case("nk1", B=2, Hq=2, Nq=17, Nk=1, D=16),
-]
+EXTRA_CASES = extra_cases()
 
 
 def _check_all(df) -> None:
@@ -66,14 +43,7 @@ def test_registered_and_available():
     assert table["triton"].available, table["triton"]
 
 
-@pytest.mark.parametrize("case", default_cases(), ids=lambda c: c.name)
-def test_default_matrix_cpu(case):
-    _check_all(verify(backends=["triton"], cases=[case], device="cpu"))
-
-
-@pytest.mark.parametrize("case", EXTRA_CASES, ids=lambda c: c.name)
-def test_extra_cases_cpu(case):
-    _check_all(verify(backends=["triton"], cases=[case], device="cpu"))
+# The default matrix and the extra cases on CPU: tests/test_contract.py (every backend, every case list).
 
 
 @pytest.mark.parametrize("D", [16, 40, 64, 100, 128])
@@ -231,12 +201,7 @@ def untuned(monkeypatch):
     monkeypatch.setattr(tconfigs, "AUTOTUNE", False)
 
 
-LONG_CASES = [
-    Case("long_causal_16k", B=1, Hq=2, Nq=16384, D=64, causal=True, dtypes=(BF16,)),
-    Case("long_kv_len_causal_br_16k", B=2, Hq=2, Hkv=1, Nq=1000, Nk=16384, D=128, causal=True,
-         align="bottom_right", kv_len=(16384, 9001), dtypes=(F16,)),
-    Case("long_window_8k_f32", B=1, Hq=2, Nq=8192, D=64, window=(300, 40), dtypes=(F32,)),
-]
+LONG_CASES = long_cases()
 
 
 @pytest.mark.gpu
@@ -337,14 +302,7 @@ def test_scalar_tensor_kv_len_is_read_per_batch_entry():
 # CPU: the float32 chunked Q K^T, and the launch path of repeated calls
 # ------------------------------------------------------------------------------------------------------
 #: Cases for the D-chunked Q K^T: D of at least 32 (a chunk of 16 must split BLOCK_D), every mask kind.
-CHUNK_CASES = [
-    Case("chunk_d64_causal", B=1, Hq=2, Nq=35, D=64, causal=True),
-    Case("chunk_d40_window_br_kv_len", B=2, Hq=2, Nq=37, Nk=21, D=40, window=(6, 3), align="bottom_right",
-         kv_len=(21, 9)),
-    Case("chunk_d100_bias_gqa", B=1, Hq=4, Hkv=2, Nq=20, Nk=43, D=100, mask="bias_full"),
-    Case("chunk_d128_bool_strided", B=1, Hq=2, Nq=18, Nk=30, D=128, layout="bnhd", view="strided_d",
-         mask="bool_1h1k", q_len=(13,)),
-]
+CHUNK_CASES = chunk_cases()
 
 
 @pytest.mark.parametrize("chunk", [16, 32])
