@@ -288,6 +288,12 @@ class MaskSpec:
 
         return score_mod
 
+    def score_rows(self, s: torch.Tensor, i0: int = 0, i1: int | None = None) -> torch.Tensor:
+        """:attr:`score_mod` on a block of scores ``s`` [B, Hq, rows, Nk] of rows ``i0 .. i1``, in ``s``'s dtype:
+        what the reference and the PyTorch backends apply (the bias in the caller's dtype, :meth:`bias_rows`)."""
+        bias = self.bias_rows(i0, i1)
+        return s if bias is None else s + bias.to(s.dtype)
+
     def flex_mods(self) -> tuple[Callable | None, Callable | None, bool, bool]:
         """(mask_mod, score_mod, depends on b, depends on h): what ``create_block_mask`` and
         ``flex_attention`` take."""

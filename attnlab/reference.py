@@ -28,9 +28,7 @@ def masked_scores(prob: Problem, i0: int, i1: int, dtype: torch.dtype) -> torch.
     q = prob.q[:, :, i0:i1].to(dtype).reshape(B, Hkv, g, i1 - i0, D)
     k = prob.k.to(dtype).unsqueeze(2)  # [B, Hkv, 1, Nk, D]
     s = torch.matmul(q, k.transpose(-1, -2)).reshape(B, Hq, i1 - i0, prob.Nk) * prob.scale
-    bias = prob.spec.bias_rows(i0, i1)
-    if bias is not None:
-        s = s + bias.to(dtype)
+    s = prob.spec.score_rows(s, i0, i1)
     return s.masked_fill(~prob.spec.allowed(i0, i1), float("-inf"))
 
 
