@@ -27,8 +27,8 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" tests
 
 compile-check: $(STAMP)
-	@if $(BIN)/python -c "import attnlab.cuda" 2>/dev/null; then $(BIN)/python -m attnlab compile-check --strict; \
-	else echo "compile-check: attnlab.cuda not present yet"; fi
+	@if $(BIN)/python -c "import attnlab.backends.cuda" 2>/dev/null; then $(BIN)/python -m attnlab compile-check --strict; \
+	else echo "compile-check: attnlab.backends.cuda not present yet"; fi
 
 nbval: $(STAMP)
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then $(BIN)/python -m pytest -q --nbval notebooks/ -p no:cacheprovider; \

@@ -5,9 +5,8 @@
     report = attnlab.check.compare(out, out64)
 """
 
-from attnlab import check, masks
+from attnlab import backends, check, masks
 from attnlab.api import attention
-from attnlab.backend import status as backends
 from attnlab.reference import reference
 
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ reaches its backward, the op ``attnlab::attention_backward``. A call that needs 
 traced runs the op's implementation directly: the same code without the dispatcher's per-call cost.
 
 Gradients: the kernel backends (``triton`` and the CUDA kernels) differentiate through the Triton backward
-kernels (:mod:`attnlab.triton_bwd`), from the forward's saved out and lse; the backends built from PyTorch
+kernels (:mod:`attnlab.backends.triton.backward`), from the forward's saved out and lse; the backends built from PyTorch
 ops (``reference``, ``torch``, ``sdpa``), and any call whose float mask requires grad, through the chunked
 backward of :mod:`attnlab.backward` (the mask's gradient included). A backend
 without a backward is refused for inputs that require grad, and ``auto`` then picks one that has one.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from attnlab import backend as _backends
+from attnlab import backends as _backends
 from attnlab.backward import sum_to_shape, textbook_backward
 from attnlab.problem import make_problem
 
@@ -171,7 +171,7 @@ def _attention_backward_op(
     prob = _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout)
     be = _backends.resolve(backend, prob, needs_grad=True)
     if be.kernel_backward and not mask_grad and _triton_backward_available():
-        from attnlab.triton_bwd import backward as kernel_backward
+        from attnlab.backends.triton.backward import backward as kernel_backward
 
         dq, dk, dv = kernel_backward(prob, prob.to_layout(out), lse, prob.to_layout(dout), dlse)
         return prob.to_layout(dq), prob.to_layout(dk), prob.to_layout(dv), q.new_empty((0,))
@@ -183,7 +183,7 @@ def _attention_backward_op(
 
 
 def _triton_backward_available() -> bool:
-    from attnlab.triton_fwd import _IMPORT_ERROR
+    from attnlab.backends.triton.kernel import _IMPORT_ERROR
 
     return _IMPORT_ERROR is None
 

@@ -9,6 +9,7 @@ GPU runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -197,3 +198,107 @@ def default_cases(scale: int = 1) -> list[Case]:
              kv_len=(34, 17)),
     ]
     return [c.scaled(scale) for c in cases] if scale != 1 else cases
+
+
+# ---- the named case lists ------------------------------------------------------------------------------
+# Every list a test sweeps lives here, so the next backend is tested on all of them by registering it
+# (tests/test_contract.py). Sizes are odd on purpose; the CPU lists stay small for Triton's interpreter.
+
+
+def extra_cases() -> list[Case]:
+    """Cases beyond the default matrix, named after what they single out: D 40/64/100/128, both alignments with
+    Nq < Nk and Nq > Nk, kv_len 0, q_len 0, one-sided and negative windows, broadcast masks with windows and
+    lengths, MQA with a transposed bnhd view, a strided D, tile-aligned sizes, Nq = 1, Nk = 1."""
+    return [
+    Case("d64_causal", B=1, Hq=2, Nq=35, D=64, causal=True),
+    Case("d40_window_br_nq>nk", B=2, Hq=2, Nq=37, Nk=21, D=40, window=(6, 3), align="bottom_right"),
+    Case("d100_causal_tl_nq<nk", B=1, Hq=2, Nq=20, Nk=43, D=100, causal=True, align="top_left"),
+    Case("d128_causal_br_nq>nk_kv_len", B=2, Hq=1, Nq=34, Nk=19, D=128, causal=True, align="bottom_right",
+         kv_len=(19, 4)),
+    Case("causal_tl_nq>nk_f32", B=1, Hq=2, Nq=40, Nk=23, D=16, causal=True, align="top_left", dtypes=(torch.float32,)),
+    Case("kv_len_zero_causal_br", B=3, Hq=2, Nq=21, Nk=33, D=16, causal=True, align="bottom_right",
+         kv_len=(0, 33, 5)),
+    Case("q_len_zero_window", B=2, Hq=2, Nq=27, D=16, window=(4, 4), q_len=(0, 19)),
+    Case("window_right_only_br", B=2, Hq=2, Nq=18, Nk=40, D=16, window=(None, 3), align="bottom_right"),
+    Case("window_negative_right", B=1, Hq=2, Nq=33, D=16, window=(9, -2)),
+    Case("bool_1h1k_window", B=2, Hq=3, Nq=26, Nk=34, D=16, mask="bool_1h1k", window=(7, 2), align="top_left"),
+    Case("bias_11qk_kv_len_q_len", B=2, Hq=2, Nq=23, Nk=29, D=16, mask="bias_11qk", kv_len=(29, 9),
+         q_len=(14, 23)),
+    Case("bias_full_gqa_causal", B=1, Hq=4, Hkv=2, Nq=25, D=16, mask="bias_full", causal=True),
+    Case("mqa_bnhd_transposed_window", B=2, Hq=4, Hkv=1, Nq=30, Nk=38, D=16, layout="bnhd", view="transposed",
+         window=(5, 5), align="bottom_right"),
+    Case("strided_d_bnhd_gqa", B=1, Hq=6, Hkv=2, Nq=22, D=40, layout="bnhd", view="strided_d", causal=True),
+    Case("tile_aligned", B=1, Hq=2, Nq=32, Nk=48, D=64, causal=True, align="bottom_right"),
+    Case("decode_nq1", B=3, Hq=4, Hkv=2, Nq=1, Nk=37, D=64, causal=True, align="bottom_right",
+         kv_len=(37, 1, 20)),
+    Case("nk1", B=2, Hq=2, Nq=17, Nk=1, D=16),
+]
+
+
+def chunk_cases() -> list[Case]:
+    """D of at least 32 (so that a 16-wide chunk of D splits the padded head dim) with every mask kind: the
+    Triton kernel's D-chunked Q K^T and its second orientation are checked on these."""
+    return [
+    Case("chunk_d64_causal", B=1, Hq=2, Nq=35, D=64, causal=True),
+    Case("chunk_d40_window_br_kv_len", B=2, Hq=2, Nq=37, Nk=21, D=40, window=(6, 3), align="bottom_right",
+         kv_len=(21, 9)),
+    Case("chunk_d100_bias_gqa", B=1, Hq=4, Hkv=2, Nq=20, Nk=43, D=100, mask="bias_full"),
+    Case("chunk_d128_bool_strided", B=1, Hq=2, Nq=18, Nk=30, D=128, layout="bnhd", view="strided_d",
+         mask="bool_1h1k", q_len=(13,)),
+]
+
+
+def gpu_cases() -> list[Case]:
+    """The default matrix at 4x the lengths, plus every D of the issue with both alignments and Nq <> Nk."""
+    cases = default_cases(scale=4)
+    for D in (16, 40, 64, 100, 128, 256):
+        cases += [
+            Case(f"d{D}_causal_br_nq<nk", B=2, Hq=4, Hkv=2, Nq=70, Nk=201, D=D, causal=True,
+                 align="bottom_right", kv_len=(201, 90)),
+            Case(f"d{D}_causal_tl_nq>nk", B=1, Hq=3, Hkv=1, Nq=150, Nk=67, D=D, causal=True, align="top_left",
+                 layout="bnhd"),
+            Case(f"d{D}_window_br_nq>nk_bias", B=2, Hq=2, Nq=131, Nk=77, D=D, window=(20, 5),
+                 align="bottom_right", mask="bias_b1qk", view="transposed"),
+            Case(f"d{D}_dense_bool_kv0", B=3, Hq=2, Nq=65, Nk=129, D=D, mask="bool_1h1k", kv_len=(0, 129, 64),
+                 q_len=(65, 1, 30), view="strided_d"),
+        ]
+    return cases
+
+def long_cases() -> list[Case]:
+    """Long sequences (GPU): 16k causal, 16k keys with lengths, an 8k window in float32."""
+    return [
+    Case("long_causal_16k", B=1, Hq=2, Nq=16384, D=64, causal=True, dtypes=(torch.bfloat16,)),
+    Case("long_kv_len_causal_br_16k", B=2, Hq=2, Hkv=1, Nq=1000, Nk=16384, D=128, causal=True,
+         align="bottom_right", kv_len=(16384, 9001), dtypes=(torch.float16,)),
+    Case("long_window_8k_f32", B=1, Hq=2, Nq=8192, D=64, window=(300, 40), dtypes=(torch.float32,)),
+]
+
+
+def n8192_cases() -> list[Case]:
+    """N = 8192 (GPU): causal in the half types, GQA with kv_len in float32."""
+    return [
+    Case("n8192_causal", B=1, Hq=2, Nq=8192, D=64, causal=True, dtypes=(torch.float16, torch.bfloat16)),
+    Case("n8192_gqa_kvlen", B=2, Hq=2, Hkv=1, Nq=64, Nk=8192, D=128, kv_len=(8192, 5000),
+         dtypes=(torch.float32,)),
+]
+
+
+@dataclass(frozen=True)
+class CaseList:
+    """A named case list; ``cpu``: small enough for every backend on a CPU (Triton's interpreter too)."""
+
+    name: str
+    cases: Callable[[], list[Case]]
+    cpu: bool
+
+
+#: Every case list, by name: what tests/test_contract.py runs every registered backend over (the lists with
+#: cpu=False only under ``-m gpu``, on CUDA tensors).
+CASE_LISTS: dict[str, CaseList] = {c.name: c for c in (
+    CaseList("default", default_cases, cpu=True),
+    CaseList("extra", extra_cases, cpu=True),
+    CaseList("chunk", chunk_cases, cpu=True),
+    CaseList("gpu", gpu_cases, cpu=False),
+    CaseList("long", long_cases, cpu=False),
+    CaseList("n8192", n8192_cases, cpu=False),
+)}

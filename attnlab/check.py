@@ -205,7 +205,7 @@ def verify(
     """
     import pandas as pd
 
-    from attnlab import backend as _backends
+    from attnlab import backends as _backends
     from attnlab.api import attention, poison_outputs
     from attnlab.cases import default_cases, make_inputs
     from attnlab.reference import reference

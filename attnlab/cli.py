@@ -20,7 +20,7 @@ def _version(mod: str) -> str:
 def info() -> str:
     """Versions, the device, and each backend's availability with the reason."""
     from attnlab import __version__
-    from attnlab.backend import status
+    from attnlab.backends import status
 
     lines = [
         f"attnlab {__version__}  python {platform.python_version()}  {platform.machine()}",
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     parser = _parser()
     if argv and argv[0] == "compile-check":
-        from attnlab.cuda import compile_check_main
+        from attnlab.backends.cuda.compile_check import compile_check_main
 
         return compile_check_main(argv[1:])
     if argv and argv[0] == "bench":
@@ -94,7 +94,7 @@ def _run(argv: list[str]) -> int:
         return 0
     import pandas as pd
 
-    from attnlab.backend import names
+    from attnlab.backends import names
     from attnlab.cases import default_cases
     from attnlab.check import summarize, verify
 

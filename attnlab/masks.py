@@ -13,7 +13,9 @@ An additive bias (float mask) adds to the score; ``-inf`` there also removes the
 :class:`MaskSpec` holds this as: the effective lengths (device tensors for kernels, host lists for
 drawing), the diagonal offset per batch, the window bounds, and the explicit mask or bias as *expanded
 views* (stride 0 on broadcast dims: never materialized). It offers the per-element predicate
-(:meth:`MaskSpec.allowed`, for the reference and the PyTorch backends), the analytic key range of a block
+(:meth:`MaskSpec.allowed`, for the reference and the PyTorch backends) derived from the rule written once as
+FlexAttention's ``mask_mod`` / ``score_mod`` (:attr:`MaskSpec.mask_mod`, :attr:`MaskSpec.score_mod`: what
+the Flex competitor compiles), the analytic key range of a block
 of rows (:meth:`MaskSpec.key_range`, the loop bounds kernels use), and the tile classifier
 (:meth:`MaskSpec.tile_classes`: each tile of the score matrix is empty, partial or full).
 """
@@ -21,7 +23,7 @@ of rows (:meth:`MaskSpec.key_range`, the loop bounds kernels use), and the tile 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,6 +244,69 @@ class MaskSpec:
         lq, lk = self.lengths(device)
         return lk - lq if self.align == "bottom_right" else torch.zeros_like(lk)
 
+    # ---- the rule, once: FlexAttention's mask_mod and score_mod -----------------------------------
+    def _mask_mod(self, explicit: bool = True) -> Callable:
+        """The rule as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (index tensors that
+        broadcast, or scalars under FlexAttention's vmap); ``explicit=False`` leaves the bool mask out."""
+        kvl = self.kv_len.long() if self.kv_len is not None else None
+        ql = self.q_len.long() if self.q_len is not None else None
+        per_b = kvl is not None or ql is not None
+        off_b = self.diag_offset() if self.align == "bottom_right" and per_b else None
+        const_off = self.Nk - self.Nq if self.align == "bottom_right" and not per_b else 0
+        left, right = self.left, self.right
+        mask = self.mask if explicit else None
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            ok = q_idx >= 0
+            if kvl is not None:
+                ok = ok & (kv_idx < kvl[b])
+            if ql is not None:
+                ok = ok & (q_idx < ql[b])
+            if left is not None or right is not None:
+                diag = q_idx + (off_b[b] if off_b is not None else const_off)
+                if left is not None:
+                    ok = ok & (kv_idx >= diag - left)
+                if right is not None:
+                    ok = ok & (kv_idx <= diag + right)
+            if mask is not None:
+                ok = ok & mask[b, h, q_idx, kv_idx]
+            return ok
+
+        return mask_mod
+
+    @property
+    def mask_mod(self) -> Callable | None:
+        """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``: lengths, the band around ``diag = q_idx +
+        offset`` (0 top-left; ``Lk_b - Lq_b`` bottom-right, per batch entry when lengths are given) and the
+        explicit bool mask. None when there is nothing to express (dense, or a bias alone)."""
+        if not (self.banded or self.kv_len is not None or self.q_len is not None or self.mask is not None):
+            return None
+        return self._mask_mod()
+
+    @property
+    def score_mod(self) -> Callable | None:
+        """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``: adds the bias; None without one."""
+        if self.bias is None:
+            return None
+        bias = self.bias
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[b, h, q_idx, kv_idx]
+
+        return score_mod
+
+    def score_rows(self, s: torch.Tensor, i0: int = 0, i1: int | None = None) -> torch.Tensor:
+        """:attr:`score_mod` on a block of scores ``s`` [B, Hq, rows, Nk] of rows ``i0 .. i1``, in ``s``'s dtype:
+        what the reference and the PyTorch backends apply (the bias in the caller's dtype, :meth:`bias_rows`)."""
+        bias = self.bias_rows(i0, i1)
+        return s if bias is None else s + bias.to(s.dtype)
+
+    def flex_mods(self) -> tuple[Callable | None, Callable | None, bool, bool]:
+        """(mask_mod, score_mod, depends on b, depends on h): what ``create_block_mask`` and
+        ``flex_attention`` take."""
+        per_b = self.kv_len is not None or self.q_len is not None
+        return self.mask_mod, self.score_mod, per_b or self.mask is not None, self.mask is not None
+
     # ---- the per-element predicate -----------------------------------------------------------------
     def allowed(
         self,
@@ -253,25 +318,20 @@ class MaskSpec:
     ) -> torch.Tensor:
         """Bool tensor [B, Hm, i1 - i0, Nk] (Hm = Hq with an explicit mask, else 1): True where j is allowed.
 
-        Rows ``i0 .. i1`` only, so callers can chunk. The bias is not included: add :meth:`bias_rows` to
-        the scores, whose ``-inf`` entries remove keys too. ``explicit=False`` leaves the bool mask out
+        :attr:`mask_mod` evaluated on the index grid, on the spec's device (then moved to ``device``). Rows
+        ``i0 .. i1`` only, so callers can chunk. The bias is not included: add :meth:`bias_rows` to the
+        scores, whose ``-inf`` entries remove keys too. ``explicit=False`` leaves the bool mask out
         (structure only: lengths and band).
         """
         i1 = self.Nq if i1 is None else i1
-        dev = torch.device(device) if device is not None else self.device
-        lq, lk = (t.view(-1, 1, 1, 1) for t in self.lengths(dev))
+        dev = self.device
+        hm = self.Hq if explicit and self.mask is not None else 1
+        b = torch.arange(self.B, device=dev).view(-1, 1, 1, 1)
+        h = torch.arange(hm, device=dev).view(1, -1, 1, 1)
         i = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
         j = torch.arange(self.Nk, device=dev).view(1, 1, 1, -1)
-        ok = (j < lk) & (i < lq)
-        if self.banded:
-            diag = i + (lk - lq) if self.align == "bottom_right" else i
-            if self.left is not None:
-                ok = ok & (j >= diag - self.left)
-            if self.right is not None:
-                ok = ok & (j <= diag + self.right)
-        if explicit and self.mask is not None:
-            ok = ok & self.mask[:, :, i0:i1].to(dev)
-        return ok
+        ok = self._mask_mod(explicit)(b, h, i, j).expand(self.B, hm, i1 - i0, self.Nk).contiguous()
+        return ok if device is None else ok.to(device)
 
     def bias_rows(self, i0: int = 0, i1: int | None = None) -> torch.Tensor | None:
         """The additive bias for rows ``i0 .. i1`` in the caller's dtype, a view [B, Hq, rows, Nk], or None."""

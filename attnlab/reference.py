@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from attnlab.backend import Backend
 from attnlab.problem import Problem, make_problem
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
@@ -29,9 +28,7 @@ def masked_scores(prob: Problem, i0: int, i1: int, dtype: torch.dtype) -> torch.
     q = prob.q[:, :, i0:i1].to(dtype).reshape(B, Hkv, g, i1 - i0, D)
     k = prob.k.to(dtype).unsqueeze(2)  # [B, Hkv, 1, Nk, D]
     s = torch.matmul(q, k.transpose(-1, -2)).reshape(B, Hq, i1 - i0, prob.Nk) * prob.scale
-    bias = prob.spec.bias_rows(i0, i1)
-    if bias is not None:
-        s = s + bias.to(dtype)
+    s = prob.spec.score_rows(s, i0, i1)
     return s.masked_fill(~prob.spec.allowed(i0, i1), float("-inf"))
 
 
@@ -97,16 +94,3 @@ def reference(
     )
     out, lse = reference_forward(prob, max_chunk_bytes)
     return prob.to_layout(out), lse
-
-
-class ReferenceBackend(Backend):
-    """Backend ``reference``: the float64 reference, cast back to the input dtype."""
-
-    name = "reference"
-    description = "float64 math on the inputs' device, chunked over queries (at most ~256 MiB of scores)"
-
-    def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        o, l = reference_forward(prob)
-        out.copy_(o)
-        if lse is not None:
-            lse.copy_(l)

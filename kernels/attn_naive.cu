@@ -15,6 +15,11 @@
 // Nothing is reused between rows: every query reads all of K three times and V once. That is the point of
 // this kernel: the tiled kernels exist to remove exactly this traffic.
 
+#include "attn_dtype.cuh"
+#include "attn_mask.cuh"
+#include "attn_params.cuh"
+#include "attn_softmax.cuh"
+
 template <int DTYPE, bool FAST_EXP>
 __global__ void __launch_bounds__(128) attn_naive(const __grid_constant__ AttnParams args)
 {
@@ -99,3 +104,12 @@ __global__ void __launch_bounds__(128) attn_naive(const __grid_constant__ AttnPa
     }
     if (args.lse != nullptr && threadIdx.x == 0) store_lse(args, b, h, i, row_lse(m_i, l_i));
 }
+
+// ---- explicit instantiation for nvcc (NVRTC instantiates by name expression instead) -------------------
+#ifndef __CUDACC_RTC__
+#define ATTN_NAIVE(DT, FE) template __global__ void attn_naive<DT, FE>(const __grid_constant__ AttnParams);
+#define ATTN_NAIVE_DT(DT) ATTN_NAIVE(DT, false) ATTN_NAIVE(DT, true)
+ATTN_NAIVE_DT(0)
+ATTN_NAIVE_DT(1)
+ATTN_NAIVE_DT(2)
+#endif

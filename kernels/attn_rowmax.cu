@@ -34,7 +34,7 @@
 // complete, then O += P V. Barrier A of tile t + 1 also protects p_t and the stage from being overwritten
 // while still read. With one stage (D = 256), tile t + 1 is issued after a third barrier, once t is consumed.
 //
-// Parameters: one `struct AttnParams` (attn_common.cuh), as for every kernel of attnlab.
+// Parameters: one `struct AttnParams` (attn_params.cuh), as for every kernel of attnlab.
 //
 // K/V tile loads, two paths chosen by the host (field async_copy):
 //   cp.async (float32 inputs with stride_d = 1, D % 4 == 0, 16-byte aligned rows): every thread issues
@@ -50,57 +50,6 @@
 // attn_rowmax_merge then combines the states of each row (the merge rule of online softmax, notebook 04):
 //   m = max_z m_z;  l = sum_z l_z exp(m_z - m);  out = sum_z acc_z exp(m_z - m) / l;  lse = m + log l.
 //
-// Performance steps (fp32 IEEE, H200; each predicted before it was measured, then measured side by side
-// in one run against the previous version of this kernel and sdpa-efficient). The previous version
-// (transposed K tile written by scalar stores, no prefetch, no split) ran B1 H8 N1024 D64 causal in
-// 0.113 ms (128 blocks on 132 SMs, one block per SM, the heaviest block streaming all 16 key tiles) and
-// B8 H16 N2048 D64 causal in 2.90 ms, 23.7 TFLOP/s (about 11k cycles per 64 x 64 tile per SM against
-// ~4k of FMA issue: the rest is stalls).
-//   0. K row-major with keys strided by 16, tiles issued one ahead, pointer-walking inner loops (the
-//      layout cp.async needs). Measured with element loads: 2.62 ms on the large case (1.11x).
-//   1. cp.async 16-byte copies, one tile ahead (taken). Predicted 1.2-1.35x on the large case: removes
-//      the exposed global latency at every tile and ~100 scalar load/convert/address instructions per
-//      thread and tile. Measured against the element loads: 1.15x (2.62 -> 2.27 ms), 1.12x on the seed
-//      case.
-//   2. split keys for small grids (taken). Predicted ~2x on the seed case (4 splits turn the heaviest
-//      block's 16 tiles into 4; 512 blocks on 132 SMs). Measured 1.18x (0.087 -> 0.0735 ms, merge
-//      included); 8 splits ran the same, 2 and 16 slower, so the plan's 4 stays. That is ~2x the
-//      balanced estimate (8.2 tiles per SM at the large case's 4.4 us per tile = 36 us); where the rest
-//      goes was not measured (candidates: the second launch and merge, per-block Q loads, the tail).
-//   3. a larger register micro-tile (8 x 4) (not taken). Predicted <= 5%: shared-memory reads are 1 per
-//      8 FMAs already (8 of ~77 instructions in the inner loops), and the extra registers would break
-//      the 128-register cap that keeps two blocks (16 warps) per SM.
-//   Result: seed case 0.0735 ms (1.53x the previous kernel, 1.44x sdpa-efficient's 0.106 ms); large case
-//   2.27 ms, 30.3 TFLOP/s (1.28x the previous kernel, 0.95x sdpa-efficient's 2.16 ms).
-//   Issue #4 (the benchmark harness's per-call timing, with the Python launch on the path). Two runs on an
-//   H200 (medians of 30 harness calls, two rounds a few seconds apart, round 2 in brackets; "kernel":
-//   30 prepared launches queued, / 30):
-//   4. one struct parameter instead of ~40 (attnlab/cuda.py packs it once, CuPy passes one address).
-//      Host time per backend call, tiny problem (wall / call, run 2): 72-84 us before, 17-22 us after;
-//      a prepared launch alone 25-32 us -> 10 us. (Passed as a structured numpy array, as CuPy documents,
-//      the launch got slower instead, 45 -> 60-75 us in run 1: CuPy reads the array's __array_interface__
-//      on every launch and numpy builds it field by field. Hence one CPointer.) Kernel, run 1, large case:
-//      2.289 (2.291) ms against 2.266 (2.266) ms before, 1% slower; not explained (same 128 registers,
-//      no spills, same tile loop).
-//   5. two barriers per tile instead of three (taken). Predicted 1-3% on the large case (a barrier where
-//      all 8 warps of a block wait, with one other block per SM to cover it). Measured (run 1) 2.289 ->
-//      2.276 (2.281) ms, 0.6%; with step 6 in place 2.181 -> 2.163 (2.160) ms, 0.8%.
-//   6. S = Q K^T loop unrolled for DMAX = 64 over all 64 dims (taken). Predicted 5-10% on the large case:
-//      with one step per iteration each step's 8 shared loads are exposed before its 64 FMAs. Measured
-//      (run 1) 2.276 -> 2.163 ms (5.0%); unrolled by 2 instead, 2.209 ms (3.0%). Unrolling D = 128 spills
-//      on sm_90 (128 registers), so it keeps one step per iteration.
-//   7. fast_exp as exp2f with log2(e) folded into the Q scale (not taken, not measured): it saves one FMUL
-//      per exp, 20 of ~2700 instructions per thread and tile, predicted < 1%.
-//   8. the O += P V loop fully unrolled instead of by 8 (not taken: measured in run 2 only, after the
-//      tests): 2.156 (2.156) ms against 2.159 (2.159) ms, 0.2%.
-//   Result (run 2, steps 4-6): large case 2.159 (2.159) ms, 31.8 TFLOP/s, kernel 2.161 ms (before: 2.267
-//   (2.266), kernel 2.271); sdpa-efficient 2.149 (2.165) ms: 0.995 (1.003)x, parity within sdpa's own
-//   spread between rounds. fast_exp 2.094 (2.095) ms: 1.03x. Seed case 0.082 (0.081) ms against
-//   sdpa-efficient's 0.116 (0.116): 1.41 (1.43)x (before: 0.156 (0.224) ms, host-bound); fast_exp 0.082
-//   (0.089) ms. The seed case's kernel (4 splits + merge) got slower though: 0.0795 ms against 0.0719
-//   before; not investigated (candidates: tile 1 is now issued after tile 0 has landed, so the first two
-//   tiles of a 4-tile split block no longer travel together; the longer unrolled code).
-
 // Registers: __launch_bounds__(256, 2) for D <= 128 caps a thread at 128 registers so that two blocks
 // (16 warps) share a multiprocessor; D = 256 runs one block per SM and is given the registers instead
 // (no spills either way: python -m attnlab compile-check).
@@ -110,6 +59,13 @@
 // explicit mask/bias is present. A masked score is -inf, so its p is exp(-inf) = 0 (keys past the tile's
 // end are zero in shared memory and masked by structure). A row whose tile holds no allowed key keeps
 // m_i = -inf and is protected by safe_max.
+//
+// How this kernel got here, step by step with the measured figures: data/notes/rowmax_ladder.md.
+
+#include "attn_dtype.cuh"
+#include "attn_mask.cuh"
+#include "attn_params.cuh"
+#include "attn_softmax.cuh"
 
 // ---- cp.async (sm_80+): 16-byte global -> shared copies that complete asynchronously -------------------
 
@@ -442,3 +398,15 @@ __global__ void attn_rowmax_merge(const __grid_constant__ AttnParams args)
     }
     if (args.lse != nullptr && lane == 0) store_lse(args, b, h, i, row_lse(m, l));
 }
+
+// ---- explicit instantiation for nvcc (NVRTC instantiates by name expression instead) -------------------
+#ifndef __CUDACC_RTC__
+#define ATTN_ROWMAX(DT, DM, FE) \
+    template __global__ void attn_rowmax<DT, DM, FE>(const __grid_constant__ AttnParams);
+#define ATTN_ROWMAX_D(DT, DM) ATTN_ROWMAX(DT, DM, false) ATTN_ROWMAX(DT, DM, true)
+#define ATTN_ROWMAX_DT(DT) ATTN_ROWMAX_D(DT, 64) ATTN_ROWMAX_D(DT, 128) ATTN_ROWMAX_D(DT, 256) \
+    template __global__ void attn_rowmax_merge<DT>(const __grid_constant__ AttnParams);
+ATTN_ROWMAX_DT(0)
+ATTN_ROWMAX_DT(1)
+ATTN_ROWMAX_DT(2)
+#endif

@@ -21,6 +21,11 @@
 // evaluated only when the tile is not entirely allowed by structure or an explicit mask/bias is present.
 // A masked key is skipped (it would contribute exp(-inf) = 0).
 
+#include "attn_dtype.cuh"
+#include "attn_mask.cuh"
+#include "attn_params.cuh"
+#include "attn_softmax.cuh"
+
 template <int DTYPE, int DMAX, bool FAST_EXP>
 __global__ void __launch_bounds__(128, 4) attn_tiled(const __grid_constant__ AttnParams args)
 {
@@ -114,3 +119,14 @@ __global__ void __launch_bounds__(128, 4) attn_tiled(const __grid_constant__ Att
         if (args.lse != nullptr && g == 0) store_lse(args, b, h, i, row_lse(m_i, l_i));
     }
 }
+
+// ---- explicit instantiation for nvcc (NVRTC instantiates by name expression instead) -------------------
+#ifndef __CUDACC_RTC__
+#define ATTN_TILED(DT, DM, FE) \
+    template __global__ void attn_tiled<DT, DM, FE>(const __grid_constant__ AttnParams);
+#define ATTN_TILED_D(DT, DM) ATTN_TILED(DT, DM, false) ATTN_TILED(DT, DM, true)
+#define ATTN_TILED_DT(DT) ATTN_TILED_D(DT, 32) ATTN_TILED_D(DT, 64) ATTN_TILED_D(DT, 128) ATTN_TILED_D(DT, 256)
+ATTN_TILED_DT(0)
+ATTN_TILED_DT(1)
+ATTN_TILED_DT(2)
+#endif

@@ -3,7 +3,7 @@
 1. Correctness: the GPU tests of tests/test_triton_bwd.py (marker ``gpu``: the CPU matrix at 8x the lengths
    and a larger GQA causal case per dtype and head dim), in four parallel pytest processes, with each
    kernel's first (default) config (autotuning off: fewer compilations).
-2. Speed (bf16, D128): backward alone, through :func:`attnlab.triton_bwd.backward` (preprocess, dK/dV and
+2. Speed (bf16, D128): backward alone, through :func:`attnlab.backends.triton.backward.backward` (preprocess, dK/dV and
    dQ, autotuned once), against sdpa-flash's backward (``torch.autograd.grad`` of an output made under
    ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``), medians of ``triton.testing.do_bench``. Backward FLOPs
    are 2.5x the forward's ``4 * B * H * N * N * D`` (causal halves). Each config of both kernels is timed
@@ -25,8 +25,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from attnlab import triton_bwd
 from attnlab.api import attention
+from attnlab.backends.triton import backward as triton_bwd
 from attnlab.problem import make_problem
 
 SHARDS = ["float32 and not large", "float16 and not bfloat16 and not large", "bfloat16 and not large", "large"]

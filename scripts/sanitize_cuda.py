@@ -13,7 +13,7 @@ import sys
 import torch
 
 import attnlab
-from attnlab import cuda as C
+from attnlab.backends import cuda as C
 
 C.set_debug_sync(True)
 torch.manual_seed(0)

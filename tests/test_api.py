@@ -111,7 +111,7 @@ def test_torch_and_sdpa_pass_verify_on_every_case():
 
 def test_verify_catches_a_wrong_backend(monkeypatch):
     """The checker must be able to fail: a backend that swaps b and h in its output is caught."""
-    from attnlab.textbook import TextbookBackend
+    from attnlab.backends.textbook import TextbookBackend
 
     class Swapped(TextbookBackend):
         name = "swapped"
@@ -120,7 +120,7 @@ def test_verify_catches_a_wrong_backend(monkeypatch):
             super().forward(prob, out, lse)
             out.copy_(out.flip(0))
 
-    from attnlab import backend as reg
+    from attnlab import backends as reg
 
     monkeypatch.setitem(reg.registry(), "swapped", Swapped())
     df = verify(backends=["swapped"], cases=[Case("dense", B=2)], dtypes=[torch.float32], seed=0)
@@ -128,7 +128,7 @@ def test_verify_catches_a_wrong_backend(monkeypatch):
 
 
 def test_poison_exposes_unwritten_outputs(monkeypatch):
-    from attnlab.textbook import TextbookBackend
+    from attnlab.backends.textbook import TextbookBackend
 
     class Lazy(TextbookBackend):
         name = "lazy"
@@ -138,7 +138,7 @@ def test_poison_exposes_unwritten_outputs(monkeypatch):
             super().forward(prob, tmp, lse)
             out[:, :, :-1] = tmp[:, :, :-1]  # forgets the last row
 
-    from attnlab import backend as reg
+    from attnlab import backends as reg
 
     monkeypatch.setitem(reg.registry(), "lazy", Lazy())
     df = verify(backends=["lazy"], cases=[Case("dense", B=1, Nq=9)], dtypes=[torch.float32], seed=0)
@@ -193,7 +193,7 @@ def test_cli_info_and_check():
 
 
 def test_auto_picks_by_device_and_dtype():
-    from attnlab.backend import resolve
+    from attnlab.backends import resolve
     from attnlab.problem import make_problem
 
     assert resolve("auto", make_problem(*qkv())).name == "sdpa"
@@ -201,7 +201,7 @@ def test_auto_picks_by_device_and_dtype():
 
 @pytest.mark.gpu
 def test_auto_on_gpu_prefers_the_measured_fastest():
-    from attnlab.backend import resolve, status
+    from attnlab.backends import resolve, status
     from attnlab.problem import make_problem
 
     st = status()
@@ -266,7 +266,7 @@ def test_differentiable_backends_carry_the_gradient(backend):
 
 
 def test_a_backend_without_backward_refuses_inputs_that_require_grad(monkeypatch):
-    from attnlab.backend import registry
+    from attnlab.backends import registry
 
     monkeypatch.setattr(registry()["torch"], "differentiable", False)  # stands in for a forward-only kernel
     q, k, v = qkv(Hq=2, Hkv=1, Nq=9, Nk=9, D=8)
@@ -281,7 +281,7 @@ def test_a_backend_without_backward_refuses_inputs_that_require_grad(monkeypatch
 
 
 def test_auto_picks_a_differentiable_backend_when_grad_is_needed(monkeypatch):
-    from attnlab import backend as B
+    from attnlab import backends as B
     from attnlab.problem import make_problem
 
     prob = make_problem(*qkv())

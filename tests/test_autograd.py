@@ -7,7 +7,7 @@ import torch
 
 import attnlab
 import attnlab.problem
-from attnlab.backend import registry
+from attnlab.backends import registry
 
 # Every differentiable backend that can run CPU tensors here (the kernel backends' GPU side: test_public_call_gpu).
 GRAD_BACKENDS = [n for n, b in registry().items() if b.differentiable and b.availability().available

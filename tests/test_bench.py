@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from attnlab import bench
+from attnlab.bench import cli as bench_cli
+from attnlab.bench import runner as bench_runner
 from attnlab.masks import MaskSpec
 
 # (B, Hq, Nq, Nk, keywords): every structural mask kind, both alignments, Nq < Nk and Nq > Nk.
@@ -82,8 +84,9 @@ def test_min_bytes():
 
 
 def test_suites_are_well_formed():
-    for name, make in bench.SUITES.items():
-        cases = make("cuda")
+    for name, suite in bench.SUITES.items():
+        assert suite.name == name
+        cases = suite.cases("cuda")
         assert cases, name
         assert len({c.name for c in cases}) == len(cases)
         assert all(c.suite == name for c in cases)
@@ -99,6 +102,23 @@ def test_suites_are_well_formed():
     assert all(c.Nq == 512 and c.nk == 8192 and c.align == "bottom_right" for c in bench.prefill_suite())
     assert max(c.Nq for c in bench.memory_suite()) == 32768
     assert "quick" not in bench.ALL_ORDER and set(bench.ALL_ORDER) == set(bench.SUITES) - {"quick"}
+    assert bench.ALL_ORDER == ("fp32", "padding", "prefill", "decode", "memory", "dense")
+    assert bench.recorded_suites() == bench.ALL_ORDER
+
+
+def test_a_suite_is_one_entry():
+    """Adding one Suite to SUITES adds it to the command line and, with an all_rank, to --suite all."""
+    from attnlab.bench import cli, suites
+
+    extra = suites.Suite("extra", lambda device: [bench.BenchCase("extra", "x", B=1, Hq=1, Nq=8, D=16)], all_rank=9)
+    saved = dict(suites.SUITES)
+    try:
+        suites.SUITES["extra"] = extra
+        assert "extra" in cli._parser()._option_string_actions["--suite"].choices
+        assert bench.suite_cases("extra", "cpu")[0].name == "x"
+    finally:
+        suites.SUITES.clear()
+        suites.SUITES.update(saved)
 
 
 def test_check_slice_is_a_consistent_subproblem():
@@ -165,7 +185,7 @@ def test_gate_wrong_output_is_failed_and_untimed():
 
 def test_attnlab_backend_must_write_every_element():
     """attnlab backends are checked on a NaN-poisoned output: a skipped element fails."""
-    from attnlab import backend as _b
+    from attnlab import backends as _b
 
     real = _b.registry()["sdpa"]
 
@@ -246,7 +266,7 @@ def test_flex_mask_mod_matches_reference(B, Hq, Nq, Nk, kw):
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
     spec = MaskSpec.build(B, Hq, Nq, Nk, **kw)
-    mask_mod, score_mod, by_b, by_h = bench.flex_mods(spec)
+    mask_mod, score_mod, by_b, by_h = spec.flex_mods()
     if mask_mod is None:
         assert spec.kind == "dense"
         return
@@ -330,23 +350,23 @@ def test_no_gpu_gives_a_clear_message(capsys):
 
 def test_restart_argv_and_prediction():
     argv = ["--suite", "all", "--deadline-s", "540", "--exclude", "x", "--reps", "20", "--resume"]
-    new = bench._restart_argv(argv, "RID", 123.5, ["x", "cuda-naive"])
+    new = bench_cli._restart_argv(argv, "RID", 123.5, ["x", "cuda-naive"])
     assert new == ["--suite", "all", "--reps", "20", "--resume", "--run-id", "RID", "--deadline-at", "123.5",
                    "--exclude", "x", "cuda-naive"]
     big = bench.BenchCase("t", "big", B=1, Hq=16, Nq=4096, D=64)
     rows = [{"backend": "slow", "status": "ok", "dtype": "bfloat16", "ms": 100.0, "B": 1, "Hq": 16, "Nq": 1024,
              "Nk": 1024, "D": 64}]
-    assert bench._predicted_ms(rows, "slow", big) == pytest.approx(1600.0)
+    assert bench_cli._predicted_ms(rows, "slow", big) == pytest.approx(1600.0)
     rows.append(dict(rows[0], ms=800.0, Nq=2048, Nk=2048))  # the closest smaller case wins
     rows.append(dict(rows[0], ms=1.0, Nq=512, Nk=512))
-    assert bench._predicted_ms(rows, "slow", big) == pytest.approx(3200.0)
-    assert bench._predicted_ms(rows, "other", big) is None
+    assert bench_cli._predicted_ms(rows, "slow", big) == pytest.approx(3200.0)
+    assert bench_cli._predicted_ms(rows, "other", big) is None
     assert bench.gpu_slug("NVIDIA H200") == "nvidia-h200"
 
 
 def test_lost_context_is_raised_not_recorded(monkeypatch):
     """An exception after which CUDA no longer works stops the case (main restarts without the culprit)."""
-    monkeypatch.setattr(bench, "_context_ok", lambda device: False)
+    monkeypatch.setattr(bench_runner, "_context_ok", lambda device: False)
 
     def prepare(inp):
         def call(i):

@@ -52,14 +52,14 @@ def test_mistakes_are_one_line(argv, says, capsys):
 
 
 def test_cpu_bench_never_writes_into_the_recorded_data():
-    from attnlab.bench import default_out
+    from attnlab.bench.cli import default_out
 
     assert default_out("cpu").resolve() != (default_out("cuda")).resolve()
     assert "data" not in default_out("cpu").parts[-2:]
 
 
 def test_plots_never_read_a_cpu_folder(tmp_path):
-    from attnlab.plots import bench_dirs
+    from attnlab.bench.plots import bench_dirs
 
     for name in ("cpu", "nvidia-h200"):
         (tmp_path / name).mkdir()

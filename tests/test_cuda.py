@@ -1,4 +1,4 @@
-"""The CUDA C backends (attnlab/cuda.py, kernels/*.cu).
+"""The CUDA C backends (attnlab/backends/cuda/, kernels/*.cu).
 
 CPU tests: the compile check (NVRTC from pip, no GPU) and its parser, launch-config validation, variant
 naming and selection, and that ``PARAMS_DTYPE`` matches NVRTC's layout of ``struct AttnParams``, the one
@@ -11,6 +11,7 @@ split-key and element-load paths forced on the matrix.
 from __future__ import annotations
 
 import re
+import shutil
 import types
 
 import numpy as np
@@ -18,8 +19,11 @@ import pytest
 import torch
 
 from attnlab import check
-from attnlab import cuda as C
-from attnlab.cases import Case, default_cases
+from attnlab.backends import cuda as C
+from attnlab.backends.cuda import params as P
+from attnlab.backends.cuda import variant as V
+from attnlab.backends.cuda.sources import resolve_includes
+from attnlab.cases import Case, default_cases, gpu_cases, n8192_cases
 from attnlab.problem import make_problem
 
 BACKENDS = ("cuda-naive", "cuda-tiled", "cuda-rowmax")
@@ -123,9 +127,9 @@ _NP_SCALARS = {"pointer": np.uint64, "long long": np.int64, "int": np.int32, "fl
 
 
 def _c_struct(name: str) -> list[tuple[str, str]]:
-    """(field, C type) of ``struct name`` in kernels/attn_common.cuh, in declaration order; every pointer
+    """(field, C type) of ``struct name`` in kernels/attn_params.cuh, in declaration order; every pointer
     type is "pointer"."""
-    src = C.kernels_dir().joinpath("attn_common.cuh").read_text()
+    src = C.kernels_dir().joinpath("attn_params.cuh").read_text()
     m = re.search(rf"struct {name} \{{(.*?)\n\}};", src, re.S)
     assert m, name
     fields = []
@@ -180,7 +184,7 @@ def test_params_dtype_follows_the_c_struct_and_c_layout_rules():
     assert C.PARAMS_DTYPE.itemsize == c_size == 320 and c_align == 8
     assert C.PARAMS_DTYPE.isalignedstruct
     # the struct format packs exactly those bytes (explicit pad bytes, native order)
-    assert C._PARAMS_PACK.size == C.PARAMS_DTYPE.itemsize
+    assert P._PARAMS_PACK.size == C.PARAMS_DTYPE.itemsize
 
 
 def _compiled_offsets(fields: list[str]) -> tuple[dict[str, int], int, int]:
@@ -189,7 +193,7 @@ def _compiled_offsets(fields: list[str]) -> tuple[dict[str, int], int, int]:
     parameter's size and alignment (``.param .align A .b8 probe_0_param_0[SIZE]``)."""
     probes = [f'extern "C" __global__ void probe_{i}(const __grid_constant__ AttnParams args, '
               f"unsigned long long* out) {{ *out = (unsigned long long)args.{f}; }}" for i, f in enumerate(fields)]
-    src = C.kernels_dir().joinpath("attn_common.cuh").read_text() + "\n" + "\n".join(probes) + "\n"
+    src = resolve_includes("attn_params.cuh") + "\n" + "\n".join(probes) + "\n"
     ptx: list[str] = []
     ok, log, _ = C.Nvrtc().compile(src, "params_probe.cu", [*C.NVRTC_OPTIONS, "--gpu-architecture=sm_80"], [],
                                    ptx=ptx)
@@ -287,13 +291,13 @@ def test_param_block_hands_cupy_the_packed_bytes(monkeypatch):
                 self.ptr = ptr
 
         fake = types.SimpleNamespace(cuda=types.SimpleNamespace(function=types.SimpleNamespace(CPointer=CPointer)))
-        monkeypatch.setattr(C, "_cupy", lambda: fake)
+        monkeypatch.setattr(P, "_cupy", lambda: fake)
     q = torch.randn(2, 3, 40, 24)
     prob = make_problem(q, q, q, window=(5, 2))
     out = torch.empty_like(q)
-    values = C._param_values(prob, out, None, False, 1, C.NO_BOUND, None, q.data_ptr(), q.data_ptr(),
+    values = P._param_values(prob, out, None, False, 1, C.NO_BOUND, None, q.data_ptr(), q.data_ptr(),
                              q.data_ptr(), q.stride(), q.stride(), q.stride())
-    block = C._ParamBlock()
+    block = P._ParamBlock()
     block.pack(values)
     assert bytes(block.buffer) == C.kernel_args(prob, out, None).tobytes()
     assert int(block.view[0]["left"]) == 5 and int(block.view[0]["right"]) == 2
@@ -340,11 +344,11 @@ def test_rowmax_split_plan():
 
 def test_rowmax_split_context_manager():
     with C.rowmax_splits(3):
-        assert C._rowmax_force_splits == 3
+        assert V._rowmax_force_splits == 3
         with C.rowmax_async_copy(False):
-            assert not C._rowmax_async
-        assert C._rowmax_async
-    assert C._rowmax_force_splits is None
+            assert not V._rowmax_async
+        assert V._rowmax_async
+    assert V._rowmax_force_splits is None
     with pytest.raises(ValueError, match="splits"):
         with C.rowmax_splits(0):
             pass
@@ -436,24 +440,60 @@ def test_compile_check_main_strict(capsys):
     assert "naive_bf16_fastexp" in out and "strict:" in out
 
 
+@needs_nvrtc
+def test_mangled_names_are_nvrtcs_lowered_names():
+    """compile_check.mangled_name (how nvcc's ptxas lines are matched to variants) is what NVRTC lowers to."""
+    from attnlab.backends.cuda.compile_check import mangled_name
+
+    for family, nes in [("naive", [C.Variant("naive", 1, 256, True).name_expression]),
+                        ("rowmax", [C.Variant("rowmax", 2, 128, False).name_expression, "attn_rowmax_merge<1>"])]:
+        ok, log, lowered = C.Nvrtc().compile(C.kernel_source(family), "m.cu",
+                                             [*C.NVRTC_OPTIONS, "--gpu-architecture=sm_80"], nes)
+        assert ok, log
+        assert {ne: mangled_name(ne) for ne in nes} == lowered
+
+
+def test_kernel_source_inlines_each_header_once():
+    for family in C.FAMILIES:
+        src = C.kernel_source(family)
+        assert "#include" not in src
+        assert src.count("struct AttnParams {") == 1 and src.count("struct RowRule {") == 1
+
+
+_NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(_NVCC is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("family", ["naive", "tiled", "rowmax"])
+def test_each_cu_compiles_alone_with_nvcc(family):
+    """``nvcc -c kernels/attn_<family>.cu`` for sm_80 and sm_90: the file's own #includes and explicit
+    instantiations give every variant NVRTC compiles, and nvcc's spills are NVRTC's, except the one a
+    different compiler version explains (compile_check's docstring: nvcc 13's NVVM spills rowmax D = 64 on
+    sm_90, NVRTC 12.9 does not); register counts differ by a few between versions, within the launch bounds."""
+    from attnlab.backends.cuda.compile_check import disagreements, nvcc_compile_family
+
+    for arch in ("sm_80", "sm_90"):
+        by_nvcc, err = nvcc_compile_family(_NVCC, family, arch, C.variants(family))
+        assert err == "", err
+        assert len(by_nvcc) == len(C.variants(family))
+        if not _has_nvrtc():
+            continue
+        by_nvrtc, err = C.compile_family(C.Nvrtc(), family, arch, C.variants(family))
+        assert err == "", err
+        nvrtc_spills = {(r.variant, r.arch): (r.spill_stores, r.spill_loads) for r in by_nvrtc}
+        differ = [r.variant.label for r in by_nvcc if (r.spill_stores, r.spill_loads) != nvrtc_spills[r.variant, arch]]
+        explained = [lb for lb in differ if lb.startswith("rowmax_") and "_d64" in lb and arch == "sm_90"]
+        assert differ == explained, disagreements(by_nvrtc, by_nvcc)
+        for r in by_nvcc:  # registers: the same launch bounds hold (their counts differ by a few across versions)
+            cap = {"naive": 255, "tiled": 128, "rowmax": 128 if r.variant.dmax <= 128 else 255}[family]
+            assert 0 < r.registers <= cap, (r.variant.label, arch, r.registers)
+
+
 # ---- GPU: correctness against the float64 reference -----------------------------------------------------
 
 
 def _gpu_cases() -> list[Case]:
-    """The default matrix at 4x the lengths, plus every D of the issue with both alignments and Nq <> Nk."""
-    cases = default_cases(scale=4)
-    for D in (16, 40, 64, 100, 128, 256):
-        cases += [
-            Case(f"d{D}_causal_br_nq<nk", B=2, Hq=4, Hkv=2, Nq=70, Nk=201, D=D, causal=True,
-                 align="bottom_right", kv_len=(201, 90)),
-            Case(f"d{D}_causal_tl_nq>nk", B=1, Hq=3, Hkv=1, Nq=150, Nk=67, D=D, causal=True, align="top_left",
-                 layout="bnhd"),
-            Case(f"d{D}_window_br_nq>nk_bias", B=2, Hq=2, Nq=131, Nk=77, D=D, window=(20, 5),
-                 align="bottom_right", mask="bias_b1qk", view="transposed"),
-            Case(f"d{D}_dense_bool_kv0", B=3, Hq=2, Nq=65, Nk=129, D=D, mask="bool_1h1k", kv_len=(0, 129, 64),
-                 q_len=(65, 1, 30), view="strided_d"),
-        ]
-    return cases
+    return gpu_cases()
 
 
 def _verify(backends, cases, dtypes=None, device="cuda"):
@@ -491,11 +531,7 @@ def test_backend_passes_checker_default_sizes(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backend_long_sequence_8192(backend):
-    cases = [
-        Case("n8192_causal", B=1, Hq=2, Nq=8192, D=64, causal=True, dtypes=(torch.float16, torch.bfloat16)),
-        Case("n8192_gqa_kvlen", B=2, Hq=2, Hkv=1, Nq=64, Nk=8192, D=128, kv_len=(8192, 5000),
-             dtypes=(torch.float32,)),
-    ]
+    cases = n8192_cases()
     _df, bad, summary = _verify([backend], cases)
     print(summary)
     assert bad.empty, summary

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attnlab import memory
+from attnlab.lessons import memory
 
 
 def test_score_matrix_bytes():

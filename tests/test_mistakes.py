@@ -3,7 +3,8 @@
 import torch
 
 import attnlab
-from attnlab import check, mistakes
+from attnlab import check
+from attnlab.lessons import mistakes
 
 
 def _run(B, H, swapped):

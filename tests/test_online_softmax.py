@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from attnlab import online_softmax as osm
+from attnlab.lessons import online_softmax as osm
 
 
 def _row(n=40, d=3, seed=0, spread=3.0):

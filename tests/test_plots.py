@@ -13,7 +13,9 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from attnlab import memory, online_softmax, plots
+from attnlab import bench
+from attnlab.bench import plots as bench_plots
+from attnlab.lessons import memory, online_softmax, plots
 from attnlab.masks import MaskSpec
 
 
@@ -81,33 +83,34 @@ def test_bench_figures_from_files(tmp_path):
     synthetic_bench("decode").to_csv(d / "decode.csv", index=False)
     synthetic_bench("memory").to_csv(d / "memory.csv", index=False)
     (d / "dense.json").write_text('{"gpu": "synthetic"}')
-    df = plots.load_bench("dense", root=tmp_path)
-    assert df is not None and set(plots.BENCH_COLUMNS) <= set(df.columns)
-    assert plots.bench_environment("dense", root=tmp_path) == {"gpu": "synthetic"}
-    assert isinstance(plots.throughput_vs_n(df), Figure)
-    r = plots.ratios(df, "sdpa-flash")
+    df = bench_plots.load_bench("dense", root=tmp_path)
+    assert df is not None and set(bench_plots.BENCH_COLUMNS) <= set(df.columns)
+    assert bench_plots.bench_environment("dense", root=tmp_path) == {"gpu": "synthetic"}
+    assert isinstance(bench_plots.throughput_vs_n(df), Figure)
+    r = bench.ratios(df, "sdpa-flash", "tflops", by="mask")
     assert r.loc["sdpa-cudnn", "dense"] == pytest.approx(1.5)
     assert r.loc["sdpa-flash", "causal"] == pytest.approx(1.0)
-    assert isinstance(plots.ratio_bars(df), Figure)
-    assert isinstance(plots.bench_roofline(df), Figure)
-    assert plots.summary(df).shape[1] == 4
-    assert isinstance(plots.decode_bandwidth(plots.load_bench("decode", root=tmp_path)), Figure)
-    assert isinstance(plots.memory_measured(plots.load_bench("memory", root=tmp_path)), Figure)
+    assert isinstance(bench_plots.ratio_bars(df), Figure)
+    assert isinstance(bench_plots.bench_roofline(df), Figure)
+    assert bench_plots.summary(df).shape[1] == 4
+    assert isinstance(bench_plots.decode_bandwidth(bench_plots.load_bench("decode", root=tmp_path)), Figure)
+    assert isinstance(bench_plots.memory_measured(bench_plots.load_bench("memory", root=tmp_path)), Figure)
 
 
 def test_bench_figures_without_data(tmp_path, capsys):
-    assert plots.load_bench("dense", root=tmp_path) is None
+    assert bench_plots.load_bench("dense", root=tmp_path) is None
     assert "No recorded benchmark data for suite 'dense'" in capsys.readouterr().out
-    for fn in (plots.throughput_vs_n, plots.ratio_bars, plots.memory_measured, plots.decode_bandwidth,
-               plots.bench_roofline):
+    for fn in (bench_plots.throughput_vs_n, bench_plots.ratio_bars, bench_plots.memory_measured,
+               bench_plots.decode_bandwidth,
+               bench_plots.bench_roofline):
         assert fn(None) is None
         assert "no recorded benchmark data" in capsys.readouterr().out
-    assert plots.ratios(None, "sdpa-flash") is None
-    assert plots.summary(None) is None
+    assert bench.ratios(None, "sdpa-flash", by="mask") is None
+    assert bench_plots.summary(None) is None
 
 
 def test_kernel_notes_and_thread_maps():
-    from attnlab import kernel_notes as kn
+    from attnlab.lessons import kernel_notes as kn
 
     assert kn.naive_map(D=64).shape == (8, 64) and kn.naive_map().max() == 127
     assert kn.tiled_map(64)[1, 9] == 8 + 1  # row 1, dim 9: thread g = 1 of row 1

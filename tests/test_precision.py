@@ -2,7 +2,7 @@
 
 import torch
 
-from attnlab import precision
+from attnlab.lessons import precision
 
 
 def test_round_mantissa():

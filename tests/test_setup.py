@@ -76,6 +76,16 @@ def test_wheel_ships_the_cuda_sources(tmp_path):
     for s in sources:
         assert f"attnlab/kernels/{s}" in names, f"{s} missing from the wheel"
     assert "attnlab/kernels/__init__.py" in names and "attnlab/__init__.py" in names
+    for init in (ROOT / "attnlab").rglob("__init__.py"):  # every subpackage (backends/, bench/, lessons/ ...)
+        rel = init.relative_to(ROOT).as_posix()
+        assert rel in names, f"{rel} missing from the wheel ([tool.setuptools] packages)"
+
+
+def test_no_module_over_600_lines():
+    """One idea per module (docs/design.md): no module of attnlab/ is over 600 lines."""
+    long = {p.relative_to(ROOT).as_posix(): n for p in (ROOT / "attnlab").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
 
 
 def _free_port() -> int:

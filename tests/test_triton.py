@@ -1,9 +1,10 @@
-"""Tests of the ``triton`` backend (attnlab/triton_fwd.py).
+"""Tests of the ``triton`` backend (attnlab/backends/triton/).
 
 CPU tests run the kernel through Triton's interpreter (attnlab arranges that; nothing is set here) on
-fresh random inputs, judged by the checker against the float64 reference: every case of the default
-matrix plus cases that single out what the issue asks for (D 16/40/64/100/128, both alignments with
-Nq < Nk and Nq > Nk, kv_len 0, windows, broadcast masks, MQA, views, tile-aligned sizes, N = 1).
+fresh random inputs, judged by the checker against the float64 reference. The default matrix and the
+extra cases (``attnlab.cases``) run in tests/test_contract.py, as for every backend; here: what is
+Triton's own (head dims, empty rows, NaN past kv_len, strided outputs, the interpreter, D chunks, both
+orientations, the launch path).
 GPU tests (marker ``gpu``) run the same matrix at larger sizes, sequences up to 16384, every autotune
 candidate, and the TF32 opt-in at its own tolerance.
 """
@@ -14,39 +15,18 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import triton_fwd
-from attnlab.cases import Case, default_cases, make_inputs
+from attnlab.backends.triton import backend as tbackend
+from attnlab.backends.triton import configs as tconfigs
+from attnlab.backends.triton import kernel as tkernel
+from attnlab.backends.triton import launch as tlaunch
+from attnlab.cases import Case, chunk_cases, default_cases, extra_cases, long_cases, make_inputs
 from attnlab.check import _lse_atol, compare, strict_fp32, summarize, verify
 from attnlab.problem import make_problem
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 HALVES = (F16, BF16)
 
-#: Cases beyond the default matrix, named after what they single out.
-EXTRA_CASES = [
-    Case("d64_causal", B=1, Hq=2, Nq=35, D=64, causal=True),
-    Case("d40_window_br_nq>nk", B=2, Hq=2, Nq=37, Nk=21, D=40, window=(6, 3), align="bottom_right"),
-    Case("d100_causal_tl_nq<nk", B=1, Hq=2, Nq=20, Nk=43, D=100, causal=True, align="top_left"),
-    Case("d128_causal_br_nq>nk_kv_len", B=2, Hq=1, Nq=34, Nk=19, D=128, causal=True, align="bottom_right",
-         kv_len=(19, 4)),
-    Case("causal_tl_nq>nk_f32", B=1, Hq=2, Nq=40, Nk=23, D=16, causal=True, align="top_left", dtypes=(F32,)),
-    Case("kv_len_zero_causal_br", B=3, Hq=2, Nq=21, Nk=33, D=16, causal=True, align="bottom_right",
-         kv_len=(0, 33, 5)),
-    Case("q_len_zero_window", B=2, Hq=2, Nq=27, D=16, window=(4, 4), q_len=(0, 19)),
-    Case("window_right_only_br", B=2, Hq=2, Nq=18, Nk=40, D=16, window=(None, 3), align="bottom_right"),
-    Case("window_negative_right", B=1, Hq=2, Nq=33, D=16, window=(9, -2)),
-    Case("bool_1h1k_window", B=2, Hq=3, Nq=26, Nk=34, D=16, mask="bool_1h1k", window=(7, 2), align="top_left"),
-    Case("bias_11qk_kv_len_q_len", B=2, Hq=2, Nq=23, Nk=29, D=16, mask="bias_11qk", kv_len=(29, 9),
-         q_len=(14, 23)),
-    Case("bias_full_gqa_causal", B=1, Hq=4, Hkv=2, Nq=25, D=16, mask="bias_full", causal=True),
-    Case("mqa_bnhd_transposed_window", B=2, Hq=4, Hkv=1, Nq=30, Nk=38, D=16, layout="bnhd", view="transposed",
-         window=(5, 5), align="bottom_right"),
-    Case("strided_d_bnhd_gqa", B=1, Hq=6, Hkv=2, Nq=22, D=40, layout="bnhd", view="strided_d", causal=True),
-    Case("tile_aligned", B=1, Hq=2, Nq=32, Nk=48, D=64, causal=True, align="bottom_right"),
-    Case("decode_nq1", B=3, Hq=4, Hkv=2, Nq=1, Nk=37, D=64, causal=True, align="bottom_right",
-         kv_len=(37, 1, 20)),
-    Case("nk1", B=2, Hq=2, Nq=17, Nk=1, D=16),
-]
+EXTRA_CASES = extra_cases()
 
 
 def _check_all(df) -> None:
@@ -63,14 +43,7 @@ def test_registered_and_available():
     assert table["triton"].available, table["triton"]
 
 
-@pytest.mark.parametrize("case", default_cases(), ids=lambda c: c.name)
-def test_default_matrix_cpu(case):
-    _check_all(verify(backends=["triton"], cases=[case], device="cpu"))
-
-
-@pytest.mark.parametrize("case", EXTRA_CASES, ids=lambda c: c.name)
-def test_extra_cases_cpu(case):
-    _check_all(verify(backends=["triton"], cases=[case], device="cpu"))
+# The default matrix and the extra cases on CPU: tests/test_contract.py (every backend, every case list).
 
 
 @pytest.mark.parametrize("D", [16, 40, 64, 100, 128])
@@ -131,7 +104,7 @@ def test_strided_output_written_through_its_strides():
     out = big[..., ::2].transpose(1, 2)  # [B, Hq, Nq, D], strides (.., .., .., 2)
     lse_big = torch.full((prob.B, prob.Hq, prob.Nq, 3), 7.0)
     lse = lse_big[..., 1]
-    triton_fwd.TritonBackend().forward(prob, out, lse)
+    tbackend.TritonBackend().forward(prob, out, lse)
     ref, ref_lse = attnlab.reference(q, k, v, **kw)
     assert compare(out, ref)
     assert compare(lse, ref_lse, atol=1e-4, rtol=0.0)
@@ -202,16 +175,16 @@ def test_interpreter_leaves_triton_language_as_it_was():
 def test_tf32_opt_in_is_scoped_and_cpu_stays_exact():
     q, k, v, kw = _empty_row_inputs("cpu")
     ref, _ = attnlab.reference(q, k, v, **kw)
-    assert not triton_fwd._TF32
-    with triton_fwd.allow_tf32():
-        assert triton_fwd._TF32
+    assert not tconfigs._TF32
+    with tconfigs.allow_tf32():
+        assert tconfigs._TF32
         out = attnlab.attention(q, k, v, backend="triton", **kw)
-    assert not triton_fwd._TF32
+    assert not tconfigs._TF32
     assert compare(out, ref)  # the interpreter's float32 products are exact either way
 
 
 def test_unsupported_reasons():
-    be = triton_fwd.TritonBackend()
+    be = tbackend.TritonBackend()
     q = torch.zeros(1, 1, 4, 8)
     assert be.unsupported(make_problem(q, q, q)) is None
     assert "65535" in be.unsupported(make_problem(torch.zeros(65536, 1, 2, 8), torch.zeros(65536, 1, 2, 8),
@@ -225,15 +198,10 @@ def test_unsupported_reasons():
 def untuned(monkeypatch):
     """The matrix runs each problem with the default config (autotuning every case would compile
     every candidate for every specialization); test_every_candidate_gpu covers the other configs."""
-    monkeypatch.setattr(triton_fwd, "AUTOTUNE", False)
+    monkeypatch.setattr(tconfigs, "AUTOTUNE", False)
 
 
-LONG_CASES = [
-    Case("long_causal_16k", B=1, Hq=2, Nq=16384, D=64, causal=True, dtypes=(BF16,)),
-    Case("long_kv_len_causal_br_16k", B=2, Hq=2, Hkv=1, Nq=1000, Nk=16384, D=128, causal=True,
-         align="bottom_right", kv_len=(16384, 9001), dtypes=(F16,)),
-    Case("long_window_8k_f32", B=1, Hq=2, Nq=8192, D=64, window=(300, 40), dtypes=(F32,)),
-]
+LONG_CASES = long_cases()
 
 
 @pytest.mark.gpu
@@ -265,10 +233,10 @@ def test_every_candidate_gpu(dtype, D, causal):
         ref, ref_lse = attnlab.reference(q, k, v, **kw)
         base = None if dtype == F32 else attnlab.attention(q, k, v, backend="torch", **kw)
     prob = make_problem(q, k, v, **kw)
-    for cfg in triton_fwd.candidates(dtype, D):
+    for cfg in tconfigs.candidates(dtype, D):
         out = torch.full_like(q, float("nan"))
         lse = torch.full(ref_lse.shape, float("nan"), device="cuda")
-        triton_fwd._launch(prob, out, lse, cfg, interpret=False)
+        tlaunch._launch(prob, out, lse, cfg, interpret=False)
         rep = compare(out, ref, dtype=dtype, base=base)
         assert rep, (cfg, rep)
         assert compare(lse, ref_lse, atol=_lse_atol(dtype), rtol=0.0), cfg
@@ -276,10 +244,10 @@ def test_every_candidate_gpu(dtype, D, causal):
 
 @pytest.mark.gpu
 def test_autotuned_path_gpu(monkeypatch):
-    monkeypatch.setattr(triton_fwd, "AUTOTUNE", True)
+    monkeypatch.setattr(tconfigs, "AUTOTUNE", True)
     case = Case("tuned", B=2, Hq=4, Nq=1024, D=64, causal=True, dtypes=(BF16,))
     _check_all(verify(backends=["triton"], cases=[case], device="cuda"))
-    assert any(key[3] == "causal" for key in triton_fwd._tuned)
+    assert any(key[3] == "causal" for key in tconfigs._tuned)
 
 
 @pytest.mark.gpu
@@ -290,7 +258,7 @@ def test_tf32_opt_in_gpu(untuned):
     with strict_fp32():
         ref, _ = attnlab.reference(q, k, v, **kw)
         ieee = attnlab.attention(q, k, v, backend="triton", **kw)
-        with triton_fwd.allow_tf32():
+        with tconfigs.allow_tf32():
             tf32 = attnlab.attention(q, k, v, backend="triton", **kw)
     assert compare(ieee, ref)
     rep = compare(tf32, ref, dtype=F16)
@@ -314,7 +282,7 @@ def test_no_extra_memory_gpu():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    triton_fwd.TritonBackend().forward(prob, out, lse)
+    tbackend.TritonBackend().forward(prob, out, lse)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < 2**20
 
@@ -334,14 +302,7 @@ def test_scalar_tensor_kv_len_is_read_per_batch_entry():
 # CPU: the float32 chunked Q K^T, and the launch path of repeated calls
 # ------------------------------------------------------------------------------------------------------
 #: Cases for the D-chunked Q K^T: D of at least 32 (a chunk of 16 must split BLOCK_D), every mask kind.
-CHUNK_CASES = [
-    Case("chunk_d64_causal", B=1, Hq=2, Nq=35, D=64, causal=True),
-    Case("chunk_d40_window_br_kv_len", B=2, Hq=2, Nq=37, Nk=21, D=40, window=(6, 3), align="bottom_right",
-         kv_len=(21, 9)),
-    Case("chunk_d100_bias_gqa", B=1, Hq=4, Hkv=2, Nq=20, Nk=43, D=100, mask="bias_full"),
-    Case("chunk_d128_bool_strided", B=1, Hq=2, Nq=18, Nk=30, D=128, layout="bnhd", view="strided_d",
-         mask="bool_1h1k", q_len=(13,)),
-]
+CHUNK_CASES = chunk_cases()
 
 
 @pytest.mark.parametrize("chunk", [16, 32])
@@ -349,7 +310,7 @@ CHUNK_CASES = [
 def test_qk_chunks_cpu(case, chunk, monkeypatch):
     """The D-chunked Q K^T (the float32 GPU candidates' qk_chunk) computes the same function: every mask
     kind, a D that is not a power of two, strided views; bfloat16 also runs the upcast branch."""
-    monkeypatch.setattr(triton_fwd, "INTERPRETER_CONFIG", triton_fwd.Config(16, 16, 1, 1, qk_chunk=chunk))
+    monkeypatch.setattr(tconfigs, "INTERPRETER_CONFIG", tconfigs.Config(16, 16, 1, 1, qk_chunk=chunk))
     _check_all(verify(backends=["triton"], cases=[case], device="cpu", dtypes=[F32, BF16]))
 
 
@@ -363,35 +324,35 @@ def test_query_major_float32_cpu(case, monkeypatch):
     """float32 runs keys-major (S^T) with rows outermost in the interpreter, as its first GPU candidates
     do; the query-major orientation and the head-by-head grid (other GPU candidates) compute the same
     function."""
-    monkeypatch.setattr(triton_fwd, "INTERPRETER_CONFIG", triton_fwd.Config(16, 16, 1, 1))
+    monkeypatch.setattr(tconfigs, "INTERPRETER_CONFIG", tconfigs.Config(16, 16, 1, 1))
     _check_all(verify(backends=["triton"], cases=[case], device="cpu", dtypes=[F32]))
 
 
 def test_keys_major_is_float32_only_and_excludes_qk_chunk():
-    cfg = triton_fwd.Config(64, 32, 4, 2, keys_major=True)
-    assert [triton_fwd._key_axis(cfg, dt) for dt in (F32, F16, BF16)] == [0, 1, 1]
-    assert triton_fwd._key_axis(triton_fwd.Config(64, 32), F32) == 1
+    cfg = tconfigs.Config(64, 32, 4, 2, keys_major=True)
+    assert [tconfigs._key_axis(cfg, dt) for dt in (F32, F16, BF16)] == [0, 1, 1]
+    assert tconfigs._key_axis(tconfigs.Config(64, 32), F32) == 1
     assert repr(cfg).endswith("num_stages=2, keys_major=True)")
     with pytest.raises(ValueError, match="keys_major and qk_chunk"):
-        triton_fwd.Config(32, 32, keys_major=True, qk_chunk=16)
+        tconfigs.Config(32, 32, keys_major=True, qk_chunk=16)
 
 
 def test_rows_outer_grid_puts_row_tiles_last_within_the_z_limit():
     q = torch.zeros(3, 5, 100, 16)
     prob = make_problem(q, q, q, causal=True)
-    assert triton_fwd._grid(prob, triton_fwd.Config(32, 32)) == (4, 5, 3)
-    assert triton_fwd._grid(prob, triton_fwd.Config(32, 32, rows_outer=True)) == (5, 3, 4)
+    assert tlaunch._grid(prob, tconfigs.Config(32, 32)) == (4, 5, 3)
+    assert tlaunch._grid(prob, tconfigs.Config(32, 32, rows_outer=True)) == (5, 3, 4)
     n = 65536 * 16 + 1  # stride-0 views: the sizes matter, not the data
     long = make_problem(*(torch.zeros(16).expand(1, 1, n, 16) for _ in range(3)))
-    assert not triton_fwd._rows_outer(long, triton_fwd.Config(16, 16, rows_outer=True))  # 65537 row tiles
-    assert triton_fwd._grid(long, triton_fwd.Config(16, 16, rows_outer=True)) == (65537, 1, 1)
+    assert not tlaunch._rows_outer(long, tconfigs.Config(16, 16, rows_outer=True))  # 65537 row tiles
+    assert tlaunch._grid(long, tconfigs.Config(16, 16, rows_outer=True)) == (65537, 1, 1)
 
 
 def test_qk_chunk_applies_only_when_it_splits_d():
-    cfg = triton_fwd.Config(32, 32, 4, 2, qk_chunk=16)
-    assert [triton_fwd._qk_chunk(cfg, bd) for bd in (16, 32, 64, 256)] == [0, 16, 16, 16]
-    assert triton_fwd._qk_chunk(triton_fwd.Config(32, 32), 64) == 0
-    assert repr(triton_fwd.Config(16, 16, 1, 1)) == "Config(block_m=16, block_n=16, num_warps=1, num_stages=1)"
+    cfg = tconfigs.Config(32, 32, 4, 2, qk_chunk=16)
+    assert [tconfigs._qk_chunk(cfg, bd) for bd in (16, 32, 64, 256)] == [0, 16, 16, 16]
+    assert tconfigs._qk_chunk(tconfigs.Config(32, 32), 64) == 0
+    assert repr(tconfigs.Config(16, 16, 1, 1)) == "Config(block_m=16, block_n=16, num_warps=1, num_stages=1)"
     assert "qk_chunk=16" in repr(cfg)
 
 
@@ -440,13 +401,13 @@ def test_repeated_launches_skip_the_jit_with_the_same_arguments(monkeypatch, fas
     """The second launch of a problem with an out/lse of the same layout calls the compiled kernel
     directly, with exactly the arguments the JIT got; a new layout goes through the JIT again; with
     FAST_LAUNCH off every launch goes through the JIT."""
-    fake = _FakeJit(triton_fwd._attn_fwd_kernel)
-    monkeypatch.setattr(triton_fwd, "_attn_fwd_kernel", fake)
-    monkeypatch.setattr(triton_fwd, "_current_stream", lambda device: 1234)
-    monkeypatch.setattr(triton_fwd, "FAST_LAUNCH", fast)
+    fake = _FakeJit(tkernel._attn_fwd_kernel)
+    monkeypatch.setattr(tkernel, "_attn_fwd_kernel", fake)
+    monkeypatch.setattr(tlaunch, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(tlaunch, "FAST_LAUNCH", fast)
     q, k, v, kw = _empty_row_inputs("cpu")
     prob = make_problem(q, k, v, **kw)
-    plan = triton_fwd._Plan(prob, triton_fwd.Config(16, 32, 4, 2))
+    plan = tlaunch._Plan(prob, tconfigs.Config(16, 32, 4, 2))
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
     out2, lse2 = torch.empty_like(q), torch.empty(q.shape[:3])
     for o, l in ((out, lse), (out2, lse2), (out, None), (out2, None)):
@@ -469,11 +430,11 @@ def test_autotune_times_direct_launches_and_keeps_the_median_best(monkeypatch):
     stays ahead of the GPU), by the median, and the fastest is kept."""
     import triton.testing
 
-    fake = _FakeJit(triton_fwd._attn_fwd_kernel)
-    monkeypatch.setattr(triton_fwd, "_attn_fwd_kernel", fake)
-    monkeypatch.setattr(triton_fwd, "_current_stream", lambda device: 0)
-    cfgs = [triton_fwd.Config(16, 16), triton_fwd.Config(32, 16), triton_fwd.Config(64, 16)]
-    monkeypatch.setattr(triton_fwd, "candidates", lambda dtype, block_d: cfgs)
+    fake = _FakeJit(tkernel._attn_fwd_kernel)
+    monkeypatch.setattr(tkernel, "_attn_fwd_kernel", fake)
+    monkeypatch.setattr(tlaunch, "_current_stream", lambda device: 0)
+    cfgs = [tconfigs.Config(16, 16), tconfigs.Config(32, 16), tconfigs.Config(64, 16)]
+    monkeypatch.setattr(tconfigs, "candidates", lambda dtype, block_d: cfgs)
     ms_of_block_m = {16: 3.0, 32: 1.0, 64: 2.0}
     block_m_at = [p.name for p in fake.params].index("BLOCK_M")
 
@@ -486,7 +447,7 @@ def test_autotune_times_direct_launches_and_keeps_the_median_best(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
     q, k, v, kw = _empty_row_inputs("cpu")
     prob = make_problem(q, k, v, **kw)
-    assert triton_fwd._autotune(prob, torch.empty_like(q), None) == cfgs[1]
+    assert tconfigs._autotune(prob, torch.empty_like(q), None) == cfgs[1]
     assert [c[0] for c in fake.calls] == ["jit", "fast", "fast"] * 3
 
 
@@ -496,8 +457,8 @@ def test_autotune_times_direct_launches_and_keeps_the_median_best(monkeypatch):
 def test_qk_chunk_matrix_gpu(case, monkeypatch):
     """The compiled float32 D-chunked Q K^T on every mask kind (the autotune space only times it on
     dense and causal problems)."""
-    monkeypatch.setattr(triton_fwd, "AUTOTUNE", False)
-    monkeypatch.setattr(triton_fwd, "candidates", lambda dtype, block_d: [triton_fwd.Config(32, 64, 4, 2, qk_chunk=16)])
+    monkeypatch.setattr(tconfigs, "AUTOTUNE", False)
+    monkeypatch.setattr(tconfigs, "candidates", lambda dtype, block_d: [tconfigs.Config(32, 64, 4, 2, qk_chunk=16)])
     with strict_fp32():
         _check_all(verify(backends=["triton"], cases=[case], device="cuda", dtypes=[F32]))
 
@@ -512,22 +473,22 @@ def test_fast_launch_same_as_jit_gpu(dtype, monkeypatch, untuned):
     q, k, v, kw = make_inputs(case, dtype=dtype, device="cuda", seed=11)
     prob = make_problem(q, k, v, **kw)
     jit_calls = []
-    real_launch = triton_fwd._launch
+    real_launch = tlaunch._launch
 
     def counting_launch(*args, **kwargs):
         jit_calls.append(1)
         return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(triton_fwd, "_launch", counting_launch)
+    monkeypatch.setattr(tlaunch, "_launch", counting_launch)
     results = {}
     for fast in (False, True):
-        monkeypatch.setattr(triton_fwd, "FAST_LAUNCH", fast)
+        monkeypatch.setattr(tlaunch, "FAST_LAUNCH", fast)
         prob.cache.pop("triton_plans", None)
         jit_calls.clear()
         for with_lse in (True, True, True, False, False):
             out = torch.full_like(prob.q, float("nan"))
             lse = torch.full((prob.B, prob.Hq, prob.Nq), float("nan"), device="cuda") if with_lse else None
-            triton_fwd.TritonBackend().forward(prob, out, lse)
+            tbackend.TritonBackend().forward(prob, out, lse)
             results.setdefault(fast, []).append((out, lse))
         assert len(jit_calls) == (2 if fast else 5), (fast, len(jit_calls))
     for (o1, l1), (o2, l2) in zip(results[False], results[True]):

@@ -1,6 +1,6 @@
-"""Tests of the Triton backward (attnlab/triton_bwd.py): dq, dk, dv against float64 autograd of the reference.
+"""Tests of the Triton backward (backends/triton/backward.py): dq, dk, dv against float64 autograd of the reference.
 
-Each case runs the Triton forward (for out and lse) and :func:`attnlab.triton_bwd.backward` on seeded
+Each case runs the Triton forward (for out and lse) and :func:`attnlab.backends.triton.backward.backward` on seeded
 inputs, and compares the gradients with those of :func:`attnlab.reference` (float64, autograd). float32 is
 judged by a tight abs/rel tolerance (IEEE products); float16/bfloat16 by FlashAttention's rule:
 ``max|g - g64| <= 2 * max|g_textbook - g64| + floor``, where g_textbook is autograd of the textbook
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab import triton_bwd
 from attnlab.api import attention
+from attnlab.backends.triton import backward as triton_bwd
 from attnlab.cases import Case, make_inputs
 from attnlab.check import UNIT_ROUNDOFF
 from attnlab.problem import make_problem

@@ -1,7 +1,7 @@
 """The Triton backward of attention: dq, dk, dv of one validated :class:`~attnlab.problem.Problem`.
 
 :func:`backward` takes what the forward saved (out and its lse) and the upstream gradient dout, and runs
-three kernels (:mod:`attnlab.triton_bwd_kernels` explains the math, the tiling and the program mapping):
+three kernels (:mod:`attnlab.backends.triton.backward_kernels` explains the math, the tiling and the program mapping):
 a preprocess (Delta = rowsum(dO * O), the base-2 lse), dK/dV with a key tile stationary (GQA/MQA groups
 summed in registers, no atomics), and dQ in its own pass (deterministic, no atomics). The whole contract is
 supported: causal and windows in both alignments, kv_len and q_len, bool masks and additive biases (a
@@ -10,7 +10,7 @@ constant: it gets no gradient), GQA/MQA, any strides, float32 / float16 / bfloat
 On CUDA tensors the kernels are compiled, each with a small config space per dtype and padded head dim
 (:func:`dkdv_candidates`, :func:`dq_candidates`); with ``AUTOTUNE`` each kernel's candidates are timed
 once per :func:`tune_key` and the fastest kept, else the first is used. On CPU tensors the same kernels run
-through Triton's interpreter with one small config, inside :func:`attnlab.triton_fwd._interpreter`.
+through Triton's interpreter with one small config, inside :func:`attnlab.backends.triton.interpreter.interpreter`.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab.backends.triton.configs import _block_d, _pow2_bucket
+from attnlab.backends.triton.interpreter import _interpreted_fn, interpreter
+from attnlab.backends.triton.kernel import LOG2E
 from attnlab.problem import Problem
-from attnlab.triton_fwd import LOG2E, _block_d, _interpreted_fn, _interpreter, _pow2_bucket
 
 try:
     import triton
 
-    from attnlab.triton_bwd_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess
+    from attnlab.backends.triton.backward_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess
 except ImportError:  # the caller finds out when it calls backward()
     triton = None
 
@@ -260,7 +262,7 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
     delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=prob.device)
     lse2 = torch.empty_like(delta)
     if interpret:
-        with _interpreter():
+        with interpreter(_bwd_preprocess):
             _launch_preprocess(prob, out, lse, dout, delta, lse2, True)
             _minus_dlse(delta, dlse)
             _launch_dkdv(prob, dout, delta, lse2, dk, dv, INTERPRETER_CONFIG, True)

@@ -1,4 +1,4 @@
-"""The Triton backward kernels of attention (FlashAttention-2 style); :mod:`attnlab.triton_bwd` launches them.
+"""The Triton backward kernels of attention (FlashAttention-2 style), launched by :mod:`~.backward`.
 
 The math
 --------
@@ -64,11 +64,11 @@ from __future__ import annotations
 try:
     import triton
     import triton.language as tl
-except ImportError:  # attnlab.triton_bwd reports the backward unavailable
+except ImportError:  # attnlab.backends.triton.backward reports the backward unavailable
     triton, tl = None, None
 
 if triton is not None:
-    from attnlab.triton_fwd import _band
+    from attnlab.backends.triton.kernel import _band
 
     # -----------------------------------------------------------------------------------------------
     # Helpers: loads, operand rounding, the tile bounds

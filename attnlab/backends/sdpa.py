@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from attnlab.backend import Backend
+from attnlab.backends import Backend
 from attnlab.problem import Problem
 from attnlab.reference import masked_scores
 

@@ -1,13 +1,17 @@
 """Backends: what one is (a name, where it can run, a forward that fills a preallocated output), and the
 registry of every way attnlab can compute attention, by name.
 
-Each backend implements the same contract (docs/contract.md). Modules that need optional packages (triton,
-cupy) import them lazily, so ``import attnlab`` stays cheap and works without them.
+Each backend implements the same contract (docs/contract.md) and lives in this package: ``reference``,
+``textbook`` (``torch``), ``sdpa``, ``triton/`` and ``cuda/``. Modules that need optional packages (triton,
+cupy) import them lazily, so ``import attnlab`` stays cheap and works without them; the registry imports
+each backend's module on first use and lists the ones that are present.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import NamedTuple
 
 import torch
@@ -70,15 +74,16 @@ def no_cuda_reason() -> str | None:
     return None
 
 
-# (module, class) of every backend, in the order tables list them.
+# (module, class) of every backend, in the order tables list them. A new backend: its module under
+# attnlab/backends/ and one line here; tests/test_contract.py then runs it over every case list.
 _BACKENDS = [
-    ("attnlab.reference", "ReferenceBackend"),
-    ("attnlab.textbook", "TextbookBackend"),
-    ("attnlab.sdpa", "SdpaBackend"),
-    ("attnlab.triton_fwd", "TritonBackend"),
-    ("attnlab.cuda", "CudaNaiveBackend"),
-    ("attnlab.cuda", "CudaTiledBackend"),
-    ("attnlab.cuda", "CudaRowmaxBackend"),
+    ("attnlab.backends.reference", "ReferenceBackend"),
+    ("attnlab.backends.textbook", "TextbookBackend"),
+    ("attnlab.backends.sdpa", "SdpaBackend"),
+    ("attnlab.backends.triton.backend", "TritonBackend"),
+    ("attnlab.backends.cuda.backend", "CudaNaiveBackend"),
+    ("attnlab.backends.cuda.backend", "CudaTiledBackend"),
+    ("attnlab.backends.cuda.backend", "CudaRowmaxBackend"),
 ]
 
 #: What ``backend="auto"`` tries, by (device type, dtype class); the first that is available and supports
@@ -161,3 +166,14 @@ def resolve(name: str, prob: Problem, needs_grad: bool = False) -> Backend:
             "or call it under torch.no_grad() / on detached inputs"
         )
     return b
+
+
+class _CallableModule(types.ModuleType):
+    """This package is also the public function ``attnlab.backends()`` (docs/contract.md): calling the module
+    returns :func:`status`, and ``attnlab.backends.registry()``, ``.resolve`` etc. stay plain attributes."""
+
+    def __call__(self) -> BackendTable:
+        return status()
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -19,11 +19,11 @@ def kernel_path(family: str) -> Path:
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; one of {FAMILIES}")
     try:
-        from attnlab.cuda import kernels_dir
+        from attnlab.backends.cuda.sources import kernels_dir
 
         base = Path(str(kernels_dir()))
     except ImportError:
-        base = Path(__file__).resolve().parent.parent / "kernels"
+        base = Path(__file__).resolve().parents[2] / "kernels"
     return base / f"attn_{family}.cu"
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.backend import Backend
+from attnlab.backends import Backend
 from attnlab.problem import Problem
 from attnlab.reference import masked_scores
 

@@ -1,0 +1,58 @@
+"""Backends ``cuda-naive``, ``cuda-tiled``, ``cuda-rowmax``: the CUDA C kernels of ``kernels/``, compiled at
+run time with NVRTC through CuPy (:mod:`attnlab.backends.cuda.launch`)."""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.backends import Availability, Backend, cuda_device_reason, no_cuda_reason
+from attnlab.backends.cuda.launch import run
+from attnlab.backends.cuda.variant import DTYPE_CODES, GRID_LIMITS
+from attnlab.problem import Problem
+
+
+class _CudaBackend(Backend):
+    family = ""
+    kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.backends.triton.backward)
+
+    def availability(self) -> Availability:
+        why = no_cuda_reason()
+        try:
+            import cupy  # noqa: F401
+        except Exception as e:  # ImportError, or a broken CUDA install
+            fix = ("CuPy is not installed: pip install 'attnlab[cuda12]' or 'attnlab[cuda13]' (CuPy for your CUDA "
+                   "major version)" if isinstance(e, ModuleNotFoundError) else
+                   f"CuPy does not import ({type(e).__name__}: {e})")
+            return Availability(False, fix if why is None else f"{why}; and {fix}")
+        return Availability(True) if why is None else Availability(False, why)
+
+    def unsupported(self, prob: Problem) -> str | None:
+        why = cuda_device_reason(prob)
+        if why is not None:
+            return why
+        if prob.dtype not in DTYPE_CODES:
+            return f"dtype {prob.dtype} (the CUDA kernels take float32, float16, bfloat16)"
+        if prob.B * prob.Hq > GRID_LIMITS[1] and self.family == "naive":
+            return f"B*Hq = {prob.B * prob.Hq} exceeds the grid limit {GRID_LIMITS[1]} of the naive kernel"
+        return None
+
+    def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        run(self.family, prob, out, lse)
+
+
+class CudaNaiveBackend(_CudaBackend):
+    name = "cuda-naive"
+    family = "naive"
+    description = "three-pass CUDA kernel: max, sum of exp, weighted sum (one block per (bh, query))"
+
+
+class CudaTiledBackend(_CudaBackend):
+    name = "cuda-tiled"
+    family = "tiled"
+    description = "tiled CUDA kernel: Q tile in shared memory, K/V tiles streamed, online softmax per element"
+
+
+class CudaRowmaxBackend(_CudaBackend):
+    name = "cuda-rowmax"
+    family = "rowmax"
+    description = "tiled CUDA kernel with block-wise rowmax (one exp per score) and register micro-tiles"

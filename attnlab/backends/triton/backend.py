@@ -1,0 +1,56 @@
+"""Backend ``triton``: attnlab's fused Triton forward kernel (the package docstring explains it)."""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.backends import Availability, Backend
+from attnlab.backends.triton import configs as _cfg
+from attnlab.backends.triton.kernel import _IMPORT_ERROR
+from attnlab.backends.triton.launch import _launch, _plan
+from attnlab.problem import Problem
+
+
+class TritonBackend(Backend):
+    """attnlab's fused Triton forward kernel (the :mod:`attnlab.backends.triton` docstring explains it)."""
+
+    name = "triton"
+    kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.backends.triton.backward)
+    description = (
+        "fused Triton forward kernel: online softmax in exp2, block skipping, every mask, GQA; "
+        "CPU tensors run through Triton's interpreter"
+    )
+
+    def availability(self) -> Availability:
+        if _IMPORT_ERROR is not None:
+            return Availability(False, _IMPORT_ERROR)
+        return Availability(True)
+
+    def unsupported(self, prob: Problem) -> str | None:
+        if _IMPORT_ERROR is not None:
+            return _IMPORT_ERROR
+        if prob.device.type not in ("cuda", "cpu"):
+            return f"runs on CUDA tensors (compiled) or CPU tensors (interpreter); got {prob.device}"
+        if prob.B > 65535 or prob.Hq > 65535:
+            return f"grid limit: B and Hq must be at most 65535; got B={prob.B}, Hq={prob.Hq}"
+        if prob.device.type == "cuda" and prob.dtype == torch.bfloat16:
+            major, _ = torch.cuda.get_device_capability(prob.device)
+            if major < 8:
+                return "bfloat16 needs compute capability 8.0 or newer"
+        return None
+
+    def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        if out.numel() == 0 or prob.Nk == 0:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+            return
+        q = prob.q
+        if not q.is_cuda:
+            _launch(prob, out, lse, _cfg.INTERPRETER_CONFIG, interpret=True)
+            return
+        if torch.cuda.current_device() == q.get_device():
+            _plan(prob, out, lse).launch(prob, out, lse)
+        else:
+            with torch.cuda.device(q.device):
+                _plan(prob, out, lse).launch(prob, out, lse)

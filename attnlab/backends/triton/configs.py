@@ -1,0 +1,171 @@
+"""Launch configurations of the Triton kernel: :class:`Config`, the interpreter's one config, the GPU autotune
+space (:func:`candidates`), what a tuned config is remembered by (:func:`tune_key`), autotuning, and the
+TF32 opt-in. The kernel's compile-time choices that follow from a config (D chunk, orientation) are here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from attnlab.problem import Problem
+
+
+@dataclass(frozen=True, repr=False)
+class Config:
+    """One launch configuration: tile sizes, the compiler's warps and pipeline stages, and two float32
+    options: the D chunk of the Q K^T product (0: one dot over all of D) and ``keys_major`` (the score
+    tile held as S^T, keys by queries; see :func:`_key_axis`)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    qk_chunk: int = 0
+    keys_major: bool = False
+    rows_outer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.keys_major and self.qk_chunk:
+            raise ValueError(f"keys_major and qk_chunk exclude each other (keys-major Q K^T is one dot); got "
+                             f"qk_chunk={self.qk_chunk} with keys_major=True")
+
+    def __repr__(self) -> str:
+        chunk = f", qk_chunk={self.qk_chunk}" if self.qk_chunk else ""
+        major = ", keys_major=True" if self.keys_major else ""
+        outer = ", rows_outer=True" if self.rows_outer else ""
+        return (f"Config(block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}, "
+                f"num_stages={self.num_stages}{chunk}{major}{outer})")
+
+
+#: The one config of the interpreter: small tiles, so that the CPU tests' short sequences still span
+#: several row and key tiles (full and partial phases both run). float32 runs keys-major, as its GPU
+#: candidates do (the option is ignored for float16/bfloat16).
+INTERPRETER_CONFIG = Config(16, 16, 1, 1, keys_major=True, rows_outer=True)
+
+#: Whether GPU launches autotune (set False, or ATTNLAB_TRITON_AUTOTUNE=0, to use the first candidate).
+AUTOTUNE: bool = os.environ.get("ATTNLAB_TRITON_AUTOTUNE", "1") != "0"
+
+_TF32 = False
+_tuned: dict[tuple, Config] = {}
+
+
+@contextlib.contextmanager
+def allow_tf32() -> Iterator[None]:
+    """Opt in to TF32 tensor-core dot products for float32 inputs inside this block (GPU only).
+
+    TF32 keeps 10 mantissa bits, the same unit roundoff (2^-11) as float16, so a TF32 result is checked
+    at float16's tolerances; without this, float32 uses exact IEEE products. The interpreter computes
+    float32 products exactly in either case.
+    """
+    global _TF32
+    old, _TF32 = _TF32, True
+    try:
+        yield
+    finally:
+        _TF32 = old
+
+
+def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
+    """The GPU autotune space for a dtype and padded head dim; the first entry is the untuned default.
+
+    Sized for Hopper/Ampere shared memory (Q tile plus ``num_stages`` K and V tiles).
+    """
+    if dtype == torch.float32:
+        # IEEE products run on the FMA units, through shared memory: keys-major tiles (see _key_axis) read it
+        # without bank conflicts. H200, causal, each candidate timed beside sdpa-efficient (data/gpu_tests/
+        # nvidia-h200-fp32-layouts.txt): B8 H16 N2048 D64, (64, 32, 4, 2) keys-major rows-outer 2.13 ms
+        # (sdpa-efficient 2.16; the best query-major tile 3.58, with the D-chunked Q K^T 5.90); B1 H8 N1024
+        # D64, (32, 64, 4, 2) keys-major 0.088 to 0.113 ms (sdpa-efficient 0.107); B4 H16 N2048 D128,
+        # (32, 32, 4, 2) keys-major rows-outer 2.41 ms (query-major 6.21). One query-major candidate each
+        # keeps that orientation in the space (and in the GPU tests).
+        if block_d <= 64:
+            return [Config(64, 32, 4, 2, keys_major=True, rows_outer=True), Config(32, 64, 4, 2, keys_major=True),
+                    Config(32, 64, 4, 2, keys_major=True, rows_outer=True), Config(64, 64, 8, 2, keys_major=True),
+                    Config(32, 64, 4, 2, qk_chunk=16)]
+        if block_d <= 128:
+            return [Config(32, 32, 4, 2, keys_major=True, rows_outer=True), Config(32, 64, 8, 2),
+                    Config(32, 64, 8, 2, qk_chunk=16)]
+        return [Config(16, 64, 8, 2)]
+    if block_d <= 64:
+        # (64, 64, 4, 2): small causal problems (H200, B8 H16 N1024 D64 causal: 0.070 ms of GPU time against
+        # 0.078 for (128, 64, 4, 3) and 0.094 for (128, 128, 8, 3)).
+        return [Config(128, 64, 4, 3), Config(128, 128, 8, 3), Config(128, 64, 8, 4), Config(64, 64, 4, 3),
+                Config(64, 64, 4, 2)]
+    if block_d <= 128:
+        return [Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3), Config(128, 32, 4, 3)]
+    return [Config(64, 32, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2)]
+
+
+def _pow2_bucket(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _block_d(D: int) -> int:
+    """The head dim the kernel works on: D padded to a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, _pow2_bucket(D))
+
+
+def _qk_chunk(cfg: Config, block_d: int) -> int:
+    """The kernel's QK_CHUNK for ``cfg``: 0 (one dot) unless a chunk of at least 16 splits BLOCK_D."""
+    return cfg.qk_chunk if 16 <= cfg.qk_chunk < block_d else 0
+
+
+def _key_axis(cfg: Config, dtype: torch.dtype) -> int:
+    """The kernel's KEY_AXIS: 0 (keys-major, S^T = K Q^T; why: the module docstring's "Keys-major
+    float32") for a float32 ``keys_major`` config, else 1. Half types keep the tensor-core orientation."""
+    return 0 if cfg.keys_major and dtype == torch.float32 else 1
+
+
+def tune_key(prob: Problem) -> tuple:
+    """What a tuned config is remembered by: device, dtype, head dim, mask kind and size buckets."""
+    return (
+        prob.device.index, prob.dtype, _block_d(prob.D), prob.spec.kind,
+        _TF32, _pow2_bucket(prob.Nq), _pow2_bucket(prob.Nk), _pow2_bucket(prob.B * prob.Hq),
+    )
+
+
+def _autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
+    """Time each candidate on this problem (outputs are overwritten by the final launch) and keep the best.
+
+    Each candidate launches through its own :class:`_Plan` (the JIT once, then the direct launcher), so
+    that the host stays ahead of the GPU and ``do_bench`` (which clears the L2 before every call) times
+    the kernel rather than the host; and the median is kept, not the mean, so that one slow call cannot
+    decide. (On the H200, JIT launches cost 97 us of host time, more than the L2 clear between two timed
+    calls; with them and the mean, fp16 B8 H16 N1024 D64 causal was once tuned to (128, 128, 8, 3),
+    0.095 ms of GPU time, over (64, 64, 4, 2), 0.070 ms.)
+    """
+    from triton.testing import do_bench
+
+    best, best_ms = None, math.inf
+    from attnlab.backends.triton.launch import _Plan  # the launch module imports this one
+
+    for cfg in candidates(prob.dtype, _block_d(prob.D)):
+        plan = _Plan(prob, cfg)
+        try:
+            ms = do_bench(lambda plan=plan: plan.launch(prob, out, lse), warmup=5, rep=20, return_mode="median")
+        except Exception as err:  # a config that does not fit (shared memory, registers) is skipped
+            if "OutOfResources" in type(err).__name__ or "out of resource" in str(err).lower():
+                continue
+            raise
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError(f"no Triton config fits this GPU for dtype={prob.dtype}, D={prob.D}")
+    return best
+
+
+def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
+    """The config a GPU launch uses: tuned once per :func:`tune_key`, or the default candidate."""
+    if not AUTOTUNE:
+        return candidates(prob.dtype, _block_d(prob.D))[0]
+    key = tune_key(prob)
+    cfg = _tuned.get(key)
+    if cfg is None:
+        cfg = _tuned[key] = _autotune(prob, out, lse)
+    return cfg

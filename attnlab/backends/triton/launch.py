@@ -1,0 +1,188 @@
+"""Launching the kernel: its arguments from a :class:`~attnlab.problem.Problem` and a config, the grid, the JIT
+launch, and the fast path for repeated launches of one problem (:class:`_Plan`: the compiled kernel's
+launcher called directly, without the JIT's per-call binding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+
+from attnlab.backends.triton import configs as _cfg
+from attnlab.backends.triton import kernel as _k
+from attnlab.backends.triton.configs import Config, _block_d, _key_axis, _qk_chunk, config_for
+from attnlab.backends.triton.interpreter import interpreter
+from attnlab.backends.triton.kernel import LOG2E, triton
+from attnlab.problem import Problem
+
+
+def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> tuple[list, list, list, dict]:
+    """The kernel's arguments for ``prob`` and ``cfg`` except those of out and lse, in signature order:
+    (pointers before Out, the arguments between Lse and out's strides, those after lse's strides,
+    the compile-time constants). :func:`_launch` and :class:`_Plan` put out and lse in between."""
+    spec = prob.spec
+    q, k, v = prob.q, prob.k, prob.v
+    D = prob.D
+    block_d = _block_d(D)
+    explicit = spec.explicit
+    if explicit is not None and explicit.dtype == torch.bool:
+        explicit = explicit.view(torch.uint8)  # the kernel reads a bool mask as bytes
+    e = explicit if explicit is not None else q  # a placeholder pointer when absent (never read)
+    e_strides = explicit.stride() if explicit is not None else (0, 0, 0, 0)
+    kv_len = spec.kv_len if spec.kv_len is not None else q
+    q_len = spec.q_len if spec.q_len is not None else q
+    left = spec.left if spec.left is not None else 0
+    right = spec.right if spec.right is not None else 0
+    if dtype_is_f32 := prob.dtype == torch.float32:
+        precision = "tf32" if (_cfg._TF32 and not interpret) else "ieee"
+    else:
+        precision = "ieee"  # ignored for half types (their products are exact in float32)
+    head = [q, k, v]
+    mid = [kv_len, q_len, e, *q.stride(), *k.stride(), *v.stride()]
+    tail = [*e_strides, prob.Nq, prob.Nk, D, prob.group, prob.scale * LOG2E, left, right]
+    constants = dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=(block_d == D),
+        HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
+        BOTTOM_RIGHT=spec.align == "bottom_right",
+        HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
+        HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
+        WRITE_LSE=write_lse, DOT_PRECISION=precision,
+        # The interpreter multiplies bfloat16 bit patterns (stored as uint16) as integers in tl.dot;
+        # upcasting to float32 first (exact) gives the tensor cores' products.
+        UPCAST_DOT=interpret and not dtype_is_f32,
+        QK_CHUNK=_qk_chunk(cfg, block_d),
+        KEY_AXIS=_key_axis(cfg, prob.dtype),
+        ROWS_OUTER=_rows_outer(prob, cfg),
+    )
+    return head, mid, tail, constants
+
+
+def _bind(head: Sequence, mid: Sequence, tail: Sequence, out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
+    """The kernel's run-time arguments in signature order: :func:`_arguments`' parts with out and lse (and
+    their strides) in between; without lse, out stands in for its pointer (never written) with strides 0."""
+    if lse is None:
+        return (*head, out, out, *mid, *out.stride(), 0, 0, 0, *tail)
+    return (*head, out, lse, *mid, *out.stride(), *lse.stride(), *tail)
+
+
+def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool):
+    """Launch the kernel once with ``cfg`` through Triton's JIT (writes every element of out and lse).
+
+    Returns what the JIT returns for a compiled launch (the compiled kernel), None in the interpreter.
+    """
+    head, mid, tail, constants = _arguments(prob, cfg, interpret, lse is not None)
+    with interpreter(_k._attn_fwd_kernel) if interpret else contextlib.nullcontext(_k._attn_fwd_kernel) as kernel:
+        return kernel[_grid(prob, cfg)](
+            *_bind(head, mid, tail, out, lse), **constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def _rows_outer(prob: Problem, cfg: Config) -> bool:
+    """Whether the grid runs row tiles outermost (``cfg.rows_outer``; a grid's z extent is at most 65535).
+
+    Under a causal mask a row tile's work grows with its index. Launched head by head (each head's
+    tiles longest first), the last head's longest tile starts near the end and runs alone: a greedy
+    schedule of B8 H16 N2048 (64-row tiles, 528 resident programs on an H200) ends at 1.16x the
+    ideal. With row tiles outermost, the longest tiles of every head go first and the tail is short
+    tiles: 1.01x. Heads then share less of their K/V in L2, which the (compute-bound) float32
+    candidates afford.
+    """
+    return cfg.rows_outer and triton.cdiv(prob.Nq, cfg.block_m) <= 65535
+
+
+def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
+    """One program per (row tile, query head, batch entry)."""
+    if _rows_outer(prob, cfg):
+        return (prob.Hq, prob.B, triton.cdiv(prob.Nq, cfg.block_m))
+    return (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
+
+
+#: Whether repeated GPU launches of one Problem skip Triton's JIT dispatch (ATTNLAB_TRITON_FAST_LAUNCH=0:
+#: never; every launch then goes through ``kernel[grid](...)``).
+FAST_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_FAST_LAUNCH", "1") != "0"
+
+class _Plan:
+    """How one :class:`Problem` is launched with one config: the compiled kernel of each out/lse layout
+    seen so far, and the arguments that do not depend on out and lse (computed at the first direct launch).
+
+    The first launch of each layout goes through Triton's JIT (``kernel[grid](...)``), which specializes,
+    compiles or finds the compiled kernel, and returns it. Later launches of that layout call the compiled
+    kernel's launcher directly, with the arguments the JIT would pass: the JIT's per-call work (binding
+    about 45 arguments, specializing each, building the cache key) is what made small problems wait for
+    the host. That is sound because everything the JIT specializes on is fixed: the problem's tensors,
+    sizes, strides and constants belong to the (immutable) Problem, and the layout key holds out's and
+    lse's dtypes, strides and 16-byte alignment. Launch hooks are honoured as the JIT honours them.
+    """
+
+    __slots__ = ("args", "cfg", "device", "grid", "kernels")
+
+    def __init__(self, prob: Problem, cfg: Config) -> None:
+        self.cfg = cfg
+        self.grid = _grid(prob, cfg)
+        self.device = prob.device.index
+        self.kernels: dict[tuple, object] = {}
+        self.args: dict[bool, tuple] = {}  # write_lse -> (head, mid, tail, the constants' values)
+
+    def launch(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        if lse is None:
+            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0)
+        else:
+            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0, lse.dtype, lse.stride(), lse.data_ptr() % 16 == 0)
+        kernel = self.kernels.get(key)
+        if kernel is None or not FAST_LAUNCH:
+            kernel = _launch(prob, out, lse, self.cfg, interpret=False)
+            if FAST_LAUNCH and _fast_launch_supported(kernel):
+                self.kernels[key] = kernel
+            return
+        head, mid, tail, constants = self._arguments(prob, lse is not None)
+        # The launcher takes every parameter in signature order, the constants (which come last) too.
+        args = (*_bind(head, mid, tail, out, lse), *constants)
+        grid = self.grid
+        stream = _current_stream(self.device)
+        hooks = triton.knobs.runtime
+        # As CompiledKernel's own launcher (``kernel[grid](*args)``) and the JIT call it, in triton 3.4 to 3.9.
+        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
+                   *args)
+
+    def _arguments(self, prob: Problem, write_lse: bool) -> tuple:
+        got = self.args.get(write_lse)
+        if got is None:
+            head, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
+            got = self.args[write_lse] = (head, mid, tail, tuple(constants[n] for n in _constexpr_names()))
+        return got
+
+
+def _current_stream(device: int):
+    """The raw handle of the current CUDA stream of ``device``, as Triton's JIT launches on it."""
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
+@functools.cache
+def _constexpr_names() -> tuple[str, ...]:
+    params = _k._attn_fwd_kernel.params
+    names = tuple(p.name for p in params if p.is_constexpr)
+    assert all(p.is_constexpr for p in params[len(params) - len(names):]), "constants must come last"
+    return names
+
+
+def _fast_launch_supported(kernel) -> bool:
+    """Whether ``kernel`` (what the JIT returned) has the launcher interface of triton 3.4 to 3.9."""
+    knobs = getattr(triton, "knobs", None)
+    return (kernel is not None and knobs is not None and hasattr(knobs, "runtime")
+            and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")))
+
+
+def _plan(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
+    """The problem's plan for the current TF32 and autotune settings (tunes on first use, see config_for),
+    kept in the problem's own cache: it lives as long as the problem and its tensors."""
+    plans = prob.cache.setdefault("triton_plans", {})
+    key = (_cfg._TF32, _cfg.AUTOTUNE)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _Plan(prob, config_for(prob, out, lse))
+    return plan

@@ -1,0 +1,343 @@
+"""``python -m attnlab bench``: the estimate, the parser, the run loop over suites and cases, restarts after a
+lost CUDA context, and the summary."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab.bench.competitors import competitors
+from attnlab.bench.results import _read_rows, device_name, environment, gpu_slug, ratios, write_csv
+from attnlab.bench.runner import ContextLost, Options, _row, case_counts, run_case
+from attnlab.bench.suites import SUITES, BenchCase, recorded_suites
+from attnlab.bench.timing import DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS, DEFAULT_REPS, _reps_and_warmup, _timing
+
+# ---------------------------------------------------------------------------------------------------------
+# Estimate
+# ---------------------------------------------------------------------------------------------------------
+
+#: Assumed throughputs for the estimate only (TFLOP/s of useful work, half types / float32). Guesses.
+_RATE = {"fused": (250.0, 20.0), "torch": (40.0, 15.0), "sdpa-math": (30.0, 10.0), "cuda-naive": (4.0, 4.0),
+         "cuda-tiled": (15.0, 10.0), "cuda-rowmax": (15.0, 10.0)}
+
+
+#: Assumed seconds to compile flex for one case (dynamo trace, Inductor, Triton), for the estimate only.
+FLEX_COMPILE_S = 6.0
+#: Assumed seconds of attnlab's Triton autotuning and compilation per case (amortized), estimate only.
+TRITON_TUNE_S = 1.5
+
+
+def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Options) -> float:
+    """A crude wall-clock estimate: per case inputs and reference, flex's compilation, and per competitor
+    the checked call, the memory call, warm-up and the timed calls at assumed rates (:data:`_RATE`)."""
+    total = 0.0
+    for case in cases:
+        c = case_counts(case)
+        gpu = opts.device.startswith("cuda")
+        total += 0.5 + (FLEX_COMPILE_S if "flex" in names and gpu else 0.0)
+        total += TRITON_TUNE_S if "triton" in names and gpu else 0.0
+        max_reps, budget, min_reps = _timing(case, opts)
+        for n in names:
+            half = case.dtype != "float32"
+            rate = _RATE.get(n, _RATE["fused"])[0 if half else 1]
+            if n in ("torch", "sdpa-math"):  # dense work whatever the mask
+                ms = 4 * case.D * case.B * case.Hq * case.Nq * case.nk / (rate * 1e9)
+            else:
+                ms = c["flops"] / (rate * 1e9)
+            ms = max(ms, c["bytes"] / 3e9, 0.02)
+            if ms > opts.max_call_s * 1e3:
+                continue  # skipped as predicted too slow (see --max-call-s)
+            reps, warm = _reps_and_warmup(ms, max_reps, budget, min_reps)
+            total += 0.15 + (2 + warm + reps) * ms / 1e3
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------
+
+
+def default_out(device: str) -> Path:
+    """Where a run writes by default: data/bench for a GPU; a temporary folder for a CPU smoke run, so that
+    CPU rows never land beside (or displace) the recorded GPU data."""
+    if device.startswith("cuda"):
+        return Path("data/bench")
+    return Path(tempfile.gettempdir()) / "attnlab-bench"
+
+
+def _parser() -> argparse.ArgumentParser:
+    from attnlab.cli import OneLineParser
+
+    p = OneLineParser(prog="attnlab bench", description="Benchmark attnlab backends against SDPA and "
+                                "FlexAttention; results in <out>/<gpu>/<suite>.csv and .json")
+    p.add_argument("--suite", required=True, choices=[*SUITES, "all"], help="suite to run (all = every one but quick)")
+    p.add_argument("--backends", nargs="+", default=None, help="competitors (default: every one)")
+    p.add_argument("--exclude", nargs="+", default=[], help="competitors recorded as skipped")
+    p.add_argument("--out", default=None,
+                   help="root folder; files go to <out>/<gpu-slug>/ (default: data/bench on a GPU; a --device cpu "
+                        "smoke run goes to <tmp>/attnlab-bench, never into the recorded data)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="most timed calls per measurement (default 30)")
+    p.add_argument("--min-reps", type=int, default=DEFAULT_MIN_REPS, help="fewest timed calls (default 3)")
+    p.add_argument("--budget-ms", type=float, default=DEFAULT_BUDGET_MS,
+                   help="timed milliseconds aimed at per measurement (default 100)")
+    p.add_argument("--max-call-s", type=float, default=2.5,
+                   help="skip a competitor on a case where its smaller cases predict a call longer than this "
+                        "(default 2.5 s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cases", default=None, help="only cases whose name contains this text")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no measurement after this many seconds; the rest is recorded as skipped")
+    p.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--resume", action="store_true", help="keep rows already in the CSVs, run only the missing ones")
+    p.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--estimate", action="store_true", help="print the estimated duration and exit")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _restart_argv(argv: Sequence[str], run_id: str, deadline: float | None, exclude: Sequence[str]) -> list[str]:
+    """The command line of a restart after a lost CUDA context: same run, resumed, the culprit excluded."""
+    drop_val = {"--exclude", "--run-id", "--deadline-s", "--deadline-at"}
+    out, skip_vals = [], False
+    for a in argv:
+        if a in drop_val:
+            skip_vals = True
+            continue
+        if a.startswith("--"):
+            skip_vals = False
+        if skip_vals or a == "--resume":
+            continue
+        out.append(a)
+    out += ["--resume", "--run-id", run_id]
+    if deadline is not None:
+        out += ["--deadline-at", repr(deadline)]
+    if exclude:
+        out += ["--exclude", *exclude]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m attnlab bench``: run suites, write CSV and JSON per suite, print a summary."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("attnlab bench: no CUDA GPU here (torch.cuda.is_available() is False). Use --device cpu for a "
+              "smoke run of the harness, e.g. `python -m attnlab bench --suite quick --device cpu`.", file=sys.stderr)
+        return 2
+    if not (device.startswith("cuda") or device == "cpu"):
+        print(f"attnlab bench: --device must be cuda or cpu; got {device!r}", file=sys.stderr)
+        return 2
+    t_start = time.time()
+    deadline = args.deadline_at if args.deadline_at is not None else (
+        t_start + args.deadline_s if args.deadline_s is not None else None)
+    run_id = args.run_id or _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    gpu = device_name(device)
+    opts = Options(device=device, max_reps=args.reps, min_reps=args.min_reps, budget_ms=args.budget_ms,
+                   seed=args.seed, deadline=deadline, run_id=run_id, gpu=gpu, max_call_s=args.max_call_s)
+    try:
+        comps = competitors(args.backends)
+    except ValueError as e:
+        print(f"attnlab bench: {e}", file=sys.stderr)
+        return 2
+    names = [c.name for c in comps]
+    suites = list(recorded_suites()) if args.suite == "all" else [args.suite]
+    plan = []
+    for s in suites:
+        cases = SUITES[s].cases(device)
+        if args.cases:
+            cases = [c for c in cases if args.cases in c.name]
+        plan.append((s, cases))
+    est = {s: estimate_seconds(cases, names, opts) for s, cases in plan}
+    first_flex = 15.0 if "flex" in names and device.startswith("cuda") else 0.0  # Inductor's cold start
+    print(f"attnlab bench on {gpu} ({device}), run {run_id}: " + ", ".join(
+        f"{s} {len(c)} cases ~{est[s]:.0f} s" for s, c in plan) + f"; total ~{sum(est.values()) + first_flex:.0f} s "
+        f"(crude estimate: assumed rates, flex compile {FLEX_COMPILE_S:g} s and Triton tuning {TRITON_TUNE_S:g} s "
+        "per case)", flush=True)
+    if args.estimate:
+        return 0
+    folder = Path(args.out if args.out is not None else default_out(device)) / gpu_slug(gpu)
+    env = environment(device, argv)
+    env.update(run_id=run_id, options={
+        "max_reps": opts.max_reps, "min_reps": opts.min_reps, "budget_ms": opts.budget_ms, "seed": opts.seed,
+        "suite_timing": {n: st.timing for n, st in SUITES.items() if st.timing}, "competitors": names,
+        "excluded": args.exclude,
+        "flex": "torch.compile(flex_attention, fullgraph=True, dynamic=False); torch._dynamo.reset() per case; "
+                "recompile limit raised, fail_on_recompile_limit_hit",
+        "timing": "median of CUDA-event-timed calls rotating over input sets >= 4x L2, after a checked call, "
+                  "a memory call and warm-up",
+    })
+    total_pairs = sum(len(c) for _, c in plan) * len(comps)
+    bar = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_pairs, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
+    all_rows: list[dict[str, Any]] = []
+    status = 0
+    for suite, cases in plan:
+        path = folder / f"{suite}.csv"
+        kept: list[dict[str, Any]] = []
+        if args.resume and path.exists():
+            # skipped rows (deadline, exclusions) are decided again; everything else that ran is kept
+            kept = [r for r in _read_rows(path) if (args.run_id is None or r.get("run_id") == args.run_id)
+                    and r.get("status") != "skipped"]
+        done = {(r["case"], r["backend"]) for r in kept}
+        rows = list(kept)
+        senv = dict(env, suite=suite, cases=[c.name for c in cases], started_utc=env["date_utc"])
+        jpath = path.with_suffix(".json")
+        folder.mkdir(parents=True, exist_ok=True)
+        if args.resume and jpath.exists():
+            old = json.loads(jpath.read_text())
+            senv["restarts"] = old.get("restarts", []) + ([old.get("aborted")] if old.get("aborted") else [])
+            senv["started_utc"] = old.get("started_utc", senv["started_utc"])
+            prev = old.get("previous_commands", [])
+            if old.get("command") and old.get("command") != senv["command"]:
+                prev = [*prev, old["command"]]
+            if prev:
+                senv["previous_commands"] = prev
+        jpath.write_text(json.dumps(senv, indent=2, default=str))
+        t_suite = time.time()
+
+        def on_row(row, rows=rows, path=path, cases=cases):
+            rows.append(row)
+            write_csv(path, _ordered(rows, cases, names))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{row['case'][:34]} {row['backend']} {row['status']}")
+
+        for case in cases:
+            if bar is not None:
+                bar.set_description(f"{suite}")
+                bar.update(sum(1 for n in names if (case.name, n) in done))
+
+            def skip(name, case=case, suite=suite, rows=rows):
+                if deadline is not None and time.time() > deadline:
+                    return "deadline reached"
+                if name in args.exclude:
+                    return "excluded" + (" (it broke the CUDA context earlier in this run)" if args.run_id else "")
+                if suite == "memory" and _oomed_before(rows, name, case):
+                    return "ran out of memory at a smaller N"
+                pred = _predicted_ms(rows, name, case)
+                if pred is not None and pred > opts.max_call_s * 1e3:
+                    return f"predicted {pred / 1e3:.1f} s a call (from smaller cases) > --max-call-s {opts.max_call_s}"
+                return None
+
+            todo = [c for c in comps if (case.name, c.name) not in done]
+            try:
+                case_rows = run_case(case, todo, opts, skip=skip, on_row=on_row)
+                line = f"[{time.time() - t_start:5.0f} s] {suite}/{case.name}: {case_line(case_rows)}"
+                if bar is not None:
+                    bar.write(line)
+                elif case_rows:
+                    print(line, flush=True)
+            except ContextLost as e:
+                msg = f"the CUDA context was lost: {e}"
+                if e.backend in names:
+                    culprit = next(c for c in comps if c.name == e.backend)
+                    on_row(_row(case, culprit, opts, case_counts(case), status="error", notes=msg))
+                senv["aborted"] = {"backend": e.backend, "case": e.case, "message": str(e)}
+                jpath.write_text(json.dumps(senv, indent=2, default=str))
+                if bar is not None:
+                    bar.close()
+                excl = list(args.exclude) + ([e.backend] if e.backend in names else [])
+                if e.backend not in names or len(excl) > 6:
+                    print(f"attnlab bench: {msg}; cannot continue", file=sys.stderr)
+                    return 3
+                new = _restart_argv(argv, run_id, deadline, excl)
+                print(f"attnlab bench: {msg}; restarting without {e.backend!r}: {shlex.join(new)}", file=sys.stderr,
+                      flush=True)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.environ.setdefault("ATTNLAB_BENCH_COMMAND", env["command"])
+                os.execv(sys.executable, [sys.executable, "-m", "attnlab", "bench", *new])
+        senv["finished_utc"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+        senv["seconds"] = round(time.time() - t_suite, 1)
+        senv["estimate_seconds"] = round(est[suite], 1)
+        jpath.write_text(json.dumps(senv, indent=2, default=str))
+        write_csv(path, _ordered(rows, cases, names))
+        all_rows += rows
+        if bar is not None:
+            bar.write(f"{suite}: {len(rows)} rows -> {path} ({senv['seconds']} s)")
+        else:
+            print(f"{suite}: {len(rows)} rows -> {path} ({senv['seconds']} s)", flush=True)
+    if bar is not None:
+        bar.close()
+    print(summary(all_rows), flush=True)
+    print(f"total {time.time() - t_start:.0f} s", flush=True)
+    return status
+
+
+def case_line(rows: Sequence[dict[str, Any]]) -> str:
+    """One line for a case's rows: each timed backend's TFLOP/s (or GB/s for decode) and the other statuses."""
+    parts = []
+    for r in rows:
+        if r["status"] == "ok":
+            val = f"{r['gbps']:.4g} GB/s" if r["Nq"] == 1 else f"{r['tflops']:.4g} TF/s"
+            parts.append(f"{r['backend']} {val}")
+        else:
+            parts.append(f"{r['backend']} {r['status'].upper()}")
+    return ", ".join(parts)
+
+
+def _ordered(rows: list[dict[str, Any]], cases: Sequence[BenchCase], names: Sequence[str]) -> list[dict[str, Any]]:
+    """Rows sorted by case order then competitor order (rows of unknown cases/competitors last)."""
+    ci = {c.name: i for i, c in enumerate(cases)}
+    ni = {n: i for i, n in enumerate(names)}
+    return sorted(rows, key=lambda r: (ci.get(r["case"], len(ci)), ni.get(r["backend"], len(ni))))
+
+
+def _predicted_ms(rows: Sequence[dict[str, Any]], name: str, case: BenchCase) -> float | None:
+    """A backend's time per call on ``case`` predicted from its largest smaller timed case of the same dtype
+    so far (the slowest of those, if several), scaled by the dense work B*Hq*Nq*Nk*D; None without one."""
+    work = case.B * case.Hq * case.Nq * case.nk * case.D
+    best_w, best = 0, None
+    for r in rows:
+        if r["backend"] != name or r["status"] != "ok" or r["dtype"] != case.dtype or r["ms"] in ("", None):
+            continue
+        w = int(r["B"]) * int(r["Hq"]) * int(r["Nq"]) * int(r["Nk"]) * int(r["D"])
+        if w <= 0 or w >= work or w < best_w:
+            continue
+        p = float(r["ms"]) / w * work
+        best = p if (w > best_w or best is None) else max(best, p)
+        best_w = w
+    return best
+
+
+def _oomed_before(rows: Sequence[dict[str, Any]], name: str, case: BenchCase) -> bool:
+    for r in rows:
+        if r["backend"] == name and r["status"] == "oom" and int(r["Nq"]) * int(r["Nk"]) < case.Nq * case.nk:
+            return True
+    return False
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> str:
+    """A short text table: status counts per backend, then the median speed ratios to sdpa-flash,
+    sdpa-cudnn, flex and sdpa-efficient per suite."""
+    import pandas as pd
+
+    if not rows:
+        return "no rows"
+    df = pd.DataFrame(rows)
+    lines = []
+    st = df.pivot_table(index="backend", columns="status", values="case", aggfunc="count", fill_value=0)
+    lines.append("status counts:\n" + st.to_string())
+    typed = df.copy()
+    typed["ms"] = pd.to_numeric(typed["ms"].replace("", float("nan")), errors="coerce")
+    for b in ("sdpa-flash", "sdpa-cudnn", "flex", "sdpa-efficient"):
+        r = ratios(typed, baseline=b)
+        if not r.empty:
+            lines.append(f"median speed ratio to {b} (baseline_ms / ms; > 1 is faster):\n{r.round(3).to_string()}")
+    return "\n\n".join(lines)

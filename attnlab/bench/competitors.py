@@ -1,0 +1,260 @@
+"""What is timed: each attnlab backend, SDPA restricted to one of its backends, and compiled FlexAttention
+(the package docstring, "How the competitors are called")."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from attnlab.bench.counting import empty_rows
+from attnlab.bench.schema import DESIGN_BACKENDS, SDPA_KINDS
+from attnlab.bench.truth import CaseInputs
+
+# ---------------------------------------------------------------------------------------------------------
+# Competitors
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Unsupported(Exception):
+    """The competitor cannot run this case (status ``unsupported``)."""
+
+
+class Unavailable(Exception):
+    """The competitor cannot run on this machine at all (status ``unavailable``)."""
+
+
+@dataclass
+class Prepared:
+    """A competitor set up for one case: ``call(i)`` runs on input set i and returns out [B, Hq, Nq, D]."""
+
+    call: Callable[[int], torch.Tensor]
+    setup_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+    #: rows with no allowed key, zeroed in the output before checking (competitors only)
+    zero_rows: torch.Tensor | None = None
+    #: called after the timed calls: a reason the timing is not valid (e.g. flex fell back to eager), or None
+    after_timing: Callable[[], str | None] | None = None
+    #: the first (checked) call, when it differs from ``call`` (attnlab backends: NaN-poisoned output)
+    check_call: Callable[[int], torch.Tensor] | None = None
+    #: called after the first call and again just before the timed calls (flex: remember dynamo's graph
+    #: count; returns a note when it changed since the last mark)
+    mark: Callable[[], str | None] | None = None
+
+
+@dataclass
+class Competitor:
+    """A named way to compute attention. ``prepare(inputs)`` returns a :class:`Prepared` or raises
+    :class:`Unsupported` / :class:`Unavailable`."""
+
+    name: str
+    family: str
+    prepare: Callable[[CaseInputs], Prepared]
+
+
+def _attnlab_competitor(name: str) -> Competitor:
+    def prepare(inp: CaseInputs) -> Prepared:
+        from attnlab import backends as _b
+        from attnlab.problem import make_problem
+
+        reg = _b.registry()
+        if name not in reg:
+            raise Unavailable(f"backend {name!r} is not in this build (its module is missing)")
+        be = reg[name]
+        avail = be.availability()
+        if not avail.available:
+            raise Unavailable(avail.reason)
+        probs = [make_problem(q, k, v, **inp.kw) for q, k, v in zip(inp.qs, inp.ks, inp.vs)]
+        why = be.unsupported(probs[0])
+        if why is not None:
+            raise Unsupported(why)
+
+        def call(i: int) -> torch.Tensor:
+            prob = probs[i]
+            out, ob = prob.new_out()
+            be.forward(prob, ob, None)
+            return out
+
+        def check_call(i: int) -> torch.Tensor:
+            prob = probs[i]
+            out, ob = prob.new_out()
+            out.fill_(float("nan"))  # an element the backend does not write fails the check as NaN
+            be.forward(prob, ob, None)
+            return out
+
+        return Prepared(call=call, check_call=check_call)
+
+    return Competitor(name, "attnlab", prepare)
+
+
+def _sdpa_competitor(name: str) -> Competitor:
+    kind = SDPA_KINDS[name]
+
+    def prepare(inp: CaseInputs) -> Prepared:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from attnlab.backends.sdpa import sdpa_inputs
+        from attnlab.problem import make_problem
+
+        if not hasattr(SDPBackend, kind):
+            raise Unavailable(f"this torch has no SDPBackend.{kind}")
+        sdp = getattr(SDPBackend, kind)
+        prob = make_problem(inp.qs[0], inp.ks[0], inp.vs[0], **inp.kw)
+        notes: list[str] = []
+        if name in ("sdpa-flash", "sdpa-efficient") and prob.spec.kind == "causal_br" and prob.Nq != prob.Nk:
+            # Bottom-right causal without a materialized mask: the way flash and efficient take it natively.
+            from torch.nn.attention.bias import causal_lower_right
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "NaNs when seq_len_q > seq_len_kv": those rows are zeroed
+                attn_mask = causal_lower_right(prob.Nq, prob.Nk)
+            is_causal, empty = False, empty_rows(prob.spec)
+            setup = 0
+            notes.append("bottom-right causal as torch.nn.attention.bias.causal_lower_right")
+        else:
+            attn_mask, is_causal, empty = sdpa_inputs(prob)
+            setup = attn_mask.numel() * attn_mask.element_size() if attn_mask is not None else 0
+        group = prob.group
+        ks, vs = inp.ks, inp.vs
+
+        def run(q, k, v, gqa: bool) -> torch.Tensor:
+            kw = {"enable_gqa": True} if gqa else {}
+            with sdpa_kernel(sdp):
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=prob.scale, **kw
+                )
+
+        def attempt(k, v, gqa):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    run(inp.qs[0], k, v, gqa)
+                    return None
+                except RuntimeError as e:
+                    if "No available kernel" not in str(e) and "No viable backend" not in str(e):
+                        raise
+                    why = "; ".join(sorted({str(w.message).split("\n")[0][:160] for w in caught}))
+                    return why or str(e)[:200]
+
+        use_gqa = group > 1
+        why = attempt(ks[0], vs[0], use_gqa)
+        if why is not None and use_gqa:
+            kr = [k.repeat_interleave(group, dim=1) for k in ks]
+            vr = [v.repeat_interleave(group, dim=1) for v in vs]
+            why2 = attempt(kr[0], vr[0], False)
+            if why2 is None:
+                ks, vs, use_gqa = kr, vr, False
+                setup += sum(t.numel() * t.element_size() for t in kr + vr)
+                notes.append("enable_gqa refused: K/V repeated outside the timed region")
+                why = None
+            else:
+                why = f"{why} | with K/V repeated: {why2}"
+        if why is not None:
+            raise Unsupported(f"SDPA {kind}: no available kernel: {why}")
+
+        def call(i: int) -> torch.Tensor:
+            return run(inp.qs[i], ks[i], vs[i], use_gqa)
+
+        return Prepared(call=call, setup_bytes=setup, notes=notes, zero_rows=empty)
+
+    return Competitor(name, "torch", prepare)
+
+
+def _set_dynamo_limits() -> None:
+    """Raise dynamo's recompile limit and make hitting it an error, not a silent fallback to eager."""
+    import torch._dynamo.config as dcfg
+
+    names = getattr(dcfg, "_config", {})
+    for attr in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if attr in names or hasattr(dcfg, attr):
+            with contextlib.suppress(Exception):
+                setattr(dcfg, attr, max(int(getattr(dcfg, attr)), 256))
+    for attr in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+        if attr in names or hasattr(dcfg, attr):
+            with contextlib.suppress(Exception):
+                setattr(dcfg, attr, True)
+
+
+#: Compile and run flex on CPU tensors too (off: compiling there is slow; on for debugging the harness).
+FLEX_ON_CPU = False
+
+
+def _flex_competitor() -> Competitor:
+    def prepare(inp: CaseInputs) -> Prepared:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError as e:
+            raise Unavailable(f"torch.nn.attention.flex_attention not importable: {e}") from None
+        if inp.device.type != "cuda" and not FLEX_ON_CPU:
+            raise Unsupported("flex is benchmarked on CUDA only (compiling it on a CPU costs more than a smoke run)")
+        import torch._dynamo
+
+        case, spec = inp.case, inp.spec
+        mask_mod, score_mod, by_b, by_h = spec.flex_mods()
+        torch._dynamo.reset()  # one static compilation per case
+        _set_dynamo_limits()
+        block_mask = None
+        setup = 0
+        if mask_mod is not None:
+            block_mask = create_block_mask(
+                mask_mod, case.B if by_b else None, case.Hq if by_h else None, case.Nq, case.nk, device=inp.device
+            )
+            with contextlib.suppress(Exception):
+                setup = sum(t.numel() * t.element_size() for t in block_mask.as_tuple() if isinstance(t, torch.Tensor))
+        compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        gqa = case.Hq != case.hkv
+        scale = 1.0 / math.sqrt(case.D)
+
+        def call(i: int) -> torch.Tensor:
+            kw = {"enable_gqa": True} if gqa else {}
+            return compiled(inp.qs[i], inp.ks[i], inp.vs[i], score_mod=score_mod, block_mask=block_mask,
+                            scale=scale, **kw)
+
+        from torch._dynamo.utils import counters
+
+        state: dict[str, int | None] = {"graphs": None}
+
+        def graphs() -> int:
+            return int(counters["stats"]["unique_graphs"])
+
+        def mark() -> str | None:
+            old, state["graphs"] = state["graphs"], graphs()
+            if old is not None and state["graphs"] != old:
+                return f"dynamo compiled {state['graphs'] - old} more graph(s) after the first call (before timing)"
+            return None
+
+        def after_timing() -> str | None:
+            if state["graphs"] is not None and graphs() != state["graphs"]:
+                return "dynamo compiled a new graph during the timed calls (recompilation)"
+            return None
+
+        return Prepared(call=call, setup_bytes=setup, zero_rows=empty_rows(spec), after_timing=after_timing,
+                        mark=mark)
+
+    return Competitor("flex", "torch", prepare)
+
+
+def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
+    """The competitors by name (default: every attnlab backend docs/contract.md lists or the registry holds,
+    except ``reference``; then ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``, ``flex``)."""
+    from attnlab import backends as _b
+
+    attn = list(DESIGN_BACKENDS) + [n for n in _b.registry() if n not in DESIGN_BACKENDS and n != "reference"]
+    known = [*attn, "reference", *SDPA_KINDS, "flex"]
+    names = [*attn, *SDPA_KINDS, "flex"] if names is None else list(names)
+    out = []
+    for n in names:
+        if n in SDPA_KINDS:
+            out.append(_sdpa_competitor(n))
+        elif n == "flex":
+            out.append(_flex_competitor())
+        elif n in known or n in _b.registry():
+            out.append(_attnlab_competitor(n))
+        else:
+            raise ValueError(f"unknown competitor {n!r}; choose from {known}")
+    return out

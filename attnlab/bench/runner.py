@@ -1,0 +1,247 @@
+"""Running one competitor on one case: check first, then memory, then timing; every failure is a row."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attnlab.bench.competitors import Competitor, Unavailable, Unsupported
+from attnlab.bench.counting import allowed_count, min_bytes
+from attnlab.bench.schema import COLUMNS, MIB
+from attnlab.bench.suites import BenchCase
+from attnlab.bench.timing import (
+    DEFAULT_BUDGET_MS,
+    DEFAULT_MIN_REPS,
+    DEFAULT_REPS,
+    _eager_fallbacks,
+    _free,
+    _median,
+    _quantile,
+    _reps_and_warmup,
+    _sync,
+    _timing,
+    measure_peak,
+    time_calls,
+)
+from attnlab.bench.truth import CaseInputs, Truth, make_case_inputs, make_truth, take_slice
+from attnlab.masks import MaskSpec
+
+# ---------------------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    """How to measure (see the module docstring)."""
+
+    device: str = "cuda"
+    max_reps: int = DEFAULT_REPS
+    min_reps: int = DEFAULT_MIN_REPS
+    budget_ms: float = DEFAULT_BUDGET_MS
+    seed: int = 0
+    deadline: float | None = None  #: time.time() after which no new measurement starts
+    max_call_s: float = 2.5  #: skip a competitor whose smaller cases predict a longer call (see main)
+    run_id: str = ""
+    gpu: str = ""
+
+
+class ContextLost(Exception):
+    """A CUDA error that poisons the context: nothing more can run in this process."""
+
+    def __init__(self, backend: str, case: str, message: str):
+        super().__init__(message)
+        self.backend, self.case = backend, case
+
+
+def _is_oom(e: BaseException) -> bool:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    msg = str(e).lower()
+    return "out of memory" in msg and "shared memory" not in msg
+
+
+def _context_ok(device: torch.device) -> bool:
+    """Whether the CUDA context still works after an exception (a sticky error makes every call fail)."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        x = torch.ones(4, device=device) + 1
+        return float(x.sum()) == 8.0
+    except Exception:
+        return False
+
+
+def _short(e: BaseException, n: int = 300) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg[:n]}"
+
+
+def _row(case: BenchCase, comp: Competitor, opts: Options, counts: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    row = {c: "" for c in COLUMNS}
+    row.update(case.describe())
+    row.update(counts)
+    row.update(run_id=opts.run_id, backend=comp.name, family=comp.family, device=opts.device, gpu=opts.gpu)
+    row.update(kw)
+    return row
+
+
+def case_counts(case: BenchCase, spec: MaskSpec | None = None) -> dict[str, Any]:
+    """flops, bytes and allowed_frac of a case (see :func:`useful_flops`, :func:`min_bytes`)."""
+    spec = spec if spec is not None else case.spec()
+    n = allowed_count(spec)
+    total = case.B * case.Hq * case.Nq * case.nk
+    return {"flops": 4 * case.D * n, "bytes": min_bytes(case, spec), "allowed_frac": n / total if total else 0.0}
+
+
+def run_one(
+    comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options, counts: dict[str, Any], max_reps: int,
+    budget_ms: float, min_reps: int,
+) -> dict[str, Any]:
+    """Check, then (only if it passed) measure memory and time one competitor on one case: one CSV row."""
+    from attnlab.check import compare
+
+    case, dev = inp.case, inp.device
+    base = {"sets": inp.sets, "check_scope": truth.scope}
+    try:
+        prep = comp.prepare(inp)
+    except Unavailable as e:
+        return _row(case, comp, opts, counts, status="unavailable", notes=str(e), **base)
+    except Unsupported as e:
+        return _row(case, comp, opts, counts, status="unsupported", notes=str(e), **base)
+    except Exception as e:
+        return _failure_row(case, comp, opts, counts, e, dev, "setup", base)
+    notes = list(prep.notes)
+    # 1. the checked call (set 0); for attnlab backends the output is poisoned first (every element written)
+    try:
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = (prep.check_call or prep.call)(0)
+            _sync(dev)
+        first_s = time.perf_counter() - t0
+        if prep.mark is not None:
+            prep.mark()
+        fallback = _eager_fallbacks(caught)
+        if comp.name == "flex" and first_s > 1.0:
+            notes.append(f"first call (compile) {first_s:.1f} s")
+        got = out
+        if prep.zero_rows is not None and bool(prep.zero_rows.any()):
+            got = out.masked_fill(prep.zero_rows, 0.0)
+            notes.append(f"{int(prep.zero_rows.sum())} empty rows zeroed before checking")
+        rep = compare(take_slice(got, truth.sl), truth.ref, dtype=case.torch_dtype, base=truth.base)
+        del out, got
+    except Exception as e:
+        return _failure_row(case, comp, opts, counts, e, dev, "first call", base, notes)
+    base.update(max_abs_err=rep.max_abs, rel_l2=rep.rel_l2, setup_mib=prep.setup_bytes / MIB,
+                base_max_abs="" if rep.base_max_abs is None else rep.base_max_abs)
+    if fallback:
+        return _row(case, comp, opts, counts, status="fallback", passed=bool(rep.passed),
+                    notes="; ".join(notes + fallback[:1]), **base)
+    if not rep.passed:
+        notes.append(repr(rep))
+        return _row(case, comp, opts, counts, status="failed", passed=False, notes="; ".join(notes), **base)
+    # 2. memory and a first estimate; 3. warm-up and the timed calls
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            est_ms, peak = measure_peak(prep.call, 1 % inp.sets, dev)
+            reps, warm = _reps_and_warmup(est_ms, max_reps, budget_ms, min_reps)
+            if warm:
+                time_calls(prep.call, inp.sets, warm, dev, start=2)
+            if prep.mark is not None:
+                changed = prep.mark()
+                if changed:
+                    notes.append(changed)
+            times = time_calls(prep.call, inp.sets, reps, dev, start=2 + warm)
+        bad = prep.after_timing() if prep.after_timing is not None else None
+        eager = _eager_fallbacks(caught)
+        if bad or eager:
+            return _row(case, comp, opts, counts, status="fallback", passed=True,
+                        notes="; ".join([*notes, bad or eager[0]]), **base)
+        other = sorted({str(w.message).split("\n")[0][:120] for w in caught})
+        notes += [f"warning: {w}" for w in other[:2]]
+    except Exception as e:
+        return _failure_row(case, comp, opts, counts, e, dev, "timed calls", base, notes, passed=True)
+    ms = _median(times)
+    row = _row(
+        case, comp, opts, counts, status="ok", passed=True, ms=ms, ms_min=min(times),
+        ms_iqr=_quantile(times, 0.75) - _quantile(times, 0.25), reps=len(times),
+        tflops=counts["flops"] / (ms * 1e-3) / 1e12, gbps=counts["bytes"] / (ms * 1e-3) / 1e9,
+        peak_extra_mib=peak, notes="; ".join(notes), **base,
+    )
+    return row
+
+
+def _failure_row(case, comp, opts, counts, e, dev, where, base, notes=(), passed="") -> dict[str, Any]:
+    """The row of a competitor that raised: oom, error, or :class:`ContextLost` when CUDA is unusable."""
+    notes = list(notes)
+    # The traceback's frames hold the failed call's tensors (after an OOM, gigabytes): drop them first.
+    traceback.clear_frames(e.__traceback__)
+    e.__traceback__ = None
+    if _is_oom(e):
+        _free(dev)
+        return _row(case, comp, opts, counts, status="oom", passed=passed,
+                    notes="; ".join([*notes, f"out of memory in {where}: {_short(e, 160)}"]), **base)
+    if not _context_ok(dev):
+        raise ContextLost(comp.name, case.name, _short(e)) from e
+    _free(dev)
+    return _row(case, comp, opts, counts, status="error", passed=passed,
+                notes="; ".join([*notes, f"{where}: {_short(e)}"]), **base)
+
+
+def run_case(
+    case: BenchCase, comps: Sequence[Competitor], opts: Options, *, skip: Callable[[str], str | None] | None = None,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every competitor on one case; ``skip(name)`` returns a reason to record a competitor as skipped."""
+    dev = torch.device(opts.device)
+    max_reps, budget, min_reps = _timing(case, opts)
+    counts = case_counts(case)
+    rows: list[dict[str, Any]] = []
+
+    def emit(row):
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    todo = []
+    for comp in comps:
+        why = skip(comp.name) if skip is not None else None
+        if why is not None:
+            emit(_row(case, comp, opts, counts, status="skipped", notes=why))
+        else:
+            todo.append(comp)
+    if not todo:
+        return rows
+    strict = torch.float32 == case.torch_dtype
+    from attnlab.check import strict_fp32
+
+    with strict_fp32() if strict else contextlib.nullcontext():
+        try:
+            inp = make_case_inputs(case, dev, seed=opts.seed)
+            truth = make_truth(inp)
+        except Exception as e:
+            if not _is_oom(e) and not _context_ok(dev):
+                raise ContextLost("(inputs/reference)", case.name, _short(e)) from e
+            _free(dev)
+            status = "oom" if _is_oom(e) else "error"
+            for comp in todo:
+                emit(_row(case, comp, opts, counts, status=status, notes=f"inputs/reference: {_short(e)}"))
+            return rows
+        for comp in todo:
+            if opts.deadline is not None and time.time() > opts.deadline:
+                emit(_row(case, comp, opts, counts, status="skipped", notes="deadline reached"))
+                continue
+            emit(run_one(comp, inp, truth, opts, counts, max_reps, budget, min_reps))
+        del inp, truth
+    _free(dev)
+    return rows

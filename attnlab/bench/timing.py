@@ -1,0 +1,111 @@
+"""Timing: CUDA events around each call (perf_counter on a CPU), peak memory of one call, how many calls a
+measurement gets, robust statistics."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attnlab.bench.schema import MIB
+from attnlab.bench.suites import SUITES, BenchCase
+
+if TYPE_CHECKING:
+    from attnlab.bench.runner import Options
+
+
+def _eager_fallbacks(caught: list) -> list[str]:
+    """The recorded warnings that say flex_attention ran eagerly (unfused) instead of compiled."""
+    return [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
+
+
+def _timing(case: BenchCase, opts: Options) -> tuple[int, float, int]:
+    """(most timed calls, timing budget in ms, fewest timed calls) for ``case``: the suite's override, never
+    more calls than the options allow."""
+    suite = SUITES.get(case.suite)
+    timing = suite.timing if suite is not None else None
+    max_reps, budget, min_reps = timing or (opts.max_reps, opts.budget_ms, opts.min_reps)
+    return min(max_reps, opts.max_reps), budget, min(min_reps, opts.min_reps)
+
+
+def _reps_and_warmup(est_ms: float, max_reps: int, budget_ms: float, min_reps: int) -> tuple[int, int]:
+    """Timed calls (the budget over the estimated call, clamped) and warm-up calls (fewer for long calls)."""
+    reps = int(min(max_reps, max(min_reps, budget_ms // max(est_ms, 1e-3))))
+    return reps, 0 if est_ms > 20 else (2 if est_ms > 2 else 5)
+DEFAULT_REPS, DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS = 30, 100.0, 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Timing and memory
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(call: Callable[[int], Any], sets: int, reps: int, device: torch.device, start: int = 0) -> list[float]:
+    """Milliseconds of ``reps`` calls rotating over ``sets`` input sets: CUDA events around each call on a
+    GPU (the calls are queued back to back; one synchronize at the end), ``perf_counter`` on a CPU."""
+    if device.type == "cuda":
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for r in range(reps):
+            ev[r][0].record()
+            call((start + r) % sets)
+            ev[r][1].record()
+        torch.cuda.synchronize(device)
+        return [a.elapsed_time(b) for a, b in ev]
+    times = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        call((start + r) % sets)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def measure_peak(call: Callable[[int], torch.Tensor], i: int, device: torch.device) -> tuple[float, float]:
+    """(ms of one call, peak extra MiB beyond what was allocated before and the output); MiB is NaN on CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        call(i)
+        return (time.perf_counter() - t0) * 1e3, float("nan")
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    out = call(i)
+    b.record()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    out_bytes = out.untyped_storage().nbytes() if isinstance(out, torch.Tensor) else 0
+    del out
+    return a.elapsed_time(b), max(0.0, (peak - before - out_bytes) / MIB)
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _quantile(xs: Sequence[float], p: float) -> float:
+    s = sorted(xs)
+    pos = p * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _free(device: torch.device) -> None:
+    """Collect garbage and hand torch's cached blocks back (between measurements)."""
+    gc.collect()
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()

@@ -1,0 +1,4 @@
+"""What only the notebooks use: the memory model (:mod:`~attnlab.lessons.memory`), precision experiments
+(:mod:`~attnlab.lessons.precision`), online-softmax traces (:mod:`~attnlab.lessons.online_softmax`), the CUDA
+kernels' sources and thread maps (:mod:`~attnlab.lessons.kernel_notes`), common mistakes
+(:mod:`~attnlab.lessons.mistakes`) and the figures (:mod:`~attnlab.lessons.plots`)."""
