@@ -216,7 +216,7 @@ def time_case(B: int, Hq: int, Hkv: int, Nk: int, sm: int, sweep: bool, D: int =
             entry(f"  sweep default splits={s}", ours(splits=s), lambda: out)
     print(f"-- B{B} Hq{Hq} Hkv{Hkv} Nk{Nk}: {gbytes * 1e3:.0f} MB of K/V", flush=True)
     for label, ms, note in rows:
-        fig = f"{ms * 1e3:9.1f} us {gbytes / ms:8.0f} GB/s" if ms is not None else f"{'-':>23s}"
+        fig = f"{ms * 1e3:9.1f} us {gbytes * 1e3 / ms:8.0f} GB/s" if ms is not None else f"{'-':>23s}"
         print(f"   {label:30s} {fig}  {note}", flush=True)
 
 
