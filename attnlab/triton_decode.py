@@ -42,12 +42,15 @@ triton 3.4 to 3.9 and run through Triton's interpreter on CPU tensors (``attnlab
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from attnlab import triton_fwd as _fwd
+from attnlab.paged import PagedKV, paged_kv
 from attnlab.problem import Problem
-from attnlab.triton_fwd import _IMPORT_ERROR, LOG2E, _interpreted_fn, _interpreter, tl, triton
+from attnlab.triton_fwd import tl, triton
 
 #: The decode path is for at most this many query rows (larger Nq is a prefill: the fused forward).
 MAX_DECODE_NQ = 16
@@ -57,7 +60,7 @@ MAX_BLOCK_M = 64
 MAX_SPLITS = 256
 MIN_TILES_PER_SPLIT = 4
 #: Programs aimed for per SM when choosing the split count (a few waves of resident programs).
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 2
 #: The interpreter's fixed split count when none is forced (so CPU runs exercise the merge).
 INTERPRETER_SPLITS = 3
 
@@ -158,13 +161,13 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, K, V, BlockTable, KvLen, QLen, Explicit, Out, Lse, WsM, WsL, WsAcc,
+        Q, K, V, BlockTable, KvLen, QLen, Explicit,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
         s_btb, s_eb, s_eh, s_ei, s_ej,
-        s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
         Hq, Nq, Nk, D, group, row_tiles, num_blocks, block_size, qk_scale, win_left, win_right,
+        Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -334,7 +337,7 @@ class DecodeConfig:
 
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
 
 #: The interpreter's config: 16-key tiles, so short CPU sequences span several tiles per split.
@@ -342,11 +345,13 @@ INTERPRETER_CONFIG = DecodeConfig(16, 1, 1)
 
 
 def default_config(dtype: torch.dtype, D: int) -> DecodeConfig:
-    """The GPU config for a dtype and head dim (sized for Hopper/Ampere shared memory)."""
+    """The GPU config for a dtype and head dim. bf16 D128 on the H200 (data/gpu_tests/nvidia-h200-decode-
+    run1.txt, B1 Hq32 Hkv32 Nk131072, where the GPU and not the host sets the time): (64, 4, 2) 516 us,
+    (64, 4, 3) 546, (32, 4, 2) 532, (128, 4, 4) 505 but slower elsewhere."""
     block_d = _block_d(D)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2) if block_d <= 128 else DecodeConfig(16, 4, 2)
-    return DecodeConfig(64, 4, 3) if block_d <= 128 else DecodeConfig(32, 4, 2)
+    return DecodeConfig(64, 4, 2) if block_d <= 128 else DecodeConfig(32, 4, 2)
 
 
 def _pow2(n: int) -> int:
@@ -380,62 +385,20 @@ def num_splits(prob: Problem, cfg: DecodeConfig, sm_count: int, interpret: bool 
     return (tiles + per - 1) // per
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def workspace_bytes(prob: Problem, splits: int) -> int:
     """Extra device memory of the split states: m, l and acc (float32) per (b, h, i, split); 0 for one."""
     return 0 if splits <= 1 else prob.B * prob.Hq * prob.Nq * splits * (prob.D + 2) * 4
 
 
-@dataclass(frozen=True)
-class PagedKV:
-    """A validated paged cache: caches [num_blocks, block_size, Hkv, D], block table int32 [B, max_blocks]."""
-
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    block_table: torch.Tensor
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k_cache.shape[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.k_cache.shape[1]
-
-
-def paged_kv(prob: Problem, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-             block_size: int | None = None) -> PagedKV:
-    """Check a paged cache against ``prob`` (shapes, dtypes, devices; host-side only, no device sync).
-    ``prob.Nk`` must be max_blocks * block_size; the kernel clamps the ids, so their values are not read."""
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-        if t.device != prob.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {prob.device}")
-    if k_cache.dim() != 4 or tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"k_cache and v_cache must be [num_blocks, block_size, Hkv, D] of one shape; got "
-                         f"{list(k_cache.shape)} and {list(v_cache.shape)}")
-    nb, bs, hkv, d = k_cache.shape
-    if (hkv, d) != (prob.Hkv, prob.D) or nb == 0 or bs == 0:
-        raise ValueError(f"caches [num_blocks, block_size, Hkv, D] = {list(k_cache.shape)} do not fit Hkv="
-                         f"{prob.Hkv}, D={prob.D} (and need num_blocks, block_size >= 1)")
-    if block_size is not None and block_size != bs:
-        raise ValueError(f"block_size={block_size} but the caches hold blocks of {bs} keys")
-    if k_cache.dtype != prob.dtype or v_cache.dtype != prob.dtype:
-        raise TypeError(f"caches must have q's dtype {prob.dtype}; got {k_cache.dtype}, {v_cache.dtype}")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != prob.B:
-        raise ValueError(f"block_table must be int32 [B={prob.B}, max_blocks]; got {block_table.dtype} "
-                         f"{list(block_table.shape)}")
-    if block_table.shape[1] * bs != prob.Nk:
-        raise ValueError(f"Nk={prob.Nk} must be max_blocks * block_size = {block_table.shape[1]} * {bs}")
-    if block_table.shape[1] > 0 and block_table.stride(1) != 1:
-        block_table = block_table.contiguous()
-    return PagedKV(k_cache, v_cache, block_table)
-
-
 def decode_supported(prob: Problem) -> str | None:
     """Why the decode path cannot (or should not) run ``prob``, or None when it can."""
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
+    if _fwd._IMPORT_ERROR is not None:
+        return _fwd._IMPORT_ERROR
     if prob.device.type not in ("cuda", "cpu"):
         return f"runs on CUDA tensors (compiled) or CPU tensors (interpreter); got {prob.device}"
     if prob.Nq > MAX_DECODE_NQ:
@@ -446,19 +409,6 @@ def decode_supported(prob: Problem) -> str | None:
         if torch.cuda.get_device_capability(prob.device)[0] < 8:
             return "bfloat16 needs compute capability 8.0 or newer"
     return None
-
-
-@dataclass
-class _Workspace:
-    m: torch.Tensor
-    l: torch.Tensor
-    acc: torch.Tensor
-
-
-def _workspace(prob: Problem, splits: int) -> _Workspace:
-    rows = prob.B * prob.Hq * prob.Nq * splits
-    f32 = dict(dtype=torch.float32, device=prob.device)
-    return _Workspace(torch.empty(rows, **f32), torch.empty(rows, **f32), torch.empty(rows * prob.D, **f32))
 
 
 def decode_forward(
@@ -481,13 +431,17 @@ def decode_forward(
     Nk = max_blocks * block_size), and its k and v are never read (they may be stride-0 placeholders).
     ``block_size`` is optional (it is the caches' second dim). ``splits`` forces the split count (default:
     :func:`num_splits`; a fixed INTERPRETER_SPLITS on CPU); ``config`` the GPU tile config.
+
+    Repeated GPU calls with one Problem (and the same caches) reuse its launch plan, kept in ``prob.cache``:
+    the kernels' arguments and compiled kernels, launched without Triton's JIT dispatch (``FAST_LAUNCH``).
     """
     paged = None
     given = [x is not None for x in (k_cache, v_cache, block_table)]
     if any(given):
         if not all(given):
             raise ValueError("a paged cache needs k_cache, v_cache and block_table together")
-        paged = paged_kv(prob, k_cache, v_cache, block_table, block_size)
+        paged = paged_kv(k_cache, v_cache, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk,
+                         dtype=prob.dtype, device=prob.device, block_size=block_size)
     if out.numel() == 0 or prob.Nk == 0:
         out.zero_()
         if lse is not None:
@@ -499,72 +453,124 @@ def decode_forward(
         n_split = splits or INTERPRETER_SPLITS
     else:
         cfg = config or default_config(prob.dtype, prob.D)
-        if splits is None:
-            sm = torch.cuda.get_device_properties(prob.device).multi_processor_count
-            n_split = num_splits(prob, cfg, sm)
-        else:
-            n_split = splits
+        n_split = splits if splits is not None else num_splits(prob, cfg, _sm_count(prob.device.index or 0))
     if n_split < 1:
         raise ValueError(f"splits must be at least 1; got {n_split}")
-    with (torch.cuda.device(prob.device) if not interpret else contextlib.nullcontext()):
-        _launch(prob, out, lse, cfg, n_split, paged, interpret)
+    if interpret:
+        _Plan(prob, cfg, n_split, paged, True).launch(out, lse)
+        return
+    key = (cfg, n_split, None if paged is None else tuple(
+        (t.data_ptr(), t.shape, t.stride()) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
+    plans = prob.cache.setdefault("triton_decode_plans", {})
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _Plan(prob, cfg, n_split, paged, False)
+    with torch.cuda.device(prob.device):
+        plan.launch(out, lse)
 
 
-def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: DecodeConfig, n_split: int,
-            paged: PagedKV | None, interpret: bool) -> None:
-    """Launch the split kernel (and, with more than one split, the merge)."""
-    spec = prob.spec
-    q = prob.q
-    if paged is None:
-        k, v, bt = prob.k, prob.v, q
-        # dense: (batch, head, key, d) strides; the block-table arguments are unused
-        k_strides, v_strides, s_bt, nb, bs = prob.k.stride(), prob.v.stride(), 0, 1, 1
-    else:
-        k, v, bt = paged.k_cache, paged.v_cache, paged.block_table
-        # paged caches [block, slot, head, d]: passed as (block, head, slot, d) to match the dense order
-        ks, vs = k.stride(), v.stride()
-        k_strides, v_strides = (ks[0], ks[2], ks[1], ks[3]), (vs[0], vs[2], vs[1], vs[3])
-        s_bt, nb, bs = bt.stride(0), paged.num_blocks, paged.block_size
-    explicit = spec.mask if spec.mask is not None else spec.bias
-    if explicit is not None and explicit.dtype == torch.bool:
-        explicit = explicit.view(torch.uint8)
-    e = explicit if explicit is not None else q
-    e_strides = explicit.stride() if explicit is not None else (0, 0, 0, 0)
-    kv_len = spec.kv_len if spec.kv_len is not None else q
-    q_len = spec.q_len if spec.q_len is not None else q
-    final = n_split == 1
-    ws = None if final else _workspace(prob, n_split)
-    lse_arg = lse if lse is not None else out
-    l_strides = lse.stride() if lse is not None else (0, 0, 0)
-    half = prob.dtype != torch.float32
-    bm = block_m(prob, interpret)
-    n_rt = row_tiles(prob, interpret)
-    block_d = _block_d(prob.D)
-    args = (
-        q, k, v, bt, kv_len, q_len, e, out, lse_arg,
-        *((out, out, out) if ws is None else (ws.m, ws.l, ws.acc)),
-        *q.stride(), *k_strides, *v_strides, s_bt, *e_strides, *out.stride(), *l_strides,
-        prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, bs, prob.scale * LOG2E,
-        spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
-    )
-    constants = dict(
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == prob.D,
-        HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
-        BOTTOM_RIGHT=spec.align == "bottom_right", HAS_KV_LEN=spec.kv_len is not None,
-        HAS_Q_LEN=spec.q_len is not None, HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
-        PAGED=paged is not None, FINAL=final, WRITE_LSE=lse is not None,
-        # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast first (exact)
-        UPCAST=interpret and half, DOT_PRECISION="ieee",
-    )
-    grid = (n_split, prob.Hkv * n_rt, prob.B)
-    with _interpreter() if interpret else contextlib.nullcontext():
-        split_kernel = _interpreted_fn(_decode_split_kernel) if interpret else _decode_split_kernel
-        split_kernel[grid](*args, **constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if ws is None:
+class _Kernel:
+    """One kernel on one grid with fixed constants: the first launch of each specialization (``key``: what
+    the JIT specializes the per-call arguments on) goes through Triton's JIT, later ones call the compiled
+    kernel's launcher directly, as attnlab.triton_fwd's plans do (the launcher takes the constants too)."""
+
+    def __init__(self, fn, grid: tuple[int, int, int], constants: dict, num_warps: int, num_stages: int):
+        self.fn, self.grid, self.constants = fn, grid, constants
+        self.options = dict(num_warps=num_warps, num_stages=num_stages)
+        self.compiled: dict[tuple, object] = {}
+
+    def launch(self, args: tuple, key: tuple, device: int) -> None:
+        kernel = self.compiled.get(key)
+        if kernel is None or not _fwd.FAST_LAUNCH:
+            kernel = self.fn[self.grid](*args, **self.constants, **self.options)
+            if _fwd.FAST_LAUNCH and _fwd._fast_launch_supported(kernel):
+                self.compiled[key] = kernel
             return
-        merge_kernel = _interpreted_fn(_decode_merge_kernel) if interpret else _decode_merge_kernel
-        merge_kernel[(prob.B * prob.Hq * prob.Nq,)](
-            ws.m, ws.l, ws.acc, out, lse_arg, *out.stride(), *l_strides, prob.Hq, prob.Nq, prob.D, n_split,
-            BLOCK_S=min(64, _pow2(n_split)), BLOCK_D=block_d, WRITE_LSE=lse is not None,
-            num_warps=4 if block_d >= 128 else 2,
+        full = (*args, *(self.constants[p.name] for p in self.fn.params if p.is_constexpr))
+        stream = _fwd._current_stream(device)
+        hooks = triton.knobs.runtime
+        kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(self.grid, stream, *full), hooks.launch_enter_hook,
+                   hooks.launch_exit_hook, *full)
+
+
+def _layout_key(*tensors: torch.Tensor) -> tuple:
+    """What the JIT specializes tensors on (dtype, strides, 16-byte alignment)."""
+    return tuple((t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in tensors)
+
+
+class _Plan:
+    """The launches of one problem with one config, split count and cache: the split kernel and, with more
+    than one split, the merge. The workspace is allocated per call (stream-ordered by torch's allocator)."""
+
+    def __init__(self, prob: Problem, cfg: DecodeConfig, n_split: int, paged: PagedKV | None, interpret: bool):
+        spec, q = prob.spec, prob.q
+        self.prob, self.n_split, self.interpret = prob, n_split, interpret
+        if paged is None:
+            k, v, bt = prob.k, prob.v, q  # the block-table arguments are unused
+            k_strides, v_strides, s_bt, nb, bs = k.stride(), v.stride(), 0, 1, 1
+        else:
+            k, v, bt = paged.k_cache, paged.v_cache, paged.block_table
+            # caches [block, slot, head, d], passed as (block, head, slot, d): the dense argument order
+            (k0, k1, k2, k3), (v0, v1, v2, v3) = k.stride(), v.stride()
+            k_strides, v_strides = (k0, k2, k1, k3), (v0, v2, v1, v3)
+            s_bt, nb, bs = bt.stride(0), paged.num_blocks, paged.block_size
+        explicit = spec.mask if spec.mask is not None else spec.bias
+        if explicit is not None and explicit.dtype == torch.bool:
+            explicit = explicit.view(torch.uint8)
+        e = explicit if explicit is not None else q
+        e_strides = explicit.stride() if explicit is not None else (0, 0, 0, 0)
+        n_rt = row_tiles(prob, interpret)
+        self.fixed = (
+            q, k, v, bt, spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q,
+            e, *q.stride(), *k_strides, *v_strides, s_bt, *e_strides,
+            prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, bs, prob.scale * _fwd.LOG2E,
+            spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
         )
+        self.block_d = _block_d(prob.D)
+        self.constants = dict(
+            BLOCK_M=block_m(prob, interpret), BLOCK_N=cfg.block_n, BLOCK_D=self.block_d,
+            EVEN_D=self.block_d == prob.D, HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
+            BOTTOM_RIGHT=spec.align == "bottom_right", HAS_KV_LEN=spec.kv_len is not None,
+            HAS_Q_LEN=spec.q_len is not None, HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
+            PAGED=paged is not None, FINAL=n_split == 1,
+            # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast first (exact)
+            UPCAST=interpret and prob.dtype != torch.float32, DOT_PRECISION="ieee",
+        )
+        self.cfg, self.grid = cfg, (n_split, prob.Hkv * n_rt, prob.B)
+        self.kernels: dict[bool, tuple[_Kernel, _Kernel]] = {}  # write_lse -> (split, merge)
+
+    def _kernels(self, write_lse: bool) -> tuple[_Kernel, _Kernel]:
+        got = self.kernels.get(write_lse)
+        if got is None:
+            prob, cfg = self.prob, self.cfg
+            split_fn, merge_fn = _decode_split_kernel, _decode_merge_kernel
+            if self.interpret:
+                split_fn, merge_fn = _fwd._interpreted_fn(split_fn), _fwd._interpreted_fn(merge_fn)
+            split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), cfg.num_warps,
+                            cfg.num_stages)
+            merge = _Kernel(merge_fn, (prob.B * prob.Hq * prob.Nq, 1, 1),
+                            dict(BLOCK_S=min(64, _pow2(self.n_split)), BLOCK_D=self.block_d, WRITE_LSE=write_lse),
+                            4 if self.block_d >= 128 else 2, 1)
+            got = self.kernels[write_lse] = (split, merge)
+        return got
+
+    def launch(self, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        prob, S = self.prob, self.n_split
+        split, merge = self._kernels(lse is not None)
+        lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
+        l_strides = lse.stride() if lse is not None else (0, 0, 0)
+        if S == 1:
+            ws_m = ws_l = ws_acc = out
+        else:
+            rows = prob.B * prob.Hq * prob.Nq * S
+            ws = torch.empty(rows * (prob.D + 2), dtype=torch.float32, device=prob.device)
+            ws_m, ws_l, ws_acc = ws[:rows], ws[rows:2 * rows], ws[2 * rows:]
+        per_call = (out, lse_arg, ws_m, ws_l, ws_acc, *out.stride(), *l_strides)
+        key = _layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
+        device = prob.device.index or 0
+        with _fwd._interpreter() if self.interpret else contextlib.nullcontext():
+            split.launch((*self.fixed, *per_call), key, device)
+            if S > 1:
+                merge.launch((ws_m, ws_l, ws_acc, out, lse_arg, *out.stride(), *l_strides, prob.Hq, prob.Nq,
+                              prob.D, S), key, device)

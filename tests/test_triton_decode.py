@@ -235,3 +235,11 @@ def test_num_splits_fills_the_gpu():
         assert td.workspace_bytes(p, s) == B * Hq * s * (128 + 2) * 4
     assert td.num_splits(prob(64, 32, 8, 256), cfg, sm_count=132) == 1  # enough programs already
     assert td.workspace_bytes(prob(1, 2, 2, 64), 1) == 0
+
+
+def test_paged_dense_view_gathers_the_table():
+    k = torch.randn(2, 3, 32, 8)
+    k_cache, v_cache, table = _paged_from_dense(k, -k, 16, [32, 16])
+    paged = td.paged_kv(k_cache, v_cache, table, B=2, Hkv=3, D=8, Nk=32, dtype=k.dtype, device=k.device)
+    dk, dv = paged.dense()
+    assert torch.equal(dk[0], k[0]) and torch.equal(dk[1, :, :16], k[1, :, :16]) and torch.equal(dv[0], -k[0])
