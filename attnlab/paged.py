@@ -1,0 +1,75 @@
+"""Paged KV caches (FlashAttention's ``flash_attn_with_kvcache`` convention): validation and the dense view.
+
+k and v caches are ``[num_blocks, block_size, Hkv, D]``; ``block_table`` is an int32 ``[B, max_blocks]``
+tensor, and logical key j of batch b lives at ``cache[block_table[b, j // block_size], j % block_size]``;
+Nk = max_blocks * block_size. The checks here are host-side (shapes, dtypes, devices): they never read the
+table's values, so they cost no device sync; kernels clamp block ids instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """A validated paged cache: caches [num_blocks, block_size, Hkv, D], block table int32 [B, max_blocks]."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def Nk(self) -> int:
+        return self.block_table.shape[1] * self.block_size
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logical k and v as [B, Hkv, Nk, D] copies (ids clamped into range, as the kernels read them)."""
+        ids = self.block_table.long().clamp(0, self.num_blocks - 1)
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            B, mb = ids.shape
+            x = cache[ids.reshape(-1)].reshape(B, mb * self.block_size, cache.shape[2], cache.shape[3])
+            return x.transpose(1, 2)
+
+        return gather(self.k_cache), gather(self.v_cache)
+
+
+def paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, *, B: int, Hkv: int, D: int,
+             Nk: int, dtype: torch.dtype, device: torch.device, block_size: int | None = None) -> PagedKV:
+    """Check a paged cache against the problem's B, Hkv, D, Nk (= max_blocks * block_size), dtype and
+    device; raise TypeError/ValueError naming what is wrong. A strided block table is made contiguous."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    if k_cache.dim() != 4 or tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"k_cache and v_cache must be [num_blocks, block_size, Hkv, D] of one shape; got "
+                         f"{list(k_cache.shape)} and {list(v_cache.shape)}")
+    nb, bs, hkv, d = k_cache.shape
+    if (hkv, d) != (Hkv, D) or nb == 0 or bs == 0:
+        raise ValueError(f"caches [num_blocks, block_size, Hkv, D] = {list(k_cache.shape)} do not fit Hkv={Hkv}, "
+                         f"D={D} (and need num_blocks, block_size >= 1)")
+    if block_size is not None and block_size != bs:
+        raise ValueError(f"block_size={block_size} but the caches hold blocks of {bs} keys")
+    if k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise TypeError(f"caches must have q's dtype {dtype}; got {k_cache.dtype}, {v_cache.dtype}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"block_table must be int32 [B={B}, max_blocks]; got {block_table.dtype} "
+                         f"{list(block_table.shape)}")
+    if block_table.shape[1] * bs != Nk:
+        raise ValueError(f"Nk={Nk} must be max_blocks * block_size = {block_table.shape[1]} * {bs}")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    return PagedKV(k_cache, v_cache, block_table)
