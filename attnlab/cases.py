@@ -283,6 +283,20 @@ def n8192_cases() -> list[Case]:
 ]
 
 
+def decode_cases() -> list[Case]:
+    """A few query rows against a longer cache (what the split-KV decode path takes): GQA packing, ragged
+    kv_len including 0, speculative rows (causal bottom-right, Nq > 1), windows, masks, views, odd D."""
+    return [
+    Case("dec_nq1_gqa4", B=2, Hq=8, Hkv=2, Nq=1, Nk=77, D=32, kv_len=(77, 0)),
+    Case("dec_nq5_causal_br", B=2, Hq=4, Hkv=1, Nq=5, Nk=90, D=24, causal=True, align="bottom_right",
+         kv_len=(90, 3)),
+    Case("dec_nq16_window_br_bias", B=1, Hq=4, Hkv=2, Nq=16, Nk=70, D=64, window=(20, 0), align="bottom_right",
+         mask="bias_b1qk"),
+    Case("dec_nq2_bool_bnhd", B=2, Hq=3, Hkv=3, Nq=2, Nk=41, D=16, mask="bool_full", layout="bnhd",
+         view="transposed", q_len=(2, 1)),
+]
+
+
 @dataclass(frozen=True)
 class CaseList:
     """A named case list; ``cpu``: small enough for every backend on a CPU (Triton's interpreter too)."""
@@ -298,6 +312,7 @@ CASE_LISTS: dict[str, CaseList] = {c.name: c for c in (
     CaseList("default", default_cases, cpu=True),
     CaseList("extra", extra_cases, cpu=True),
     CaseList("chunk", chunk_cases, cpu=True),
+    CaseList("decode", decode_cases, cpu=True),
     CaseList("gpu", gpu_cases, cpu=False),
     CaseList("long", long_cases, cpu=False),
     CaseList("n8192", n8192_cases, cpu=False),

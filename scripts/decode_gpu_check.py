@@ -1,4 +1,4 @@
-"""Check and time the split-KV decode path (attnlab/triton_decode.py) on one CUDA GPU, in one call.
+"""Check and time the split-KV decode path (attnlab/backends/triton/decode.py) on one CUDA GPU, in one call.
 
     PYTHONPATH=. python3 scripts/decode_gpu_check.py [--tests] [--sweep]
 
@@ -23,7 +23,7 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from attnlab import triton_decode as td
+from attnlab.backends.triton import decode as td
 from attnlab.cases import Case, make_inputs
 from attnlab.check import _lse_atol, compare, strict_fp32
 from attnlab.problem import make_problem

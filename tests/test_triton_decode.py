@@ -1,4 +1,4 @@
-"""Tests of the split-KV decode path (attnlab/triton_decode.py) on CPU, through Triton's interpreter.
+"""Tests of the split-KV decode path (attnlab/backends/triton/decode.py) on CPU, through Triton's interpreter.
 
 Every case runs the decode kernels with a forced split count (several splits per sequence, splits with
 no keys, one split that normalizes itself) and is judged by the checker against the float64 reference:
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import triton_decode as td
+from attnlab.backends.triton import decode as td
 from attnlab.cases import Case, make_inputs
 from attnlab.check import _lse_atol, compare
 from attnlab.problem import make_problem
@@ -28,7 +28,7 @@ def _check(prob, out, lse) -> None:
     base = None
     if prob.dtype != F32:
         base = torch.empty_like(out)
-        attnlab.backend.registry()["torch"].forward(prob, base, None)
+        attnlab.backends.registry()["torch"].forward(prob, base, None)
     rep = compare(out, ref, dtype=prob.dtype, base=base)
     assert rep.passed, rep
     lrep = compare(lse, ref_lse, dtype=F32, atol=_lse_atol(prob.dtype), rtol=0.0)

@@ -1,4 +1,5 @@
-"""Backend ``triton``: attnlab's fused Triton forward kernel (the package docstring explains it)."""
+"""Backends ``triton`` (the fused Triton forward kernel; the package docstring explains it) and ``triton-decode``
+(the split-KV path for a few query rows)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from attnlab.backends import Availability, Backend
 from attnlab.backends.triton import configs as _cfg
+from attnlab.backends.triton.decode import decode_forward, decode_supported
 from attnlab.backends.triton.kernel import _IMPORT_ERROR
 from attnlab.backends.triton.launch import _launch, _plan
 from attnlab.problem import Problem
@@ -54,3 +56,29 @@ class TritonBackend(Backend):
         else:
             with torch.cuda.device(q.device):
                 _plan(prob, out, lse).launch(prob, out, lse)
+
+
+class TritonDecodeBackend(TritonBackend):
+    """The split-KV decode path for a few query rows (:mod:`attnlab.backends.triton.decode`): the keys of each
+    (batch, kv head) split over several programs, the query heads of a kv group packed into one tile."""
+
+    name = "triton-decode"
+    description = (
+        "split-KV Triton decode for Nq <= 16: keys split over programs, GQA groups packed, partial states "
+        "merged by their lse"
+    )
+
+    def unsupported(self, prob: Problem) -> str | None:
+        return decode_supported(prob)
+
+    def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        if out.numel() == 0 or prob.Nk == 0:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+            return
+        if prob.q.is_cuda and torch.cuda.current_device() != prob.q.get_device():
+            with torch.cuda.device(prob.q.device):
+                decode_forward(prob, out, lse)
+        else:
+            decode_forward(prob, out, lse)

@@ -3,7 +3,7 @@
 Why a separate path
 -------------------
 Decoding reads K and V once and does almost no arithmetic per byte, so its speed is the rate at which the
-GPU streams the KV cache. The fused forward (:mod:`attnlab.triton_fwd`) runs one program per (row tile,
+GPU streams the KV cache. The fused forward (:mod:`attnlab.backends.triton.kernel`) runs one program per (row tile,
 query head, batch entry): with Nq = 1 that is B * Hq programs, each reading its kv head's whole cache, so
 a GQA group reads the same K/V ``group`` times and a small batch leaves most SMs idle.
 
@@ -35,8 +35,8 @@ Packing, splitting and the program mapping
   bounds.
 
 Plain pointer arithmetic with masks only (never ``tl.make_block_ptr``): the same functions compile with
-triton 3.4 to 3.9 and run through Triton's interpreter on CPU tensors (``attnlab.triton_fwd``'s
-``_interpreter``), where BLOCK_M = BLOCK_N = 16 so small tests span several tiles, row tiles and splits.
+triton 3.4 to 3.9 and run through Triton's interpreter on CPU tensors (``attnlab.backends.triton.interpreter``'s
+``interpreter``), where BLOCK_M = BLOCK_N = 16 so small tests span several tiles, row tiles and splits.
 """
 
 from __future__ import annotations
@@ -47,10 +47,12 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab import triton_fwd as _fwd
+from attnlab.backends.triton import interpreter as _interp
+from attnlab.backends.triton import kernel as _kern
+from attnlab.backends.triton import launch as _launch
+from attnlab.backends.triton.kernel import tl, triton
 from attnlab.paged import PagedKV, paged_kv
 from attnlab.problem import Problem
-from attnlab.triton_fwd import tl, triton
 
 #: The decode path is for at most this many query rows (larger Nq is a prefill: the fused forward).
 MAX_DECODE_NQ = 16
@@ -398,8 +400,8 @@ def workspace_bytes(prob: Problem, splits: int) -> int:
 
 def decode_supported(prob: Problem) -> str | None:
     """Why the decode path cannot (or should not) run ``prob``, or None when it can."""
-    if _fwd._IMPORT_ERROR is not None:
-        return _fwd._IMPORT_ERROR
+    if _kern._IMPORT_ERROR is not None:
+        return _kern._IMPORT_ERROR
     if prob.device.type not in ("cuda", "cpu"):
         return f"runs on CUDA tensors (compiled) or CPU tensors (interpreter); got {prob.device}"
     if prob.Nq > MAX_DECODE_NQ:
@@ -425,7 +427,7 @@ def decode_forward(
     config: DecodeConfig | None = None,
 ) -> None:
     """Split-KV decode of ``prob`` into ``out`` ([B, Hq, Nq, D] view, q's dtype) and ``lse`` ([B, Hq, Nq]
-    float32, or None), writing every element (the backend contract of :meth:`attnlab.backend.Backend.forward`).
+    float32, or None), writing every element (the backend contract of :meth:`attnlab.backends.Backend.forward`).
 
     Paged cache: pass ``k_cache``, ``v_cache`` ([num_blocks, block_size, Hkv, D]) and ``block_table`` (int32
     [B, max_blocks]) together; ``prob`` then supplies q, the masks, the scale and the shapes (Hkv, D and
@@ -473,7 +475,7 @@ def decode_forward(
 class _Kernel:
     """One kernel on one grid with fixed constants: the first launch of each specialization (``key``: what
     the JIT specializes the per-call arguments on) goes through Triton's JIT, later ones call the compiled
-    kernel's launcher directly, as attnlab.triton_fwd's plans do (the launcher takes the constants too)."""
+    kernel's launcher directly, as the fused forward's plans do (the launcher takes the constants too)."""
 
     def __init__(self, fn, grid: tuple[int, int, int], constants: dict, num_warps: int, num_stages: int):
         self.fn, self.grid, self.constants = fn, grid, constants
@@ -482,13 +484,13 @@ class _Kernel:
 
     def launch(self, args: tuple, key: tuple, device: int) -> None:
         kernel = self.compiled.get(key)
-        if kernel is None or not _fwd.FAST_LAUNCH:
+        if kernel is None or not _launch.FAST_LAUNCH:
             kernel = self.fn[self.grid](*args, **self.constants, **self.options)
-            if _fwd.FAST_LAUNCH and _fwd._fast_launch_supported(kernel):
+            if _launch.FAST_LAUNCH and _launch._fast_launch_supported(kernel):
                 self.compiled[key] = kernel
             return
         full = (*args, *(self.constants[p.name] for p in self.fn.params if p.is_constexpr))
-        stream = _fwd._current_stream(device)
+        stream = _launch._current_stream(device)
         hooks = triton.knobs.runtime
         kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(self.grid, stream, *full), hooks.launch_enter_hook,
@@ -525,7 +527,7 @@ class _Plan:
         self.fixed = (
             q, k, v, bt, spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q,
             e, *q.stride(), *k_strides, *v_strides, s_bt, *e_strides,
-            prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, bs, prob.scale * _fwd.LOG2E,
+            prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, bs, prob.scale * _kern.LOG2E,
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
         )
         self.block_d = _block_d(prob.D)
@@ -547,7 +549,7 @@ class _Plan:
             prob, cfg = self.prob, self.cfg
             split_fn, merge_fn = _decode_split_kernel, _decode_merge_kernel
             if self.interpret:
-                split_fn, merge_fn = _fwd._interpreted_fn(split_fn), _fwd._interpreted_fn(merge_fn)
+                split_fn, merge_fn = _interp._interpreted_fn(split_fn), _interp._interpreted_fn(merge_fn)
             split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), cfg.num_warps,
                             cfg.num_stages)
             merge = _Kernel(merge_fn, (prob.B * prob.Hq * prob.Nq, 1, 1),
@@ -570,7 +572,7 @@ class _Plan:
         per_call = (out, lse_arg, ws_m, ws_l, ws_acc, *out.stride(), *l_strides)
         key = _layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
         device = prob.device.index or 0
-        with _fwd._interpreter() if self.interpret else contextlib.nullcontext():
+        with _interp.interpreter(_decode_merge_kernel) if self.interpret else contextlib.nullcontext():
             split.launch((*self.fixed, *per_call), key, device)
             if S > 1:
                 merge.launch((ws_m, ws_l, ws_acc, out, lse_arg, *out.stride(), *l_strides, prob.Hq, prob.Nq,
