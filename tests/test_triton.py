@@ -483,7 +483,7 @@ def test_fast_launch_same_as_jit_gpu(dtype, monkeypatch, untuned):
     results = {}
     for fast in (False, True):
         monkeypatch.setattr(tlaunch, "FAST_LAUNCH", fast)
-        prob.cache.pop("triton_plans", None)
+        tlaunch._PLANS.clear()
         jit_calls.clear()
         for with_lse in (True, True, True, False, False):
             out = torch.full_like(prob.q, float("nan"))
@@ -494,3 +494,45 @@ def test_fast_launch_same_as_jit_gpu(dtype, monkeypatch, untuned):
     for (o1, l1), (o2, l2) in zip(results[False], results[True]):
         assert torch.equal(o1, o2) and not torch.isnan(o1).any()
         assert (l1 is None and l2 is None) or torch.equal(l1, l2)
+
+
+def test_plans_are_keyed_by_the_call_signature():
+    """Every call of one shape and mask kind (a new Problem each time, as attnlab.attention makes one) maps to
+    one plan key; anything the JIT specializes on (strides, masks present, alignment) changes the key."""
+    case = Case("sig", B=2, Hq=4, Hkv=2, Nq=30, Nk=33, D=16, causal=True, align="bottom_right", kv_len=(33, 9))
+    q, k, v, kw = make_inputs(case, dtype=F32, device="cpu", seed=1)
+    key = tlaunch._signature(make_problem(q, k, v, **kw))
+    q2, k2, v2, kw2 = make_inputs(case, dtype=F32, device="cpu", seed=2)
+    assert tlaunch._signature(make_problem(q2, k2, v2, **kw2)) == key
+    assert tlaunch._signature(make_problem(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, **kw)) != key
+    assert tlaunch._signature(make_problem(q, k, v, **{**kw, "kv_len": None})) != key
+    assert tlaunch._signature(make_problem(q, k, v, **kw, scale=0.5)) != key
+    offset = torch.empty(q.numel() + 1, dtype=F32)[1:].view(q.shape).copy_(q)  # 4-byte aligned only
+    assert tlaunch._signature(make_problem(offset, k, v, **kw)) != key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_public_calls_reuse_one_plan_gpu(dtype, monkeypatch, untuned):
+    """attnlab.attention makes a new Problem per call: the plan (and the direct launcher) is found by the
+    call's signature, and each call's output is the JIT launch's, bit for bit, for fresh tensors."""
+    case = Case("reuse", B=2, Hq=4, Hkv=2, Nq=200, Nk=233, D=64, causal=True, align="bottom_right",
+                kv_len=(233, 50), mask="bool_1h1k")
+    jit_calls = []
+    real_launch = tlaunch._launch
+
+    def counting_launch(*args, **kwargs):
+        jit_calls.append(1)
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(tlaunch, "_launch", counting_launch)
+    tlaunch._PLANS.clear()
+    for seed in range(4):
+        q, k, v, kw = make_inputs(case, dtype=dtype, device="cuda", seed=seed)
+        got = attnlab.attention(q, k, v, backend="triton", **kw)
+        monkeypatch.setattr(tlaunch, "FAST_LAUNCH", False)
+        want = attnlab.attention(q, k, v, backend="triton", **kw)
+        monkeypatch.setattr(tlaunch, "FAST_LAUNCH", True)
+        assert torch.equal(got, want)
+    assert len(tlaunch._PLANS) == 1
+    assert len(jit_calls) == 1 + 4  # the first fast-path call, then every FAST_LAUNCH=False call

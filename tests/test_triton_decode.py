@@ -243,3 +243,22 @@ def test_paged_dense_view_gathers_the_table():
     paged = td.paged_kv(k_cache, v_cache, table, B=2, Hkv=3, D=8, Nk=32, dtype=k.dtype, device=k.device)
     dk, dv = paged.dense()
     assert torch.equal(dk[0], k[0]) and torch.equal(dk[1, :, :16], k[1, :, :16]) and torch.equal(dv[0], -k[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_public_calls_reuse_one_decode_plan_gpu(dtype, monkeypatch):
+    """Each attnlab.attention call makes a new Problem: the decode plan is found by the call's signature, and
+    every call with fresh tensors writes what a JIT launch writes, bit for bit."""
+    from attnlab.backends.triton import launch as tlaunch
+
+    case = Case("reuse", B=2, Hq=8, Hkv=2, Nq=3, Nk=700, D=64, causal=True, align="bottom_right", kv_len=(700, 90))
+    td._PLANS.clear()
+    for seed in range(3):
+        q, k, v, kw = make_inputs(case, dtype=dtype, device="cuda", seed=seed)
+        got = attnlab.attention(q, k, v, backend="triton-decode", **kw)
+        monkeypatch.setattr(tlaunch, "FAST_LAUNCH", False)
+        want = attnlab.attention(q, k, v, backend="triton-decode", **kw)
+        monkeypatch.setattr(tlaunch, "FAST_LAUNCH", True)
+        assert torch.equal(got, want)
+    assert len(td._PLANS) == 1

@@ -460,16 +460,23 @@ def decode_forward(
     if n_split < 1:
         raise ValueError(f"splits must be at least 1; got {n_split}")
     if interpret:
-        _Plan(prob, cfg, n_split, paged, True).launch(out, lse)
+        _Plan(prob, cfg, n_split, paged, True).launch(prob, paged, out, lse)
         return
-    key = (cfg, n_split, None if paged is None else tuple(
-        (t.data_ptr(), t.shape, t.stride()) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
-    plans = prob.cache.setdefault("triton_decode_plans", {})
-    plan = plans.get(key)
+    # One plan per call signature (attnlab.attention makes a new Problem per call): what the fused forward's
+    # plans are keyed by, plus the decode config, the split count and the paged caches' layout.
+    key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
+        (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+        for t in (paged.k_cache, paged.v_cache, paged.block_table)))
+    plan = _PLANS.get(key)
     if plan is None:
-        plan = plans[key] = _Plan(prob, cfg, n_split, paged, False)
+        if len(_PLANS) >= _launch.MAX_PLANS:
+            del _PLANS[next(iter(_PLANS))]
+        plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False)
     with torch.cuda.device(prob.device):
-        plan.launch(out, lse)
+        plan.launch(prob, paged, out, lse)
+
+
+_PLANS: dict[tuple, _Plan] = {}  # decode plans by call signature (bounded like the fused forward's)
 
 
 class _Kernel:
@@ -502,15 +509,31 @@ def _layout_key(*tensors: torch.Tensor) -> tuple:
     return tuple((t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in tensors)
 
 
+def _explicit(prob: Problem) -> torch.Tensor | None:
+    """The explicit mask (as bytes) or bias, or None."""
+    spec = prob.spec
+    explicit = spec.mask if spec.mask is not None else spec.bias
+    return explicit.view(torch.uint8) if explicit is not None and explicit.dtype == torch.bool else explicit
+
+
+def _tensors(prob: Problem, paged: PagedKV | None) -> tuple:
+    """The split kernel's seven tensor arguments (placeholders stand in for absent ones; never read)."""
+    spec, q = prob.spec, prob.q
+    k, v, bt = (prob.k, prob.v, q) if paged is None else (paged.k_cache, paged.v_cache, paged.block_table)
+    e = _explicit(prob)
+    return (q, k, v, bt, spec.kv_len if spec.kv_len is not None else q,
+            spec.q_len if spec.q_len is not None else q, e if e is not None else q)
+
+
 class _Plan:
     """The launches of one problem with one config, split count and cache: the split kernel and, with more
     than one split, the merge. The workspace is allocated per call (stream-ordered by torch's allocator)."""
 
     def __init__(self, prob: Problem, cfg: DecodeConfig, n_split: int, paged: PagedKV | None, interpret: bool):
         spec, q = prob.spec, prob.q
-        self.prob, self.n_split, self.interpret = prob, n_split, interpret
+        self.n_split, self.interpret, self.merge_rows = n_split, interpret, prob.B * prob.Hq * prob.Nq
         if paged is None:
-            k, v, bt = prob.k, prob.v, q  # the block-table arguments are unused
+            k, v = prob.k, prob.v
             k_strides, v_strides, s_bt, nb, bs = k.stride(), v.stride(), 0, 1, 1
         else:
             k, v, bt = paged.k_cache, paged.v_cache, paged.block_table
@@ -518,15 +541,12 @@ class _Plan:
             (k0, k1, k2, k3), (v0, v1, v2, v3) = k.stride(), v.stride()
             k_strides, v_strides = (k0, k2, k1, k3), (v0, v2, v1, v3)
             s_bt, nb, bs = bt.stride(0), paged.num_blocks, paged.block_size
-        explicit = spec.mask if spec.mask is not None else spec.bias
-        if explicit is not None and explicit.dtype == torch.bool:
-            explicit = explicit.view(torch.uint8)
-        e = explicit if explicit is not None else q
+        explicit = _explicit(prob)
         e_strides = explicit.stride() if explicit is not None else (0, 0, 0, 0)
         n_rt = row_tiles(prob, interpret)
+        # Everything but the seven tensors, which change from call to call (see _tensors).
         self.fixed = (
-            q, k, v, bt, spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q,
-            e, *q.stride(), *k_strides, *v_strides, s_bt, *e_strides,
+            *q.stride(), *k_strides, *v_strides, s_bt, *e_strides,
             prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, bs, prob.scale * _kern.LOG2E,
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
         )
@@ -546,20 +566,21 @@ class _Plan:
     def _kernels(self, write_lse: bool) -> tuple[_Kernel, _Kernel]:
         got = self.kernels.get(write_lse)
         if got is None:
-            prob, cfg = self.prob, self.cfg
+            cfg = self.cfg
             split_fn, merge_fn = _decode_split_kernel, _decode_merge_kernel
             if self.interpret:
                 split_fn, merge_fn = _interp._interpreted_fn(split_fn), _interp._interpreted_fn(merge_fn)
             split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), cfg.num_warps,
                             cfg.num_stages)
-            merge = _Kernel(merge_fn, (prob.B * prob.Hq * prob.Nq, 1, 1),
+            merge = _Kernel(merge_fn, (self.merge_rows, 1, 1),
                             dict(BLOCK_S=min(64, _pow2(self.n_split)), BLOCK_D=self.block_d, WRITE_LSE=write_lse),
                             4 if self.block_d >= 128 else 2, 1)
             got = self.kernels[write_lse] = (split, merge)
         return got
 
-    def launch(self, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        prob, S = self.prob, self.n_split
+    def launch(self, prob: Problem, paged: PagedKV | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """Launch for ``prob`` (of this plan's signature: only its tensors differ from the plan's first)."""
+        S = self.n_split
         split, merge = self._kernels(lse is not None)
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
         l_strides = lse.stride() if lse is not None else (0, 0, 0)
@@ -573,7 +594,7 @@ class _Plan:
         key = _layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
         device = prob.device.index or 0
         with _interp.interpreter(_decode_merge_kernel) if self.interpret else contextlib.nullcontext():
-            split.launch((*self.fixed, *per_call), key, device)
+            split.launch((*_tensors(prob, paged), *self.fixed, *per_call), key, device)
             if S > 1:
                 merge.launch((ws_m, ws_l, ws_acc, out, lse_arg, *out.stride(), *l_strides, prob.Hq, prob.Nq,
                               prob.D, S), key, device)

@@ -1,5 +1,5 @@
 """Launching the kernel: its arguments from a :class:`~attnlab.problem.Problem` and a config, the grid, the JIT
-launch, and the fast path for repeated launches of one problem (:class:`_Plan`: the compiled kernel's
+launch, and the fast path for repeated launches of one call signature (:class:`_Plan`: the compiled kernel's
 launcher called directly, without the JIT's per-call binding).
 """
 
@@ -106,26 +106,27 @@ def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
 FAST_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_FAST_LAUNCH", "1") != "0"
 
 class _Plan:
-    """How one :class:`Problem` is launched with one config: the compiled kernel of each out/lse layout
-    seen so far, and the arguments that do not depend on out and lse (computed at the first direct launch).
+    """How one call signature is launched with one config: the compiled kernel of each out/lse layout seen so
+    far, and the arguments that the signature fixes (sizes, strides, scalars, the constants).
 
     The first launch of each layout goes through Triton's JIT (``kernel[grid](...)``), which specializes,
     compiles or finds the compiled kernel, and returns it. Later launches of that layout call the compiled
     kernel's launcher directly, with the arguments the JIT would pass: the JIT's per-call work (binding
     about 45 arguments, specializing each, building the cache key) is what made small problems wait for
-    the host. That is sound because everything the JIT specializes on is fixed: the problem's tensors,
-    sizes, strides and constants belong to the (immutable) Problem, and the layout key holds out's and
-    lse's dtypes, strides and 16-byte alignment. Launch hooks are honoured as the JIT honours them.
+    the host. That is sound because everything the JIT specializes on is in the plan's key
+    (:func:`_signature`: dtypes, shapes, strides, scalars, which masks are present, and the 16-byte alignment
+    of every pointer) or in the layout key (out's and lse's strides and alignment). Only the tensors
+    themselves (their addresses) change from call to call. Launch hooks are honoured as the JIT honours them.
     """
 
-    __slots__ = ("args", "cfg", "device", "grid", "kernels")
+    __slots__ = ("cfg", "device", "fixed", "grid", "kernels")
 
     def __init__(self, prob: Problem, cfg: Config) -> None:
         self.cfg = cfg
         self.grid = _grid(prob, cfg)
         self.device = prob.device.index
         self.kernels: dict[tuple, object] = {}
-        self.args: dict[bool, tuple] = {}  # write_lse -> (head, mid, tail, the constants' values)
+        self.fixed: dict[bool, tuple] = {}  # write_lse -> (mid after its 3 pointers, tail, the constants' values)
 
     def launch(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         if lse is None:
@@ -138,7 +139,19 @@ class _Plan:
             if FAST_LAUNCH and _fast_launch_supported(kernel):
                 self.kernels[key] = kernel
             return
-        head, mid, tail, constants = self._arguments(prob, lse is not None)
+        write_lse = lse is not None
+        fixed = self.fixed.get(write_lse)
+        if fixed is None:
+            _, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
+            fixed = self.fixed[write_lse] = (mid[3:], tail, tuple(constants[n] for n in _constexpr_names()))
+        mid_rest, tail, constants = fixed
+        spec, q = prob.spec, prob.q
+        explicit = spec.explicit
+        if explicit is not None and explicit.dtype == torch.bool:
+            explicit = explicit.view(torch.uint8)
+        head = (q, prob.k, prob.v)
+        mid = (spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q,
+               explicit if explicit is not None else q, *mid_rest)
         # The launcher takes every parameter in signature order, the constants (which come last) too.
         args = (*_bind(head, mid, tail, out, lse), *constants)
         grid = self.grid
@@ -148,13 +161,6 @@ class _Plan:
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
                    *args)
-
-    def _arguments(self, prob: Problem, write_lse: bool) -> tuple:
-        got = self.args.get(write_lse)
-        if got is None:
-            head, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
-            got = self.args[write_lse] = (head, mid, tail, tuple(constants[n] for n in _constexpr_names()))
-        return got
 
 
 def _current_stream(device: int):
@@ -177,12 +183,37 @@ def _fast_launch_supported(kernel) -> bool:
             and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")))
 
 
+#: Plans by call signature (:func:`_signature`), so that every call of one shape and mask kind, each with a
+#: new Problem as attnlab.attention makes one, reuses one plan and its compiled kernel. Bounded: the oldest
+#: plan goes first.
+_PLANS: dict[tuple, _Plan] = {}
+MAX_PLANS = 512
+
+
+def _aligned(t: torch.Tensor | None) -> bool | None:
+    return None if t is None else t.data_ptr() % 16 == 0
+
+
+def _signature(prob: Problem) -> tuple:
+    """Everything a launch's compiled kernel and its fixed arguments depend on, besides out and lse."""
+    spec, q, k, v = prob.spec, prob.q, prob.k, prob.v
+    e = spec.explicit
+    return (
+        q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), prob.scale,
+        spec.left, spec.right, spec.align, spec.mask is not None, spec.bias is not None,
+        None if e is None else (e.dtype, e.stride()),
+        _aligned(q), _aligned(k), _aligned(v), _aligned(e), _aligned(spec.kv_len), _aligned(spec.q_len),
+        _cfg._TF32, _cfg.AUTOTUNE,
+    )
+
+
 def _plan(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
-    """The problem's plan for the current TF32 and autotune settings (tunes on first use, see config_for),
-    kept in the problem's own cache: it lives as long as the problem and its tensors."""
-    plans = prob.cache.setdefault("triton_plans", {})
-    key = (_cfg._TF32, _cfg.AUTOTUNE)
-    plan = plans.get(key)
+    """The plan of ``prob``'s call signature for the current TF32 and autotune settings (tunes on first use,
+    see config_for)."""
+    key = _signature(prob)
+    plan = _PLANS.get(key)
     if plan is None:
-        plan = plans[key] = _Plan(prob, config_for(prob, out, lse))
+        if len(_PLANS) >= MAX_PLANS:
+            del _PLANS[next(iter(_PLANS))]
+        plan = _PLANS[key] = _Plan(prob, config_for(prob, out, lse))
     return plan
