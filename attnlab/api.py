@@ -22,6 +22,7 @@ import torch
 
 from attnlab import backends as _backends
 from attnlab.backward import sum_to_shape, textbook_backward
+from attnlab.paged import gather_paged, paged_kv, paged_placeholders
 from attnlab.problem import make_problem
 
 _poison = False
@@ -56,6 +57,7 @@ def attention(
     layout: str = "bhnd",
     backend: str = "auto",
     return_lse: bool = False,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Masked multi-head attention ``softmax(scale * q k^T + bias, masked) v``.
 
@@ -70,7 +72,19 @@ def attention(
     already on the GPU are never read back (no device sync): values outside [0, N] are clamped to it.
     Gradients: when q, k, v (or a float mask) require grad, ``auto`` picks a differentiable backend, and naming
     a backend without a backward is a ValueError rather than an output that silently carries no gradient.
+
+    Paged KV cache: with ``block_table`` (int32 [B, max_blocks]), k and v are caches [num_blocks, block_size,
+    Hkv, D] and logical key j of batch b is ``k[block_table[b, j // block_size], j % block_size]``; Nk is
+    max_blocks * block_size and ``kv_len`` says how many keys each sequence has (FlashAttention's
+    ``flash_attn_with_kvcache`` convention). q keeps its layout. ``triton-decode`` (auto's choice for a few
+    query rows on a GPU) reads the caches in place; other backends, and calls that need gradients, gather
+    them to dense k and v first.
     """
+    if block_table is not None and (torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, mask))):
+        # Differentiable: the caches get their gradients through the gather.
+        k, v = gather_paged(q, k, v, block_table, layout, kv_len)
+        block_table = None
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, mask)
     )
@@ -78,13 +92,13 @@ def attention(
     if has_window and (not isinstance(window, (tuple, list)) or len(window) != 2):
         raise TypeError(f"window must be a pair (left, right) of ints or None; got {window!r}")
     left, right = window if has_window else (None, None)
-    args = (q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout, backend, return_lse,
-            needs_grad)
+    args = (q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale, layout,
+            backend, return_lse, needs_grad)
     if not (needs_grad or torch.compiler.is_compiling()):
         out, lse = _forward(*args)
     else:
         if not torch.compiler.is_compiling():
-            _problem(*args[:13])  # validate first: a mistake is the same TypeError/ValueError as without grad
+            _problem(*args[:6], *args[7:14])  # validate first: the same TypeError/ValueError as without grad
         # The op takes lengths as tensors: Python ints and lists become (host) tensors, validated in the op.
         args = (*args[:3], _lengths_arg(kv_len), _lengths_arg(q_len), *args[5:])
         out, lse = torch.ops.attnlab.attention(*args)
@@ -113,13 +127,25 @@ def _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, alig
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
-    mask: torch.Tensor | None, causal: bool, has_window: bool, left: int | None, right: int | None,
-    align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool, needs_grad: bool,
+    mask: torch.Tensor | None, block_table: torch.Tensor | None, causal: bool, has_window: bool, left: int | None,
+    right: int | None, align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool,
+    needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate, pick the backend, run it: (out, lse); lse is an empty tensor unless ``want_lse`` or
     ``needs_grad`` (the kernels' backward starts from the forward's lse)."""
-    prob = _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout)
+    masks = (causal, has_window, left, right, align, scale, layout)
+    paged = None
+    if block_table is not None:
+        kd, vd, paged = paged_placeholders(q, k, v, block_table, layout)
+        prob = _problem(q, kd, vd, kv_len, q_len, mask, *masks)
+        paged = paged_kv(k, v, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk, dtype=prob.dtype,
+                         device=prob.device, kv_len=prob.spec.kv_len)
+    else:
+        prob = _problem(q, k, v, kv_len, q_len, mask, *masks)
     be = _backends.resolve(backend, prob, needs_grad=needs_grad)
+    if paged is not None and not be.reads_paged:  # this backend takes dense k and v: gather them
+        kd, vd = (t if layout == "bhnd" else t.transpose(1, 2) for t in paged.dense())
+        prob, paged = _problem(q, kd, vd, kv_len, q_len, mask, *masks), None
     out, out_bhnd = prob.new_out()
     want_lse = want_lse or needs_grad
     shape = (prob.B, prob.Hq, prob.Nq) if want_lse else (0,)
@@ -132,23 +158,27 @@ def _forward(
             out.fill_(float("nan"))
             lse.fill_(float("nan"))
         with torch.no_grad():  # the op's outputs carry no history of their own; autograd goes through the op
-            be.forward(prob, out_bhnd, lse if want_lse else None)
+            if paged is not None:
+                be.forward_paged(prob, paged, out_bhnd, lse if want_lse else None)
+            else:
+                be.forward(prob, out_bhnd, lse if want_lse else None)
     return out, lse
 
 
 @torch.library.custom_op("attnlab::attention", mutates_args=())
 def _attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
-    mask: torch.Tensor | None, causal: bool, has_window: bool, left: int | None, right: int | None,
-    align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool, needs_grad: bool,
+    mask: torch.Tensor | None, block_table: torch.Tensor | None, causal: bool, has_window: bool, left: int | None,
+    right: int | None, align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool,
+    needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout, backend,
-                    want_lse, needs_grad)
+    return _forward(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale,
+                    layout, backend, want_lse, needs_grad)
 
 
 @_attention_op.register_fake
-def _(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout, backend, want_lse,
-      needs_grad):
+def _(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale, layout, backend,
+      want_lse, needs_grad):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if not (want_lse or needs_grad):
         return out, q.new_empty((0,), dtype=torch.float32)
@@ -195,8 +225,8 @@ def _(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, causal, has_window, le
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
-_ARG_NAMES = ("q", "k", "v", "kv_len", "q_len", "mask", "causal", "has_window", "left", "right", "align", "scale",
-              "layout", "backend", "want_lse", "needs_grad")
+_ARG_NAMES = ("q", "k", "v", "kv_len", "q_len", "mask", "block_table", "causal", "has_window", "left", "right",
+              "align", "scale", "layout", "backend", "want_lse", "needs_grad")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -217,8 +247,9 @@ def _backward(ctx, dout, dlse):
     dlse = dlse if ctx.want_lse else None
     dq, dk, dv, dmask = torch.ops.attnlab.attention_backward(
         dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, *ctx.options, ctx.mask_grad)
-    # One gradient per op input: q, k, v, kv_len, q_len, mask, then the ten non-tensor arguments.
-    return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, *([None] * 10))
+    # One gradient per op input: q, k, v, kv_len, q_len, mask, block_table (gathered before the op whenever a
+    # gradient is needed, so always None here), then the ten non-tensor arguments.
+    return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, None, *([None] * 10))
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)

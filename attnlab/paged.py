@@ -2,13 +2,14 @@
 
 k and v caches are ``[num_blocks, block_size, Hkv, D]``; ``block_table`` is an int32 ``[B, max_blocks]``
 tensor, and logical key j of batch b lives at ``cache[block_table[b, j // block_size], j % block_size]``;
-Nk = max_blocks * block_size. The checks here are host-side (shapes, dtypes, devices): they never read the
-table's values, so they cost no device sync; kernels clamp block ids instead.
+Nk = max_blocks * block_size. The checks here are host-side (shapes, dtypes, devices; the ids of a table on
+the host): they never read a GPU table's values, so they cost no device sync; kernels clamp block ids instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,9 +47,14 @@ class PagedKV:
 
 
 def paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, *, B: int, Hkv: int, D: int,
-             Nk: int, dtype: torch.dtype, device: torch.device, block_size: int | None = None) -> PagedKV:
+             Nk: int, dtype: torch.dtype, device: torch.device, block_size: int | None = None,
+             kv_len: torch.Tensor | None = None) -> PagedKV:
     """Check a paged cache against the problem's B, Hkv, D, Nk (= max_blocks * block_size), dtype and
-    device; raise TypeError/ValueError naming what is wrong. A strided block table is made contiguous."""
+    device; raise TypeError/ValueError naming what is wrong. A strided block table is made contiguous.
+
+    A table on the host also has its ids checked: those of the blocks that hold a sequence's keys (the first
+    ceil(kv_len_b / block_size) of row b; all of them without ``kv_len``) must lie in [0, num_blocks). Entries
+    past a sequence's keys are never read and may hold anything. A GPU table is never read back."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -72,4 +78,51 @@ def paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Te
         raise ValueError(f"Nk={Nk} must be max_blocks * block_size = {block_table.shape[1]} * {bs}")
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
+    if block_table.device.type == "cpu" and block_table.numel():  # host ids are checked; GPU ids are clamped
+        mb = block_table.shape[1]
+        blocks = (torch.full((B,), mb) if kv_len is None
+                  else (kv_len.cpu().long().reshape(-1).expand(B) + bs - 1) // bs)
+        ids = block_table[torch.arange(mb)[None, :] < blocks[:, None]]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
+            raise ValueError(f"block_table ids of the blocks in use must lie in [0, num_blocks) = [0, {nb}); got "
+                             f"ids in [{int(ids.min())}, {int(ids.max())}]")
     return PagedKV(k_cache, v_cache, block_table)
+
+
+def _cache_dims(q: Any, k: Any, block_table: Any) -> tuple[int, int, int, int]:
+    """(B, Hkv, D, Nk) that a paged call implies, after the checks that must come before any shape is read."""
+    for name, t in (("q", q), ("k_cache", k), ("block_table", block_table)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if k.dim() != 4:
+        raise ValueError(f"with block_table, k and v are caches [num_blocks, block_size, Hkv, D]; got k of shape "
+                         f"{list(k.shape)}")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must be int32 [B, max_blocks]; got shape {list(block_table.shape)}")
+    return q.shape[0], k.shape[2], k.shape[3], block_table.shape[1] * k.shape[1]
+
+
+def paged_placeholders(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
+                       layout: str) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Stand-ins for the logical k and v of a paged call, in ``layout``, for validating the problem: expanded
+    views of one element (stride 0, nothing allocated), never read by a backend that reads the caches."""
+    B, Hkv, D, Nk = _cache_dims(q, k, block_table)
+    shape = (B, Hkv, Nk, D) if layout != "bnhd" else (B, Nk, Hkv, D)
+    return k.new_zeros(()).expand(shape), v.new_zeros(()).expand(shape) if isinstance(v, torch.Tensor) else v, None
+
+
+def gather_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor, layout: str,
+                 kv_len: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logical k and v of a paged call as dense tensors in ``layout`` (validated; differentiable in the
+    caches, whose gradients are scattered back through the gather). See :func:`paged_kv` for the checks.
+    ``kv_len``: the call's lengths (host ids past them are not checked), or None."""
+    B, Hkv, D, Nk = _cache_dims(q, k, block_table)
+    lens = None
+    if kv_len is not None and block_table.device.type == "cpu":
+        try:
+            lens = torch.as_tensor(kv_len, dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError):
+            lens = None  # not lengths at all: make_problem names the mistake
+    paged = paged_kv(k, v, block_table, B=B, Hkv=Hkv, D=D, Nk=Nk, dtype=q.dtype, device=q.device, kv_len=lens)
+    kd, vd = paged.dense()
+    return (kd, vd) if layout != "bnhd" else (kd.transpose(1, 2), vd.transpose(1, 2))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from attnlab.paged import gather_paged
 from attnlab.problem import Problem, make_problem
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
@@ -82,12 +83,16 @@ def reference(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
     layout: str = "bhnd",
+    block_table: torch.Tensor | None = None,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention with the same keywords as :func:`attnlab.attention`; always returns (out, lse).
 
-    ``out`` has q's layout; ``lse`` is [B, Hq, Nq] (natural log, -inf for rows with no allowed key).
+    ``out`` has q's layout; ``lse`` is [B, Hq, Nq] (natural log, -inf for rows with no allowed key). With
+    ``block_table``, k and v are paged caches, gathered to dense first.
     """
+    if block_table is not None:
+        k, v = gather_paged(q, k, v, block_table, layout, kv_len)
     prob = make_problem(
         q, k, v, causal=causal, window=window, align=align, kv_len=kv_len, q_len=q_len,
         mask=mask, scale=scale, layout=layout, allow_float64=True,

@@ -240,7 +240,8 @@ def test_num_splits_fills_the_gpu():
 def test_paged_dense_view_gathers_the_table():
     k = torch.randn(2, 3, 32, 8)
     k_cache, v_cache, table = _paged_from_dense(k, -k, 16, [32, 16])
-    paged = td.paged_kv(k_cache, v_cache, table, B=2, Hkv=3, D=8, Nk=32, dtype=k.dtype, device=k.device)
+    paged = td.paged_kv(k_cache, v_cache, table, B=2, Hkv=3, D=8, Nk=32, dtype=k.dtype, device=k.device,
+                         kv_len=torch.tensor([32, 16]))  # entries past sequence 1 hold out-of-range ids
     dk, dv = paged.dense()
     assert torch.equal(dk[0], k[0]) and torch.equal(dk[1, :, :16], k[1, :, :16]) and torch.equal(dv[0], -k[0])
 

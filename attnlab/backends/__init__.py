@@ -41,6 +41,8 @@ class Backend:
     #: Whether the backward runs attnlab's Triton backward kernels from the saved out and lse (the kernel
     #: backends) rather than the chunked PyTorch backward (the backends built from PyTorch ops).
     kernel_backward: bool = False
+    #: Whether :meth:`forward_paged` reads a paged KV cache in place; other backends get dense k and v gathered.
+    reads_paged: bool = False
 
     def availability(self) -> Availability:
         """Can this backend run on this machine at all (packages, GPU)?"""
@@ -55,6 +57,11 @@ class Backend:
 
         ``lse`` is None when the caller did not ask for it. Every element must be written.
         """
+        raise NotImplementedError
+
+    def forward_paged(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """:meth:`forward` with k and v read from a paged cache (:class:`attnlab.paged.PagedKV`); ``prob``'s
+        own k and v are stand-ins then. Only for backends with ``reads_paged``."""
         raise NotImplementedError
 
 

@@ -68,8 +68,23 @@ class TritonDecodeBackend(TritonBackend):
         "merged by their lse"
     )
 
+    reads_paged = True
+
     def unsupported(self, prob: Problem) -> str | None:
         return decode_supported(prob)
+
+    def forward_paged(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        if out.numel() == 0 or prob.Nk == 0:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+            return
+        kw = dict(k_cache=paged.k_cache, v_cache=paged.v_cache, block_table=paged.block_table)
+        if prob.q.is_cuda and torch.cuda.current_device() != prob.q.get_device():
+            with torch.cuda.device(prob.q.device):
+                decode_forward(prob, out, lse, **kw)
+        else:
+            decode_forward(prob, out, lse, **kw)
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         if out.numel() == 0 or prob.Nk == 0:

@@ -444,7 +444,7 @@ def decode_forward(
         if not all(given):
             raise ValueError("a paged cache needs k_cache, v_cache and block_table together")
         paged = paged_kv(k_cache, v_cache, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk,
-                         dtype=prob.dtype, device=prob.device, block_size=block_size)
+                         dtype=prob.dtype, device=prob.device, block_size=block_size, kv_len=prob.spec.kv_len)
     if out.numel() == 0 or prob.Nk == 0:
         out.zero_()
         if lse is not None:
