@@ -102,7 +102,8 @@ def test_suites_are_well_formed():
     assert all(c.Nq == 512 and c.nk == 8192 and c.align == "bottom_right" for c in bench.prefill_suite())
     assert max(c.Nq for c in bench.memory_suite()) == 32768
     assert "quick" not in bench.ALL_ORDER and set(bench.ALL_ORDER) == set(bench.SUITES) - {"quick"}
-    assert bench.ALL_ORDER == ("fp32", "padding", "prefill", "decode", "memory", "dense")
+    assert bench.ALL_ORDER == ("fp32", "padding", "prefill", "decode", "memory", "dense", "latency", "bias",
+                               "backward")
     assert bench.recorded_suites() == bench.ALL_ORDER
 
 
