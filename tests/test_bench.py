@@ -528,5 +528,6 @@ def test_keep_others_and_estimate_without_gpu(tmp_path, capsys):
     df = bench.load(tmp_path / "cpu" / "quick.csv")
     assert dict(zip(df["backend"], df["run_id"])) == {"sdpa": "B", "torch": "A"}
     capsys.readouterr()
-    assert bench.main(["--suite", "backward", "--estimate"]) == 0
-    assert "backward 5 cases" in capsys.readouterr().out
+    assert bench.main(["--suite", "backward", "latency", "--estimate"]) == 0  # several suites, one process
+    out = capsys.readouterr().out
+    assert "backward 5 cases" in out and "latency 8 cases" in out and out.index("backward") < out.index("latency")

@@ -101,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = OneLineParser(prog="attnlab bench", description="Benchmark attnlab backends against SDPA and "
                                 "FlexAttention; results in <out>/<gpu>/<suite>.csv and .json")
-    p.add_argument("--suite", required=True, choices=[*SUITES, "all"], help="suite to run (all = every one but quick)")
+    p.add_argument("--suite", required=True, nargs="+", choices=[*SUITES, "all"],
+                   help="suites to run, in this order, in one process (all = every one but quick)")
     p.add_argument("--backends", nargs="+", default=None, help="competitors (default: every one)")
     p.add_argument("--exclude", nargs="+", default=[], help="competitors recorded as skipped")
     p.add_argument("--out", default=None,
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = "(no GPU here)" if no_gpu else device_name(device)
     opts = Options(device=device, max_reps=args.reps, min_reps=args.min_reps, budget_ms=args.budget_ms,
                    seed=args.seed, deadline=deadline, run_id=run_id, gpu=gpu, max_call_s=args.max_call_s)
-    suites = list(recorded_suites()) if args.suite == "all" else [args.suite]
+    suites = list(dict.fromkeys(n for a in args.suite for n in (recorded_suites() if a == "all" else [a])))
     plan, comps_of = [], {}
     for s in suites:
         cases = SUITES[s].cases(device)
