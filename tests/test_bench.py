@@ -531,3 +531,33 @@ def test_keep_others_and_estimate_without_gpu(tmp_path, capsys):
     assert bench.main(["--suite", "backward", "latency", "--estimate"]) == 0  # several suites, one process
     out = capsys.readouterr().out
     assert "backward 5 cases" in out and "latency 8 cases" in out and out.index("backward") < out.index("latency")
+
+
+def test_backward_without_a_retained_graph_is_fwdbwd_minus_fwd():
+    """A competitor whose graph cannot be backpropagated twice: bwd is the difference of the medians."""
+    from attnlab.api import attention
+
+    latest = {}
+
+    class Once(torch.autograd.Function):
+        """Backward only through the latest forward's graph (as if each forward freed the one before)."""
+
+        @staticmethod
+        def forward(ctx, x):
+            latest["ctx"] = ctx
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            if latest["ctx"] is not ctx:
+                raise RuntimeError("Trying to backward through the graph a second time")
+            return g
+
+    def once(inp):
+        return bench.Prepared(call=lambda i: Once.apply(attention(inp.qs[i], inp.ks[i], inp.vs[i], backend="sdpa",
+                                                                  **inp.kw)))
+
+    rows = {r["mode"]: r for r in bench.run_case(_bwd_case(), [bench.Competitor("once", "test", once)], _cpu_opts())}
+    assert all(r["status"] == "ok" for r in rows.values()), [r["notes"] for r in rows.values()]
+    assert "bwd = fwd+bwd - fwd" in rows["bwd"]["notes"]
+    assert rows["bwd"]["ms"] == pytest.approx(max(rows["fwd+bwd"]["ms"] - rows["fwd"]["ms"], 1e-6))
