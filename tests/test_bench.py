@@ -561,3 +561,18 @@ def test_backward_without_a_retained_graph_is_fwdbwd_minus_fwd():
     assert all(r["status"] == "ok" for r in rows.values()), [r["notes"] for r in rows.values()]
     assert "bwd = fwd+bwd - fwd" in rows["bwd"]["notes"]
     assert rows["bwd"]["ms"] == pytest.approx(max(rows["fwd+bwd"]["ms"] - rows["fwd"]["ms"], 1e-6))
+
+
+@pytest.mark.gpu
+def test_gpu_host_time_and_backward_rows():
+    """On a GPU: host time behind the queued sleep (SDPA never syncs), and the three backward rows checked."""
+    opts = bench.Options(device="cuda", max_reps=5, run_id="test", gpu=torch.cuda.get_device_name())
+    lat = bench.BenchCase("t", "lat", B=1, Hq=8, Nq=128, D=64, causal=True)
+    rows = {r["backend"]: r for r in bench.run_case(lat, bench.competitors(["sdpa-flash", "triton", "triton-kernel"]),
+                                                    opts)}
+    assert all(r["status"] == "ok" and r["host_us"] > 0 for r in rows.values()), rows
+    assert "outlasted" not in rows["sdpa-flash"]["notes"]  # the GPU still slept when its calls were all queued
+    bw = bench.BenchCase("t", "bw", B=2, Hq=4, Nq=512, D=64, causal=True, kv_len=(512, 300), backward=True)
+    rows = bench.run_case(bw, bench.competitors(["triton", "sdpa-efficient"]), opts)
+    assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd", "bwd"] * 2
+    assert all(r["status"] == "ok" and r["peak_extra_mib"] >= 0 for r in rows), [r["notes"] for r in rows]
