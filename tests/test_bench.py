@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -102,7 +103,8 @@ def test_suites_are_well_formed():
     assert all(c.Nq == 512 and c.nk == 8192 and c.align == "bottom_right" for c in bench.prefill_suite())
     assert max(c.Nq for c in bench.memory_suite()) == 32768
     assert "quick" not in bench.ALL_ORDER and set(bench.ALL_ORDER) == set(bench.SUITES) - {"quick"}
-    assert bench.ALL_ORDER == ("fp32", "padding", "prefill", "decode", "memory", "dense")
+    assert bench.ALL_ORDER == ("fp32", "padding", "prefill", "decode", "memory", "dense", "latency", "bias",
+                               "backward")
     assert bench.recorded_suites() == bench.ALL_ORDER
 
 
@@ -313,7 +315,8 @@ def test_csv_json_load_and_ratios_from_a_cpu_quick_run(tmp_path, capsys):
     assert by["cuda-tiled"] == {"unavailable"} and by["flex"] == {"unsupported"}
     assert by["sdpa-efficient"] == {"unsupported"}
     ok = df[df["status"] == "ok"]
-    assert ok["passed"].all() and (ok["ms"] > 0).all() and (ok["tflops"] > 0).all()
+    assert ok["passed"].all() and (ok["ms"] > 0).all() and (ok["tflops"] > 0).all() and (ok["host_us"] > 0).all()
+    assert set(df["mode"]) == {"fwd"} and set(df["path"]) == {"public"}
     assert str(df["passed"].dtype) == "boolean" and df.loc[df["status"] == "unavailable", "passed"].isna().all()
     assert df["Nq"].dtype == "int64" and df["ms"].dtype == "float64"
     assert str(path) in df.attrs["meta"]
@@ -391,3 +394,185 @@ def test_gpu_timing_and_memory_columns():
         assert r["ms"] > 0 and r["peak_extra_mib"] >= 0 and r["sets"] >= 2
     assert rows["torch"]["peak_extra_mib"] > 10 * max(rows["sdpa-flash"]["peak_extra_mib"], 1.0)
     assert rows["sdpa-flash"]["ms"] < rows["torch"]["ms"]
+
+
+# ---- the public call, host time, the new suites ---------------------------------------------------------
+
+
+def test_public_rows_validate_every_call_kernel_rows_once(monkeypatch):
+    """attnlab rows time attnlab.attention (a new Problem per call); <backend>-kernel rows do not."""
+    import attnlab.api
+
+    made = {"n": 0}
+    real = attnlab.api.make_problem
+
+    def counting(*a, **k):
+        made["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(attnlab.api, "make_problem", counting)
+    per = {}
+    for name in ("sdpa", "sdpa-kernel"):
+        made["n"] = 0
+        (row,) = bench.run_case(CASE, bench.competitors([name]), _cpu_opts())
+        assert row["status"] == "ok", row["notes"]
+        per[name] = (made["n"], row)
+    (n_pub, pub), (n_ker, ker) = per["sdpa"], per["sdpa-kernel"]
+    assert pub["path"] == "public" and ker["path"] == "kernel" and pub["mode"] == ker["mode"] == "fwd"
+    assert n_pub - n_ker >= pub["reps"] + 2  # every timed call, the checked call and the memory call
+
+
+def test_host_time_is_recorded_for_every_timed_row():
+    def slow(inp):
+        good = _right(inp)
+
+        def call(i):
+            time.sleep(0.003)
+            return good(i)
+
+        return bench.Prepared(call=call)
+
+    comps = [bench.Competitor("slow", "test", slow), *bench.competitors(["sdpa", "auto"])]
+    rows = {r["backend"]: r for r in bench.run_case(CASE, comps, _cpu_opts())}
+    assert all(r["status"] == "ok" for r in rows.values())
+    assert rows["slow"]["host_us"] >= 3000 and rows["sdpa"]["host_us"] > 0
+    assert "auto picked sdpa" in rows["auto"]["notes"]
+
+
+def test_new_suites_are_as_the_issues_ask():
+    lat = bench.latency_suite()
+    assert all(1 <= c.B <= 4 and 64 <= c.Nq <= 512 and c.D in (64, 128) and c.dtype == "bfloat16" for c in lat)
+    kinds = {c.spec().kind for c in lat}
+    assert {"dense", "causal", "kv_len", "causal+kv_len"} <= kinds
+    ragged = [c for c in bench.padding_suite() if c.q_len is not None]
+    assert len(ragged) == 1 and ragged[0].q_len == ragged[0].kv_len and ragged[0].causal
+    assert all(1024 <= x <= 4096 for x in ragged[0].q_len) and len(set(ragged[0].q_len)) > 1
+    (alibi,) = bench.bias_suite()
+    assert (alibi.B, alibi.Hq, alibi.Nq, alibi.D, alibi.causal) == (4, 16, 2048, 128, True)
+    bw = bench.backward_suite()
+    assert {(c.B, c.Nq, c.causal) for c in bw if c.kv_len is None} == {(4, 4096, False), (4, 4096, True),
+                                                                       (1, 16384, False), (1, 16384, True)}
+    assert all(c.backward and c.D == 128 and c.Hq == 16 for c in bw)
+    assert [c.kv_len for c in bw if c.kv_len is not None] == [bench.padding_suite()[0].kv_len]
+    assert bench.SUITES["latency"].backends and "sdpa-flash" in bench.SUITES["latency"].backends
+    assert all(bench.SUITES[s].deadline_s for s in ("latency", "bias", "backward"))
+
+
+def test_alibi_bias_and_sliced_truth():
+    b = bench.alibi_bias(4, 5, 7, "float32", "cpu")
+    slopes = [2.0 ** (-8 * (h + 1) / 4) for h in range(4)]
+    assert b.shape == (1, 4, 5, 7) and b[0, 2, 4, 1].item() == pytest.approx(-slopes[2] * 3)
+    case = bench.BenchCase("t", "alibi", B=2, Hq=4, Nq=9, D=8, dtype="float32", causal=True, bias="alibi")
+    assert case.spec().kind == "causal+bias"
+    inp = bench.make_case_inputs(case, "cpu", seed=1, sets=2)
+    truth = bench.make_truth(inp, full_scores=1)  # sliced: the bias is sliced with the heads
+    from attnlab.reference import reference
+
+    full, _ = reference(inp.qs[0], inp.ks[0], inp.vs[0], **inp.kw)
+    assert torch.allclose(bench.take_slice(full, truth.sl), truth.ref, atol=1e-12)
+
+
+def _bwd_case():
+    return bench.BenchCase("t", "bw", B=2, Hq=2, Nq=20, D=16, causal=True, kv_len=(20, 11), backward=True)
+
+
+def test_backward_gate_and_flops():
+    """Wrong gradients with a right output: every mode failed and untimed; right ones: three timed rows."""
+    from attnlab.api import attention
+
+    def wrong_grad(inp):
+        def call(i):
+            o = attention(inp.qs[i], inp.ks[i], inp.vs[i], backend="sdpa", **inp.kw)
+            return o.detach() + 1.1 * (o - o.detach())  # the same values, gradients 10% too large
+
+        return bench.Prepared(call=call)
+
+    comps = [bench.Competitor("wrong", "test", wrong_grad), *bench.competitors(["sdpa", "sdpa-kernel"])]
+    rows = bench.run_case(_bwd_case(), comps, _cpu_opts())
+    by = {(r["backend"], r["mode"]): r for r in rows}
+    assert len(rows) == 9 and len({(r["case"], r["backend"]) for r in rows}) == 9
+    for mode in ("fwd", "fwd+bwd", "bwd"):
+        w = by[("wrong", mode)]
+        assert w["status"] == "failed" and w["passed"] is False and w["ms"] == "" and "FAIL" in w["notes"]
+        assert by[("sdpa", mode)]["status"] == "ok", by[("sdpa", mode)]["notes"]
+        assert by[("sdpa-kernel", mode)]["status"] == "unsupported"
+    fwd = by[("sdpa", "fwd")]["flops"]
+    assert fwd == bench.useful_flops(_bwd_case())
+    assert by[("sdpa", "fwd+bwd")]["flops"] == 3.5 * fwd and by[("sdpa", "bwd")]["flops"] == 2.5 * fwd
+    assert by[("sdpa", "bwd")]["case"] == "bw_bwd" and by[("sdpa", "bwd")]["host_us"] > 0
+    assert "grads: dq" in by[("sdpa", "bwd")]["notes"]
+
+
+def test_latency_and_backward_smoke_on_cpu(tmp_path):
+    base = ["--device", "cpu", "--no-progress", "--budget-ms", "5", "--out", str(tmp_path)]
+    assert bench.main(["--suite", "latency", *base]) == 0
+    df = bench.load(tmp_path / "cpu" / "latency.csv")
+    assert set(df["backend"]) == set(bench.SUITES["latency"].backends)
+    ok = df[df["status"] == "ok"]
+    assert {"triton", "auto", "triton-kernel", "sdpa-flash"} <= set(ok["backend"])
+    assert (ok["host_us"] > 0).all() and set(df["path"]) == {"public", "kernel"}
+    assert bench.main(["--suite", "backward", *base, "--reps", "3", "--min-reps", "1"]) == 0
+    df = bench.load(tmp_path / "cpu" / "backward.csv")
+    assert len(df) == 3 * len(bench.backward_suite("cpu")) * len(bench.SUITES["backward"].backends)
+    ok = df[df["status"] == "ok"]
+    for b in ("triton", "sdpa-flash"):
+        assert ok.groupby("backend")["mode"].agg(set)[b] == {"fwd", "fwd+bwd", "bwd"}
+    assert (ok["tflops"] > 0).all() and ok["passed"].all()
+
+
+def test_keep_others_and_estimate_without_gpu(tmp_path, capsys):
+    argv = ["--suite", "quick", "--device", "cpu", "--out", str(tmp_path), "--no-progress", "--budget-ms", "5",
+            "--cases", "kvlen"]
+    assert bench.main([*argv, "--backends", "sdpa", "torch", "--run-id", "A"]) == 0
+    assert bench.main([*argv, "--backends", "sdpa", "--run-id", "B", "--keep-others"]) == 0
+    df = bench.load(tmp_path / "cpu" / "quick.csv")
+    assert dict(zip(df["backend"], df["run_id"])) == {"sdpa": "B", "torch": "A"}
+    capsys.readouterr()
+    assert bench.main(["--suite", "backward", "latency", "--estimate"]) == 0  # several suites, one process
+    out = capsys.readouterr().out
+    assert "backward 5 cases" in out and "latency 8 cases" in out and out.index("backward") < out.index("latency")
+
+
+def test_backward_without_a_retained_graph_is_fwdbwd_minus_fwd():
+    """A competitor whose graph cannot be backpropagated twice: bwd is the difference of the medians."""
+    from attnlab.api import attention
+
+    latest = {}
+
+    class Once(torch.autograd.Function):
+        """Backward only through the latest forward's graph (as if each forward freed the one before)."""
+
+        @staticmethod
+        def forward(ctx, x):
+            latest["ctx"] = ctx
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            if latest["ctx"] is not ctx:
+                raise RuntimeError("Trying to backward through the graph a second time")
+            return g
+
+    def once(inp):
+        return bench.Prepared(call=lambda i: Once.apply(attention(inp.qs[i], inp.ks[i], inp.vs[i], backend="sdpa",
+                                                                  **inp.kw)))
+
+    rows = {r["mode"]: r for r in bench.run_case(_bwd_case(), [bench.Competitor("once", "test", once)], _cpu_opts())}
+    assert all(r["status"] == "ok" for r in rows.values()), [r["notes"] for r in rows.values()]
+    assert "bwd = fwd+bwd - fwd" in rows["bwd"]["notes"]
+    assert rows["bwd"]["ms"] == pytest.approx(max(rows["fwd+bwd"]["ms"] - rows["fwd"]["ms"], 1e-6))
+
+
+@pytest.mark.gpu
+def test_gpu_host_time_and_backward_rows():
+    """On a GPU: host time behind the queued sleep (SDPA never syncs), and the three backward rows checked."""
+    opts = bench.Options(device="cuda", max_reps=5, run_id="test", gpu=torch.cuda.get_device_name())
+    lat = bench.BenchCase("t", "lat", B=1, Hq=8, Nq=128, D=64, causal=True)
+    rows = {r["backend"]: r for r in bench.run_case(lat, bench.competitors(["sdpa-flash", "triton", "triton-kernel"]),
+                                                    opts)}
+    assert all(r["status"] == "ok" and r["host_us"] > 0 for r in rows.values()), rows
+    assert "outlasted" not in rows["sdpa-flash"]["notes"]  # the GPU still slept when its calls were all queued
+    bw = bench.BenchCase("t", "bw", B=2, Hq=4, Nq=512, D=64, causal=True, kv_len=(512, 300), backward=True)
+    rows = bench.run_case(bw, bench.competitors(["triton", "sdpa-efficient"]), opts)
+    assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd", "bwd"] * 2
+    assert all(r["status"] == "ok" and r["peak_extra_mib"] >= 0 for r in rows), [r["notes"] for r in rows]

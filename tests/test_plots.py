@@ -123,3 +123,19 @@ def test_kernel_notes_and_thread_maps():
     with pytest.raises(ValueError, match="not found"):
         kn.excerpt_text(text, "zzz")
     assert isinstance(plots.thread_map(kn.rowmax_score_map(64), title="rowmax"), Figure)
+
+
+def test_committed_csvs_load_with_the_new_columns():
+    """Every recorded CSV (written before path/mode/host_us existed, or after) loads with the full schema, and
+    the figures still build from it."""
+    root = bench_plots.DATA_ROOT / "nvidia-h200"
+    suites = sorted(p.stem for p in root.glob("*.csv"))
+    assert {"dense", "padding", "decode", "memory"} <= set(suites)
+    for suite in suites:
+        df = bench_plots.load_bench(suite, gpu="nvidia-h200")
+        assert df is not None and len(df) > 0, suite
+        assert list(df.columns) == bench.COLUMNS, suite
+        assert df["host_us"].dtype == "float64" and set(df["status"]) <= set(bench.STATUSES)
+        assert df["mode"].isin(["", "fwd", "fwd+bwd", "bwd"]).all() and df["path"].isin(["", "public", "kernel"]).all()
+    assert isinstance(bench_plots.throughput_vs_n(bench_plots.load_bench("dense", gpu="nvidia-h200")), Figure)
+    assert isinstance(bench_plots.memory_measured(bench_plots.load_bench("memory", gpu="nvidia-h200")), Figure)

@@ -5,13 +5,18 @@ Command line (``python -m attnlab bench``)::
     python -m attnlab bench --suite dense                  # one suite on the GPU it finds
     python -m attnlab bench --suite all --deadline-s 540   # every suite except quick, stop starting work at 540 s
     python -m attnlab bench --suite quick --device cpu     # a smoke run of the harness logic on a CPU
-    python -m attnlab bench --suite dense --estimate       # print the time estimate and exit
+    python -m attnlab bench --suite dense --estimate       # print the time estimate and exit (no GPU needed)
+    python -m attnlab bench --suite dense --backends triton sdpa-flash --keep-others   # re-record two rivals
 
-Suites (:data:`SUITES`): ``dense``, ``padding``, ``prefill``, ``decode``, ``fp32``, ``memory``, ``quick``
-(``all`` = every suite but quick). Competitors (:func:`competitors`): each attnlab backend of the registry
-(``torch`` is the textbook version; ``reference`` only when asked for), SDPA restricted to one of its
-backends (``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``) and compiled FlexAttention
-(``flex``).
+Suites (:data:`SUITES`): ``dense``, ``padding`` (kv_len, and ragged ``q_len = kv_len`` causal),
+``prefill``, ``decode``, ``fp32``, ``memory``, ``latency`` (small host-bound problems), ``bias`` (an
+ALiBi-style bf16 bias [1, H, N, N]), ``backward`` (fwd, fwd+bwd, bwd: :mod:`~attnlab.bench.grad`),
+``quick`` (``all`` = every suite but quick). A suite may name its own rivals (used when ``--backends`` is
+not given) and its own deadline (``--suite-deadline-s`` overrides it). Competitors (:func:`competitors`):
+each attnlab backend of the registry (``torch`` is the textbook version; ``reference`` and ``auto`` only when
+asked for), ``<backend>-kernel`` (asked for by name; the latency suite has ``triton-kernel``), SDPA
+restricted to one of its backends (``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``) and
+compiled FlexAttention (``flex``).
 
 What one measurement is
 -----------------------
@@ -33,18 +38,26 @@ among them keeps the timed calls from reading a warm L2. For each competitor:
    the call, minus the output's own bytes) and gives a first time estimate; a few warm-up calls follow
    when a call is short.
 3. ``reps`` timed calls rotate over the sets, each between two CUDA events (``time.perf_counter`` on a
-   CPU): ``reps = clamp(budget_ms / estimate, min_reps, max_reps)``. ``ms`` is the median.
+   CPU): ``reps = clamp(budget_ms / estimate, min_reps, max_reps)``. ``ms`` is the median. The calls are
+   queued back to back, so a call whose host time exceeds its GPU time is timed at its host time.
+4. host time (``host_us``): a GPU sleep of :data:`HOST_SLEEP_CYCLES` is queued, then up to 10 calls run
+   back to back without a synchronize; their wall time over their number. The host never waits for the GPU
+   there unless the call synchronizes, which shows as a host time near the sleep's and a note.
 
 A failed check, an exception, an out-of-memory error, an unsupported configuration and an unavailable
 backend each give a row with its ``status`` and no timing: nothing is dropped.
 
 How the competitors are called
 ------------------------------
-* attnlab backends: the :class:`~attnlab.problem.Problem` of each set is validated once, outside the timed
-  region, and the timed call is ``backend.forward(problem, out, None)`` into a fresh output: the kernel
-  path of :func:`attnlab.attention` without the argument validation (which costs a host sync when kv_len
-  is a device tensor). Mask translation inside a backend (the attnlab ``sdpa`` backend materializes its
-  mask) is timed.
+* attnlab backends (``path`` = ``public``): the timed call is what a user calls,
+  ``attnlab.attention(q, k, v, **keywords, backend=name)``: a new Problem every call, its validation and the
+  backend's dispatch included (lengths are tensors on the inputs' device, as a model holds them); the
+  checked call runs under :func:`attnlab.api.poison_outputs`, so an element the backend does not write is
+  NaN and fails. ``auto`` is the same call with ``backend="auto"`` (its notes say what it picked).
+* ``<backend>-kernel`` (``path`` = ``kernel``; only when asked for, and in the latency suite): the
+  :class:`~attnlab.problem.Problem` of each set validated once, outside the timed region, and
+  ``backend.forward(problem, out, None)`` into a fresh output: the kernel without the public call's
+  validation and dispatch. Rows recorded before the ``path`` column existed were this path.
 * ``sdpa-*``: ``F.scaled_dot_product_attention`` under ``sdpa_kernel(backend)``, with the mask translated
   once by :func:`attnlab.sdpa.sdpa_inputs` (not timed; its bytes are in ``setup_mib``): ``is_causal`` for
   top-left causal with Nq == Nk, otherwise a materialized bool mask or bias. One exception: for pure
@@ -62,12 +75,21 @@ How the competitors are called
   compiled a new graph during the timed calls or torch warned about the unfused eager path. On a CPU flex
   is recorded as unsupported (compiling it there costs more than a smoke run should).
 
+The backward suite
+------------------
+See :mod:`attnlab.bench.grad`: leaves that require grad, a checked fwd+bwd (gradients against float64 with
+FlashAttention's 2x-textbook rule), then three rows per competitor: ``fwd``, ``fwd+bwd`` (the forward and
+``torch.autograd.grad``) and ``bwd`` (``torch.autograd.grad`` on a retained graph, timed alone), with
+1x, 3.5x and 2.5x the forward's useful FLOPs.
+
 Budget and robustness
 ---------------------
-``--suite all`` runs fp32, padding, prefill, decode, memory, dense in that order and prints a crude
-estimate first (:func:`estimate_seconds`). Each CSV is rewritten after every row, so an interrupted run
-keeps what it measured. ``--deadline-s`` stops starting measurements after that many seconds (the rest
-becomes ``skipped``); ``--resume`` keeps the rows already in the CSVs and runs the missing and skipped ones.
+``--suite all`` runs fp32, padding, prefill, decode, memory, dense, latency, bias, backward in that order
+and prints a crude estimate first (:func:`estimate_seconds`). Each CSV is rewritten after every row, so an
+interrupted run keeps what it measured. ``--deadline-s`` stops starting measurements after that many seconds (the rest
+becomes ``skipped``), for the whole run; each suite's own deadline (``Suite.deadline_s``, or
+``--suite-deadline-s``) bounds it from its start. ``--resume`` keeps the rows already in the CSVs and runs
+the missing and skipped ones; ``--keep-others`` keeps the rows of competitors this run does not measure.
 A competitor is skipped on a case when its closest smaller case of the suite predicts a call longer than
 ``--max-call-s`` (scaled by B*Hq*Nq*Nk*D), and in the memory suite once it ran out of memory at a smaller N.
 After an exception the CUDA context is probed; if it is lost (an illegal address makes every later call
@@ -78,7 +100,8 @@ Where the code is, in the order a run goes through it: :mod:`~attnlab.bench.sche
 and statuses), :mod:`~attnlab.bench.suites` (cases, and the suites as data), :mod:`~attnlab.bench.counting`
 (allowed scores, FLOPs, bytes), :mod:`~attnlab.bench.truth` (input sets, the float64 truth, check slices),
 :mod:`~attnlab.bench.competitors`, :mod:`~attnlab.bench.timing`, :mod:`~attnlab.bench.runner` (check, memory,
-time: one row), :mod:`~attnlab.bench.results` (CSV/JSON files, :func:`load`, the one :func:`ratios`),
+time, host time: one row), :mod:`~attnlab.bench.grad` (the backward suite: three rows),
+:mod:`~attnlab.bench.results` (CSV/JSON files, :func:`load`, the one :func:`ratios`),
 :mod:`~attnlab.bench.cli` (``python -m attnlab bench``) and :mod:`~attnlab.bench.plots` (figures of recorded
 runs). The public names of each are re-exported here.
 """
@@ -95,6 +118,7 @@ from attnlab.bench.cli import (  # noqa: F401
 )
 from attnlab.bench.competitors import (  # noqa: F401
     FLEX_ON_CPU,
+    KERNEL_SUFFIX,
     Competitor,
     Prepared,
     Unavailable,
@@ -134,23 +158,31 @@ from attnlab.bench.schema import (  # noqa: F401
 )
 from attnlab.bench.suites import (  # noqa: F401
     ALL_ORDER,
+    BACKWARD_MODES,
     SUITES,
     BenchCase,
     Suite,
+    alibi_bias,
+    backward_suite,
+    bias_suite,
     decode_suite,
     dense_suite,
     fp32_suite,
+    latency_suite,
     memory_suite,
     padding_suite,
     prefill_suite,
     quick_suite,
     recorded_suites,
+    row_keys,
     suite_cases,
 )
 from attnlab.bench.timing import (  # noqa: F401
     DEFAULT_BUDGET_MS,
     DEFAULT_MIN_REPS,
     DEFAULT_REPS,
+    HOST_SLEEP_CYCLES,
+    measure_host,
     measure_peak,
     time_calls,
 )
@@ -162,6 +194,7 @@ from attnlab.bench.truth import (  # noqa: F401
     make_case_inputs,
     make_truth,
     n_sets_for,
+    slice_inputs,
     slice_scope,
     take_slice,
 )

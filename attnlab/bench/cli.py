@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import shlex
 import sys
@@ -19,9 +20,17 @@ import torch
 
 from attnlab.bench.competitors import competitors
 from attnlab.bench.results import _read_rows, device_name, environment, gpu_slug, ratios, write_csv
-from attnlab.bench.runner import ContextLost, Options, _row, case_counts, run_case
-from attnlab.bench.suites import SUITES, BenchCase, recorded_suites
-from attnlab.bench.timing import DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS, DEFAULT_REPS, _reps_and_warmup, _timing
+from attnlab.bench.runner import ContextLost, Options, _rows, case_counts, run_case
+from attnlab.bench.suites import BACKWARD_MODES, SUITES, BenchCase, recorded_suites, row_keys
+from attnlab.bench.timing import (
+    DEFAULT_BUDGET_MS,
+    DEFAULT_MIN_REPS,
+    DEFAULT_REPS,
+    HOST_SLEEP_CYCLES,
+    _reps_and_warmup,
+    _timing,
+    host_calls,
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # Estimate
@@ -40,14 +49,22 @@ TRITON_TUNE_S = 1.5
 
 def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Options) -> float:
     """A crude wall-clock estimate: per case inputs and reference, flex's compilation, and per competitor
-    the checked call, the memory call, warm-up and the timed calls at assumed rates (:data:`_RATE`)."""
+    the checked call, then per timed mode (one; three for a backward case) the memory call, warm-up, the timed
+    calls and the host-time calls behind their GPU sleep, at assumed rates (:data:`_RATE`)."""
     total = 0.0
+    gpu = opts.device.startswith("cuda")
+    sleep_s = HOST_SLEEP_CYCLES / 2e9 if gpu else 0.0
+    tuned = set()
     for case in cases:
         c = case_counts(case)
-        gpu = opts.device.startswith("cuda")
-        total += 0.5 + (FLEX_COMPILE_S if "flex" in names and gpu else 0.0)
-        total += TRITON_TUNE_S if "triton" in names and gpu else 0.0
+        bwd = case.backward
+        total += (1.5 if bwd else 0.5) + (FLEX_COMPILE_S * (2.5 if bwd else 1.0) if "flex" in names and gpu else 0.0)
+        key = (case.B, case.Hq, case.Nq, case.nk, case.D, case.dtype, case.causal, case.kv_len is None)
+        if gpu and key not in tuned and any(n in ("triton", "auto", "triton-kernel") for n in names):
+            total += TRITON_TUNE_S * (2 if bwd else 1)  # shared by triton, auto and triton-kernel in one process
+            tuned.add(key)
         max_reps, budget, min_reps = _timing(case, opts)
+        modes = [m for _, _, m in BACKWARD_MODES] if bwd else [1.0]
         for n in names:
             half = case.dtype != "float32"
             rate = _RATE.get(n, _RATE["fused"])[0 if half else 1]
@@ -58,8 +75,11 @@ def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Opt
             ms = max(ms, c["bytes"] / 3e9, 0.02)
             if ms > opts.max_call_s * 1e3:
                 continue  # skipped as predicted too slow (see --max-call-s)
-            reps, warm = _reps_and_warmup(ms, max_reps, budget, min_reps)
-            total += 0.15 + (2 + warm + reps) * ms / 1e3
+            total += 0.15 + (3.5 * ms / 1e3 if bwd else ms / 1e3)
+            for m in modes:
+                mms = m * ms
+                reps, warm = _reps_and_warmup(mms, max_reps, budget, min_reps)
+                total += (1 + warm + reps + host_calls(mms)) * mms / 1e3 + sleep_s
     return total
 
 
@@ -81,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = OneLineParser(prog="attnlab bench", description="Benchmark attnlab backends against SDPA and "
                                 "FlexAttention; results in <out>/<gpu>/<suite>.csv and .json")
-    p.add_argument("--suite", required=True, choices=[*SUITES, "all"], help="suite to run (all = every one but quick)")
+    p.add_argument("--suite", required=True, nargs="+", choices=[*SUITES, "all"],
+                   help="suites to run, in this order, in one process (all = every one but quick)")
     p.add_argument("--backends", nargs="+", default=None, help="competitors (default: every one)")
     p.add_argument("--exclude", nargs="+", default=[], help="competitors recorded as skipped")
     p.add_argument("--out", default=None,
@@ -100,7 +121,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no measurement after this many seconds; the rest is recorded as skipped")
     p.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--suite-deadline-s", type=float, default=None,
+                   help="start no measurement after this many seconds of each suite (default: the suite's own, "
+                        "e.g. latency 60, backward 150; 0: none); --deadline-s still bounds the whole run")
     p.add_argument("--resume", action="store_true", help="keep rows already in the CSVs, run only the missing ones")
+    p.add_argument("--keep-others", action="store_true",
+                   help="keep the CSV's rows of competitors this run does not measure (e.g. re-record only attnlab "
+                        "with --backends triton sdpa-flash); their run_id says when they were measured")
     p.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
     p.add_argument("--estimate", action="store_true", help="print the estimated duration and exit")
     p.add_argument("--no-progress", action="store_true")
@@ -133,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     device = args.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    no_gpu = device.startswith("cuda") and not torch.cuda.is_available()
+    if no_gpu and not args.estimate:
         print("attnlab bench: no CUDA GPU here (torch.cuda.is_available() is False). Use --device cpu for a "
               "smoke run of the harness, e.g. `python -m attnlab bench --suite quick --device cpu`.", file=sys.stderr)
         return 2
@@ -144,24 +172,25 @@ def main(argv: list[str] | None = None) -> int:
     deadline = args.deadline_at if args.deadline_at is not None else (
         t_start + args.deadline_s if args.deadline_s is not None else None)
     run_id = args.run_id or _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    gpu = device_name(device)
+    gpu = "(no GPU here)" if no_gpu else device_name(device)
     opts = Options(device=device, max_reps=args.reps, min_reps=args.min_reps, budget_ms=args.budget_ms,
                    seed=args.seed, deadline=deadline, run_id=run_id, gpu=gpu, max_call_s=args.max_call_s)
-    try:
-        comps = competitors(args.backends)
-    except ValueError as e:
-        print(f"attnlab bench: {e}", file=sys.stderr)
-        return 2
-    names = [c.name for c in comps]
-    suites = list(recorded_suites()) if args.suite == "all" else [args.suite]
-    plan = []
+    suites = list(dict.fromkeys(n for a in args.suite for n in (recorded_suites() if a == "all" else [a])))
+    plan, comps_of = [], {}
     for s in suites:
         cases = SUITES[s].cases(device)
         if args.cases:
             cases = [c for c in cases if args.cases in c.name]
         plan.append((s, cases))
-    est = {s: estimate_seconds(cases, names, opts) for s, cases in plan}
-    first_flex = 15.0 if "flex" in names and device.startswith("cuda") else 0.0  # Inductor's cold start
+        try:  # --backends, else the suite's own rivals, else every competitor
+            comps_of[s] = competitors(args.backends or SUITES[s].backends)
+        except ValueError as e:
+            print(f"attnlab bench: {e}", file=sys.stderr)
+            return 2
+    names_of = {s: [c.name for c in comps_of[s]] for s in suites}
+    est = {s: estimate_seconds(cases, names_of[s], opts) for s, cases in plan}
+    any_flex = any("flex" in n for n in names_of.values())
+    first_flex = 15.0 if any_flex and device.startswith("cuda") else 0.0  # Inductor's cold start
     print(f"attnlab bench on {gpu} ({device}), run {run_id}: " + ", ".join(
         f"{s} {len(c)} cases ~{est[s]:.0f} s" for s, c in plan) + f"; total ~{sum(est.values()) + first_flex:.0f} s "
         f"(crude estimate: assumed rates, flex compile {FLEX_COMPILE_S:g} s and Triton tuning {TRITON_TUNE_S:g} s "
@@ -172,14 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(device, argv)
     env.update(run_id=run_id, options={
         "max_reps": opts.max_reps, "min_reps": opts.min_reps, "budget_ms": opts.budget_ms, "seed": opts.seed,
-        "suite_timing": {n: st.timing for n, st in SUITES.items() if st.timing}, "competitors": names,
-        "excluded": args.exclude,
+        "suite_timing": {n: st.timing for n, st in SUITES.items() if st.timing},
+        "competitors": {s: names_of[s] for s in suites}, "excluded": args.exclude,
+        "suite_deadline_s": {s: _suite_deadline_s(s, args) for s in suites},
         "flex": "torch.compile(flex_attention, fullgraph=True, dynamic=False); torch._dynamo.reset() per case; "
                 "recompile limit raised, fail_on_recompile_limit_hit",
         "timing": "median of CUDA-event-timed calls rotating over input sets >= 4x L2, after a checked call, "
-                  "a memory call and warm-up",
+                  "a memory call and warm-up; attnlab rows time the public call attnlab.attention(...) (path "
+                  "'public'), <backend>-kernel rows backend.forward on a Problem validated once (path 'kernel')",
+        "host_us": f"{HOST_SLEEP_CYCLES} GPU cycles of sleep queued, then up to 10 calls back to back unsynchronized; "
+                   "host wall time / calls",
     })
-    total_pairs = sum(len(c) for _, c in plan) * len(comps)
+    total_pairs = sum(len(row_keys(c)) * len(names_of[s]) for s, cases in plan for c in cases)
     bar = None
     if not args.no_progress:
         from tqdm.auto import tqdm
@@ -188,14 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     all_rows: list[dict[str, Any]] = []
     status = 0
     for suite, cases in plan:
+        comps, names = comps_of[suite], names_of[suite]
         path = folder / f"{suite}.csv"
         kept: list[dict[str, Any]] = []
+        others: list[dict[str, Any]] = []
         if args.resume and path.exists():
             # skipped rows (deadline, exclusions) are decided again; everything else that ran is kept
             kept = [r for r in _read_rows(path) if (args.run_id is None or r.get("run_id") == args.run_id)
                     and r.get("status") != "skipped"]
+        elif args.keep_others and path.exists():
+            # the rows of competitors this run does not measure stay, with their own run_id
+            ours = {k for c in cases for k, _ in row_keys(c)}
+            others = [r for r in _read_rows(path) if r.get("backend") not in names and r.get("case") in ours]
         done = {(r["case"], r["backend"]) for r in kept}
-        rows = list(kept)
+        rows = list(kept) if args.resume else list(others) if args.keep_others else []
         senv = dict(env, suite=suite, cases=[c.name for c in cases], started_utc=env["date_utc"])
         jpath = path.with_suffix(".json")
         folder.mkdir(parents=True, exist_ok=True)
@@ -210,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
                 senv["previous_commands"] = prev
         jpath.write_text(json.dumps(senv, indent=2, default=str))
         t_suite = time.time()
+        own = _suite_deadline_s(suite, args)
+        sdl = deadline if own is None else min(t_suite + own, deadline if deadline is not None else math.inf)
+        opts.deadline = sdl
 
-        def on_row(row, rows=rows, path=path, cases=cases):
+        def on_row(row, rows=rows, path=path, cases=cases, names=names):
             rows.append(row)
             write_csv(path, _ordered(rows, cases, names))
             if bar is not None:
@@ -221,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             if bar is not None:
                 bar.set_description(f"{suite}")
-                bar.update(sum(1 for n in names if (case.name, n) in done))
+                bar.update(sum(len(row_keys(case)) for n in names if _done(case, n, done)))
 
-            def skip(name, case=case, suite=suite, rows=rows):
-                if deadline is not None and time.time() > deadline:
+            def skip(name, case=case, suite=suite, rows=rows, sdl=sdl):
+                if sdl is not None and time.time() > sdl:
                     return "deadline reached"
                 if name in args.exclude:
                     return "excluded" + (" (it broke the CUDA context earlier in this run)" if args.run_id else "")
@@ -235,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                     return f"predicted {pred / 1e3:.1f} s a call (from smaller cases) > --max-call-s {opts.max_call_s}"
                 return None
 
-            todo = [c for c in comps if (case.name, c.name) not in done]
+            todo = [c for c in comps if not _done(case, c.name, done)]
+            keys = {k for k, _ in row_keys(case)}
+            rows[:] = [r for r in rows if not (r["case"] in keys and r["backend"] in {c.name for c in todo})]
             try:
                 case_rows = run_case(case, todo, opts, skip=skip, on_row=on_row)
                 line = f"[{time.time() - t_start:5.0f} s] {suite}/{case.name}: {case_line(case_rows)}"
@@ -247,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                 msg = f"the CUDA context was lost: {e}"
                 if e.backend in names:
                     culprit = next(c for c in comps if c.name == e.backend)
-                    on_row(_row(case, culprit, opts, case_counts(case), status="error", notes=msg))
+                    for r in _rows(case, culprit, opts, case_counts(case), status="error", notes=msg):
+                        on_row(r)
                 senv["aborted"] = {"backend": e.backend, "case": e.case, "message": str(e)}
                 jpath.write_text(json.dumps(senv, indent=2, default=str))
                 if bar is not None:
@@ -281,20 +326,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def case_line(rows: Sequence[dict[str, Any]]) -> str:
-    """One line for a case's rows: each timed backend's TFLOP/s (or GB/s for decode) and the other statuses."""
-    parts = []
+    """One line for a case's rows: each timed backend's TFLOP/s (or GB/s for decode; with ms and host time
+    when a call is short) and the other statuses (once per backend for a backward case)."""
+    parts, first = [], {}
     for r in rows:
+        first.setdefault(r["backend"], r["status"])
+    for r in rows:
+        name = r["backend"] + ("" if r.get("mode", "fwd") == "fwd" else f" {r['mode']}")
         if r["status"] == "ok":
             val = f"{r['gbps']:.4g} GB/s" if r["Nq"] == 1 else f"{r['tflops']:.4g} TF/s"
-            parts.append(f"{r['backend']} {val}")
-        else:
-            parts.append(f"{r['backend']} {r['status'].upper()}")
+            if r["ms"] < 1.0 and r.get("host_us", "") != "":
+                val += f" ({r['ms'] * 1e3:.0f} us, host {r['host_us']:.0f} us)"
+            parts.append(f"{name} {val}")
+        elif r.get("mode", "fwd") == "fwd" or r["status"] != first[r["backend"]]:
+            parts.append(f"{name} {r['status'].upper()}")
     return ", ".join(parts)
+
+
+def _suite_deadline_s(suite: str, args: argparse.Namespace) -> float | None:
+    """Seconds a suite may start measurements for: ``--suite-deadline-s`` (0: none), else the suite's own."""
+    if args.suite_deadline_s is not None:
+        return args.suite_deadline_s or None
+    return SUITES[suite].deadline_s
+
+
+def _done(case: BenchCase, name: str, done: set[tuple[str, str]]) -> bool:
+    """Whether every row of ``case`` for competitor ``name`` was kept from an earlier run."""
+    return all((k, name) in done for k, _ in row_keys(case))
 
 
 def _ordered(rows: list[dict[str, Any]], cases: Sequence[BenchCase], names: Sequence[str]) -> list[dict[str, Any]]:
     """Rows sorted by case order then competitor order (rows of unknown cases/competitors last)."""
-    ci = {c.name: i for i, c in enumerate(cases)}
+    ci = {k: i for i, c in enumerate(cases) for k, _ in row_keys(c)}
     ni = {n: i for i, n in enumerate(names)}
     return sorted(rows, key=lambda r: (ci.get(r["case"], len(ci)), ni.get(r["backend"], len(ni))))
 

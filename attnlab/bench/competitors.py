@@ -49,29 +49,77 @@ class Prepared:
 @dataclass
 class Competitor:
     """A named way to compute attention. ``prepare(inputs)`` returns a :class:`Prepared` or raises
-    :class:`Unsupported` / :class:`Unavailable`."""
+    :class:`Unsupported` / :class:`Unavailable`. ``path``: ``public`` (the call a user makes) or ``kernel``."""
 
     name: str
     family: str
     prepare: Callable[[CaseInputs], Prepared]
+    path: str = "public"
+
+
+#: Suffix of the validate-once kernel-path competitors: ``triton-kernel`` is triton's ``backend.forward``.
+KERNEL_SUFFIX = "-kernel"
+
+
+def _attnlab_backend(name: str, inp: CaseInputs):
+    """(backend, set 0's Problem) for an attnlab competitor, or :class:`Unavailable` / :class:`Unsupported`."""
+    from attnlab import backends as _b
+    from attnlab.problem import make_problem
+
+    prob = make_problem(inp.qs[0], inp.ks[0], inp.vs[0], **inp.kw)
+    grad = inp.qs[0].requires_grad
+    if name == "auto":
+        return _b.resolve("auto", prob, needs_grad=grad), prob
+    reg = _b.registry()
+    if name not in reg:
+        raise Unavailable(f"backend {name!r} is not in this build (its module is missing)")
+    be = reg[name]
+    avail = be.availability()
+    if not avail.available:
+        raise Unavailable(avail.reason)
+    why = be.unsupported(prob)
+    if why is not None:
+        raise Unsupported(why)
+    if grad and not be.differentiable:
+        raise Unsupported(f"backend {name!r} has no backward")
+    return be, prob
 
 
 def _attnlab_competitor(name: str) -> Competitor:
+    """The public call: ``attnlab.attention(q, k, v, **keywords, backend=name)`` as a user makes it, a new
+    Problem (and its validation) every call; the checked call runs under ``poison_outputs``."""
+
     def prepare(inp: CaseInputs) -> Prepared:
-        from attnlab import backends as _b
+        from attnlab.api import attention, poison_outputs
+
+        be, _ = _attnlab_backend(name, inp)
+        notes = [f"auto picked {be.name}"] if name == "auto" else []
+        qs, ks, vs, kw = inp.qs, inp.ks, inp.vs, inp.kw
+
+        def call(i: int) -> torch.Tensor:
+            return attention(qs[i], ks[i], vs[i], backend=name, **kw)
+
+        def check_call(i: int) -> torch.Tensor:
+            with poison_outputs():  # an element the backend does not write fails the check as NaN
+                return call(i)
+
+        return Prepared(call=call, check_call=check_call, notes=notes)
+
+    return Competitor(name, "attnlab", prepare)
+
+
+def _kernel_competitor(name: str) -> Competitor:
+    """``<backend>-kernel``: the backend's ``forward`` on a Problem validated once per input set, outside the
+    timed region (the kernel without the public call's validation and dispatch). Forward only."""
+    base = name[: -len(KERNEL_SUFFIX)]
+
+    def prepare(inp: CaseInputs) -> Prepared:
         from attnlab.problem import make_problem
 
-        reg = _b.registry()
-        if name not in reg:
-            raise Unavailable(f"backend {name!r} is not in this build (its module is missing)")
-        be = reg[name]
-        avail = be.availability()
-        if not avail.available:
-            raise Unavailable(avail.reason)
+        if inp.qs[0].requires_grad:
+            raise Unsupported("the kernel path has no autograd (time the public call)")
+        be, _ = _attnlab_backend(base, inp)
         probs = [make_problem(q, k, v, **inp.kw) for q, k, v in zip(inp.qs, inp.ks, inp.vs)]
-        why = be.unsupported(probs[0])
-        if why is not None:
-            raise Unsupported(why)
 
         def call(i: int) -> torch.Tensor:
             prob = probs[i]
@@ -88,7 +136,7 @@ def _attnlab_competitor(name: str) -> Competitor:
 
         return Prepared(call=call, check_call=check_call)
 
-    return Competitor(name, "attnlab", prepare)
+    return Competitor(name, "attnlab", prepare, path="kernel")
 
 
 def _sdpa_competitor(name: str) -> Competitor:
@@ -241,11 +289,13 @@ def _flex_competitor() -> Competitor:
 
 def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
     """The competitors by name (default: every attnlab backend docs/contract.md lists or the registry holds,
-    except ``reference``; then ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``, ``flex``)."""
+    except ``reference``; then ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``, ``flex``).
+    Also by name only: ``auto``, ``reference`` and ``<backend>-kernel`` (:func:`_kernel_competitor`)."""
     from attnlab import backends as _b
 
     attn = list(DESIGN_BACKENDS) + [n for n in _b.registry() if n not in DESIGN_BACKENDS and n != "reference"]
-    known = [*attn, "reference", *SDPA_KINDS, "flex"]
+    public = [*attn, "reference", "auto"]
+    known = [*public, *(n + KERNEL_SUFFIX for n in attn), *SDPA_KINDS, "flex"]
     names = [*attn, *SDPA_KINDS, "flex"] if names is None else list(names)
     out = []
     for n in names:
@@ -253,8 +303,10 @@ def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
             out.append(_sdpa_competitor(n))
         elif n == "flex":
             out.append(_flex_competitor())
-        elif n in known or n in _b.registry():
+        elif n in public or n in _b.registry():
             out.append(_attnlab_competitor(n))
+        elif n.endswith(KERNEL_SUFFIX) and n[: -len(KERNEL_SUFFIX)] in [*public, *_b.registry()]:
+            out.append(_kernel_competitor(n))
         else:
             raise ValueError(f"unknown competitor {n!r}; choose from {known}")
     return out

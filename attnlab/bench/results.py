@@ -129,7 +129,7 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
 _BOOL_COLS = ("causal", "passed")
 _INT_COLS = ("B", "Hq", "Hkv", "Nq", "Nk", "D", "reps", "sets")
 _FLOAT_COLS = ("allowed_frac", "flops", "bytes", "ms", "ms_min", "ms_iqr", "tflops", "gbps", "peak_extra_mib",
-               "setup_mib", "max_abs_err", "rel_l2", "base_max_abs")
+               "setup_mib", "max_abs_err", "rel_l2", "base_max_abs", "host_us")
 
 
 def load(paths: str | os.PathLike | Iterable[str | os.PathLike]):

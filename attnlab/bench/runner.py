@@ -15,7 +15,7 @@ import torch
 from attnlab.bench.competitors import Competitor, Unavailable, Unsupported
 from attnlab.bench.counting import allowed_count, min_bytes
 from attnlab.bench.schema import COLUMNS, MIB
-from attnlab.bench.suites import BenchCase
+from attnlab.bench.suites import BACKWARD_MODES, BenchCase, row_keys
 from attnlab.bench.timing import (
     DEFAULT_BUDGET_MS,
     DEFAULT_MIN_REPS,
@@ -27,6 +27,8 @@ from attnlab.bench.timing import (
     _reps_and_warmup,
     _sync,
     _timing,
+    host_calls,
+    measure_host,
     measure_peak,
     time_calls,
 )
@@ -85,13 +87,67 @@ def _short(e: BaseException, n: int = 300) -> str:
     return f"{type(e).__name__}: {msg[:n]}"
 
 
-def _row(case: BenchCase, comp: Competitor, opts: Options, counts: dict[str, Any], **kw: Any) -> dict[str, Any]:
+def _row(case: BenchCase, comp: Competitor, opts: Options, counts: dict[str, Any], /, **kw: Any) -> dict[str, Any]:
     row = {c: "" for c in COLUMNS}
     row.update(case.describe())
     row.update(counts)
-    row.update(run_id=opts.run_id, backend=comp.name, family=comp.family, device=opts.device, gpu=opts.gpu)
+    row.update(run_id=opts.run_id, backend=comp.name, family=comp.family, device=opts.device, gpu=opts.gpu,
+               path=comp.path, mode="fwd")
     row.update(kw)
     return row
+
+
+def _rows(case: BenchCase, comp: Competitor, opts: Options, counts: dict[str, Any], /,
+          **kw: Any) -> list[dict[str, Any]]:
+    """The same status for every row of a case (:func:`row_keys`: one, or one per backward mode)."""
+    if not case.backward:
+        return [_row(case, comp, opts, counts, **kw)]
+    out = []
+    for (name, mode), (_, _, mult) in zip(row_keys(case), BACKWARD_MODES):
+        c = dict(counts, flops=counts["flops"] * mult, bytes="" if mode != "fwd" else counts["bytes"])
+        out.append(_row(case, comp, opts, c, **{**kw, "case": name, "mode": mode}))
+    return out
+
+
+#: The note of a row whose host-time calls outlasted the GPU sleep queued before them.
+HOST_NOT_HIDDEN = ("host-time calls outlasted the GPU sleep queued before them (a device sync in the call, or "
+                   "over 1 ms of host time a call)")
+
+
+def measure(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tuple[int, float, int],
+            notes: list[str], mark: Callable[[], str | None] | None = None,
+            after: Callable[[], str | None] | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """Memory and a first estimate, warm-up, the timed calls, then the host time of a call: (the row's
+    timing columns, None), or (None, the reason) when the calls left the compiled path (flex)."""
+    max_reps, budget_ms, min_reps = timing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est_ms, peak = measure_peak(call, 1 % sets, dev)
+        reps, warm = _reps_and_warmup(est_ms, max_reps, budget_ms, min_reps)
+        if warm:
+            time_calls(call, sets, warm, dev, start=2)
+        if mark is not None:
+            changed = mark()
+            if changed:
+                notes.append(changed)
+        times = time_calls(call, sets, reps, dev, start=2 + warm)
+        host_us, busy = measure_host(call, sets, host_calls(est_ms), dev, start=2 + warm + reps)
+    bad = after() if after is not None else None
+    eager = _eager_fallbacks(caught)
+    if bad or eager:
+        return None, bad or eager[0]
+    other = sorted({str(w.message).split("\n")[0][:120] for w in caught})
+    notes += [f"warning: {w}" for w in other[:2] if f"warning: {w}" not in notes]
+    if not busy:
+        notes.append(HOST_NOT_HIDDEN)
+    return {"ms": _median(times), "ms_min": min(times), "ms_iqr": _quantile(times, 0.75) - _quantile(times, 0.25),
+            "reps": len(times), "peak_extra_mib": peak, "host_us": host_us}, None
+
+
+def rates(counts: dict[str, Any], ms: float) -> dict[str, Any]:
+    """tflops and gbps of a timed row (gbps empty where the row has no byte count)."""
+    gbps = "" if counts.get("bytes") in ("", None) else counts["bytes"] / (ms * 1e-3) / 1e9
+    return {"tflops": counts["flops"] / (ms * 1e-3) / 1e12, "gbps": gbps}
 
 
 def case_counts(case: BenchCase, spec: MaskSpec | None = None) -> dict[str, Any]:
@@ -149,53 +205,38 @@ def run_one(
     if not rep.passed:
         notes.append(repr(rep))
         return _row(case, comp, opts, counts, status="failed", passed=False, notes="; ".join(notes), **base)
-    # 2. memory and a first estimate; 3. warm-up and the timed calls
+    # 2. memory and a first estimate; 3. warm-up, the timed calls and the host time
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            est_ms, peak = measure_peak(prep.call, 1 % inp.sets, dev)
-            reps, warm = _reps_and_warmup(est_ms, max_reps, budget_ms, min_reps)
-            if warm:
-                time_calls(prep.call, inp.sets, warm, dev, start=2)
-            if prep.mark is not None:
-                changed = prep.mark()
-                if changed:
-                    notes.append(changed)
-            times = time_calls(prep.call, inp.sets, reps, dev, start=2 + warm)
-        bad = prep.after_timing() if prep.after_timing is not None else None
-        eager = _eager_fallbacks(caught)
-        if bad or eager:
-            return _row(case, comp, opts, counts, status="fallback", passed=True,
-                        notes="; ".join([*notes, bad or eager[0]]), **base)
-        other = sorted({str(w.message).split("\n")[0][:120] for w in caught})
-        notes += [f"warning: {w}" for w in other[:2]]
+        timed, bad = measure(prep.call, inp.sets, dev, (max_reps, budget_ms, min_reps), notes, prep.mark,
+                             prep.after_timing)
+        if bad:
+            return _row(case, comp, opts, counts, status="fallback", passed=True, notes="; ".join([*notes, bad]),
+                        **base)
     except Exception as e:
         return _failure_row(case, comp, opts, counts, e, dev, "timed calls", base, notes, passed=True)
-    ms = _median(times)
-    row = _row(
-        case, comp, opts, counts, status="ok", passed=True, ms=ms, ms_min=min(times),
-        ms_iqr=_quantile(times, 0.75) - _quantile(times, 0.25), reps=len(times),
-        tflops=counts["flops"] / (ms * 1e-3) / 1e12, gbps=counts["bytes"] / (ms * 1e-3) / 1e9,
-        peak_extra_mib=peak, notes="; ".join(notes), **base,
-    )
-    return row
+    return _row(case, comp, opts, counts, status="ok", passed=True, **timed, **rates(counts, timed["ms"]),
+                notes="; ".join(notes), **base)
 
 
-def _failure_row(case, comp, opts, counts, e, dev, where, base, notes=(), passed="") -> dict[str, Any]:
-    """The row of a competitor that raised: oom, error, or :class:`ContextLost` when CUDA is unusable."""
-    notes = list(notes)
+def failure(comp: Competitor, case: BenchCase, e: BaseException, dev: torch.device, where: str,
+            notes: Sequence[str] = ()) -> dict[str, Any]:
+    """The status and notes of a competitor that raised: oom or error; raises :class:`ContextLost` when CUDA
+    is no longer usable."""
     # The traceback's frames hold the failed call's tensors (after an OOM, gigabytes): drop them first.
     traceback.clear_frames(e.__traceback__)
     e.__traceback__ = None
     if _is_oom(e):
         _free(dev)
-        return _row(case, comp, opts, counts, status="oom", passed=passed,
-                    notes="; ".join([*notes, f"out of memory in {where}: {_short(e, 160)}"]), **base)
+        return {"status": "oom", "notes": "; ".join([*notes, f"out of memory in {where}: {_short(e, 160)}"])}
     if not _context_ok(dev):
         raise ContextLost(comp.name, case.name, _short(e)) from e
     _free(dev)
-    return _row(case, comp, opts, counts, status="error", passed=passed,
-                notes="; ".join([*notes, f"{where}: {_short(e)}"]), **base)
+    return {"status": "error", "notes": "; ".join([*notes, f"{where}: {_short(e)}"])}
+
+
+def _failure_row(case, comp, opts, counts, e, dev, where, base, notes=(), passed="") -> dict[str, Any]:
+    """The row of a competitor that raised (:func:`failure`)."""
+    return _row(case, comp, opts, counts, passed=passed, **failure(comp, case, e, dev, where, notes), **base)
 
 
 def run_case(
@@ -217,7 +258,8 @@ def run_case(
     for comp in comps:
         why = skip(comp.name) if skip is not None else None
         if why is not None:
-            emit(_row(case, comp, opts, counts, status="skipped", notes=why))
+            for r in _rows(case, comp, opts, counts, status="skipped", notes=why):
+                emit(r)
         else:
             todo.append(comp)
     if not todo:
@@ -235,13 +277,21 @@ def run_case(
             _free(dev)
             status = "oom" if _is_oom(e) else "error"
             for comp in todo:
-                emit(_row(case, comp, opts, counts, status=status, notes=f"inputs/reference: {_short(e)}"))
+                for r in _rows(case, comp, opts, counts, status=status, notes=f"inputs/reference: {_short(e)}"):
+                    emit(r)
             return rows
         for comp in todo:
             if opts.deadline is not None and time.time() > opts.deadline:
-                emit(_row(case, comp, opts, counts, status="skipped", notes="deadline reached"))
+                for r in _rows(case, comp, opts, counts, status="skipped", notes="deadline reached"):
+                    emit(r)
                 continue
-            emit(run_one(comp, inp, truth, opts, counts, max_reps, budget, min_reps))
+            if case.backward:
+                from attnlab.bench.grad import run_backward
+
+                for r in run_backward(comp, inp, truth, opts, counts, (max_reps, budget, min_reps)):
+                    emit(r)
+            else:
+                emit(run_one(comp, inp, truth, opts, counts, max_reps, budget, min_reps))
         del inp, truth
     _free(dev)
     return rows

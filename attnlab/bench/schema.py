@@ -26,7 +26,8 @@ flops                     useful FLOPs: 4 * D * (allowed score count, summed ove
 bytes                     fewest bytes a kernel must move: q and out once each, and the K and V rows of
                           the keys any query of that batch entry may attend (contiguous key range from
                           lengths and band), each once
-ms, ms_min, ms_iqr        median, minimum and interquartile range of the timed calls, milliseconds
+ms, ms_min, ms_iqr        median, minimum and interquartile range of the timed calls, milliseconds (GPU
+                          timeline between CUDA events: host launch gaps of back-to-back calls count)
 reps                      number of timed calls
 tflops                    flops / ms (10^12 FLOP/s, useful FLOPs only)
 gbps                      bytes / ms (10^9 B/s); the figure of merit for decode
@@ -39,6 +40,16 @@ check_scope               ``full`` or ``slice b=[..] hq=[..]``
 sets                      number of input sets rotated
 notes                     free text: the reason of a non-ok status, compile time, warnings
 device, gpu               ``cuda``/``cpu``; device name
+path                      ``public``: the call a user makes (``attnlab.attention(...)``, a new Problem and
+                          its validation every call; SDPA and flex as their own public calls);
+                          ``kernel``: an attnlab ``<backend>-kernel`` row, ``backend.forward`` on a Problem
+                          validated once outside the timed region. Empty in rows recorded before the
+                          column existed (their attnlab rows were the kernel path)
+mode                      ``fwd`` (every forward suite), ``fwd+bwd`` or ``bwd`` (backward suite: flops are
+                          1x, 3.5x and 2.5x the forward's useful FLOPs); empty in older rows
+host_us                   host time per call, microseconds: wall time of back-to-back calls, not
+                          synchronized, queued behind a GPU sleep so the host never waits for the GPU
+                          unless the call synchronizes (on a CPU: the wall time of the call)
 ========================  ==========================================================================
 
 Beside each CSV, ``<suite>.json`` holds the environment: GPU name, driver, torch, CUDA, cuDNN, triton,
@@ -55,13 +66,14 @@ import torch
 # Schema
 # ---------------------------------------------------------------------------------------------------------
 
-#: CSV columns, in file order. Stable: attnlab.plots and notebook 08 read them (module docstring).
+#: CSV columns, in file order. Stable: attnlab.plots and notebook 08 read them (module docstring); new
+#: columns go at the end, and :func:`attnlab.bench.load` fills the ones an older CSV lacks with empty values.
 COLUMNS = [
     "run_id", "suite", "case", "backend", "family", "status", "passed",
     "B", "Hq", "Hkv", "Nq", "Nk", "D", "dtype", "causal", "align", "window", "mask", "lengths",
     "allowed_frac", "flops", "bytes", "ms", "ms_min", "ms_iqr", "reps", "tflops", "gbps",
     "peak_extra_mib", "setup_mib", "max_abs_err", "rel_l2", "base_max_abs", "check_scope", "sets",
-    "notes", "device", "gpu",
+    "notes", "device", "gpu", "path", "mode", "host_us",
 ]
 
 STATUSES = ("ok", "failed", "oom", "unsupported", "unavailable", "error", "fallback", "skipped")

@@ -4,6 +4,7 @@ overrides) adds a suite to the command line, to ``all`` and to the notebooks tha
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ class BenchCase(ShapeDefaults):
     align: str | None = None
     kv_len: tuple[int, ...] | None = None
     q_len: tuple[int, ...] | None = None
+    bias: str | None = None  #: an explicit bias: ``"alibi"`` (:func:`alibi_bias`, [1, Hq, Nq, Nk], the case dtype)
+    backward: bool = False  #: timed as fwd, fwd+bwd and bwd (:mod:`attnlab.bench.grad`): three rows
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -47,8 +50,13 @@ class BenchCase(ShapeDefaults):
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
     def keywords(self, device: torch.device | str) -> dict[str, Any]:
-        """Mask keywords for :func:`attnlab.attention` / :func:`attnlab.reference` (lengths on ``device``)."""
-        return mask_keywords(self, device)
+        """Mask keywords for :func:`attnlab.attention` / :func:`attnlab.reference` (lengths, bias on ``device``)."""
+        kw = mask_keywords(self, device)
+        if self.bias == "alibi":
+            kw["mask"] = alibi_bias(self.Hq, self.Nq, self.nk, self.dtype, str(torch.device(device)))
+        elif self.bias is not None:
+            raise ValueError(f"unknown bias {self.bias!r}; the benchmark knows 'alibi'")
+        return kw
 
     def spec(self, device: torch.device | str = "cpu") -> MaskSpec:
         """The validated :class:`MaskSpec` of this case."""
@@ -71,6 +79,29 @@ class BenchCase(ShapeDefaults):
         }
 
 
+#: The rows of a backward case: (``mode`` column, case-name suffix, FLOPs as a multiple of the forward's).
+BACKWARD_MODES = (("fwd", "fwd", 1.0), ("fwd+bwd", "fwdbwd", 3.5), ("bwd", "bwd", 2.5))
+
+
+def row_keys(case: BenchCase) -> list[tuple[str, str]]:
+    """(case column, mode column) of each row a case gives per competitor: one for a forward case, one per
+    :data:`BACKWARD_MODES` entry for a backward case (``<name>_fwd``, ``<name>_fwdbwd``, ``<name>_bwd``), so
+    that case names stay unique within a suite."""
+    if not case.backward:
+        return [(case.name, "fwd")]
+    return [(f"{case.name}_{tag}", mode) for mode, tag, _ in BACKWARD_MODES]
+
+
+@functools.lru_cache(maxsize=2)
+def alibi_bias(H: int, Nq: int, Nk: int, dtype: str, device: str) -> torch.Tensor:
+    """ALiBi's bias [1, H, Nq, Nk]: head h's slope 2^(-8(h+1)/H) times -(i - j) (top-left distance), in
+    ``dtype``; cached (a case asks for it for every row it describes)."""
+    slopes = torch.pow(2.0, -8.0 * torch.arange(1, H + 1, dtype=torch.float64) / H).view(1, H, 1, 1)
+    i = torch.arange(Nq, dtype=torch.float64).view(1, 1, Nq, 1)
+    j = torch.arange(Nk, dtype=torch.float64).view(1, 1, 1, Nk)
+    return (slopes * (j - i)).to(device=device, dtype=_DTYPES[dtype])
+
+
 def _seeded_lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
     """n lengths drawn uniformly from [lo, hi] with a fixed seed (the same on every machine)."""
     g = torch.Generator().manual_seed(seed)
@@ -91,13 +122,18 @@ def dense_suite(device: str = "cuda") -> list[BenchCase]:
 
 
 def padding_suite(device: str = "cuda") -> list[BenchCase]:
-    """B8 H16 N4096 D128 bf16, kv_len seeded-uniform in [N/4, N]; with and without (top-left) causal."""
+    """B8 H16 N4096 D128 bf16, kv_len seeded-uniform in [N/4, N], with and without (top-left) causal; and
+    ragged sequences, ``q_len = kv_len`` (other seeded lengths in [N/4, N]), causal."""
     N = 4096
     kv = _seeded_lengths(8, N // 4, N, seed=6)
+    ragged = _seeded_lengths(8, N // 4, N, seed=8)
     return [
-        BenchCase("padding", f"bf16_b8_h16_n{N}_d128_kvlen{'_causal' if c else ''}", B=8, Hq=16, Nq=N, D=128,
-                  kv_len=kv, causal=c)
-        for c in (False, True)
+        *(BenchCase("padding", f"bf16_b8_h16_n{N}_d128_kvlen{'_causal' if c else ''}", B=8, Hq=16, Nq=N, D=128,
+                    kv_len=kv, causal=c)
+          for c in (False, True)),
+        # a packed batch of ragged sequences: q_len = kv_len, causal
+        BenchCase("padding", f"bf16_b8_h16_n{N}_d128_ragged_causal", B=8, Hq=16, Nq=N, D=128, kv_len=ragged,
+                  q_len=ragged, causal=True),
     ]
 
 
@@ -166,6 +202,48 @@ def quick_suite(device: str = "cuda") -> list[BenchCase]:
     ]
 
 
+def latency_suite(device: str = "cuda") -> list[BenchCase]:
+    """Small problems where host time matters: B 1-4, N 64-512, D 64/128, bf16; no mask, causal, kv_len
+    (a GPU tensor, seeded in [N/4, N]) with and without causal. Tinier still on a CPU."""
+    if str(device).startswith("cpu"):
+        grid = [(1, 2, 32, 32, "causal"), (2, 2, 48, 32, "kvlen")]
+    else:
+        grid = [(1, 8, 128, 64, "causal"), (1, 16, 64, 64, "full"), (2, 16, 256, 128, "full"),
+                (1, 16, 512, 128, "causal"), (4, 16, 512, 64, "causal"), (4, 16, 512, 128, "full"),
+                (2, 16, 256, 64, "kvlen"), (4, 8, 512, 128, "kvlen_causal")]
+    cases = []
+    for i, (B, H, N, D, m) in enumerate(grid):
+        kv = _seeded_lengths(B, N // 4, N, seed=20 + i) if "kvlen" in m else None
+        cases.append(BenchCase("latency", f"bf16_b{B}_h{H}_n{N}_d{D}_{m}", B=B, Hq=H, Nq=N, D=D, kv_len=kv,
+                               causal="causal" in m))
+    return cases
+
+
+def bias_suite(device: str = "cuda") -> list[BenchCase]:
+    """An ALiBi-style bias [1, H, N, N] in bf16 with causal: B4 H16 N2048 D128 (B1 H2 N64 D32 on a CPU)."""
+    B, H, N, D = (1, 2, 64, 32) if str(device).startswith("cpu") else (4, 16, 2048, 128)
+    return [BenchCase("bias", f"bf16_b{B}_h{H}_n{N}_d{D}_causal_alibi", B=B, Hq=H, Nq=N, D=D, causal=True,
+                      bias="alibi")]
+
+
+def backward_suite(device: str = "cuda") -> list[BenchCase]:
+    """Training: fwd, fwd+bwd and bwd through the public call, bf16 D128: B8 H16 N4096 with the padding
+    suite's kv_len first (flex is its rival), then B4 H16 N4096 and B1 H16 N16384, dense and causal (cheapest
+    first, so a deadline cuts the costliest). Tiny shapes on a CPU."""
+    if str(device).startswith("cpu"):
+        shapes, pad = [(1, 2, 32, 16)], (2, 1, 40, 16)
+    else:
+        shapes, pad = [(4, 16, 4096, 128), (1, 16, 16384, 128)], (8, 16, 4096, 128)
+    B, H, N, D = pad
+    kv = _seeded_lengths(B, N // 4, N, seed=6)  # the padding suite's lengths at B8 N4096
+    cases = [BenchCase("backward", f"bf16_b{B}_h{H}_n{N}_d{D}_kvlen", B=B, Hq=H, Nq=N, D=D, kv_len=kv,
+                       backward=True)]
+    cases += [BenchCase("backward", f"bf16_b{B}_h{H}_n{N}_d{D}_{'causal' if c else 'full'}", B=B, Hq=H, Nq=N, D=D,
+                        causal=c, backward=True)
+              for B, H, N, D in shapes for c in (False, True)]
+    return cases
+
+
 @dataclass(frozen=True)
 class Suite:
     """One benchmark suite, as data: one entry of :data:`SUITES` adds it to ``--suite``, to ``all`` (when
@@ -176,9 +254,19 @@ class Suite:
     all_rank: int | None = None  #: position in ``--suite all`` (None: only when asked for by name)
     #: timing override: (most timed calls, timing budget per measurement in ms, fewest timed calls)
     timing: tuple[int, float, int] | None = None
+    #: the competitors when ``--backends`` is not given (None: every one, :func:`competitors`)
+    backends: tuple[str, ...] | None = None
+    #: seconds after the suite's start when it starts no new measurement, unless ``--deadline-s`` is given
+    deadline_s: float | None = None
 
 
-#: Every suite, by name. The memory suite is about bytes: a few timed calls suffice.
+#: The rivals of the latency suite: the public call (triton, auto), its kernel path, and SDPA's fused kernels.
+LATENCY_BACKENDS = ("triton", "auto", "triton-kernel", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+#: The rivals of the backward suite: attnlab's Triton backward through the public call, SDPA's, compiled flex.
+BACKWARD_BACKENDS = ("triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+
+#: Every suite, by name. The memory suite is about bytes: a few timed calls suffice; the latency suite's
+#: calls are short, so it takes more of them.
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("fp32", fp32_suite, all_rank=0),
     Suite("padding", padding_suite, all_rank=1),
@@ -186,6 +274,12 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("decode", decode_suite, all_rank=3),
     Suite("dense", dense_suite, all_rank=5),
     Suite("memory", memory_suite, all_rank=4, timing=(3, 50.0, 1)),
+    Suite("latency", latency_suite, all_rank=6, timing=(100, 20.0, 10), backends=LATENCY_BACKENDS,
+          deadline_s=60.0),
+    Suite("bias", bias_suite, all_rank=7, backends=("triton", "auto", "sdpa-cudnn", "sdpa-efficient"),
+          deadline_s=40.0),
+    Suite("backward", backward_suite, all_rank=8, timing=(10, 50.0, 3), backends=BACKWARD_BACKENDS,
+          deadline_s=150.0),
     Suite("quick", quick_suite),
 )}
 

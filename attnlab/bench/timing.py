@@ -84,9 +84,43 @@ def measure_peak(call: Callable[[int], torch.Tensor], i: int, device: torch.devi
     b.record()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    out_bytes = out.untyped_storage().nbytes() if isinstance(out, torch.Tensor) else 0
-    del out
+    outs = out if isinstance(out, (tuple, list)) else (out,)  # a backward returns its gradients
+    out_bytes = sum(t.untyped_storage().nbytes() for t in outs if isinstance(t, torch.Tensor))
+    del out, outs
     return a.elapsed_time(b), max(0.0, (peak - before - out_bytes) / MIB)
+
+
+#: GPU clock cycles of the sleep queued before the host-time calls (about 10 ms at the H200's 1.98 GHz).
+HOST_SLEEP_CYCLES = 20_000_000
+
+
+def host_calls(est_ms: float) -> int:
+    """How many calls the host time averages: 10 for short calls, fewer (at least 1) above 2 ms a call."""
+    return int(min(10, max(1, 20.0 // max(est_ms, 1e-3))))
+
+
+def measure_host(call: Callable[[int], Any], sets: int, n: int, device: torch.device,
+                 start: int = 0) -> tuple[float, bool]:
+    """(host microseconds per call, whether the GPU stayed busy throughout).
+
+    On a GPU, ``n`` calls run back to back without a synchronize, queued behind a GPU sleep
+    (:data:`HOST_SLEEP_CYCLES`): the host never waits for the GPU, unless a call synchronizes, which then
+    shows as the sleep's length in the host time (and the GPU not busy at the end). On a CPU: wall time.
+    """
+    busy = True
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(HOST_SLEEP_CYCLES)
+        slept = torch.cuda.Event()
+        slept.record()
+    t0 = time.perf_counter()
+    for r in range(n):
+        call((start + r) % sets)
+    host = time.perf_counter() - t0
+    if device.type == "cuda":
+        busy = not slept.query()
+        torch.cuda.synchronize(device)
+    return host / n * 1e6, busy
 
 
 def _median(xs: Sequence[float]) -> float:

@@ -29,6 +29,8 @@ class CaseInputs:
     vs: list[torch.Tensor]
     kw: dict[str, Any]
     spec: MaskSpec
+    #: the upstream gradient of each set (backward cases only)
+    douts: list[torch.Tensor] | None = None
 
     @property
     def sets(self) -> int:
@@ -43,8 +45,10 @@ def _l2_bytes(device: torch.device) -> int:
 
 
 def n_sets_for(case: BenchCase, device: torch.device, max_sets: int = 8) -> int:
-    """Input sets to rotate: together at least 4x the L2 (q, k, v and out), at least 2, at most ``max_sets``."""
-    per = (2 * case.B * case.Hq * case.Nq + 2 * case.B * case.hkv * case.nk) * case.D * case.elem_size
+    """Input sets to rotate: together at least 4x the L2 (q, k, v and out; dout too for a backward case), at
+    least 2, at most ``max_sets``."""
+    per = ((3 if case.backward else 2) * case.B * case.Hq * case.Nq + 2 * case.B * case.hkv * case.nk) * case.D \
+        * case.elem_size
     return int(min(max_sets, max(2, math.ceil(4 * _l2_bytes(device) / max(1, per)))))
 
 
@@ -59,9 +63,13 @@ def make_case_inputs(case: BenchCase, device: torch.device | str, seed: int = 0,
         qs.append(torch.randn(case.B, case.Hq, case.Nq, case.D, device=device, dtype=dt, generator=gen))
         ks.append(torch.randn(case.B, case.hkv, case.nk, case.D, device=device, dtype=dt, generator=gen))
         vs.append(torch.randn(case.B, case.hkv, case.nk, case.D, device=device, dtype=dt, generator=gen))
+    douts = None
+    if case.backward:
+        douts = [torch.randn(case.B, case.Hq, case.Nq, case.D, device=device, dtype=dt, generator=gen)
+                 for _ in range(sets)]
     kw = case.keywords(device)
     spec = MaskSpec.build(case.B, case.Hq, case.Nq, case.nk, device=device, **kw)
-    return CaseInputs(case, device, qs, ks, vs, kw, spec)
+    return CaseInputs(case, device, qs, ks, vs, kw, spec, douts)
 
 
 #: Cases with at most this many scores (B*Hq*Nq*Nk) are checked whole; larger ones on a slice.
@@ -105,12 +113,38 @@ def take_slice(out: torch.Tensor, sl) -> torch.Tensor:
 
 @dataclass
 class Truth:
-    """Float64 reference (and, for half types, the textbook baseline) on the checked part of set 0."""
+    """Float64 reference (and, for half types, the textbook baseline) on the checked part of set 0; for a
+    backward case also the gradients (dq, dk, dv) of both (:func:`attnlab.bench.grad.grad_truth`)."""
 
     ref: torch.Tensor
     base: torch.Tensor | None
     scope: str
     sl: Any
+    grads: tuple[torch.Tensor, ...] | None = None
+    grad_base: tuple[torch.Tensor, ...] | None = None
+
+
+def slice_inputs(inp: CaseInputs, sl) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """(q, k, v, keywords) of set 0 restricted to the slice ``sl`` (lengths and an explicit mask too)."""
+    q, k, v, kw = inp.qs[0], inp.ks[0], inp.vs[0], dict(inp.kw)
+    if sl is None:
+        return q, k, v, kw
+    dev = inp.device
+    bs, qh, kvh = (torch.tensor(x, device=dev) for x in sl)
+    q = q.index_select(0, bs).index_select(1, qh)
+    k = k.index_select(0, bs).index_select(1, kvh)
+    v = v.index_select(0, bs).index_select(1, kvh)
+    for key in ("kv_len", "q_len"):
+        if key in kw:
+            kw[key] = kw[key].index_select(0, bs)
+    m = kw.get("mask")
+    if m is not None:  # broadcast to [B, Hq, Nq, Nk] from the right: batch is dim -4, heads dim -3
+        if m.dim() >= 4 and m.shape[-4] > 1:
+            m = m.index_select(m.dim() - 4, bs.to(m.device))
+        if m.dim() >= 3 and m.shape[-3] > 1:
+            m = m.index_select(m.dim() - 3, qh.to(m.device))
+        kw["mask"] = m
+    return q, k, v, kw
 
 
 def make_truth(inp: CaseInputs, full_scores: int = FULL_CHECK_SCORES) -> Truth:
@@ -120,15 +154,7 @@ def make_truth(inp: CaseInputs, full_scores: int = FULL_CHECK_SCORES) -> Truth:
 
     case, dev = inp.case, inp.device
     sl = check_slice(case, full_scores)
-    q, k, v, kw = inp.qs[0], inp.ks[0], inp.vs[0], dict(inp.kw)
-    if sl is not None:
-        bs, qh, kvh = (torch.tensor(x, device=dev) for x in sl)
-        q = q.index_select(0, bs).index_select(1, qh)
-        k = k.index_select(0, bs).index_select(1, kvh)
-        v = v.index_select(0, bs).index_select(1, kvh)
-        for key in ("kv_len", "q_len"):
-            if key in kw:
-                kw[key] = kw[key].index_select(0, bs)
+    q, k, v, kw = slice_inputs(inp, sl)
     ref, _ = reference(q, k, v, **kw)
     base, scope = None, slice_scope(sl)
     if case.torch_dtype != torch.float32:
@@ -137,4 +163,9 @@ def make_truth(inp: CaseInputs, full_scores: int = FULL_CHECK_SCORES) -> Truth:
         except torch.cuda.OutOfMemoryError:
             scope += " (no baseline criterion: the textbook baseline ran out of memory)"
             _free(dev)
-    return Truth(ref=ref, base=base, scope=scope, sl=sl)
+    truth = Truth(ref=ref, base=base, scope=scope, sl=sl)
+    if case.backward:
+        from attnlab.bench.grad import grad_truth
+
+        truth.grads, truth.grad_base = grad_truth(inp, sl)
+    return truth
