@@ -42,20 +42,11 @@ class TritonBackend(Backend):
         return None
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        if out.numel() == 0 or prob.Nk == 0:
-            out.zero_()
-            if lse is not None:
-                lse.fill_(float("-inf"))
+        if not prob.q.is_cuda:
+            if not _empty(prob, out, lse):
+                _launch(prob, out, lse, _cfg.INTERPRETER_CONFIG, interpret=True)
             return
-        q = prob.q
-        if not q.is_cuda:
-            _launch(prob, out, lse, _cfg.INTERPRETER_CONFIG, interpret=True)
-            return
-        if torch.cuda.current_device() == q.get_device():
-            _plan(prob, out, lse).launch(prob, out, lse)
-        else:
-            with torch.cuda.device(q.device):
-                _plan(prob, out, lse).launch(prob, out, lse)
+        _on_device(prob, out, lse, lambda: _plan(prob, out, lse).launch(prob, out, lse))
 
 
 class TritonDecodeBackend(TritonBackend):
@@ -67,33 +58,35 @@ class TritonDecodeBackend(TritonBackend):
         "split-KV Triton decode for Nq <= 16: keys split over programs, GQA groups packed, partial states "
         "merged by their lse"
     )
-
     reads_paged = True
 
     def unsupported(self, prob: Problem) -> str | None:
         return decode_supported(prob)
 
-    def forward_paged(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        if out.numel() == 0 or prob.Nk == 0:
-            out.zero_()
-            if lse is not None:
-                lse.fill_(float("-inf"))
-            return
-        kw = dict(k_cache=paged.k_cache, v_cache=paged.v_cache, block_table=paged.block_table)
-        if prob.q.is_cuda and torch.cuda.current_device() != prob.q.get_device():
-            with torch.cuda.device(prob.q.device):
-                decode_forward(prob, out, lse, **kw)
-        else:
-            decode_forward(prob, out, lse, **kw)
-
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        if out.numel() == 0 or prob.Nk == 0:
-            out.zero_()
-            if lse is not None:
-                lse.fill_(float("-inf"))
-            return
-        if prob.q.is_cuda and torch.cuda.current_device() != prob.q.get_device():
-            with torch.cuda.device(prob.q.device):
-                decode_forward(prob, out, lse)
-        else:
-            decode_forward(prob, out, lse)
+        _on_device(prob, out, lse, lambda: decode_forward(prob, out, lse))
+
+    def forward_paged(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        _on_device(prob, out, lse, lambda: decode_forward(
+            prob, out, lse, k_cache=paged.k_cache, v_cache=paged.v_cache, block_table=paged.block_table))
+
+
+def _empty(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
+    """Write an empty problem's answer (out 0, lse -inf) and say so; False when there is work to launch."""
+    if out.numel() and prob.Nk:
+        return False
+    out.zero_()
+    if lse is not None:
+        lse.fill_(float("-inf"))
+    return True
+
+
+def _on_device(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, launch) -> None:
+    """Run ``launch`` unless the problem is empty, with q's GPU current (CPU tensors: as they are)."""
+    if _empty(prob, out, lse):
+        return
+    if prob.q.is_cuda and torch.cuda.current_device() != prob.q.get_device():
+        with torch.cuda.device(prob.q.device):
+            launch()
+    else:
+        launch()
