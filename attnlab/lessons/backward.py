@@ -212,7 +212,7 @@ def plot_backward(table: pd.DataFrame, *, title: str = ""):
     from attnlab.bench.plots import backend_colors
 
     modes = list(dict.fromkeys(table.index.get_level_values("mode")))
-    fig, axes = _fig(len(modes), 1, size=(10.0, 3.6 * len(modes)), squeeze=False)
+    fig, axes = _fig(len(modes), 1, size=(10.0, 3.6 * len(modes)))
     colors = backend_colors(table.columns)
     for ax, mode in zip(axes[:, 0], modes):
         t = table.xs(mode, level="mode").reset_index().melt(id_vars="case", var_name="backend", value_name="tflops")
