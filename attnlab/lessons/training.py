@@ -83,6 +83,9 @@ class TrainConfig:
     heads: int = 2
     lr: float = 3e-3
     seed: int = 0  #: model initialization and the data stream (the same for every attention function)
+    #: CPU threads while training (restored afterwards): tensors this small run fastest on one, and a busy
+    #: machine makes more threads slower still
+    threads: int = 1
 
 
 def train(attn: AttnFn, cfg: TrainConfig = TrainConfig()) -> pd.DataFrame:
@@ -90,22 +93,27 @@ def train(attn: AttnFn, cfg: TrainConfig = TrainConfig()) -> pd.DataFrame:
 
     The initial weights and the batches depend on ``cfg.seed`` only, so two attention functions that compute
     the same function (and gradients) give the same curve up to float32 rounding. ``df.attrs["seconds"]``
-    holds the wall time.
+    holds the wall time. Runs on ``cfg.threads`` CPU threads.
     """
     torch.manual_seed(cfg.seed)  # nn.Module initialization draws from the global generator
     model = TinyBlock(cfg.vocab, cfg.seq, cfg.d_model, cfg.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     g = torch.Generator().manual_seed(cfg.seed + 1)
     losses = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    for _ in range(cfg.steps):
-        x, y = copy_batch(cfg.batch, cfg.seq, cfg.vocab, g)
-        logits = model(x, attn)
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    try:
+        for _ in range(cfg.steps):
+            x, y = copy_batch(cfg.batch, cfg.seq, cfg.vocab, g)
+            logits = model(x, attn)
+            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1), ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
     df = pd.DataFrame({"step": range(cfg.steps), "loss": losses})
     df.attrs["seconds"] = time.perf_counter() - t0
     return df
