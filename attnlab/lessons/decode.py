@@ -1,0 +1,287 @@
+"""Decode for notebook 10: the bytes and FLOPs of a few query rows against a long KV cache, how many programs
+the split-KV path (:mod:`attnlab.backends.triton.decode`) launches against the SM count, the merge of partial
+states, GQA packing, the paged KV cache drawn, and the recorded decode figures against the bandwidth.
+
+Shapes only where possible (no large tensors): a :class:`~attnlab.problem.Problem` for a suite configuration
+is built on stride-0 views of one element, which is all the decode path's host-side choices read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+import seaborn as sns
+import torch
+
+import attnlab
+from attnlab.backends.triton import decode as dec
+from attnlab.lessons import memory
+from attnlab.lessons import online_softmax as osm
+from attnlab.lessons.plots import _fig
+from attnlab.problem import Problem, make_problem
+
+
+def config_label(B: int, Hq: int, Hkv: int, Nk: int, Nq: int = 1) -> str:
+    return f"B{B} Hq{Hq} Hkv{Hkv} Nk{Nk // 1024}k" + ("" if Nq == 1 else f" Nq{Nq}")
+
+
+def shape_problem(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dtype = torch.bfloat16) -> Problem:
+    """A Problem of the given shape on stride-0 CPU views (nothing allocated): for the host-side choices."""
+    z = torch.zeros(1, dtype=dtype)
+    return make_problem(z.expand(B, Hq, Nq, D), z.expand(B, Hkv, Nk, D), z.expand(B, Hkv, Nk, D))
+
+
+def suite_configs(cases: Iterable | None = None) -> pd.DataFrame:
+    """The distinct (B, Hq, Hkv, Nq, Nk, D, dtype) of the decode suite's cases (default: ``suite_cases("decode")``)."""
+    if cases is None:
+        from attnlab.bench.suites import suite_cases
+
+        cases = suite_cases("decode", device="cpu")
+    rows = [{"B": c.B, "Hq": c.Hq, "Hkv": c.Hkv or c.Hq, "Nq": c.Nq, "Nk": c.Nk or c.Nq, "D": c.D, "dtype": c.dtype}
+            for c in cases]
+    return pd.DataFrame(rows).drop_duplicates().reset_index(drop=True)
+
+
+# ---- bytes against FLOPs ----------------------------------------------------------------------------------
+def decode_roofline(configs: pd.DataFrame, *, tbps: float = memory.H200["copy_tbps"],
+                    peak_tflops: float = memory.H200["bf16_tflops"]) -> pd.DataFrame:
+    """Per configuration: FLOPs, HBM bytes of the fused forward (q, k, v read once, o and lse written), the
+    arithmetic intensity, and the time the bytes take at ``tbps`` against the time the FLOPs take at
+    ``peak_tflops``."""
+    rows = []
+    for r in configs.itertuples():
+        f = memory.flops(r.B, r.Hq, r.Nq, r.Nk, r.D)
+        by = memory.fused_traffic(r.B, r.Hq, r.Nq, r.Nk, r.D, r.dtype, Hkv=r.Hkv).total
+        rows.append({"config": config_label(r.B, r.Hq, r.Hkv, r.Nk, r.Nq), "flops": f, "bytes": by,
+                     "FLOP/byte": f / by, "us_at_bandwidth": 1e6 * by / (tbps * 1e12),
+                     "us_at_peak_flops": 1e6 * f / (peak_tflops * 1e12)})
+    df = pd.DataFrame(rows)
+    df["bytes/flops time"] = df["us_at_bandwidth"] / df["us_at_peak_flops"]
+    return df
+
+
+def intensity_vs_rows(Nqs: Iterable[int], groups: Iterable[int], dtype: object = "bfloat16", D: int = 128,
+                      Nk: int = 32768) -> pd.DataFrame:
+    """Intensity of decode with ``Nq`` query rows per sequence and ``group`` query heads per kv head (one kv
+    head, long cache): about ``2 * group * Nq / bytes_per_element`` FLOP/byte."""
+    return pd.DataFrame(
+        {f"group {g}": [memory.flops(1, g, n, Nk, D) / memory.fused_traffic(1, g, n, Nk, D, dtype, Hkv=1).total
+                        for n in Nqs] for g in groups},
+        index=pd.Index(list(Nqs), name="Nq"),
+    )
+
+
+# ---- occupancy -------------------------------------------------------------------------------------------
+def occupancy(configs: pd.DataFrame, sms: int = 132) -> pd.DataFrame:
+    """Programs launched per configuration: the fused forward (one per query head and batch entry: a few
+    query rows fit one of its row tiles), the decode path packed without a split (one per kv head, batch
+    entry and row tile) and with the split count :func:`attnlab.backends.triton.decode.num_splits` picks
+    for ``sms`` SMs."""
+    rows = []
+    for r in configs.itertuples():
+        dt = getattr(torch, str(r.dtype).replace("torch.", ""))
+        prob = shape_problem(r.B, r.Hq, r.Hkv, r.Nq, r.Nk, r.D, dt)
+        cfg = dec.default_config(dt, r.D)
+        rt = dec.row_tiles(prob)
+        s = dec.num_splits(prob, cfg, sms)
+        rows.append({"config": config_label(r.B, r.Hq, r.Hkv, r.Nk, r.Nq), "block_m": dec.block_m(prob),
+                     "row_tiles": rt, "splits": s, "fused forward": r.B * r.Hq,
+                     "packed, no split": r.B * r.Hkv * rt, "packed + split": r.B * r.Hkv * rt * s,
+                     "keys per split": math.ceil(r.Nk / s),
+                     "workspace_bytes": dec.workspace_bytes(prob, s)})
+    df = pd.DataFrame(rows)
+    df.attrs["sms"] = sms
+    return df
+
+
+def plot_occupancy(occ: pd.DataFrame, *, title: str = ""):
+    """Programs per configuration (log scale) with and without the split, against the SM count."""
+    sms = occ.attrs.get("sms", 132)
+    cols = ["fused forward", "packed, no split", "packed + split"]
+    t = occ.melt(id_vars="config", value_vars=cols, var_name="grid", value_name="programs")
+    fig, axes = _fig(size=(9.0, 4.0))
+    ax = axes[0, 0]
+    sns.barplot(data=t, x="config", y="programs", hue="grid", ax=ax,
+                palette=["#bbbbbb", "#f4a259", "#3d7ea6"])
+    ax.axhline(sms, color="#c0392b", linestyle="--", label=f"{sms} SMs")
+    ax.set_yscale("log")
+    ax.set(xlabel="", ylabel="programs launched (log scale)", title=title or "programs against the SM count")
+    ax.tick_params(axis="x", rotation=15)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+# ---- merging partial states ------------------------------------------------------------------------------
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine the (out, lse) of disjoint key ranges with the lse rule of notebook 04 (empty parts add nothing)."""
+    out, lse = outs[0], lses[0]
+    for o, s in zip(outs[1:], lses[1:]):
+        out, lse = osm.merge_lse(out, lse, o, s)
+    return out, lse
+
+
+def split_reference(q, k, v, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention computed over ``splits`` key ranges separately (``attnlab.reference`` on each slice)
+    and merged with :func:`merge_partials`: what the decode path's two kernels do, in PyTorch."""
+    Nk = k.shape[2]
+    bounds = [round(i * Nk / splits) for i in range(splits + 1)]
+    parts = [attnlab.reference(q, k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(bounds)]
+    return merge_partials([p[0] for p in parts], [p[1] for p in parts])
+
+
+def decode_splits(q, k, v, splits: Iterable[int], **kw) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The decode path's (out, lse) of one call with each forced split count (on CPU: the interpreter)."""
+    prob = make_problem(q, k, v, **kw)
+    res = {}
+    for s in splits:
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        dec.decode_forward(prob, out, lse, splits=s)
+        res[s] = (out, lse)
+    return res
+
+
+# ---- GQA packing -----------------------------------------------------------------------------------------
+def packed_rows(Hq: int, Hkv: int, Nq: int, kv_head: int = 0, interpret: bool = False) -> pd.DataFrame:
+    """The packed rows of the programs of one kv head: packed row r = g * Nq + i is query head
+    ``kv_head * group + g``, query row i; rows past group * Nq are masked padding of the tile."""
+    prob = shape_problem(1, Hq, Hkv, Nq, 64, 16)
+    bm, group = dec.block_m(prob, interpret), Hq // Hkv
+    rows = []
+    for rt in range(dec.row_tiles(prob, interpret)):
+        for r in range(rt * bm, (rt + 1) * bm):
+            live = r < group * Nq
+            rows.append({"row tile": rt, "packed row": r, "query head": kv_head * group + r // Nq if live else None,
+                         "query row i": r % Nq if live else None, "live": live})
+    return pd.DataFrame(rows)
+
+
+def kv_bytes(configs: pd.DataFrame) -> pd.DataFrame:
+    """K/V bytes per call read once per kv head (packed) and once per query head (one program per query
+    head, no cache help), and the ratio (the group size)."""
+    rows = []
+    for r in configs.itertuples():
+        once = 2 * r.B * r.Hkv * r.Nk * r.D * memory.dtype_bytes(r.dtype)
+        rows.append({"config": config_label(r.B, r.Hq, r.Hkv, r.Nk, r.Nq), "per kv head (packed)": once,
+                     "per query head": once * (r.Hq // r.Hkv), "ratio": r.Hq // r.Hkv})
+    return pd.DataFrame(rows)
+
+
+# ---- the paged KV cache ----------------------------------------------------------------------------------
+def paged_example(seed: int = 0, *, block_size: int = 16, kv_len=(72, 40), Hq: int = 4, Hkv: int = 2, D: int = 16,
+                  Nq: int = 1, num_blocks: int = 12, dtype: torch.dtype = torch.float32) -> dict:
+    """Two sequences in a shared pool of ``num_blocks`` physical blocks, in shuffled order (seeded). Returns
+    q, the caches [num_blocks, block_size, Hkv, D], the int32 block table [2, max_blocks], kv_len and the
+    dense k, v [2, Hkv, Nk, D] the table describes."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(kv_len)
+    max_blocks = max(math.ceil(n / block_size) for n in kv_len)
+    need = [math.ceil(n / block_size) for n in kv_len]
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(B, max_blocks, dtype=torch.int32)
+    used = 0
+    for b in range(B):
+        table[b, :need[b]] = perm[used:used + need[b]].to(torch.int32)
+        used += need[b]
+    k_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g, dtype=dtype)
+    q = torch.randn(B, Hq, Nq, D, generator=g, dtype=dtype)
+    k = k_cache[table.long()].reshape(B, max_blocks * block_size, Hkv, D).transpose(1, 2)
+    v = v_cache[table.long()].reshape(B, max_blocks * block_size, Hkv, D).transpose(1, 2)
+    return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": table, "kv_len": list(kv_len),
+            "k": k, "v": v, "block_size": block_size, "need": need}
+
+
+def plot_block_table(ex: dict, *, title: str = ""):
+    """The block table drawn: each sequence's logical blocks (left) and where they live in the pool (right)."""
+    table, need, bs = ex["block_table"], ex["need"], ex["block_size"]
+    nblocks = ex["k_cache"].shape[0]
+    colors = ["#3d7ea6", "#f4a259", "#6ab187", "#b05f9e"]
+    fig, axes = _fig(size=(9.5, 3.8))
+    ax = axes[0, 0]
+    B = table.shape[0]
+    for b in range(B):
+        y = B - b + 0.8
+        ax.text(-0.3, y + 0.35, f"seq {b} (kv_len {ex['kv_len'][b]})", ha="right", va="center", fontsize=9)
+        for j in range(table.shape[1]):
+            used = j < need[b]
+            ax.add_patch(plt_rect(j, y, colors[b] if used else "#f0f0f0"))
+            ax.text(j + 0.45, y + 0.35, f"L{j}" if used else "-", ha="center", va="center", fontsize=8,
+                    color="white" if used else "grey")
+            if used:
+                p = int(table[b, j])
+                ax.annotate("", xy=(p + 0.45, 0.75), xytext=(j + 0.45, y), arrowprops=dict(
+                    arrowstyle="->", color=colors[b], alpha=0.7, lw=1.2))
+    owner = {int(table[b, j]): b for b in range(B) for j in range(need[b])}
+    for p in range(nblocks):
+        ax.add_patch(plt_rect(p, 0, colors[owner[p]] if p in owner else "#f0f0f0"))
+        ax.text(p + 0.45, 0.35, f"P{p}", ha="center", va="center", fontsize=8,
+                color="white" if p in owner else "grey")
+    ax.text(-0.3, 0.35, "physical pool", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-4.2, nblocks + 0.2)
+    ax.set_ylim(-0.4, B + 2.0)
+    ax.axis("off")
+    ax.set_title(title or f"block table: logical block Lj of a sequence -> physical block P (block_size {bs})")
+    fig.tight_layout()
+    return fig
+
+
+def plt_rect(x: float, y: float, color: str):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x, y), 0.9, 0.7, facecolor=color, edgecolor="white")
+
+
+# ---- recorded figures ------------------------------------------------------------------------------------
+def bandwidth_table(df: pd.DataFrame | None, backends: Iterable[str] | None = None) -> pd.DataFrame | None:
+    """GB/s of K/V read (median of passed rows), one row per case, one column per backend."""
+    if df is None or len(df) == 0:
+        return None
+    d = df[df["status"].eq("ok")]
+    d = d[pd.to_numeric(d["gbps"], errors="coerce").notna()]
+    if backends is not None:
+        d = d[d["backend"].isin(list(backends))]
+    if d.empty:
+        return None
+    return d.pivot_table(index="case", columns="backend", values="gbps", aggfunc="median", sort=False)
+
+
+def plot_bandwidth(table: pd.DataFrame, *, tbps: float = memory.H200["copy_tbps"], title: str = ""):
+    """Grouped bars of :func:`bandwidth_table` against the measured bandwidth line."""
+    from attnlab.bench.plots import backend_colors
+
+    t = table.reset_index().melt(id_vars="case", var_name="backend", value_name="gbps").dropna()
+    fig, axes = _fig(size=(10.5, 4.4))
+    ax = axes[0, 0]
+    sns.barplot(data=t, x="case", y="gbps", hue="backend", palette=backend_colors(t["backend"]), ax=ax)
+    ax.axhline(tbps * 1e3, color="#c0392b", linestyle="--", label=f"measured HBM bandwidth {tbps:g} TB/s")
+    ax.set(xlabel="", ylabel="K/V read (GB/s)", title=title or "decode: K/V read bandwidth per configuration")
+    ax.tick_params(axis="x", rotation=15)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+_CONFIG = re.compile(r"^-- (B\d+ Hq\d+ Hkv\d+ Nk\d+)")
+_ROW = re.compile(r"^   (\S.*?)\s{2,}([\d.]+) us\s+(\d+) GB/s")
+
+
+def parse_decode_log(path: str | Path) -> pd.DataFrame | None:
+    """The top-level timing rows (3-space indent: not the sweeps) of a raw decode GPU log such as
+    data/gpu_tests/nvidia-h200-decode-run2.txt: config, variant, us, GB/s. None if the file is missing."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    rows, config = [], None
+    for line in path.read_text().splitlines():
+        if m := _CONFIG.match(line):
+            config = m.group(1)
+        elif config and (m := _ROW.match(line)):
+            rows.append({"config": config, "variant": m.group(1).strip(), "us": float(m.group(2)),
+                         "gbps": float(m.group(3))})
+    return pd.DataFrame(rows) if rows else None

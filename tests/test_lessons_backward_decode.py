@@ -1,0 +1,142 @@
+"""The helpers of notebooks 09 (backward, training) and 10 (decode), on small CPU problems."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import attnlab
+from attnlab.lessons import backward as bw
+from attnlab.lessons import decode as dl
+from attnlab.lessons import memory
+from attnlab.lessons import training as tr
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_manual_backward_matches_autograd_with_a_mask():
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 1, n, 4, generator=g, dtype=torch.float64) for n in (5, 7, 7, 5))
+    allowed = torch.ones(5, 7, dtype=torch.bool).tril(diagonal=2)
+    allowed[1] = False  # an empty row
+    f = bw.manual_backward(q, k, v, dout, allowed=allowed)
+    want = bw.autograd_grads(lambda *t: attnlab.reference(*t, mask=allowed), (q, k, v), dout)
+    for name, w in zip(("dq", "dk", "dv"), want):
+        torch.testing.assert_close(f[name], w, atol=1e-12, rtol=0)
+    torch.testing.assert_close(f["delta"], f["delta_p"], atol=1e-12, rtol=0)
+    assert (f["dq"][:, :, 1] == 0).all()
+
+
+def test_grad_check_passes_on_the_pytorch_backends():
+    df = bw.grad_check(["torch", "sdpa"], Nq=9, Nk=13, causal=True, align="bottom_right", kv_len=[13, 5])
+    assert len(df) == 6 and df["passed"].all()
+
+
+def test_mask_gradients_are_zero_where_masked_and_never_nan():
+    s = bw.mask_gradient_summary(bw.mask_gradients(seed=0))
+    ours = s.loc["attnlab"]
+    assert ours["dq of empty rows all zero"] and ours["dk, dv of unseen keys all zero"]
+    assert not ours["NaN in dq, dk, dv"]
+    assert s.loc["textbook masked_fill", "NaN in dq, dk, dv"]
+
+
+def test_saved_bytes():
+    assert bw.saved_bytes(1, 16, 4096, 128, "bfloat16", fused=False) == 16 * 4096 * 4096 * 2
+    assert bw.saved_bytes(1, 16, 4096, 128, "bfloat16", fused=True) == 16 * 4096 * 4
+    t = bw.memory_table([1024, 2048])
+    assert list(t["ratio"]) == [512, 1024]  # bf16 P against a float32 lse: N / 2
+
+
+def test_backward_summary_is_defensive():
+    assert bw.backward_summary(None) is None
+    df = pd.DataFrame({"backend": ["triton", "sdpa-flash", "triton"], "case": ["a", "a", "a"],
+                       "mode": ["bwd", "bwd", "fwd+bwd"], "tflops": [300.0, 290.0, 280.0],
+                       "status": ["ok", "ok", "ok"]})
+    t = bw.backward_summary(df)
+    assert t.loc[("bwd", "a"), "triton"] == 300.0 and t.loc[("fwd+bwd", "a"), "triton"] == 280.0
+    fig = bw.plot_backward(t)
+    assert fig is not None
+
+
+def test_copy_batch_repeats_the_first_half():
+    x, y = tr.copy_batch(4, 16, 10, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 16)
+    assert (y[:, :8] == -100).all()
+    assert torch.equal(y[:, 8:], x[:, 1:9])  # the next token of the second half is the token 7 places back
+
+
+def test_training_through_attnlab_follows_sdpa():
+    cfg = tr.TrainConfig(steps=15, batch=4, seq=16, d_model=16, heads=2)
+    a = tr.train(tr.attnlab_attn("torch"), cfg)
+    b = tr.train(tr.sdpa_attn, cfg)
+    assert len(a) == 15 and a["loss"].notna().all()
+    assert (a["loss"] - b["loss"]).abs().max() < 1e-4
+    cmp = tr.compare_runs({"a": a, "b": b}, window=5)
+    assert list(cmp["run"]) == ["a", "b"]
+
+
+def test_decode_tables_of_the_suite():
+    configs = dl.suite_configs()
+    assert len(configs) >= 1
+    roof = dl.decode_roofline(configs)
+    ridge = memory.ridge_point(memory.H200["bf16_tflops"], memory.H200["copy_tbps"])
+    assert (roof["FLOP/byte"] < ridge).all()
+    occ = dl.occupancy(configs, sms=132)
+    assert (occ["splits"] >= 1).all()
+    assert (occ["packed + split"] == occ["packed, no split"] * occ["splits"]).all()
+    kvb = dl.kv_bytes(configs)
+    assert (kvb["per query head"] == kvb["per kv head (packed)"] * kvb["ratio"]).all()
+
+
+def test_packed_rows():
+    p = dl.packed_rows(Hq=8, Hkv=2, Nq=2)
+    assert len(p) == 16 and p["live"].sum() == 8
+    live = p[p["live"]]
+    assert list(live["query head"]) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert list(live["query row i"]) == [0, 1] * 4
+
+
+def test_split_merges_equal_one_pass():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 2, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 50, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    want, want_lse = attnlab.reference(q, k, v)
+    out, lse = dl.split_reference(q, k, v, 4)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=0)
+
+
+def test_decode_splits_and_paged_example():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))
+    ref, _ = attnlab.reference(q, k, v, kv_len=[23])
+    for out, _lse in dl.decode_splits(q, k, v, (1, 3), kv_len=[23]).values():
+        assert attnlab.check.compare(out, ref).passed
+    ex = dl.paged_example(seed=0, block_size=16, kv_len=(40, 20), num_blocks=6)
+    a, _ = attnlab.reference(ex["q"], ex["k_cache"], ex["v_cache"], block_table=ex["block_table"], kv_len=ex["kv_len"])
+    b, _ = attnlab.reference(ex["q"], ex["k"], ex["v"], kv_len=ex["kv_len"])
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert dl.plot_block_table(ex) is not None
+
+
+def test_parse_decode_log(tmp_path):
+    assert dl.parse_decode_log(tmp_path / "missing.txt") is None
+    log = tmp_path / "log.txt"
+    log.write_text("-- B1 Hq32 Hkv8 Nk32768: 134 MB of K/V\n"
+                   "   triton-decode                       52.6 us     2554 GB/s  splits=32\n"
+                   "     (split kernel alone)              47.9 us     2804 GB/s\n"
+                   "   triton-decode paged16              107.9 us     1244 GB/s\n")
+    df = dl.parse_decode_log(log)
+    assert list(df["variant"]) == ["triton-decode", "triton-decode paged16"]
+    assert list(df["gbps"]) == [2554.0, 1244.0]
+
+
+def test_bandwidth_table():
+    df = pd.DataFrame({"case": ["c", "c", "c"], "backend": ["triton", "sdpa-cudnn", "flex"],
+                       "status": ["ok", "ok", "unsupported"], "gbps": [1000.0, 2000.0, None]})
+    t = dl.bandwidth_table(df)
+    assert list(t.columns) == ["sdpa-cudnn", "triton"] or set(t.columns) == {"sdpa-cudnn", "triton"}
+    assert dl.bandwidth_table(None) is None
