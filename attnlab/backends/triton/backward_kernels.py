@@ -172,7 +172,8 @@ if triton is not None:
     @triton.jit
     def _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, KEY_AXIS: tl.constexpr, HAS_MASK: tl.constexpr):
         """The explicit mask (-inf where False) or the bias (times log2(e)) applied to base-2 scores ``s``,
-        whose keys run along KEY_AXIS; ``e_base`` points at the (batch, head) of the mask."""
+        whose keys run along KEY_AXIS; ``e_base`` points at the (batch, head) of the mask. The bias is read in
+        the caller's dtype and made float32 here."""
         row_i = tl.expand_dims(rows, KEY_AXIS)
         key_j = tl.expand_dims(keys, 1 - KEY_AXIS)
         ok = (row_i < Nq) & (key_j < Nk)
@@ -181,7 +182,8 @@ if triton is not None:
             allowed = tl.load(ptrs, mask=ok, other=0)
             s = tl.where(allowed != 0, s, float("-inf"))
         else:
-            s = s + tl.load(ptrs, mask=ok, other=0.0) * 1.4426950408889634
+            bias = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+            s = s + bias * 1.4426950408889634
         return s
 
     # -----------------------------------------------------------------------------------------------

@@ -64,8 +64,9 @@ if triton is not None:
     def _explicit(s, e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej, KEY_AXIS: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
         """The explicit bool mask (-inf where False) or additive bias (times log2(e)) on a score tile; read
-        through its broadcast strides, bounded by [0, Nq) x [0, Nk). ``tile_m``, ``tile_n``: the tile's query and
-        key offsets laid out along the score tile's axes."""
+        through its broadcast strides, bounded by [0, Nq) x [0, Nk), the bias in the caller's dtype and made
+        float32 here. ``tile_m``, ``tile_n``: the tile's query and key offsets laid out along the score
+        tile's axes."""
         if HAS_MASK or HAS_BIAS:
             e_ptrs = e_base + n0.to(tl.int64) * s_ej + tile_m * s_ei + tile_n * s_ej
             e_ok = tl.expand_dims(rows < Nq, KEY_AXIS) & tl.expand_dims(keys < Nk, 1 - KEY_AXIS)
@@ -73,7 +74,7 @@ if triton is not None:
                 allowed = tl.load(e_ptrs, mask=e_ok, other=0)
                 s = tl.where(allowed != 0, s, float("-inf"))
             else:
-                bias = tl.load(e_ptrs, mask=e_ok, other=0.0)
+                bias = tl.load(e_ptrs, mask=e_ok, other=0.0).to(tl.float32)
                 s = s + bias * 1.4426950408889634
         return s
 
