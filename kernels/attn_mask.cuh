@@ -17,10 +17,12 @@ struct RowRule {
     int right;  //          j <= diag_i + right
 };
 
+// Lengths are clamped to [0, Nq] and [0, Nk] here too (the host clamps GPU lengths already), so that no
+// load leaves the tensors whatever a caller passes.
 __device__ __forceinline__ RowRule row_rule(const AttnParams& args, int b) {
     RowRule r;
-    r.lq = args.q_len ? args.q_len[b] : args.Nq;
-    r.lk = args.kv_len ? args.kv_len[b] : args.Nk;
+    r.lq = args.q_len ? min(max(args.q_len[b], 0), args.Nq) : args.Nq;
+    r.lk = args.kv_len ? min(max(args.kv_len[b], 0), args.Nk) : args.Nk;
     r.off = args.bottom_right ? r.lk - r.lq : 0;
     r.left = args.left;
     r.right = args.right;

@@ -1,16 +1,21 @@
 """What the kernels read, and nothing more (issue 13):
 
 * a bias is read in the caller's dtype (float32, float16, bfloat16, float64) inside the kernels: neither the
-  validated problem nor a call holds a float32 copy of it (at most 1 MiB beyond out and lse for any mask).
+  validated problem nor a call holds a float32 copy of it (at most 1 MiB beyond out and lse for any mask);
+* a row tile whose rows are all padding (i0 >= q_len) writes its zeros and reads nothing of Q, K, V or the
+  mask;
+* lengths that reach the kernels unclamped (a future GPU path) keep every load inside the tensors.
 
-CPU tests run the Triton kernels through the interpreter. GPU tests
+CPU tests run the Triton kernels through the interpreter, whose loads are recorded here by address. GPU tests
 (marker ``gpu``) check the same on the compiled Triton kernels and the three CUDA kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,8 +23,9 @@ import attnlab
 from attnlab.backends.triton import backward as triton_bwd
 from attnlab.backends.triton import configs as tconfigs
 from attnlab.backends.triton import launch as tlaunch
+from attnlab.backends.triton.backend import TritonBackend
 from attnlab.check import compare
-from attnlab.problem import make_problem
+from attnlab.problem import Problem, make_problem
 from attnlab.reference import reference
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -140,6 +146,94 @@ def test_triton_call_allocates_only_out_and_lse(monkeypatch):
     assert got <= out_lse + MiB, got
 
 
+# ---- 2. padding row tiles read nothing; unclamped lengths stay in bounds --------------------------------
+@contextlib.contextmanager
+def _recorded_loads(monkeypatch):
+    """Every address the interpreter loads, as (program id (x, y, z), numpy array of byte addresses)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    loads: list[tuple[tuple[int, int, int], np.ndarray]] = []
+    create = InterpreterBuilder.create_masked_load
+
+    def create_masked_load(self, ptrs, mask, other, *rest):
+        addr = np.asarray(ptrs.data).astype(np.uint64)
+        ok = np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape)
+        loads.append((tuple(int(i) for i in self.grid_idx), addr[ok].copy()))
+        return create(self, ptrs, mask, other, *rest)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_load", create_masked_load)
+    yield loads
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+
+def _inside(addr: np.ndarray, span: tuple[int, int]) -> np.ndarray:
+    return (addr >= span[0]) & (addr < span[1])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)  # keys-major and query-major
+def test_padding_row_tiles_read_nothing(dtype, monkeypatch):
+    """Programs whose rows all lie at or past q_len read only the lengths (no Q, K, V or mask) and still
+    write out = 0 and lse = -inf. Batch entry 1 has q_len 5: its row tiles 1 and 2 are padding."""
+    B, H, Nq, Nk, D = 2, 2, 40, 30, 16
+    q, k, v = torch.randn(B, H, Nq, D).to(dtype), torch.randn(B, H, Nk, D).to(dtype), torch.randn(B, H, Nk, D).to(dtype)
+    mask = torch.rand(1, H, Nq, Nk) < 0.8
+    kw = dict(q_len=[40, 5], kv_len=[30, 25], mask=mask)
+    with _recorded_loads(monkeypatch) as loads:
+        out, lse = attnlab.attention(q, k, v, backend="triton", return_lse=True, **kw)
+    cfg = tconfigs.INTERPRETER_CONFIG
+    assert cfg.rows_outer  # grid (Hq, B, row tiles), the last row tile first
+    tiles = -(-Nq // cfg.block_m)
+    data = [_span(t) for t in (q, k, v, mask)]
+    padding_programs = set()
+    for (_h, b, z), addr in loads:
+        i0 = (tiles - 1 - z) * cfg.block_m
+        if i0 >= kw["q_len"][b]:
+            padding_programs.add((_h, b, z))
+            for span in data:
+                assert not _inside(addr, span).any(), f"padding tile {i0} of batch {b} read its inputs"
+    assert len(padding_programs) == 2 * H  # they ran (and loaded the lengths), and read nothing else
+    assert (out[1, :, 5:] == 0).all() and (lse[1, :, 5:] == float("-inf")).all()
+    ref, _ = reference(q, k, v, **kw)
+    assert compare(out, ref, dtype=dtype)
+
+
+def _unclamped(prob: Problem, kv_len: list[int], q_len: list[int]) -> Problem:
+    """``prob`` with lengths that bypass validation (out of [0, N]): what a kernel may be handed by a path that
+    passes GPU lengths without clamping them."""
+    dev = prob.device
+    spec = dataclasses.replace(prob.spec, kv_len=torch.tensor(kv_len, dtype=torch.int32, device=dev),
+                               q_len=torch.tensor(q_len, dtype=torch.int32, device=dev))
+    return Problem(q=prob.q, k=prob.k, v=prob.v, spec=spec, scale=prob.scale, layout=prob.layout)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_unclamped_lengths_are_clamped_by_the_kernels(dtype):
+    """kv_len / q_len below 0 or past N, passed to the kernels as they are, give exactly what the clamped
+    lengths give, forward and backward. Unclamped, batch entry 0 (kv_len Nk + 100) would read batch entry
+    1's keys as its keys Nk.., and entry 1 (q_len Nq + 50) would put its bottom-right diagonal elsewhere."""
+    B, H, Nq, Nk, D = 3, 2, 21, 26, 16
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (Nq, Nk, Nk))
+    bias = torch.randn(B, 1, Nq, Nk, generator=g, dtype=F32)
+    kw = dict(causal=True, align="bottom_right", mask=bias)
+    wild = _unclamped(make_problem(q, k, v, **kw), kv_len=[Nk + 100, 10, -7], q_len=[Nq, Nq + 50, -3])
+    clamped = make_problem(q, k, v, kv_len=[Nk, 10, 0], q_len=[Nq, Nq, 0], **kw)
+    results = []
+    for prob in (wild, clamped):
+        out, lse = torch.empty(B, H, Nq, D, dtype=dtype), torch.empty(B, H, Nq)
+        TritonBackend().forward(prob, out, lse)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+        results.append((out, lse, *triton_bwd.backward(prob, out, lse, dout)))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), name
+    ref, _ = reference(q, k, v, kv_len=[Nk, 10, 0], q_len=[Nq, Nq, 0], **kw)
+    assert compare(results[1][0], ref, dtype=dtype)
+
+
 # ---- GPU: the compiled Triton kernels and the three CUDA kernels ----------------------------------------
 KERNEL_BACKENDS = ("triton", "cuda-naive", "cuda-tiled", "cuda-rowmax")
 
@@ -187,3 +281,29 @@ def test_gpu_bias_call_peak_memory(backend):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size() - lse.numel() * 4
     assert extra <= MiB, f"{backend}: {extra / MiB:.1f} MiB beyond out and lse"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_gpu_unclamped_lengths_are_clamped_by_the_kernels(backend):
+    """GPU lengths out of [0, N] handed to the kernels as they are (bypassing MaskSpec's clamp) give exactly
+    what the clamped lengths give; for triton the backward too."""
+    be = _backend(backend)
+    B, H, Nq, Nk, D = 3, 2, 150, 190, 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(BF16).cuda() for n in (Nq, Nk, Nk))
+    bias = torch.randn(B, 1, Nq, Nk, generator=g).cuda()
+    kw = dict(causal=True, align="bottom_right", mask=bias)
+    wild = _unclamped(make_problem(q, k, v, **kw), kv_len=[Nk + 100, 10, -7], q_len=[Nq, Nq + 50, -3])
+    clamped = make_problem(q, k, v, kv_len=[Nk, 10, 0], q_len=[Nq, Nq, 0], **kw)
+    results = []
+    for prob in (wild, clamped):
+        out, lse = torch.empty(B, H, Nq, D, dtype=BF16, device="cuda"), torch.empty(B, H, Nq, device="cuda")
+        be.forward(prob, out, lse)
+        got = [out, lse]
+        if backend == "triton":
+            dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(BF16).cuda()
+            got += triton_bwd.backward(prob, out, lse, dout)
+        results.append(got)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -87,12 +87,14 @@ if triton is not None:
         """This row tile's effective lengths (Lq, Lk), diagonal offset, and key tiles: [t_lo, t_hi) hold the
         keys some row may see, [f_lo, f_hi) inside them the tiles every row sees whole."""
         # ---- effective lengths and the diagonal offset of this batch entry ------------------------------
+        # Lengths are clamped to [0, Nk] and [0, Nq] here too (MaskSpec clamps GPU lengths already): whatever
+        # a caller passes, no load leaves the tensors.
         if HAS_KV_LEN:
-            Lk = tl.load(KvLen + b)
+            Lk = tl.minimum(tl.maximum(tl.load(KvLen + b), 0), Nk)
         else:
             Lk = zero + Nk
         if HAS_Q_LEN:
-            Lq = tl.load(QLen + b)
+            Lq = tl.minimum(tl.maximum(tl.load(QLen + b), 0), Nq)
         else:
             Lq = zero + Nq
         if BOTTOM_RIGHT:
@@ -301,13 +303,24 @@ if triton is not None:
         Lq, Lk, off, t_lo, t_hi, f_lo, f_hi = _tile_bounds(
             b, i0, zero, KvLen, QLen, Nq, Nk, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
             BOTTOM_RIGHT, HAS_KV_LEN, HAS_Q_LEN)
-
-        # ---- the tile's bases: 64-bit scalars; in-tile offsets stay 32-bit vectors -----------------------
         offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         rows = i0 + offs_m
         b64 = b.to(tl.int64)
+
+        # ---- a tile of padding rows (i0 >= Lq): zeros and lse = -inf, and nothing of Q, K, V read --------
+        if i0 >= Lq:
+            if KEY_AXIS == 0:
+                no_acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
+            else:
+                no_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            no_rows = tl.zeros([BLOCK_M], tl.float32)  # l_i = 0: no allowed key
+            _epilogue(no_acc, no_rows, no_rows, offs_m, offs_d, rows, Lq, Out, Lse, b64, h, i0, Nq, D,
+                      s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, KEY_AXIS, WRITE_LSE)
+            return
+
+        # ---- the tile's bases: 64-bit scalars; in-tile offsets stay 32-bit vectors -----------------------
+        offs_n = tl.arange(0, BLOCK_N)
         q_tile = Q + b64 * s_qb + h.to(tl.int64) * s_qh + i0.to(tl.int64) * s_qn
         k_base = K + b64 * s_kb + kvh.to(tl.int64) * s_kh
         v_base = V + b64 * s_vb + kvh.to(tl.int64) * s_vh
