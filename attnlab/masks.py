@@ -296,13 +296,14 @@ class MaskSpec:
 
     @property
     def score_mod(self) -> Callable | None:
-        """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``: adds the bias; None without one."""
+        """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``: adds the bias (in the score's dtype, as
+        the kernels add it in float32); None without one."""
         if self.bias is None:
             return None
         bias = self.bias
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return score + bias[b, h, q_idx, kv_idx]
+            return score + bias[b, h, q_idx, kv_idx].to(score.dtype)
 
         return score_mod
 
