@@ -92,11 +92,16 @@ def _as_window(window: Any, causal: bool) -> tuple[int | None, int | None]:
     return left, right
 
 
+#: Bias dtypes the kernels read as they are (converted to float32 in registers, tile by tile).
+BIAS_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def _as_mask(mask: torch.Tensor | None, shape: tuple[int, int, int, int], device: torch.device):
-    """Split ``mask`` into (bool view, float32 bias view, bias view in its own dtype), each expanded to
-    ``shape`` without copying the broadcast dims (a non-float32 bias is converted once at its own size)."""
+    """Split ``mask`` into (bool view, bias view), each expanded to ``shape`` without copying anything: the
+    broadcast dims get stride 0 and a bias keeps the caller's dtype (kernels convert it in registers).
+    Only a bias in a dtype the kernels do not read (float8 kinds) is converted to float32, at its own size."""
     if mask is None:
-        return None, None, None
+        return None, None
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor (bool or floating); got {type(mask).__name__}")
     if mask.device != device:
@@ -112,10 +117,11 @@ def _as_mask(mask: torch.Tensor | None, shape: tuple[int, int, int, int], device
         ) from None
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
     if m.dtype == torch.bool:
-        return m.expand(shape), None, None
+        return m.expand(shape), None
     if m.dtype.is_floating_point:
-        # Convert the small original, then expand: broadcast dims stay stride 0.
-        return None, m.to(torch.float32).expand(shape), m.expand(shape)
+        if m.dtype not in BIAS_DTYPES:
+            m = m.to(torch.float32)
+        return None, m.expand(shape)
     raise TypeError(f"mask must be bool (True = attend) or floating (additive bias); got dtype {mask.dtype}")
 
 
@@ -134,8 +140,9 @@ class MaskSpec:
     kv_len: torch.Tensor | None = None  #: contiguous int32 [B] on the inputs' device, None = Nk
     q_len: torch.Tensor | None = None  #: contiguous int32 [B] on the inputs' device, None = Nq
     mask: torch.Tensor | None = None  #: bool view expanded to [B, Hq, Nq, Nk]
-    bias: torch.Tensor | None = None  #: float32 view expanded to [B, Hq, Nq, Nk] (what kernels read)
-    bias_src: torch.Tensor | None = None  #: the bias in the caller's dtype, expanded (what the reference adds)
+    #: the additive bias in the caller's dtype (one of BIAS_DTYPES), a view expanded to [B, Hq, Nq, Nk]: what
+    #: the kernels read (converting to float32 in registers) and the reference adds. Never copied.
+    bias: torch.Tensor | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  #: where predicates are built
     _host: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -172,7 +179,7 @@ class MaskSpec:
         elif align not in ALIGNS:
             raise ValueError(f"align must be one of {ALIGNS} or None; got {align!r}")
         shape = (B, Hq, Nq, Nk)
-        bool_mask, bias, bias_src = _as_mask(mask, shape, device)
+        bool_mask, bias = _as_mask(mask, shape, device)
         return cls(
             B=B,
             Hq=Hq,
@@ -186,7 +193,6 @@ class MaskSpec:
             q_len=_as_lengths("q_len", q_len, B, Nq, device),
             mask=bool_mask,
             bias=bias,
-            bias_src=bias_src,
             device=device,
         )
 
@@ -213,6 +219,11 @@ class MaskSpec:
         if self.bias is not None:
             parts.append("bias")
         return "+".join(parts) or "dense"
+
+    @property
+    def bias_src(self) -> torch.Tensor | None:
+        """The bias in the caller's dtype: :attr:`bias` itself (once a separate field beside a float32 copy)."""
+        return self.bias
 
     @property
     def explicit(self) -> torch.Tensor | None:
@@ -285,13 +296,14 @@ class MaskSpec:
 
     @property
     def score_mod(self) -> Callable | None:
-        """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``: adds the bias; None without one."""
+        """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``: adds the bias (in the score's dtype, as
+        the kernels add it in float32); None without one."""
         if self.bias is None:
             return None
         bias = self.bias
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return score + bias[b, h, q_idx, kv_idx]
+            return score + bias[b, h, q_idx, kv_idx].to(score.dtype)
 
         return score_mod
 
@@ -335,9 +347,9 @@ class MaskSpec:
 
     def bias_rows(self, i0: int = 0, i1: int | None = None) -> torch.Tensor | None:
         """The additive bias for rows ``i0 .. i1`` in the caller's dtype, a view [B, Hq, rows, Nk], or None."""
-        if self.bias_src is None:
+        if self.bias is None:
             return None
-        return self.bias_src[:, :, i0 : (self.Nq if i1 is None else i1)]
+        return self.bias[:, :, i0 : (self.Nq if i1 is None else i1)]
 
     # ---- loop bounds and the tile classifier -------------------------------------------------------
     def key_range(self, b: int, i0: int, i1: int) -> tuple[int, int]:

@@ -17,10 +17,12 @@ struct RowRule {
     int right;  //          j <= diag_i + right
 };
 
+// Lengths are clamped to [0, Nq] and [0, Nk] here too (the host clamps GPU lengths already), so that no
+// load leaves the tensors whatever a caller passes.
 __device__ __forceinline__ RowRule row_rule(const AttnParams& args, int b) {
     RowRule r;
-    r.lq = args.q_len ? args.q_len[b] : args.Nq;
-    r.lk = args.kv_len ? args.kv_len[b] : args.Nk;
+    r.lq = args.q_len ? min(max(args.q_len[b], 0), args.Nq) : args.Nq;
+    r.lk = args.kv_len ? min(max(args.kv_len[b], 0), args.Nk) : args.Nk;
     r.off = args.bottom_right ? r.lk - r.lq : 0;
     r.left = args.left;
     r.right = args.right;
@@ -53,11 +55,21 @@ __device__ __forceinline__ bool tile_fully_allowed(const RowRule& r, int i0, int
     return i1 <= r.lq && j1 <= r.lk && j0 >= (i1 - 1) + r.off - r.left && (j1 - 1) <= i0 + r.off + r.right;
 }
 
+// One bias element, read in the caller's dtype (args.bias_dtype) and returned as float32.
+__device__ __forceinline__ float load_bias(const AttnParams& args, long long o) {
+    switch (args.bias_dtype) {
+        case 1: return load_elem<1>(args.mask, o);
+        case 2: return load_elem<2>(args.mask, o);
+        case 3: return (float)__ldg(static_cast<const double*>(args.mask) + o);
+        default: return load_elem<0>(args.mask, o);
+    }
+}
+
 // The explicit mask's contribution to score (b, h, i, j): 0 or -inf for a bool mask (kind 1), the bias
 // value for an additive bias (kind 2), 0 when there is none (kind 0). Broadcast dims have stride 0.
 __device__ __forceinline__ float explicit_term(const AttnParams& args, int b, int h, int i, int j) {
     if (args.mask_kind == 0) return 0.0f;
     long long o = offset4(args.ms, b, h, i, j);
     if (args.mask_kind == 1) return __ldg(static_cast<const unsigned char*>(args.mask) + o) ? 0.0f : NEG_INF;
-    return __ldg(static_cast<const float*>(args.mask) + o);
+    return load_bias(args, o);
 }

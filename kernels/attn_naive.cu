@@ -45,12 +45,13 @@ __global__ void __launch_bounds__(128) attn_naive(const __grid_constant__ AttnPa
     int lo, hi;
     key_range(rule, i, i + 1, &lo, &hi);  // for one row this is exactly its allowed structure
 
-    // This lane's slice of q_i, pre-multiplied by the softmax scale.
+    // This lane's slice of q_i, pre-multiplied by the softmax scale. A row with no key to visit (a padding
+    // row i >= Lq among them) reads nothing: no q here, and the loops below read no K or V.
     float q_reg[DIMS_PER_LANE];
 #pragma unroll
     for (int c = 0; c < DIMS_PER_LANE; ++c) {
         const int d = lane + 32 * c;
-        q_reg[c] = d < D ? args.scale * load_elem<DTYPE>(q, offset4(qs, b, h, i, d)) : 0.0f;
+        q_reg[c] = d < D && lo < hi ? args.scale * load_elem<DTYPE>(q, offset4(qs, b, h, i, d)) : 0.0f;
     }
 
     // s_ij (+ bias, or -inf where the explicit mask removes key j), the same value in every lane.

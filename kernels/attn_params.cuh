@@ -35,7 +35,7 @@ struct AttnParams {
     float* lse;             // [B, Hq, Nq] float32, or 0
     const int* q_len;       // [B] int32, or 0 (every row is real)
     const int* kv_len;      // [B] int32, or 0 (every key is real)
-    const void* mask;       // bool mask as bytes (mask_kind 1) or float32 bias (mask_kind 2), or 0
+    const void* mask;       // bool mask as bytes (mask_kind 1) or bias in bias_dtype (mask_kind 2), or 0
     float* part_acc;        // rowmax split keys: acc of each split [splits][B*Hq*Nq][D], or 0
     float* part_ml;         //                    (m, l) of each split [splits][B*Hq*Nq][2], or 0
     Strides4 qs, ks, vs, os, ms;             // q, k, v, out, mask (ms: stride 0 on broadcast dims)
@@ -47,4 +47,5 @@ struct AttnParams {
     int async_copy;                          // rowmax: K/V tiles by cp.async (1) or element loads (0)
     int split_tiles;                         // rowmax: key tiles per split (NO_BOUND: one split)
     int splits;                              // rowmax: number of splits (grid z), read by the merge
+    int bias_dtype;                          // the bias's dtype: 0 float32, 1 float16, 2 bfloat16, 3 float64
 };

@@ -190,12 +190,13 @@ __global__ void __launch_bounds__(256, DMAX <= 128 ? 2 : 1) attn_rowmax(const __
     };
     issue_tile(0);  // on its way before Q is loaded (the copies run meanwhile)
 
-    // Load the Q tile scaled; zero outside [0, Nq) x [0, D). Consecutive threads read consecutive d.
+    // Load the Q tile scaled; zero outside [0, Nq) x [0, D). Consecutive threads read consecutive d. A block
+    // with no key tile (all rows padding, i0 >= Lq, among them) reads nothing: no Q here, no K or V above.
     {
         const int d = threadIdx.x % DMAX;
         const long long q_base = offset4(args.qs, b, h, 0, d);
         for (int r = threadIdx.x / DMAX; r < BM; r += T::NTHREADS / DMAX) {
-            const bool in = d < D && i0 + r < Nq;
+            const bool in = n_tiles > 0 && d < D && i0 + r < Nq;
             const long long o = q_base + (long long)(i0 + r) * args.qs.n;
             q_s[r * LD + d] = in ? args.scale * load_elem<DTYPE>(args.q, o) : 0.0f;
         }

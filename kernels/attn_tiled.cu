@@ -55,10 +55,11 @@ __global__ void __launch_bounds__(128, 4) attn_tiled(const __grid_constant__ Att
     int lo, hi;
     key_range(rule, i0, i0 + BM, &lo, &hi);
 
-    // Load the Q tile, scaled, zero outside [0, Nq) x [0, D). Consecutive threads read consecutive d.
+    // Load the Q tile, scaled, zero outside [0, Nq) x [0, D). Consecutive threads read consecutive d. A tile
+    // with no key to visit (all rows padding, i0 >= Lq, among them) reads nothing: no Q here, no K or V below.
     for (int idx = threadIdx.x; idx < BM * DMAX; idx += NTHREADS) {
         const int r = idx / DMAX, d = idx % DMAX;
-        const bool in = i0 + r < Nq && d < D;
+        const bool in = lo < hi && i0 + r < Nq && d < D;
         q_tile[idx] = in ? args.scale * load_elem<DTYPE>(args.q, offset4(qs, b, h, i0 + r, d)) : 0.0f;
     }
     __syncthreads();

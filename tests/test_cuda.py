@@ -181,7 +181,7 @@ def test_params_dtype_follows_the_c_struct_and_c_layout_rules():
     for (f, c_off, ctype), (_, np_off, npt) in zip(c_fields, np_fields):
         assert np_off == c_off, f
         assert npt == np.dtype(_NP_SCALARS[ctype]), f
-    assert C.PARAMS_DTYPE.itemsize == c_size == 320 and c_align == 8
+    assert C.PARAMS_DTYPE.itemsize == c_size == 328 and c_align == 8
     assert C.PARAMS_DTYPE.isalignedstruct
     # the struct format packs exactly those bytes (explicit pad bytes, native order)
     assert P._PARAMS_PACK.size == C.PARAMS_DTYPE.itemsize
@@ -214,7 +214,7 @@ def test_params_dtype_offsets_match_the_compiled_struct():
     fields = _np_layout(C.PARAMS_DTYPE)
     offsets, size, align = _compiled_offsets([f for f, _, _ in fields])
     assert {f: off for f, off, _ in fields} == offsets
-    assert (size, align) == (C.PARAMS_DTYPE.itemsize, C.PARAMS_DTYPE.alignment) == (320, 8)
+    assert (size, align) == (C.PARAMS_DTYPE.itemsize, C.PARAMS_DTYPE.alignment) == (328, 8)
 
 
 def test_struct_format_pads_like_the_dtype():
@@ -242,7 +242,11 @@ def test_every_kernel_takes_one_attn_params(family, kernel):
     assert _PARAM_DECL.match(m.group(1).strip()), m.group(1)
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "bias"])
+_BIAS_DTYPES = {"bias": torch.float32, "bias_f16": torch.float16, "bias_bf16": torch.bfloat16,
+                "bias_f64": torch.float64}
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", *_BIAS_DTYPES])
 def test_kernel_args_fields(mask_kind):
     B, H, N, D = 2, 4, 9, 8
     q = torch.randn(B, N, H, D)
@@ -250,8 +254,8 @@ def test_kernel_args_fields(mask_kind):
     mask = None
     if mask_kind == "bool":
         mask = torch.rand(N, N) < 0.5
-    elif mask_kind == "bias":
-        mask = torch.randn(B, 1, N, N)
+    elif mask_kind in _BIAS_DTYPES:
+        mask = torch.randn(B, 1, N, N, dtype=_BIAS_DTYPES[mask_kind])
     prob = make_problem(q, k, k, causal=True, kv_len=[9, 3], mask=mask, layout="bnhd")
     out = torch.empty(B, H, N, D)
     lse = torch.empty(B, H, N)
@@ -267,7 +271,12 @@ def test_kernel_args_fields(mask_kind):
     assert (int(a["lse_sb"]), int(a["lse_sh"]), int(a["lse_sn"])) == lse.stride()
     assert (int(a["B"]), int(a["Hq"]), int(a["group"]), int(a["Nq"]), int(a["Nk"]), int(a["D"])) == (B, H, 2, N, N, D)
     assert float(a["scale"]) == np.float32(D**-0.5)
-    assert int(a["mask_kind"]) == {"none": 0, "bool": 1, "bias": 2}[mask_kind]
+    assert int(a["mask_kind"]) == {"none": 0, "bool": 1}.get(mask_kind, 2)
+    # a bias is passed in the caller's dtype, never a float32 copy: its own pointer and its dtype code
+    assert int(a["bias_dtype"]) == {"bias_f16": 1, "bias_bf16": 2, "bias_f64": 3}.get(mask_kind, 0)
+    if mask_kind in _BIAS_DTYPES:
+        assert int(a["mask"]) == mask.data_ptr()
+        assert tuple(int(x) for x in a["ms"]) == (N * N, 0, N, 1)
     assert int(a["right"]) == 0 and int(a["left"]) == C.NO_BOUND  # causal: right 0, left unbounded
     assert int(a["bottom_right"]) == 0 and int(a["splits"]) == 1 and int(a["split_tiles"]) == C.NO_BOUND
     if mask_kind == "none":

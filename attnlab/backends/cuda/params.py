@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import torch
 
-from attnlab.backends.cuda.variant import NO_BOUND
+from attnlab.backends.cuda.variant import DTYPE_CODES, NO_BOUND
 from attnlab.problem import Problem
 
 #: ``struct Strides4`` of kernels/attn_params.cuh: the four strides (in elements) of a [B, H, N, D] view.
@@ -26,9 +26,14 @@ PARAMS_DTYPE = np.dtype(
     + [(n, np.int64) for n in ("lse_sb", "lse_sh", "lse_sn")]
     + [(n, np.int32) for n in ("B", "Hq", "group", "Nq", "Nk", "D")]
     + [("scale", np.float32)]
-    + [(n, np.int32) for n in ("mask_kind", "left", "right", "bottom_right", "async_copy", "split_tiles", "splits")],
+    + [(n, np.int32) for n in ("mask_kind", "left", "right", "bottom_right", "async_copy", "split_tiles", "splits",
+                               "bias_dtype")],
     align=True,
 )
+
+#: ``AttnParams.bias_dtype`` of each bias dtype (masks.BIAS_DTYPES): the inputs' dtype codes and float64; the
+#: kernels read the bias as it is and convert each element to float32.
+BIAS_DTYPE_CODES = {**DTYPE_CODES, torch.float64: 3}
 
 _STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i", np.dtype(np.float32): "f"}
 
@@ -73,8 +78,9 @@ def _param_values(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, as
                   q_st: tuple, k_st: tuple, v_st: tuple) -> tuple:
     """The fields of ``struct AttnParams`` in order, nested strides flattened (what ``_PARAMS_PACK`` packs)."""
     spec = prob.spec
-    mask = spec.explicit  # a bool mask is read as bytes, a bias as float32
+    mask = spec.explicit  # a bool mask is read as bytes, a bias in its own dtype
     kind = 0 if mask is None else 1 if spec.mask is not None else 2
+    bias_dtype = BIAS_DTYPE_CODES[spec.bias.dtype] if spec.bias is not None else 0
     B, Hq, Nq, D = prob.q.shape
     Hkv, Nk = prob.k.shape[1], prob.k.shape[2]
     part_acc = part_ml = 0
@@ -88,7 +94,7 @@ def _param_values(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, as
         *((0, 0, 0) if lse is None else lse.stride()),
         B, Hq, Hq // Hkv, Nq, Nk, D, prob.scale,
         kind, _clamp_bound(spec.left), _clamp_bound(spec.right), int(spec.align == "bottom_right"),
-        int(async_copy), split_tiles, splits,
+        int(async_copy), split_tiles, splits, bias_dtype,
     )
 
 

@@ -47,16 +47,22 @@ device, the keys ``[lo, hi)`` that any of its rows may see (the same bounds as
 :meth:`attnlab.masks.MaskSpec.key_range`) and, inside that, the keys ``[full_lo, full_hi)`` that *all*
 its rows may see. Key tiles outside ``[lo, hi)`` are never loaded. Tiles wholly inside the full range run
 a loop body without any predicate arithmetic (no bounds masks on the K/V loads, no band compares, no
--inf guard); only the partial tiles at either end pay for masking. An explicit bool mask or bias is data,
-not structure: where one is given, every visited tile reads it through its broadcast strides (stride 0,
-never materialized). The three phases (partial, full, partial) are one loop body specialized at compile
-time by ``tl.static_range``.
+-inf guard); only the partial tiles at either end pay for masking. A row tile of padding rows only
+(``i0 >= Lq_b``) writes its zeros and lse = -inf and returns before it reads anything of Q, K or V. The
+lengths are clamped to ``[0, N]`` as they are loaded, so no length makes an access leave the tensors. An
+explicit bool mask or bias is data, not structure: where one is given, every visited tile reads it through
+its broadcast strides (stride 0, never materialized), a bias in the caller's dtype (converted in
+registers). The three phases (partial, full, partial) are one loop body specialized at compile time by
+``tl.static_range``.
 
 Where it runs
 -------------
 On CUDA tensors the kernel is compiled by Triton, with a small autotune space (block sizes, warps,
 stages, and for float32 the D chunk of Q K^T; :func:`candidates`) keyed on dtype, head dim, mask kind and
-the sizes' powers of two (:func:`tune_key`); ``AUTOTUNE = False`` uses each space's first entry.
+the sizes' powers of two (:func:`tune_key`); ``AUTOTUNE = False`` uses each space's first entry. Tuned
+configs persist on disk per GPU model, Triton version and kernel source
+(:mod:`~attnlab.backends.triton.tune_cache`, ``$ATTNLAB_CACHE_DIR`` or ``~/.cache/attnlab``): a new process
+takes a known key from there without tuning.
 Repeated launches of one :class:`~attnlab.problem.Problem` (validated once with ``make_problem`` and
 passed to ``TritonBackend().forward`` again and again, as the benchmark harness does) reuse its arguments
 and compiled kernel and call Triton's launcher directly (:class:`_Plan`): on an H200 that cut the host
@@ -81,6 +87,7 @@ Where the code is
   and ``_epilogue``; ``_attn_fwd_kernel`` strings them together.
 * :mod:`~attnlab.backends.triton.configs`: :class:`Config`, :func:`candidates`, :func:`tune_key`,
   autotuning, :func:`allow_tf32`.
+* :mod:`~attnlab.backends.triton.tune_cache`: autotune results on disk (forward and backward).
 * :mod:`~attnlab.backends.triton.launch`: the kernel's arguments, the grid, the JIT launch and the fast
   path of repeated launches.
 * :mod:`~attnlab.backends.triton.interpreter`: the CPU path.

@@ -9,19 +9,22 @@ constant: it gets no gradient), GQA/MQA, any strides, float32 / float16 / bfloat
 
 On CUDA tensors the kernels are compiled, each with a small config space per dtype and padded head dim
 (:func:`dkdv_candidates`, :func:`dq_candidates`); with ``AUTOTUNE`` each kernel's candidates are timed
-once per :func:`tune_key` and the fastest kept, else the first is used. On CPU tensors the same kernels run
+once per :func:`tune_key` and the fastest kept (on disk too, :mod:`~attnlab.backends.triton.tune_cache`),
+else the first is used. On CPU tensors the same kernels run
 through Triton's interpreter with one small config, inside :func:`attnlab.backends.triton.interpreter.interpreter`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 
 import torch
 
+from attnlab.backends.triton import tune_cache
 from attnlab.backends.triton.configs import _block_d, _pow2_bucket
 from attnlab.backends.triton.interpreter import _interpreted_fn, interpreter
 from attnlab.backends.triton.kernel import LOG2E
@@ -208,11 +211,26 @@ def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig
     key = tune_key(prob)
     got = _tuned.get(key)
     if got is None:
-        got = _tuned[key] = (
-            _fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False)),
-            _fastest(q_space, lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False)),
-        )
+        got = _stored_configs(prob, key, kv_space, q_space)
+        if got is None:
+            got = (
+                _fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False)),
+                _fastest(q_space, lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False)),
+            )
+            tune_cache.store("bwd", prob.device.index, key[1:], [dataclasses.asdict(c) for c in got])
+        _tuned[key] = got
     return got
+
+
+def _stored_configs(prob: Problem, key: tuple, kv_space: list[BwdConfig],
+                    q_space: list[BwdConfig]) -> tuple[BwdConfig, BwdConfig] | None:
+    """The (dK/dV, dQ) configs stored on disk for ``key`` (:mod:`.tune_cache`; the device index left out),
+    if both are still among the candidates."""
+    got = tune_cache.load("bwd", prob.device.index, key[1:])
+    with contextlib.suppress(TypeError, ValueError):
+        kv, q = (BwdConfig(**c) for c in got)
+        return (kv, q) if kv in kv_space and q in q_space else None
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -100,14 +100,14 @@ if triton is not None:
     @triton.jit
     def _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr,
                  BOTTOM_RIGHT: tl.constexpr):
-        """(Lk, Lq, off) of batch entry b: the effective lengths and the diagonal offset (row i's diagonal
-        is key i + off)."""
+        """(Lk, Lq, off) of batch entry b: the effective lengths, clamped to [0, Nk] and [0, Nq] whatever the
+        caller passed (no load leaves the tensors), and the diagonal offset (row i's diagonal is key i + off)."""
         if HAS_KV_LEN:
-            Lk = tl.load(KvLen + b)
+            Lk = tl.minimum(tl.maximum(tl.load(KvLen + b), 0), Nk)
         else:
             Lk = zero + Nk
         if HAS_Q_LEN:
-            Lq = tl.load(QLen + b)
+            Lq = tl.minimum(tl.maximum(tl.load(QLen + b), 0), Nq)
         else:
             Lq = zero + Nq
         if BOTTOM_RIGHT:
@@ -172,7 +172,8 @@ if triton is not None:
     @triton.jit
     def _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, KEY_AXIS: tl.constexpr, HAS_MASK: tl.constexpr):
         """The explicit mask (-inf where False) or the bias (times log2(e)) applied to base-2 scores ``s``,
-        whose keys run along KEY_AXIS; ``e_base`` points at the (batch, head) of the mask."""
+        whose keys run along KEY_AXIS; ``e_base`` points at the (batch, head) of the mask. The bias is read in
+        the caller's dtype and made float32 here."""
         row_i = tl.expand_dims(rows, KEY_AXIS)
         key_j = tl.expand_dims(keys, 1 - KEY_AXIS)
         ok = (row_i < Nq) & (key_j < Nk)
@@ -181,7 +182,8 @@ if triton is not None:
             allowed = tl.load(ptrs, mask=ok, other=0)
             s = tl.where(allowed != 0, s, float("-inf"))
         else:
-            s = s + tl.load(ptrs, mask=ok, other=0.0) * 1.4426950408889634
+            bias = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+            s = s + bias * 1.4426950408889634
         return s
 
     # -----------------------------------------------------------------------------------------------
@@ -212,7 +214,7 @@ if triton is not None:
         lse = tl.load(Lse + b64 * s_lb + h64 * s_lh + rows * s_ln, mask=rows < Nq, other=float("-inf"))
         live = lse != float("-inf")
         if HAS_Q_LEN:
-            live = live & (rows < tl.load(QLen + b))
+            live = live & (rows < tl.load(QLen + b))  # rows lie in [0, Nq): the same as with q_len clamped
         # +inf for a row with no allowed key or a padding row: then every p = exp2(s - lse2) is 0
         lse2 = tl.where(live, lse * 1.4426950408889634, float("inf"))
         delta = tl.where(live, delta, 0.0)

@@ -6,6 +6,7 @@ TF32 opt-in. The kernel's compile-time choices that follow from a config (D chun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab.backends.triton import tune_cache
 from attnlab.problem import Problem
 
 
@@ -161,11 +163,26 @@ def _autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Con
 
 
 def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
-    """The config a GPU launch uses: tuned once per :func:`tune_key`, or the default candidate."""
+    """The config a GPU launch uses: tuned once per :func:`tune_key` (and kept on disk, :mod:`.tune_cache`:
+    a later process takes it from there), or the default candidate."""
     if not AUTOTUNE:
         return candidates(prob.dtype, _block_d(prob.D))[0]
     key = tune_key(prob)
     cfg = _tuned.get(key)
     if cfg is None:
-        cfg = _tuned[key] = _autotune(prob, out, lse)
+        cfg = _stored_config(prob, key, candidates(prob.dtype, _block_d(prob.D)))
+        if cfg is None:
+            cfg = _autotune(prob, out, lse)
+            tune_cache.store("fwd", prob.device.index, key[1:], dataclasses.asdict(cfg))
+        _tuned[key] = cfg
     return cfg
+
+
+def _stored_config(prob: Problem, key: tuple, space: list[Config]) -> Config | None:
+    """The config stored on disk for ``key`` (the device index left out: the file is the GPU model's), if it
+    is still one of the candidates."""
+    got = tune_cache.load("fwd", prob.device.index, key[1:])
+    with contextlib.suppress(TypeError, ValueError):
+        cfg = Config(**got) if isinstance(got, dict) else None
+        return cfg if cfg in space else None
+    return None

@@ -64,8 +64,9 @@ if triton is not None:
     def _explicit(s, e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej, KEY_AXIS: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
         """The explicit bool mask (-inf where False) or additive bias (times log2(e)) on a score tile; read
-        through its broadcast strides, bounded by [0, Nq) x [0, Nk). ``tile_m``, ``tile_n``: the tile's query and
-        key offsets laid out along the score tile's axes."""
+        through its broadcast strides, bounded by [0, Nq) x [0, Nk), the bias in the caller's dtype and made
+        float32 here. ``tile_m``, ``tile_n``: the tile's query and key offsets laid out along the score
+        tile's axes."""
         if HAS_MASK or HAS_BIAS:
             e_ptrs = e_base + n0.to(tl.int64) * s_ej + tile_m * s_ei + tile_n * s_ej
             e_ok = tl.expand_dims(rows < Nq, KEY_AXIS) & tl.expand_dims(keys < Nk, 1 - KEY_AXIS)
@@ -73,7 +74,7 @@ if triton is not None:
                 allowed = tl.load(e_ptrs, mask=e_ok, other=0)
                 s = tl.where(allowed != 0, s, float("-inf"))
             else:
-                bias = tl.load(e_ptrs, mask=e_ok, other=0.0)
+                bias = tl.load(e_ptrs, mask=e_ok, other=0.0).to(tl.float32)
                 s = s + bias * 1.4426950408889634
         return s
 
@@ -86,12 +87,14 @@ if triton is not None:
         """This row tile's effective lengths (Lq, Lk), diagonal offset, and key tiles: [t_lo, t_hi) hold the
         keys some row may see, [f_lo, f_hi) inside them the tiles every row sees whole."""
         # ---- effective lengths and the diagonal offset of this batch entry ------------------------------
+        # Lengths are clamped to [0, Nk] and [0, Nq] here too (MaskSpec clamps GPU lengths already): whatever
+        # a caller passes, no load leaves the tensors.
         if HAS_KV_LEN:
-            Lk = tl.load(KvLen + b)
+            Lk = tl.minimum(tl.maximum(tl.load(KvLen + b), 0), Nk)
         else:
             Lk = zero + Nk
         if HAS_Q_LEN:
-            Lq = tl.load(QLen + b)
+            Lq = tl.minimum(tl.maximum(tl.load(QLen + b), 0), Nq)
         else:
             Lq = zero + Nq
         if BOTTOM_RIGHT:
@@ -300,13 +303,24 @@ if triton is not None:
         Lq, Lk, off, t_lo, t_hi, f_lo, f_hi = _tile_bounds(
             b, i0, zero, KvLen, QLen, Nq, Nk, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
             BOTTOM_RIGHT, HAS_KV_LEN, HAS_Q_LEN)
-
-        # ---- the tile's bases: 64-bit scalars; in-tile offsets stay 32-bit vectors -----------------------
         offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         rows = i0 + offs_m
         b64 = b.to(tl.int64)
+
+        # ---- a tile of padding rows (i0 >= Lq): zeros and lse = -inf, and nothing of Q, K, V read --------
+        if i0 >= Lq:
+            if KEY_AXIS == 0:
+                no_acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
+            else:
+                no_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            no_rows = tl.zeros([BLOCK_M], tl.float32)  # l_i = 0: no allowed key
+            _epilogue(no_acc, no_rows, no_rows, offs_m, offs_d, rows, Lq, Out, Lse, b64, h, i0, Nq, D,
+                      s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, KEY_AXIS, WRITE_LSE)
+            return
+
+        # ---- the tile's bases: 64-bit scalars; in-tile offsets stay 32-bit vectors -----------------------
+        offs_n = tl.arange(0, BLOCK_N)
         q_tile = Q + b64 * s_qb + h.to(tl.int64) * s_qh + i0.to(tl.int64) * s_qn
         k_base = K + b64 * s_kb + kvh.to(tl.int64) * s_kh
         v_base = V + b64 * s_vb + kvh.to(tl.int64) * s_vh
