@@ -69,7 +69,7 @@ def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.dev
         lo, hi = (int(x) for x in torch.stack([t.min(), t.max()]).tolist())
         if lo < 0 or hi > limit:
             raise ValueError(f"{name} values must lie in [0, {limit}]; got values in [{lo}, {hi}]")
-    if t.device != device and device.type == "cuda":
+    if t.device.type == "cpu" and device.type == "cuda":
         t = t.to(torch.int32).pin_memory().to(device, non_blocking=True)  # host lengths: no stream sync
     t = t.to(device=device, dtype=torch.int32)
     if t.stride() != (1,):  # an expanded 0-dim length or a strided view: kernels read a plain int32 array
@@ -164,6 +164,8 @@ class MaskSpec:
     ) -> MaskSpec:
         """Validate the keywords of :func:`attnlab.attention` and build the spec."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" means the current GPU, as torch reads it
+            device = torch.device("cuda", torch.cuda.current_device())
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool; got {causal!r}")
         left, right = _as_window(window, causal)

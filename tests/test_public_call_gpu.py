@@ -129,3 +129,13 @@ def test_gradients_through_the_public_call(backend, dtype):
         base_err = (b.grad.double() - r.grad).abs().max().item()
         floor = 1e-5 if dtype == torch.float32 else 1e-2 * r.grad.abs().max().item()
         assert err <= 2 * base_err + floor, f"d{name}: {err:.3g} vs textbook {base_err:.3g}"
+
+
+def test_maskspec_takes_cuda_without_an_index():
+    """'cuda' is the current GPU: GPU lengths and masks built for device='cuda' are accepted as they are."""
+    from attnlab.masks import MaskSpec
+
+    lens = torch.tensor([5, 7], device="cuda")
+    mask = torch.ones(1, 1, 7, 9, device="cuda")
+    spec = MaskSpec.build(2, 3, 7, 9, device="cuda", kv_len=lens, q_len=torch.tensor([7, 1]), mask=mask)
+    assert spec.kv_len.is_cuda and spec.q_len.is_cuda and spec.device == lens.device
