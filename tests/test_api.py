@@ -205,10 +205,12 @@ def test_auto_on_gpu_prefers_the_measured_fastest():
     from attnlab.problem import make_problem
 
     st = status()
-    half = make_problem(*(t.cuda() for t in qkv(dtype=torch.bfloat16)))
+    half = make_problem(*(t.cuda() for t in qkv(Nq=40, Nk=40, dtype=torch.bfloat16)))  # a prefill: Nq > 16
+    decode = make_problem(*(t.cuda() for t in qkv(Nq=1, Nk=40, dtype=torch.bfloat16)))
     fp32 = make_problem(*(t.cuda() for t in qkv()))
     if st["triton"].available:
         assert resolve("auto", half).name == "triton"
+        assert resolve("auto", decode).name == "triton-decode"
     if st["cuda-rowmax"].available:
         assert resolve("auto", fp32).name == "cuda-rowmax"
 
