@@ -72,6 +72,8 @@ def test_precision_figures():
         "max_abs": [1e-3, 2e-3, 1e-3, 3e-3], "tolerance": [1e-2] * 4,
     })
     assert isinstance(plots.error_vs_n(df), Figure)
+    rel = df.assign(max_rel=df["max_abs"] / 2, rel_tolerance=df["tolerance"] / 2)
+    assert isinstance(plots.error_vs_n(rel, relative=True), Figure)
     ex = pd.DataFrame({"x": [-1.0, -10.0], "expf_ulp": [1.0, 1.0], "fast_exp_ulp": [3.0, 12.0]})
     assert isinstance(plots.exp_error(ex), Figure)
 

@@ -30,3 +30,9 @@ def test_fast_exp_error_grows_with_the_argument():
     assert (t["expf_ulp"] < 2).all()
     assert t["fast_exp_ulp"].iloc[1] > t["fast_exp_ulp"].iloc[0]
     assert (t["fast_exp_ulp"] <= 2 + 1.173 * t["x"].abs() + 1).all()
+
+
+def test_error_sweep_relative_columns():
+    df = precision.error_sweep(Ns=(16, 32), Ds=(16,), dtypes=(torch.float32,), H=1)
+    assert (df["max_rel"] == df["max_abs"] / df["ref_max"]).all()
+    assert (df["rel_tolerance"] == df["tolerance"] / df["ref_max"]).all()

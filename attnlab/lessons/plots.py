@@ -284,20 +284,23 @@ def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *
 
 
 # ---- precision ---------------------------------------------------------------------------------------
-def error_vs_n(df: pd.DataFrame, *, title: str = "") -> Figure:
-    """Max abs error against N from :func:`attnlab.precision.error_sweep`, one panel per dtype, colour = D,
-    line style = method, the checker's tolerance dashed."""
+def error_vs_n(df: pd.DataFrame, *, relative: bool = False, title: str = "") -> Figure:
+    """Max error against N from :func:`attnlab.precision.error_sweep`, one panel per dtype, colour = D,
+    line style = method, the checker's tolerance dashed. ``relative``: the error and the tolerance divided
+    by max|ref| (columns ``max_rel``, ``rel_tolerance``), the measure that does not fall just because |out|
+    shrinks with N."""
+    y, tol_col = ("max_rel", "rel_tolerance") if relative else ("max_abs", "tolerance")
     dtypes = list(dict.fromkeys(df["dtype"]))
     fig, axes = _fig(1, len(dtypes), size=(4.2 * len(dtypes), 3.8), sharey=False)
     for ax, dt in zip(axes.flat, dtypes):
         d = df[df["dtype"] == dt]
-        sns.lineplot(data=d, x="N", y="max_abs", hue="D", style="method", markers=True, ax=ax,
+        sns.lineplot(data=d, x="N", y=y, hue="D", style="method", markers=True, ax=ax,
                      palette="crest", legend=ax is axes.flat[-1])
-        tol = d.groupby("N")["tolerance"].min()
+        tol = d.groupby("N")[tol_col].min()
         ax.plot(tol.index, tol.values, color="#c0392b", linestyle="--", label="tolerance")
         ax.set_yscale("log")
         _n_axis(ax, sorted(d["N"].unique()), "N (Nq = Nk, tokens)")
-        ax.set_ylabel("max |out - ref| (log scale)")
+        ax.set_ylabel(("max |out - ref| / max |ref|" if relative else "max |out - ref|") + " (log scale)")
         ax.set_title(f"{dt}: red dashes = tolerance")
     if axes.flat[-1].get_legend() is not None:
         sns.move_legend(axes.flat[-1], "upper left", bbox_to_anchor=(1.02, 1), frameon=False)

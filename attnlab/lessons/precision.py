@@ -233,8 +233,11 @@ def error_sweep(Ns: Iterable[int] = (64, 256, 1024), Ds: Iterable[int] = (32, 64
                 B: int = 1, H: int = 2, causal: bool = False, seed: int = 0) -> pd.DataFrame:
     """Max abs error against the float64 reference for the textbook backend and the fused emulation.
 
-    One row per (dtype, N, D, method), with the checker's tolerance ``atol + rtol * max|ref|`` beside it.
-    float32 runs the textbook backend only (a float32 fused kernel keeps P in float32).
+    One row per (dtype, N, D, method), with the checker's tolerance ``atol + rtol * max|ref|`` beside it,
+    and both relative to ``max|ref|`` (``ref_max``, ``max_rel``, ``rel_tolerance``): |out| shrinks as N
+    grows (the output averages more V rows), so the absolute error falls with it and only the relative
+    error says whether the arithmetic got worse. float32 runs the textbook backend only (a float32 fused
+    kernel keeps P in float32).
     """
     from attnlab.api import attention
 
@@ -252,5 +255,9 @@ def error_sweep(Ns: Iterable[int] = (64, 256, 1024), Ds: Iterable[int] = (32, 64
                 for method, out in outs.items():
                     rows.append({"dtype": str(dt).replace("torch.", ""), "N": N, "D": D, "method": method,
                                  "max_abs": float((out.double() - ref).abs().max()),
-                                 "tolerance": atol + rtol * ref_max})
-    return pd.DataFrame(rows)
+                                 "tolerance": atol + rtol * ref_max, "ref_max": ref_max})
+    df = pd.DataFrame(rows)
+    if len(df):
+        df["max_rel"] = df["max_abs"] / df["ref_max"]
+        df["rel_tolerance"] = df["tolerance"] / df["ref_max"]
+    return df
