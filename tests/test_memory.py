@@ -1,5 +1,6 @@
 """attnlab.memory against hand computations."""
 
+import pandas as pd
 import pytest
 import torch
 
@@ -58,6 +59,14 @@ def test_peak_models_match_the_measured_anchors():
     assert ((t["textbook_model_mib"] / t["textbook_mib"] - 1).abs() < 0.03).all()
     assert ((t["fused_model_mib"] / t["fused_mib"] - 1).abs() < 0.05).all()
     assert memory.textbook_peak_extra(8, 16, 1024, 1024, 64, "bf16") == 528 * 2**20
+    # written as the anchors were recorded: 4128 MiB is "4.0 GiB", not the recorded "4.1 GiB"
+    assert list(t["within_rounding"]) == [True, False, True, True]
+
+
+def test_measured_tflops_picks_one_shape():
+    df = pd.DataFrame({"B": [4, 4], "Hq": 16, "Nq": 4096, "Nk": 4096, "D": [128, 64], "dtype": "bfloat16",
+                       "causal": False, "status": "ok", "backend": ["torch", "torch"], "tflops": [36.2, 30.0]})
+    assert memory.measured_tflops(df, B=4, H=16, N=4096, D=128).to_dict() == {"torch": 36.2}
 
 
 def test_sweep_columns():

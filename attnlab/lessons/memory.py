@@ -34,12 +34,12 @@ H200 = {
 #: Extra memory measured on the H200 (docs/design.md), bf16, textbook torch vs a fused kernel, in MiB.
 ANCHORS = pd.DataFrame(
     [
-        (8, 16, 1024, 64, 528.0, 16.0),
-        (4, 16, 4096, 64, 4.1 * 1024, 32.0),
-        (4, 16, 4096, 128, 4.1 * 1024, 64.0),
-        (1, 16, 16384, 128, 16.0 * 1024, 64.0),
+        (8, 16, 1024, 64, 528.0, 16.0, "528 MiB"),
+        (4, 16, 4096, 64, 4.1 * 1024, 32.0, "4.1 GiB"),
+        (4, 16, 4096, 128, 4.1 * 1024, 64.0, "4.1 GiB"),
+        (1, 16, 16384, 128, 16.0 * 1024, 64.0, "16 GiB"),
     ],
-    columns=["B", "H", "N", "D", "textbook_mib", "fused_mib"],
+    columns=["B", "H", "N", "D", "textbook_mib", "fused_mib", "textbook_recorded_as"],
 )
 
 _SIZES = {
@@ -206,7 +206,27 @@ def anchors_vs_model(anchors: pd.DataFrame | None = None, dtype: object = "bfloa
     ]
     a["fused_model_mib"] = [fused_peak_extra(r.B, r.H, r.N, r.N, r.D, dtype) / 2**20 for r in a.itertuples()]
     a["measured_ratio"] = a["textbook_mib"] / a["fused_mib"]
+    if "textbook_recorded_as" in a:
+        a["textbook_model_as_recorded"] = [_as_recorded(m, rec) for m, rec in
+                                           zip(a["textbook_model_mib"], a["textbook_recorded_as"])]
+        a["within_rounding"] = a["textbook_model_as_recorded"] == a["textbook_recorded_as"]
     return a
+
+
+def _as_recorded(mib: float, recorded: str) -> str:
+    """``mib`` written with the unit and the number of decimals of ``recorded`` (e.g. "4.1 GiB")."""
+    number, unit = recorded.split()
+    decimals = len(number.split(".")[1]) if "." in number else 0
+    value = mib / {"MiB": 1, "GiB": 1024, "TiB": 1024**2}[unit]
+    return f"{value:.{decimals}f} {unit}"
+
+
+def measured_tflops(df: pd.DataFrame, *, B: int, H: int, N: int, D: int, dtype: str = "bfloat16",
+                    causal: bool = False) -> pd.Series:
+    """TFLOP/s recorded in a bench suite (``load_bench`` rows) for one square shape, by backend (ok rows)."""
+    sel = ((df["B"] == B) & (df["Hq"] == H) & (df["Nq"] == N) & (df["Nk"] == N) & (df["D"] == D)
+           & (df["dtype"].astype(str) == dtype) & (df["causal"] == causal) & (df["status"] == "ok"))
+    return df[sel].set_index("backend")["tflops"]
 
 
 def ratio_table(Ns, Ds, *, B: int = 1, H: int = 16, dtype: object = "bfloat16") -> pd.DataFrame:
