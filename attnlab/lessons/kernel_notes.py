@@ -112,3 +112,28 @@ def reads_per_query(family: str, N: int, D: int) -> dict[str, float]:
     k_passes = 3 if family == "naive" else 1
     return {"K reads per row": k_passes / per_tile, "V reads per row": 1 / per_tile,
             "K+V bytes per row (fp16)": (k_passes + 1) * N * D * 2 / per_tile}
+
+
+def fp32_layout_log(path: Path | str | None = None) -> dict:
+    """Figures of the float32 Triton layout experiments (``data/gpu_tests/nvidia-h200-fp32-layouts.txt``).
+
+    ``bank_conflict_frac``: shared-load bank conflicts over shared-load wavefronts in the first ncu section
+    of the query-major variant (var0); ``query_major_ratio``: per case ("B8 H16 N2048"), attnlab's
+    (then query-major) kernel's speed relative to sdpa-efficient in the log's first run. None when absent.
+    """
+    import re
+
+    p = Path(path) if path is not None else Path(__file__).resolve().parents[2] / "data" / "gpu_tests" / \
+        "nvidia-h200-fp32-layouts.txt"
+    if not p.is_file():
+        return {"bank_conflict_frac": None, "query_major_ratio": {}}
+    text = p.read_text()
+    ratios: dict[str, float] = {}
+    for case, ratio in re.findall(r"case (B\d+ H\d+ N\d+): attnlab triton [\d.]+ ms .*?ratio ([\d.]+)", text):
+        ratios.setdefault(case, float(ratio))
+    frac = None
+    ncu = re.search(r"ncu: var0.*?bank_conflicts_pipe_lsu_mem_shared_op_ld\.sum\s+([\d,]+).*?"
+                    r"wavefronts_mem_shared_op_ld\.sum\s+([\d,]+)", text, re.S)
+    if ncu:
+        frac = int(ncu.group(1).replace(",", "")) / int(ncu.group(2).replace(",", ""))
+    return {"bank_conflict_frac": frac, "query_major_ratio": ratios, "path": p}
