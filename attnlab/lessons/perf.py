@@ -1,0 +1,224 @@
+"""Tables and generated sentences of notebook 08 (performance), all from the recorded suites in ``data/bench/``.
+
+Every function takes the DataFrames of :func:`attnlab.bench.plots.load_bench` (or None) and returns a table
+or a string; nothing is timed here. Ratios are computed from unrounded values and rounded only for display.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import pandas as pd
+
+from attnlab.bench import plots as bench_plots
+
+
+def _ok(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["status"] == "ok"]
+
+
+def recorded_path(df: pd.DataFrame) -> str:
+    """How a suite was timed: "public" (through ``attnlab.attention``, the ``path`` column), or the older
+    validate-once kernel path for suites recorded before the ``path`` column existed (empty ``path``)."""
+    if "path" not in df or df["path"].isna().all() or (df["path"].astype(str).str.strip() == "").all():
+        return "validate-once kernel path (no path column)"
+    paths = sorted(str(p) for p in df["path"].dropna().unique())
+    return ", ".join(paths)
+
+
+def suites_table(found: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+    """One row per recorded suite: commit, date, how it was timed, the modes timed."""
+    rows = []
+    for s, df in found.items():
+        env = bench_plots.bench_environment(s)
+        modes = sorted(str(m) for m in df["mode"].dropna().unique()) if "mode" in df else []
+        rows.append({"suite": s, "commit": env.get("commit", "?")[:7], "date (UTC)": env.get("date_utc", "?")[:16],
+                     "timed through": recorded_path(df), "modes": ", ".join(modes) or "fwd",
+                     "host_us": "host_us" in df and df["host_us"].notna().any()})
+    return pd.DataFrame(rows).set_index("suite")
+
+
+def with_ratios(t: pd.DataFrame, baseline: str, backends: Iterable[str], decimals: int = 2) -> pd.DataFrame:
+    """``t`` (a :func:`bench_plots.summary` pivot, unrounded) with ``b / baseline`` columns, the ratios taken
+    before any rounding and every column rounded for display afterwards."""
+    ratios = {f"{b} / {baseline}": t[b] / t[baseline] for b in backends if b in t and b != baseline}
+    return t.round(1).assign(**{k: v.round(decimals) for k, v in ratios.items()})
+
+
+def latency_table(df: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Latency suite: per case and backend, device time (µs, median of CUDA events) and host time per call."""
+    if df is None:
+        return None
+    d = _ok(df).copy()
+    d["gpu_us"] = 1e3 * d["ms"]
+    t = d.pivot_table(index="case", columns="backend", values=["gpu_us", "host_us"], aggfunc="median")
+    order = list(dict.fromkeys(df["case"]))
+    return t.reindex([c for c in order if c in t.index]).round(0)
+
+
+def ratio_range(df: pd.DataFrame | None, backend: str, baseline: str, *,
+                metric: str = "ms") -> tuple[float, float] | None:
+    """The smallest and largest speed ratio of ``backend`` to ``baseline`` over the cases both timed
+    (> 1: faster)."""
+    if df is None:
+        return None
+    ok = _ok(df)
+    a = ok[ok["backend"] == backend].set_index("case")[metric]
+    b = ok[ok["backend"] == baseline].set_index("case")[metric]
+    both = a.index.intersection(b.index)
+    if len(both) == 0:
+        return None
+    r = b.loc[both] / a.loc[both] if metric == "ms" else a.loc[both] / b.loc[both]
+    return float(r.min()), float(r.max())
+
+
+def backward_table(df: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Backward suite: TFLOP/s per (shape, backend) for fwd, bwd and fwd+bwd; a status where nothing was timed.
+
+    Shapes with no timed row at all are left out and named in ``.attrs["untimed_shapes"]``."""
+    if df is None:
+        return None
+    d = df.copy()
+    d["shape"] = d["case"].str.replace(r"_(fwd|bwd|fwdbwd)$", "", regex=True)
+    tf = d.pivot_table(index=["shape", "backend"], columns="mode", values="tflops", aggfunc="median")
+    st = d.pivot_table(index=["shape", "backend"], columns="mode", values="status", aggfunc="first")
+    cols = [c for c in ("fwd", "bwd", "fwd+bwd") if c in st]
+    timed = d.loc[d["status"] == "ok", "shape"].unique()
+    keep = st.index.get_level_values("shape").isin(timed)
+    out = tf.reindex(index=st.index, columns=cols).round(1).astype(object)
+    out = out.where(out.notna(), st[cols])[keep]
+    out.attrs["untimed_shapes"] = sorted(set(d["shape"]) - set(timed))
+    return out
+
+
+def decode_peaks(df: pd.DataFrame | None, backends: Iterable[str]) -> pd.DataFrame | None:
+    """Decode: per backend, its best K/V bandwidth (TB/s) and the configuration where it was reached."""
+    if df is None:
+        return None
+    ok = _ok(df)
+    ok = ok[ok["backend"].isin(list(backends)) & ok["gbps"].notna()]
+    if ok.empty:
+        return None
+    best = ok.loc[ok.groupby("backend")["gbps"].idxmax()]
+    return pd.DataFrame({"backend": best["backend"], "TB/s": best["gbps"] / 1e3,
+                         "config": bench_plots.decode_config_label(best)}).set_index("backend")
+
+
+def _rng(values, fmt: str = "{:.0f}") -> str:
+    lo, hi = min(values), max(values)
+    a, b = fmt.format(lo), fmt.format(hi)
+    return a if a == b else f"{a}-{b}"
+
+
+def _tflops(df: pd.DataFrame, backend: str) -> pd.Series:
+    ok = _ok(df)
+    return ok[ok["backend"] == backend].set_index("case")["tflops"]
+
+
+def _ratios(df: pd.DataFrame, backend: str, baseline: str) -> pd.Series:
+    """Per case ``baseline_ms / backend_ms`` over the cases both timed (unrounded)."""
+    ok = _ok(df)
+    a = ok[ok["backend"] == backend].set_index("case")["ms"]
+    b = ok[ok["backend"] == baseline].set_index("case")["ms"]
+    both = a.index.intersection(b.index)
+    return b.loc[both] / a.loc[both]
+
+
+def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float) -> str:
+    """The takeaways of notebook 08 as Markdown, every figure computed from the recorded suites."""
+    out = []
+    dense = data.get("dense")
+    if dense is not None:
+        tri, cud, fa = _tflops(dense, "triton"), _tflops(dense, "sdpa-cudnn"), _tflops(dense, "sdpa-flash")
+        r_fa, r_cud = _ratios(dense, "triton", "sdpa-flash"), _ratios(dense, "triton", "sdpa-cudnn")
+        tb = _ratios(dense, "torch", "sdpa-flash")
+        cuda = {k: _tflops(dense, f"cuda-{k}") for k in ("naive", "tiled", "rowmax")}
+        out.append(
+            f"* **Dense bf16/fp16** ({len(r_fa)} configs): cuDNN median {cud.median():.0f} TFLOP/s (up to "
+            f"{cud.max():.0f}), attnlab's Triton kernel median {tri.median():.0f} (up to {tri.max():.0f}), "
+            f"FlashAttention-2 median {fa.median():.0f}. Triton against FlashAttention-2: a median "
+            f"{r_fa.median():.2f}x, {_rng(r_fa, '{:.2f}')}x over the configs; against cuDNN a median "
+            f"{r_cud.median():.2f}x. The textbook version: {_rng(_tflops(dense, 'torch'))} TFLOP/s (a median "
+            f"{tb.median():.2f}x FlashAttention-2), memory-bound as notebook 01 predicts. attnlab's CUDA kernels "
+            + ", ".join(f"{k} {_rng(v, '{:.1f}')}" for k, v in cuda.items() if len(v))
+            + " TFLOP/s: float32 arithmetic on CUDA cores, there to be read and measured.")
+    pad = data.get("padding")
+    if pad is not None:
+        r_flex = _ratios(pad, "triton", "flex")
+        parts = [f"{b} {_rng(_ratios(pad, 'triton', b), '{:.1f}')}x" for b in ("sdpa-cudnn", "sdpa-efficient")
+                 if len(_ratios(pad, "triton", b))]
+        out.append(
+            f"* **Padding** ({len(r_flex)} cases, one ragged with `q_len = kv_len`; useful FLOPs): Triton "
+            f"{_rng(_tflops(pad, 'triton'))} TFLOP/s, {_rng(r_flex, '{:.2f}')}x compiled FlexAttention "
+            f"({_rng(_tflops(pad, 'flex'))}); against SDPA fed a materialized mask: " + ", ".join(parts) + ".")
+    pre = data.get("prefill")
+    if pre is not None:
+        out.append(
+            f"* **Prefill** (bottom-right causal): Triton {_rng(_tflops(pre, 'triton'))} TFLOP/s, "
+            f"{_rng(_ratios(pre, 'triton', 'sdpa-flash'), '{:.2f}')}x FlashAttention-2 and "
+            f"{_rng(_ratios(pre, 'triton', 'sdpa-cudnn'), '{:.2f}')}x cuDNN.")
+    dec = data.get("decode")
+    if dec is not None:
+        peaks = decode_peaks(dec, ["sdpa-flash", "sdpa-cudnn", "triton"])
+        r = _ratios(dec, "triton", "sdpa-flash")
+        above = [b for b in peaks.index if peaks.loc[b, "TB/s"] > copy_tbps]
+        text = ("* **Decode** is bandwidth: best K/V read rates " + ", ".join(
+            f"{b} {peaks.loc[b, 'TB/s']:.2f} TB/s ({peaks.loc[b, 'config']})" for b in peaks.index)
+            + f"; Triton a median {r.median():.2f}x FlashAttention-2 ({_rng(r, '{:.2f}')}x), since with one "
+            "query its grid has B·Hq programs and it does not split the keys.")
+        if above:
+            text += (f" {' and '.join(above)} read faster than the {copy_tbps:g} TB/s measured for a device "
+                     "copy: that figure is a measured copy rate (a copy reads and writes), not a ceiling "
+                     "for a read-only stream.")
+        out.append(text)
+    fp32 = data.get("fp32")
+    if fp32 is not None:
+        cases = [c for c in dict.fromkeys(_ok(fp32)["case"])]
+        cells = []
+        for b in ("triton", "cuda-rowmax", "torch"):
+            t, r = _tflops(fp32, b), _ratios(fp32, b, "sdpa-efficient")
+            if len(t):
+                cells.append(f"{b} " + " and ".join(f"{t[c]:.1f}" for c in cases if c in t) + " TFLOP/s ("
+                             + " and ".join(f"{r[c]:.2f}x" for c in cases if c in r) + ")")
+        out.append(f"* **IEEE float32** (TF32 off; ratios to SDPA's efficient kernel, cases {', '.join(cases)}): "
+                   + "; ".join(cells) + ".")
+    mem = data.get("memory")
+    if mem is not None:
+        ok = _ok(mem)
+        t = ok[ok["backend"] == "torch"].set_index("Nk")["peak_extra_mib"]
+        oom = sorted(mem[(mem["backend"] == "torch") & (mem["status"] == "oom")]["Nk"])
+        fa = ok[ok["backend"] == "sdpa-flash"].set_index("Nk")["peak_extra_mib"]
+        out.append(
+            f"* **Memory**: the textbook version needs {t.iloc[0]:.0f} MiB beyond inputs and output at "
+            f"{t.index[0]} tokens and {t.iloc[-1] / 1024:.0f} GiB at {t.index[-1]}"
+            + (f", and runs out at {oom[0]}" if oom else "")
+            + f"; FlashAttention-2 only its float32 lse ({fa.iloc[-1]:.0f} MiB at {fa.index[-1]}).")
+    lat = data.get("latency")
+    if lat is not None:
+        ok = _ok(lat)
+        med = ok.groupby("backend")["host_us"].median()
+        out.append("* **Latency** (small shapes, host time per call, median over the cases): " + ", ".join(
+            f"{b} {med[b]:.0f} µs" for b in ("triton", "triton-kernel", "auto", "sdpa-flash", "sdpa-cudnn",
+                                             "sdpa-efficient") if b in med)
+                   + (": through the public call the Triton path costs more host time per call than each of "
+                      "SDPA's kernels." if "triton" in med and all(med["triton"] > med[b] for b in
+                      ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient") if b in med) else "."))
+    bias = data.get("bias")
+    if bias is not None and len(_ratios(bias, "triton", "sdpa-cudnn")):
+        r = _ratios(bias, "triton", "sdpa-cudnn")
+        out.append(f"* **Bias** (ALiBi-style float bias with causal): Triton {_tflops(bias, 'triton').iloc[0]:.0f} "
+                   f"TFLOP/s, {r.iloc[0]:.2f}x cuDNN fed the bias.")
+    bwd = data.get("backward")
+    if bwd is not None:
+        fb = _ok(bwd)[_ok(bwd)["mode"] == "fwd+bwd"]
+        shapes = sorted(fb["case"].unique())
+        parts = []
+        for c in shapes:
+            g = fb[fb["case"] == c].set_index("backend")["ms"]
+            if "triton" in g:
+                parts.append(c.removesuffix("_fwdbwd") + ": " + ", ".join(
+                    f"{g[b] / g['triton']:.2f}x {b}" for b in ("sdpa-flash", "sdpa-cudnn", "flex") if b in g))
+        skipped = int((bwd["status"] == "skipped").sum())
+        out.append("* **Backward** (forward + backward, Triton's speed relative to each): " + "; ".join(parts)
+                   + (f". {skipped} rows of the suite were skipped and are not timed." if skipped else "."))
+    return "\n".join(out)

@@ -1,0 +1,29 @@
+import pandas as pd
+
+from attnlab.lessons import perf
+
+
+def _rows():
+    return pd.DataFrame({
+        "case": ["a", "a", "b", "b", "c_fwd", "c_bwd"],
+        "backend": ["triton", "sdpa-flash", "triton", "sdpa-flash", "triton", "triton"],
+        "status": ["ok", "ok", "ok", "ok", "ok", "skipped"],
+        "ms": [1.0, 1.444, 2.0, 2.03, 1.0, None], "tflops": [1.0, 1.0, 1.0, 1.0, 5.0, None],
+        "mode": ["fwd", "fwd", "fwd", "fwd", "fwd", "bwd"], "path": [None] * 6,
+    })
+
+
+def test_ratios_from_unrounded_values():
+    t = pd.DataFrame({"triton": [14.46], "base": [10.04]})
+    r = perf.with_ratios(t, "base", ["triton"])
+    assert r["triton / base"].iloc[0] == 1.44  # from the rounded 14.5 / 10.0 it would be 1.45
+    assert r["triton"].iloc[0] == 14.5
+    assert perf.ratio_range(_rows(), "triton", "sdpa-flash") == (1.015, 1.444)
+
+
+def test_recorded_path_and_backward_table():
+    df = _rows()
+    assert perf.recorded_path(df).startswith("validate-once")
+    assert perf.recorded_path(df.assign(path="public")) == "public"
+    bwd = perf.backward_table(df[df["case"].str.startswith("c")])
+    assert bwd.loc[("c", "triton"), "fwd"] == 5.0 and bwd.loc[("c", "triton"), "bwd"] == "skipped"
