@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 
 from attnlab.backends.triton import tune_cache
-from attnlab.backends.triton.configs import _block_d, _pow2_bucket
+from attnlab.backends.triton.configs import _block_d, _pow2_bucket, fastest
 from attnlab.backends.triton.interpreter import _interpreted_fn, interpreter
 from attnlab.backends.triton.kernel import LOG2E
 from attnlab.problem import Problem
@@ -182,23 +181,8 @@ def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> 
 
 
 def _fastest(configs: list[BwdConfig], launch) -> BwdConfig:
-    """The config among ``configs`` whose ``launch(cfg)`` takes the least median GPU time (configs that do
-    not fit the GPU's shared memory or registers are skipped)."""
-    from triton.testing import do_bench
-
-    best, best_ms = None, math.inf
-    for cfg in configs:
-        try:
-            ms = do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20, return_mode="median")
-        except Exception as err:
-            if "OutOfResources" in type(err).__name__ or "out of resource" in str(err).lower():
-                continue
-            raise
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    if best is None:
-        raise RuntimeError(f"no Triton backward config fits this GPU among {configs}")
-    return best
+    """The fastest of ``configs`` (see :func:`~attnlab.backends.triton.configs.fastest`)."""
+    return fastest(configs, launch, "the backward")
 
 
 def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig, BwdConfig]:

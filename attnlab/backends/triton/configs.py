@@ -142,23 +142,33 @@ def _autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Con
     calls; with them and the mean, fp16 B8 H16 N1024 D64 causal was once tuned to (128, 128, 8, 3),
     0.095 ms of GPU time, over (64, 64, 4, 2), 0.070 ms.)
     """
+    from attnlab.backends.triton.launch import _Plan  # the launch module imports this one
+
+    plans: dict[Config, _Plan] = {}
+
+    def launch(cfg: Config) -> None:
+        plans.setdefault(cfg, _Plan(prob, cfg)).launch(prob, out, lse)
+
+    return fastest(candidates(prob.dtype, _block_d(prob.D)), launch, f"dtype={prob.dtype}, D={prob.D}")
+
+
+def fastest(configs: list, launch, what: str):
+    """The config among ``configs`` whose ``launch(cfg)`` takes the least median GPU time (``do_bench`` clears
+    the L2 before each call); a config that does not fit the GPU (shared memory, registers) is skipped."""
     from triton.testing import do_bench
 
     best, best_ms = None, math.inf
-    from attnlab.backends.triton.launch import _Plan  # the launch module imports this one
-
-    for cfg in candidates(prob.dtype, _block_d(prob.D)):
-        plan = _Plan(prob, cfg)
+    for cfg in configs:
         try:
-            ms = do_bench(lambda plan=plan: plan.launch(prob, out, lse), warmup=5, rep=20, return_mode="median")
-        except Exception as err:  # a config that does not fit (shared memory, registers) is skipped
+            ms = do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20, return_mode="median")
+        except Exception as err:
             if "OutOfResources" in type(err).__name__ or "out of resource" in str(err).lower():
                 continue
             raise
         if ms < best_ms:
             best, best_ms = cfg, ms
     if best is None:
-        raise RuntimeError(f"no Triton config fits this GPU for dtype={prob.dtype}, D={prob.D}")
+        raise RuntimeError(f"no Triton config fits this GPU for {what}")
     return best
 
 
