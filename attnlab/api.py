@@ -80,14 +80,12 @@ def attention(
     query rows on a GPU) reads the caches in place; other backends, and calls that need gradients, gather
     them to dense k and v first.
     """
-    if block_table is not None and (torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, mask))):
-        # Differentiable: the caches get their gradients through the gather.
-        k, v = gather_paged(q, k, v, block_table, layout, kv_len)
-        block_table = None
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, mask)
     )
+    if block_table is not None and needs_grad:  # the caches get their gradients through a differentiable gather
+        k, v = gather_paged(q, k, v, block_table, layout, kv_len)
+        block_table = None
     has_window = window is not None
     if has_window and (not isinstance(window, (tuple, list)) or len(window) != 2):
         raise TypeError(f"window must be a pair (left, right) of ints or None; got {window!r}")

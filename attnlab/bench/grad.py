@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from attnlab.bench.competitors import Competitor, Unavailable, Unsupported
-from attnlab.bench.runner import Options, _row, _rows, failure, measure, rates
+from attnlab.bench.competitors import Competitor
+from attnlab.bench.runner import Options, _row, _rows, failure, measure, prepare, rates
 from attnlab.bench.schema import MIB
 from attnlab.bench.suites import BACKWARD_MODES, row_keys
 from attnlab.bench.timing import _eager_fallbacks, _free, _sync
@@ -118,14 +118,9 @@ def run_backward(comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options,
     base: dict[str, Any] = {"sets": inp.sets, "check_scope": truth.scope}
     ginp, leaves = _leaves(inp)
     douts = inp.douts
-    try:
-        prep = comp.prepare(ginp)
-    except Unavailable as e:
-        return _rows(case, comp, opts, counts, status="unavailable", notes=str(e), **base)
-    except Unsupported as e:
-        return _rows(case, comp, opts, counts, status="unsupported", notes=str(e), **base)
-    except Exception as e:
-        return _rows(case, comp, opts, counts, **failure(comp, case, e, dev, "setup"), **base)
+    prep, why = prepare(comp, ginp, dev)
+    if prep is None:
+        return _rows(case, comp, opts, counts, **why, **base)
     notes = list(prep.notes)
 
     def fwdbwd(i: int):

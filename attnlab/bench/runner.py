@@ -167,14 +167,9 @@ def run_one(
 
     case, dev = inp.case, inp.device
     base = {"sets": inp.sets, "check_scope": truth.scope}
-    try:
-        prep = comp.prepare(inp)
-    except Unavailable as e:
-        return _row(case, comp, opts, counts, status="unavailable", notes=str(e), **base)
-    except Unsupported as e:
-        return _row(case, comp, opts, counts, status="unsupported", notes=str(e), **base)
-    except Exception as e:
-        return _failure_row(case, comp, opts, counts, e, dev, "setup", base)
+    prep, why = prepare(comp, inp, dev)
+    if prep is None:
+        return _row(case, comp, opts, counts, **why, **base)
     notes = list(prep.notes)
     # 1. the checked call (set 0); for attnlab backends the output is poisoned first (every element written)
     try:
@@ -232,6 +227,18 @@ def failure(comp: Competitor, case: BenchCase, e: BaseException, dev: torch.devi
         raise ContextLost(comp.name, case.name, _short(e)) from e
     _free(dev)
     return {"status": "error", "notes": "; ".join([*notes, f"{where}: {_short(e)}"])}
+
+
+def prepare(comp: Competitor, inp, dev: torch.device) -> tuple[Any, dict[str, Any] | None]:
+    """``(comp.prepare(inp), None)``, or ``(None, the status and notes of why it cannot run)``."""
+    try:
+        return comp.prepare(inp), None
+    except Unavailable as e:
+        return None, {"status": "unavailable", "notes": str(e)}
+    except Unsupported as e:
+        return None, {"status": "unsupported", "notes": str(e)}
+    except Exception as e:
+        return None, failure(comp, inp.case, e, dev, "setup")
 
 
 def _failure_row(case, comp, opts, counts, e, dev, where, base, notes=(), passed="") -> dict[str, Any]:
