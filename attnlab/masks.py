@@ -62,10 +62,8 @@ def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.dev
             f"{name} must be an int, a sequence of ints or an integer tensor of shape [B]; got {type(value).__name__}"
         )
     if t.device.type != "cpu":
-        # Lengths already on the GPU are never read back to the host (that would synchronize the device on
-        # every call): they are clamped to [0, limit] on the device instead.
-        t = t.clamp(0, limit)
-    elif batch > 0:
+        return device_lengths(t.to(device), limit)
+    if batch > 0:
         lo, hi = (int(x) for x in torch.stack([t.min(), t.max()]).tolist())
         if lo < 0 or hi > limit:
             raise ValueError(f"{name} values must lie in [0, {limit}]; got values in [{lo}, {hi}]")
@@ -75,6 +73,18 @@ def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.dev
     if t.stride() != (1,):  # an expanded 0-dim length or a strided view: kernels read a plain int32 array
         t = torch.empty(batch, dtype=torch.int32, device=device).copy_(t)
     return t
+
+
+def device_lengths(t: torch.Tensor, limit: int) -> torch.Tensor:
+    """Lengths already on the GPU, as kernels read them: a new contiguous int32 tensor clamped to [0, limit].
+
+    They are never read back to the host (that would synchronize the device on every call); values outside
+    [0, limit] mean the nearest bound. One small kernel for int32 input, two for other integer dtypes.
+    """
+    if t.dtype == torch.int32:
+        return t.clamp(0, limit).contiguous()  # clamp makes a new tensor: the caller's is never written
+    out = torch.empty(t.shape, dtype=torch.int32, device=t.device)
+    return out.copy_(t).clamp_(0, limit)
 
 
 def _as_window(window: Any, causal: bool) -> tuple[int | None, int | None]:

@@ -126,3 +126,24 @@ def gather_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
     paged = paged_kv(k, v, block_table, B=B, Hkv=Hkv, D=D, Nk=Nk, dtype=q.dtype, device=q.device, kv_len=lens)
     kd, vd = paged.dense()
     return (kd, vd) if layout != "bnhd" else (kd.transpose(1, 2), vd.transpose(1, 2))
+
+
+def to_paged(k: torch.Tensor, v: torch.Tensor, block_size: int, *, seed: int = 0,
+             spare_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense ``[B, Hkv, Nk, D]`` k and v as paged caches ``[num_blocks, block_size, Hkv, D]`` and an int32
+    block table ``[B, Nk // block_size]`` whose blocks are shuffled over the cache (as an allocator leaves them),
+    with ``spare_blocks`` unused ones; on k's device. Nk must be a multiple of ``block_size``."""
+    B, Hkv, Nk, D = k.shape
+    if block_size < 1 or Nk % block_size:
+        raise ValueError(f"Nk={Nk} must be a positive multiple of block_size={block_size}")
+    mb = Nk // block_size
+    num_blocks = B * mb + spare_blocks
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[: B * mb].to(k.device)
+
+    def scatter(x: torch.Tensor) -> torch.Tensor:
+        cache = x.new_zeros(num_blocks, block_size, Hkv, D)
+        cache[perm] = x.reshape(B, Hkv, mb, block_size, D).permute(0, 2, 3, 1, 4).reshape(B * mb, block_size, Hkv, D)
+        return cache
+
+    return scatter(k), scatter(v), perm.view(B, mb).to(torch.int32)
+

@@ -99,7 +99,10 @@ def test_suites_are_well_formed():
     assert kv == bench.padding_suite()[0].kv_len  # seeded
     assert all(4096 // 4 <= x <= 4096 for x in kv) and len(kv) == 8
     assert {c.causal for c in pad} == {False, True}
-    assert all(c.Nq == 1 and c.Hq == 32 and c.hkv == 8 for c in bench.decode_suite())
+    dec = bench.decode_suite()
+    assert all(c.Nq == 1 and c.Hq == 32 and c.hkv in (8, 32) for c in dec)
+    assert {c.B for c in dec} == {1, 8, 16} and {min(c.nk for c in dec), max(c.nk for c in dec)} == {4096, 131072}
+    assert any(c.kv_len for c in dec) and any(not c.kv_len for c in dec)
     assert all(c.Nq == 512 and c.nk == 8192 and c.align == "bottom_right" for c in bench.prefill_suite())
     assert max(c.Nq for c in bench.memory_suite()) == 32768
     assert "quick" not in bench.ALL_ORDER and set(bench.ALL_ORDER) == set(bench.SUITES) - {"quick"}

@@ -139,3 +139,139 @@ def test_maskspec_takes_cuda_without_an_index():
     mask = torch.ones(1, 1, 7, 9, device="cuda")
     spec = MaskSpec.build(2, 3, 7, 9, device="cuda", kv_len=lens, q_len=torch.tensor([7, 1]), mask=mask)
     assert spec.kv_len.is_cuda and spec.q_len.is_cuda and spec.device == lens.device
+
+
+def _fresh(q, k, v, seed):
+    """New tensors of q, k and v's signature (shapes, strides, dtypes) holding other values."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(t.clone().copy_(torch.randn(t.shape, device="cuda", generator=g).to(t.dtype)) for t in (q, k, v))
+
+
+FAST_CASES = {
+    "dense": {},
+    "causal_lse": dict(causal=True, return_lse=True),
+    "bnhd_gqa_window": dict(layout="bnhd", window=(37, 5)),
+    "kv_len_gpu_int64_wild": dict(kv_len="gpu64"),
+    "kv_len_int_causal_br": dict(kv_len=120, causal=True, align="bottom_right"),
+    "q_len_kv_len_gpu": dict(q_len="gpu32", kv_len="gpu32", causal=True, align="bottom_right"),
+    "bool_mask_broadcast": dict(mask="bool"),
+    "bf16_bias": dict(mask="bias", return_lse=True),
+}
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("case", list(FAST_CASES))
+def test_repeated_calls_take_the_fast_path_and_agree(case, backend):
+    """The second call of a signature runs the cached fast call (attnlab.calls); it must give what the whole
+    way gives, on new values: new q, k, v and new GPU lengths (out-of-range ones too, clamped)."""
+    from attnlab import calls
+
+    _available("triton")
+    kw = dict(FAST_CASES[case])
+    q, k, v = _inputs(N=200)
+    if kw.get("layout") == "bnhd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    g = torch.Generator(device="cuda").manual_seed(7)
+
+    def lengths(kind):
+        if kind == "gpu64":
+            return torch.randint(-20, 260, (2,), device="cuda", generator=g)  # int64, some out of range
+        return torch.randint(1, 201, (2,), device="cuda", generator=g, dtype=torch.int32)
+
+    def masks(kind):
+        if kind == "bool":
+            return torch.rand(1, 4, 200, 200, device="cuda", generator=g) > 0.3
+        return torch.randn(1, 4, 200, 200, device="cuda", generator=g).to(torch.bfloat16)
+
+    def call_kw():
+        out = dict(kw, backend=backend)
+        for name in ("kv_len", "q_len"):
+            if isinstance(out.get(name), str):
+                out[name] = lengths(out[name])
+        if isinstance(out.get("mask"), str):
+            out["mask"] = masks(out["mask"])
+        return out
+
+    calls.clear()
+    attnlab.attention(q, k, v, **call_kw())  # the whole way: validates, plans, remembers the signature
+    assert len(calls._CALLS) == 1, "a GPU Triton call should leave a fast call behind"
+    for seed in (1, 2):
+        q2, k2, v2 = _fresh(q, k, v, seed)
+        kw2 = call_kw()
+        with _sync_is_an_error():
+            got = attnlab.attention(q2, k2, v2, **kw2)
+        calls.clear()  # the same call the whole way, for comparison
+        want = attnlab.attention(q2, k2, v2, **kw2)
+        assert len(calls._CALLS) == 1
+        if kw.get("return_lse"):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            got = got[0]
+        else:
+            assert torch.equal(got, want)
+        ref = attnlab.reference(q2, k2, v2, **{n: x for n, x in kw2.items() if n not in ("backend", "return_lse")})
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        assert attnlab.check.compare(got, ref).passed
+
+
+def test_a_new_signature_never_reuses_a_fast_call():
+    """Strides, dtype, a mask's presence or a length's kind change the signature: each takes the whole way."""
+    from attnlab import calls
+
+    _available("triton")
+    calls.clear()
+    q, k, v = _inputs(N=128)
+    attnlab.attention(q, k, v, backend="triton")
+    variants = [
+        (q.transpose(2, 3).contiguous().transpose(2, 3), k, v, {}),  # same shape, other strides
+        (q[:, :, :100], k, v, {}),  # a view of fewer rows
+        (q, k, v, dict(causal=True)),
+        (q, k, v, dict(kv_len=torch.tensor([5, 128], device="cuda"))),
+        (q.float(), k.float(), v.float(), {}),
+    ]
+    for qq, kk, vv, kw in variants:
+        got = attnlab.attention(qq, kk, vv, backend="triton", **kw)
+        ref = attnlab.reference(qq, kk, vv, **kw)
+        assert attnlab.check.compare(got, ref).passed, kw
+    assert len(calls._CALLS) == 1 + len(variants)
+
+
+@pytest.mark.parametrize("kw", [
+    {}, dict(kv_len="gpu", causal=True, align="bottom_right", return_lse=True), dict(layout="bnhd"),
+    dict(mask="bias", kv_len=333), dict(kv_len="gpu", window=(64, 0), align="bottom_right"),
+], ids=["dense", "kv_len_causal_br_lse", "bnhd", "bias_int_len", "window_br"])
+@pytest.mark.parametrize("backend", ["triton-decode", "auto"])
+def test_repeated_decode_calls_take_the_fast_path_and_agree(kw, backend):
+    """The split-KV decode path's fast call (split and merge launched directly) against the whole way."""
+    from attnlab import calls
+
+    _available("triton-decode")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, Hq, Hkv, Nq, Nk, D = 3, 8, 2, 3, 1000, 128
+
+    def inputs():
+        shapes = [(B, Hq, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)]
+        ts = [torch.randn(s, device="cuda", generator=g, dtype=torch.bfloat16) for s in shapes]
+        return [t.transpose(1, 2).contiguous() for t in ts] if kw.get("layout") == "bnhd" else ts
+
+    def call_kw():
+        out = dict(kw, backend=backend)
+        if out.get("kv_len") == "gpu":
+            out["kv_len"] = torch.randint(0, Nk + 50, (B,), device="cuda", generator=g)
+        if out.get("mask") == "bias":
+            out["mask"] = torch.randn(1, Hq, Nq, Nk, device="cuda", generator=g).to(torch.bfloat16)
+        return out
+
+    calls.clear()
+    attnlab.attention(*inputs(), **call_kw())
+    assert len(calls._CALLS) == 1
+    for _ in range(2):
+        args, kw2 = inputs(), call_kw()
+        with _sync_is_an_error():
+            got = attnlab.attention(*args, **kw2)
+        calls.clear()
+        want = attnlab.attention(*args, **kw2)
+        got, want = (got, want) if kw.get("return_lse") else ((got,), (want,))
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        ref = attnlab.reference(*args, **{n: x for n, x in kw2.items() if n not in ("backend", "return_lse")})
+        assert attnlab.check.compare(got[0], ref[0]).passed

@@ -59,6 +59,12 @@ class Backend:
         """
         raise NotImplementedError
 
+    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
+        """After :meth:`forward` (or :meth:`forward_paged`, with ``paged``) ran ``prob`` into ``out`` and
+        ``lse``: a function that runs another call of ``prob``'s signature without validating or planning again
+        (:data:`attnlab.calls.FastCall`), or None (the default: every call takes the whole way)."""
+        return None
+
     def forward_paged(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """:meth:`forward` with k and v read from a paged cache (:class:`attnlab.paged.PagedKV`); ``prob``'s
         own k and v are stand-ins then. Only for backends with ``reads_paged``."""

@@ -108,6 +108,43 @@ def _attnlab_competitor(name: str) -> Competitor:
     return Competitor(name, "attnlab", prepare)
 
 
+#: Infix of the paged-cache competitors: ``auto-paged16`` is the public call reading caches of 16-key blocks.
+PAGED_INFIX = "-paged"
+
+
+def _paged_competitor(name: str) -> Competitor:
+    """``<backend>-paged<block size>``: the public call with k and v as paged caches (attnlab.paged.to_paged,
+    blocks shuffled over the cache, made outside the timed region) and their block table on the GPU."""
+    base, size = name.split(PAGED_INFIX)
+    block_size = int(size)
+
+    def prepare(inp: CaseInputs) -> Prepared:
+        from attnlab.api import attention, poison_outputs
+        from attnlab.paged import to_paged
+
+        be, prob = _attnlab_backend(base, inp)
+        if inp.qs[0].requires_grad:
+            raise Unsupported("paged rows are forward only")
+        if inp.kw.get("layout", "bhnd") != "bhnd" or prob.Nk % block_size:
+            raise Unsupported(f"paged rows need layout bhnd and Nk a multiple of {block_size}")
+        caches = [to_paged(k, v, block_size, seed=i) for i, (k, v) in enumerate(zip(inp.ks, inp.vs))]
+        setup = sum(t.numel() * t.element_size() for c in caches for t in c)
+        qs, kw = inp.qs, inp.kw
+
+        def call(i: int) -> torch.Tensor:
+            kc, vc, bt = caches[i]
+            return attention(qs[i], kc, vc, block_table=bt, backend=base, **kw)
+
+        def check_call(i: int) -> torch.Tensor:
+            with poison_outputs():
+                return call(i)
+
+        notes = [f"paged cache, blocks of {block_size} keys"] + ([f"auto picked {be.name}"] if base == "auto" else [])
+        return Prepared(call=call, check_call=check_call, setup_bytes=setup, notes=notes)
+
+    return Competitor(name, "attnlab", prepare)
+
+
 def _kernel_competitor(name: str) -> Competitor:
     """``<backend>-kernel``: the backend's ``forward`` on a Problem validated once per input set, outside the
     timed region (the kernel without the public call's validation and dispatch). Forward only."""
@@ -290,7 +327,8 @@ def _flex_competitor() -> Competitor:
 def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
     """The competitors by name (default: every attnlab backend docs/contract.md lists or the registry holds,
     except ``reference``; then ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``, ``flex``).
-    Also by name only: ``auto``, ``reference`` and ``<backend>-kernel`` (:func:`_kernel_competitor`)."""
+    Also by name only: ``auto``, ``reference``, ``<backend>-kernel`` (:func:`_kernel_competitor`) and
+    ``<backend>-paged<block size>`` (:func:`_paged_competitor`)."""
     from attnlab import backends as _b
 
     attn = list(DESIGN_BACKENDS) + [n for n in _b.registry() if n not in DESIGN_BACKENDS and n != "reference"]
@@ -305,6 +343,8 @@ def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
             out.append(_flex_competitor())
         elif n in public or n in _b.registry():
             out.append(_attnlab_competitor(n))
+        elif PAGED_INFIX in n and n.split(PAGED_INFIX)[0] in public and n.split(PAGED_INFIX)[1].isdigit():
+            out.append(_paged_competitor(n))
         elif n.endswith(KERNEL_SUFFIX) and n[: -len(KERNEL_SUFFIX)] in [*public, *_b.registry()]:
             out.append(_kernel_competitor(n))
         else:

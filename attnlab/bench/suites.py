@@ -147,15 +147,19 @@ def prefill_suite(device: str = "cuda") -> list[BenchCase]:
 
 
 def decode_suite(device: str = "cuda") -> list[BenchCase]:
-    """Decode: Nq 1, GQA Hq 32 / Hkv 8, D128 bf16, KV 8192 and 32768, B 1 and 8; one ragged-cache case."""
-    cases = [
-        BenchCase("decode", f"bf16_b{B}_hq32_hkv8_nk{Nk}_d128", B=B, Hq=32, Hkv=8, Nq=1, Nk=Nk, D=128)
-        for B in (1, 8)
-        for Nk in (8192, 32768)
-    ]
-    kv = _seeded_lengths(8, 32768 // 4, 32768, seed=7)
-    cases.append(BenchCase("decode", "bf16_b8_hq32_hkv8_nk32768_d128_kvlen", B=8, Hq=32, Hkv=8, Nq=1, Nk=32768,
-                           D=128, kv_len=kv))
+    """Decode, Nq 1, D128 bf16: B 1, 8 and 16; Hq/Hkv 32/8 (GQA) and 32/32; Nk 4k to 128k; with and without
+    ragged kv_len (seeded in [Nk/4, Nk]). Cheapest first. Tiny on a CPU."""
+    if str(device).startswith("cpu"):
+        return [BenchCase("decode", "bf16_b2_hq4_hkv2_nk128_d32_kvlen", B=2, Hq=4, Hkv=2, Nq=1, Nk=128, D=32,
+                          kv_len=_seeded_lengths(2, 32, 128, seed=7))]
+    grid = [(16, 8, 4096, False), (8, 8, 8192, False), (8, 32, 8192, False), (1, 8, 32768, False),
+            (8, 8, 32768, False), (8, 8, 32768, True), (16, 32, 16384, True), (1, 8, 131072, False),
+            (1, 32, 131072, False)]
+    cases = []
+    for i, (B, Hkv, Nk, ragged) in enumerate(grid):
+        kv = _seeded_lengths(B, Nk // 4, Nk, seed=7 + i) if ragged else None
+        cases.append(BenchCase("decode", f"bf16_b{B}_hq32_hkv{Hkv}_nk{Nk}_d128" + ("_kvlen" if ragged else ""),
+                               B=B, Hq=32, Hkv=Hkv, Nq=1, Nk=Nk, D=128, kv_len=kv))
     return cases
 
 
@@ -265,13 +269,18 @@ LATENCY_BACKENDS = ("triton", "auto", "triton-kernel", "sdpa-flash", "sdpa-cudnn
 #: The rivals of the backward suite: attnlab's Triton backward through the public call, SDPA's, compiled flex.
 BACKWARD_BACKENDS = ("triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 
+#: The rivals of the decode suite: the split-KV path (by name, and auto with paged caches of 16 and 64 keys
+#: per block), the fused kernel it replaces for few rows, and SDPA's fused kernels.
+DECODE_BACKENDS = ("triton-decode", "auto-paged16", "auto-paged64", "triton", "sdpa-flash", "sdpa-cudnn",
+                   "sdpa-efficient")
+
 #: Every suite, by name. The memory suite is about bytes: a few timed calls suffice; the latency suite's
 #: calls are short, so it takes more of them.
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("fp32", fp32_suite, all_rank=0),
     Suite("padding", padding_suite, all_rank=1),
     Suite("prefill", prefill_suite, all_rank=2),
-    Suite("decode", decode_suite, all_rank=3),
+    Suite("decode", decode_suite, all_rank=3, backends=DECODE_BACKENDS),
     Suite("dense", dense_suite, all_rank=5),
     Suite("memory", memory_suite, all_rank=4, timing=(3, 50.0, 1)),
     Suite("latency", latency_suite, all_rank=6, timing=(100, 20.0, 10), backends=LATENCY_BACKENDS,

@@ -41,7 +41,7 @@ def suite_configs(cases: Iterable | None = None) -> pd.DataFrame:
     if cases is None:
         from attnlab.bench.suites import suite_cases
 
-        cases = suite_cases("decode", device="cpu")
+        cases = suite_cases("decode", device="cuda")  # the GPU shapes (cases only: no tensors are made)
     rows = [{"B": c.B, "Hq": c.Hq, "Hkv": c.Hkv or c.Hq, "Nq": c.Nq, "Nk": c.Nk or c.Nq, "D": c.D, "dtype": c.dtype}
             for c in cases]
     return pd.DataFrame(rows).drop_duplicates().reset_index(drop=True)

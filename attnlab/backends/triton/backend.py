@@ -7,7 +7,7 @@ import torch
 
 from attnlab.backends import Availability, Backend
 from attnlab.backends.triton import configs as _cfg
-from attnlab.backends.triton.decode import decode_forward, decode_supported
+from attnlab.backends.triton.decode import decode_forward, decode_supported, gpu_plan
 from attnlab.backends.triton.kernel import _IMPORT_ERROR
 from attnlab.backends.triton.launch import _launch, _plan
 from attnlab.problem import Problem
@@ -48,6 +48,11 @@ class TritonBackend(Backend):
             return
         _on_device(prob, out, lse, lambda: _plan(prob, out, lse).launch(prob, out, lse))
 
+    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
+        if not prob.q.is_cuda or paged is not None:
+            return None
+        return _plan(prob, out, lse).fast_call(prob, out, lse)
+
 
 class TritonDecodeBackend(TritonBackend):
     """The split-KV decode path for a few query rows (:mod:`attnlab.backends.triton.decode`): the keys of each
@@ -65,6 +70,11 @@ class TritonDecodeBackend(TritonBackend):
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         _on_device(prob, out, lse, lambda: decode_forward(prob, out, lse))
+
+    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
+        if not prob.q.is_cuda or not out.numel() or not prob.Nk:
+            return None
+        return gpu_plan(prob, paged=paged).fast_call(prob, out, lse)
 
     def forward_paged(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         _on_device(prob, out, lse, lambda: decode_forward(

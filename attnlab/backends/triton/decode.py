@@ -462,8 +462,16 @@ def decode_forward(
     if interpret:
         _Plan(prob, cfg, n_split, paged, True).launch(prob, paged, out, lse)
         return
-    # One plan per call signature (attnlab.attention makes a new Problem per call): what the fused forward's
-    # plans are keyed by, plus the decode config, the split count and the paged caches' layout.
+    with torch.cuda.device(prob.device):
+        gpu_plan(prob, cfg, n_split, paged).launch(prob, paged, out, lse)
+
+
+def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None = None,
+             paged: PagedKV | None = None) -> _Plan:
+    """The plan of ``prob``'s call signature (attnlab.attention makes a new Problem per call): what the fused
+    forward's plans are keyed by, plus the decode config, the split count and the paged caches' layout."""
+    cfg = cfg or default_config(prob.dtype, prob.D)
+    n_split = n_split if n_split is not None else num_splits(prob, cfg, _sm_count(prob.device.index or 0))
     key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
         (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
         for t in (paged.k_cache, paged.v_cache, paged.block_table)))
@@ -472,8 +480,7 @@ def decode_forward(
         if len(_PLANS) >= _launch.MAX_PLANS:
             del _PLANS[next(iter(_PLANS))]
         plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False)
-    with torch.cuda.device(prob.device):
-        plan.launch(prob, paged, out, lse)
+    return plan
 
 
 _PLANS: dict[tuple, _Plan] = {}  # decode plans by call signature (bounded like the fused forward's)
@@ -488,6 +495,21 @@ class _Kernel:
         self.fn, self.grid, self.constants = fn, grid, constants
         self.options = dict(num_warps=num_warps, num_stages=num_stages)
         self.compiled: dict[tuple, object] = {}
+
+    def direct(self, key: tuple):
+        """``go(stream, args)``: the compiled kernel of ``key`` launched directly (None before it exists)."""
+        kernel = self.compiled.get(key)
+        if kernel is None or not _launch.FAST_LAUNCH:
+            return None
+        grid, constants = self.grid, tuple(self.constants[p.name] for p in self.fn.params if p.is_constexpr)
+        launcher, function, packed, hooks = kernel.run, kernel.function, kernel.packed_metadata, triton.knobs.runtime
+
+        def go(stream, args):
+            full, enter = (*args, *constants), hooks.launch_enter_hook
+            meta = None if enter is None else kernel.launch_metadata(grid, stream, *full)
+            launcher(*grid, stream, function, packed, meta, enter, hooks.launch_exit_hook, *full)
+
+        return go
 
     def launch(self, args: tuple, key: tuple, device: int) -> None:
         kernel = self.compiled.get(key)
@@ -578,18 +600,53 @@ class _Plan:
             got = self.kernels[write_lse] = (split, merge)
         return got
 
+    def _workspace(self, prob: Problem, out: torch.Tensor) -> tuple:
+        """The split states m, l, acc (float32 views of one allocation); out stands in with one split."""
+        if self.n_split == 1:
+            return out, out, out
+        rows = self.merge_rows * self.n_split
+        ws = torch.empty(rows * (prob.D + 2), dtype=torch.float32, device=prob.device)
+        return ws[:rows], ws[rows:2 * rows], ws[2 * rows:]
+
+    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
+        """As the fused forward's :meth:`attnlab.backends.triton.launch._Plan.fast_call`: ``(q, k, v, kv_len,
+        q_len, mask, block_table) -> (out, lse or None)``, allocating as :meth:`launch` does; with a paged cache
+        k and v are the caches."""
+        write_lse = lse is not None
+        split, merge = self._kernels(write_lse)
+        lse_arg = lse if write_lse else out
+        key = _layout_key(out, lse_arg, *self._workspace(prob, out))
+        go_split, go_merge = split.direct(key), merge.direct(key)
+        if go_split is None or (self.n_split > 1 and go_merge is None):
+            return None
+        shape = (prob.B, prob.Hq, prob.Nq, prob.D) if prob.layout == "bhnd" else (prob.B, prob.Nq, prob.Hq, prob.D)
+        strides = (*out.stride(), *(lse.stride() if write_lse else (0, 0, 0)))
+        lse_shape, dev, index, fixed = (prob.B, prob.Hq, prob.Nq), prob.device, prob.device.index, self.fixed
+        merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
+        current_stream = triton.runtime.driver.active.get_current_stream
+
+        def call(q, k, v, kv_len, q_len, mask, block_table):
+            o = torch.empty(shape, dtype=q.dtype, device=dev)
+            m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
+            l_arg = o if m is None else m
+            ws_m, ws_l, ws_acc = self._workspace(prob, o)
+            stream = current_stream(index)
+            bt = q if block_table is None else block_table
+            go_split(stream, (q, k, v, bt, q if kv_len is None else kv_len, q if q_len is None else q_len,
+                              q if mask is None else mask, *fixed, o, l_arg, ws_m, ws_l, ws_acc, *strides))
+            if go_merge is not None and self.n_split > 1:
+                go_merge(stream, (ws_m, ws_l, ws_acc, o, l_arg, *strides, *merge_tail))
+            return o, m
+
+        return call
+
     def launch(self, prob: Problem, paged: PagedKV | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """Launch for ``prob`` (of this plan's signature: only its tensors differ from the plan's first)."""
         S = self.n_split
         split, merge = self._kernels(lse is not None)
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
         l_strides = lse.stride() if lse is not None else (0, 0, 0)
-        if S == 1:
-            ws_m = ws_l = ws_acc = out
-        else:
-            rows = prob.B * prob.Hq * prob.Nq * S
-            ws = torch.empty(rows * (prob.D + 2), dtype=torch.float32, device=prob.device)
-            ws_m, ws_l, ws_acc = ws[:rows], ws[rows:2 * rows], ws[2 * rows:]
+        ws_m, ws_l, ws_acc = self._workspace(prob, out)
         per_call = (out, lse_arg, ws_m, ws_l, ws_acc, *out.stride(), *l_strides)
         key = _layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
         device = prob.device.index or 0

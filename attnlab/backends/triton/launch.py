@@ -163,6 +163,46 @@ class _Plan:
                    *args)
 
 
+    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
+        """After a launch for ``prob`` into ``out`` and ``lse``: a function ``(q, k, v, kv_len, q_len, mask,
+        block_table) -> (out, lse or None)`` (the table unused here) for a later call of the signature
+        (:mod:`attnlab.calls`). It allocates out and lse as this call's were (so the compiled kernel of their
+        layout applies), puts the call's tensors into the fixed arguments and calls the launcher; None once TF32
+        or autotune switched since (take the whole way).
+        None here when there is no compiled kernel of that layout to call directly."""
+        if lse is None:
+            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0)
+        else:
+            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0, lse.dtype, lse.stride(), lse.data_ptr() % 16 == 0)
+        kernel = self.kernels.get(key)
+        if kernel is None or not FAST_LAUNCH or not out.numel() or not prob.Nk:
+            return None
+        write_lse = lse is not None
+        _, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
+        rest = (*mid[3:], *out.stride(), *(lse.stride() if write_lse else (0, 0, 0)), *tail,
+                *(constants[n] for n in _constexpr_names()))
+        shape = (prob.B, prob.Hq, prob.Nq, prob.D) if prob.layout == "bhnd" else (prob.B, prob.Nq, prob.Hq, prob.D)
+        lse_shape, dtype, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.dtype, prob.device, self.device, self.grid
+        launcher, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+        current_stream, hooks = triton.runtime.driver.active.get_current_stream, triton.knobs.runtime
+        switches = (_cfg._TF32, _cfg.AUTOTUNE)
+
+        def call(q, k, v, kv_len, q_len, mask, block_table):
+            if (_cfg._TF32, _cfg.AUTOTUNE) != switches or not FAST_LAUNCH:
+                return None
+            o = torch.empty(shape, dtype=dtype, device=dev)
+            m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
+            args = (q, k, v, o, o if m is None else m, q if kv_len is None else kv_len, q if q_len is None else q_len,
+                    q if mask is None else mask, *rest)
+            stream = current_stream(index)
+            enter = hooks.launch_enter_hook
+            meta = None if enter is None else kernel.launch_metadata(grid, stream, *args)
+            launcher(grid[0], grid[1], grid[2], stream, function, packed, meta, enter, hooks.launch_exit_hook, *args)
+            return o, m
+
+        return call
+
+
 def _current_stream(device: int):
     """The raw handle of the current CUDA stream of ``device``, as Triton's JIT launches on it."""
     return triton.runtime.driver.active.get_current_stream(device)

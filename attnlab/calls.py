@@ -1,0 +1,130 @@
+"""Repeated calls: a call whose signature was seen before skips validation, the backend choice and planning.
+
+A call's *signature* is everything :func:`attnlab.attention` validates and plans from, apart from the tensors'
+addresses and the values held by GPU length tensors: the shapes, strides, dtypes, devices and 16-byte alignment
+of q, k, v and of the mask and GPU length tensors; lengths given as a Python int (by value); and the keywords.
+The first call of a signature goes the whole way (``make_problem``, ``resolve``, the backend's launch plan).
+When the chosen backend hands back a fast call for it (:meth:`attnlab.backends.Backend.fast_call`: the Triton
+kernels on a GPU do), the later calls of that signature run it directly: the output's allocation and the
+kernel launches, with nothing validated twice. The answer is the same as the whole way's: what validation
+checks depends on the signature alone, and what it computes from values (the clamped GPU lengths) is computed
+again, by the same function.
+
+The whole way is taken every time by calls that need a gradient or are being traced (they go through the
+custom op), calls with lengths, masks or a block table on the host (validated by value), tensors
+on the CPU or of a tensor subclass, calls whose GPU is not the current one, and calls with poisoned outputs.
+A paged cache's call has a signature when its block table is on the GPU (its ids are never read on the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from attnlab.masks import device_lengths
+
+#: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table) -> (out, lse or None); lengths are
+#: kernel-ready (int32, contiguous, clamped) or None, the mask and block table are the caller's tensors or None.
+#: None back means "take the whole way" (a global switch the plan depends on has changed since).
+FastCall = Callable[..., "tuple[torch.Tensor, torch.Tensor | None] | None"]
+
+_Tensor = torch.Tensor
+#: Entries by signature. Bounded: the oldest goes first.
+_CALLS: dict[tuple, _Entry] = {}
+MAX_CALLS = 1024
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
+
+
+def _lengths_key(x: Any) -> Any:
+    """None, ("int", value) or a GPU tensor's metadata; raises LookupError for lengths validated by value."""
+    if x is None:
+        return None
+    if type(x) is int:
+        return ("int", x)
+    if type(x) is _Tensor and x.is_cuda:
+        return _tensor_key(x)
+    raise LookupError
+
+
+def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, scale, layout, backend,
+              want_lse) -> tuple | None:
+    """The call's signature, or None when the call must take the whole way (see the module docstring)."""
+    if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda):
+        return None
+    if type(causal) is not bool:
+        return None
+    try:
+        if window is not None:
+            left, right = window
+            if not all(x is None or type(x) is int for x in (left, right)):
+                return None
+            window = (left, right)
+        if mask is not None:
+            if type(mask) is not _Tensor or not mask.is_cuda:
+                return None
+            mask_key = _tensor_key(mask)
+        else:
+            mask_key = None
+        if block_table is not None:
+            if type(block_table) is not _Tensor or not block_table.is_cuda:
+                return None  # a table on the host has its ids checked
+            table_key = _tensor_key(block_table)
+        else:
+            table_key = None
+        if type(scale) is bool:
+            return None
+        return (_tensor_key(q), _tensor_key(k), _tensor_key(v), _lengths_key(kv_len), _lengths_key(q_len),
+                mask_key, table_key, causal, window, align, scale, layout, backend, bool(want_lse))
+    except (LookupError, TypeError, ValueError):  # host lengths, an unhashable or malformed keyword
+        return None
+
+
+class _Entry:
+    """A fast call and how to make its lengths kernel-ready: None (absent), a tensor made on the first call
+    (an int length) or the limit to clamp a GPU tensor to."""
+
+    __slots__ = ("device", "fast", "kv", "ql")
+
+    def __init__(self, fast: FastCall, device: int, kv: Any, ql: Any) -> None:
+        self.fast, self.device, self.kv, self.ql = fast, device, kv, ql
+
+    def __call__(self, q, k, v, kv_len, q_len, mask, block_table):
+        if torch.cuda.current_device() != self.device:
+            return None
+        kv = self.kv
+        if type(kv) is int:
+            kv = device_lengths(kv_len, kv)
+        ql = self.ql
+        if type(ql) is int:
+            ql = device_lengths(q_len, ql)
+        return self.fast(q, k, v, kv, ql, mask, block_table)
+
+
+def lookup(key: tuple | None) -> _Entry | None:
+    return None if key is None else _CALLS.get(key)
+
+
+def remember(key: tuple, fast: FastCall, prob, kv_len: Any, q_len: Any) -> None:
+    """Keep ``fast`` for later calls of ``key``; ``prob`` is the first call's problem (its spec holds the lengths
+    as kernels read them)."""
+    spec = prob.spec
+
+    def lengths(given: Any, made: torch.Tensor | None, limit: int) -> Any:
+        if given is None:
+            return None
+        return made if type(given) is int else limit  # an int's tensor is reused; a GPU tensor is clamped anew
+
+    if len(_CALLS) >= MAX_CALLS:
+        del _CALLS[next(iter(_CALLS))]
+    _CALLS[key] = _Entry(fast, prob.device.index, lengths(kv_len, spec.kv_len, prob.Nk),
+                         lengths(q_len, spec.q_len, prob.Nq))
+
+
+def clear() -> None:
+    """Forget every signature (tests use this; nothing else needs to)."""
+    _CALLS.clear()

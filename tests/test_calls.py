@@ -1,0 +1,79 @@
+"""attnlab.calls on the host: which calls have a signature, what it holds, and the cached entry's lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import calls
+
+
+def _sig(q, k, v, **kw):
+    args = dict(kv_len=None, q_len=None, mask=None, block_table=None, causal=False, window=None, align=None,
+                scale=None, layout="bhnd", backend="auto", want_lse=False)
+    args.update(kw)
+    return calls.signature(q, k, v, *args.values())
+
+
+class _CudaLike(torch.Tensor):
+    pass
+
+
+def test_cpu_calls_and_tensor_subclasses_take_the_whole_way():
+    q = torch.randn(1, 2, 8, 4)
+    assert _sig(q, q, q) is None
+    assert _sig(q.as_subclass(_CudaLike), q, q) is None
+
+
+def test_cpu_calls_leave_nothing_behind():
+    calls.clear()
+    q = torch.randn(1, 2, 8, 4)
+    attnlab.attention(q, q, q, causal=True)
+    assert not calls._CALLS
+
+
+@pytest.mark.parametrize("kw", [
+    dict(kv_len=[3]), dict(kv_len=torch.tensor([3])), dict(q_len=torch.tensor([3])), dict(kv_len=True),
+    dict(causal=1), dict(scale=True), dict(window=(1, True)), dict(window=[[1], 2]),
+    dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), dict(mask=torch.ones(8, 8, dtype=torch.bool)),
+])
+def test_host_values_and_odd_keywords_have_no_signature(kw, monkeypatch):
+    """Host lengths and masks are validated by value; keywords of the wrong type must reach the validation
+    (a bool equals an int in a dict key)."""
+    q = torch.randn(1, 2, 8, 4)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert _sig(q, q, q) is not None  # the patched q passes as a GPU tensor
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.dim() == 4))
+    assert _sig(q, q, q, **kw) is None
+
+
+def test_the_signature_holds_layout_strides_values_and_keywords(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q = torch.randn(1, 2, 8, 4)
+    base = _sig(q, q, q, causal=True, kv_len=5)
+    assert base == _sig(torch.randn(1, 2, 8, 4), q, q, causal=True, kv_len=5)  # values do not count
+    others = [
+        _sig(q.transpose(2, 3).contiguous().transpose(2, 3), q, q, causal=True, kv_len=5),
+        _sig(q, q, q, causal=True, kv_len=6),
+        _sig(q, q, q, causal=False, kv_len=5),
+        _sig(q, q, q, causal=True, kv_len=5, want_lse=True),
+        _sig(q, q, q, causal=True, kv_len=5, backend="triton"),
+        _sig(q.half(), q.half(), q.half(), causal=True, kv_len=5),
+        _sig(torch.randn(65)[1:].view(1, 2, 8, 4), q, q, causal=True, kv_len=5),  # 4-byte aligned only
+    ]
+    assert all(s is not None and s != base for s in others)
+    assert len(set(others)) == len(others)
+
+
+def test_an_entry_clamps_gpu_lengths_anew_and_reuses_an_int_length(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    made = torch.tensor([5], dtype=torch.int32)
+    entry = calls._Entry(lambda *a: seen.append(a) or ("out", None), 0, kv=made, ql=7)
+    assert entry(None, None, None, 99, torch.tensor([-3, 9, 4]), None, None) == ("out", None)
+    kv, ql = seen[0][3], seen[0][4]
+    assert kv is made
+    assert ql.dtype == torch.int32 and ql.tolist() == [0, 7, 4]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert entry(None, None, None, None, None, None, None) is None  # another GPU is current: the whole way
