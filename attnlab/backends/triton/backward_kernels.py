@@ -40,7 +40,7 @@ Block skipping
 --------------
 As in the forward, the loops visit only tiles that the lengths and the band allow, and split them into
 partial tiles (bounds and band predicate applied) and full ones (no predicate): the dQ pass uses the
-forward's key range per row tile, ``[lo, hi)`` and ``[full_lo, full_hi)`` (:func:`_key_tiles`); the dK/dV
+forward's key range per row tile, ``[lo, hi)`` and ``[full_lo, full_hi)`` (:func:`tiles.key_tiles`); the dK/dV
 pass uses the band solved for rows, the rows ``[lo, hi)`` that may see some key of the tile and
 ``[full_lo, full_hi)`` that see all of them (:func:`_query_tiles`): key j is seen by row i iff
 ``j - off - right <= i <= j - off + left`` (off the diagonal offset of the alignment). A key tile that
@@ -68,16 +68,7 @@ except ImportError:  # attnlab.backends.triton.backward reports the backward una
     triton, tl = None, None
 
 if triton is not None:
-    from attnlab.backends.triton.tiles import (
-        _apply_explicit,
-        _band,
-        _key_tiles,
-        _lengths,
-        _load_tile,
-        _phase,
-        _score_mod,
-        _tiles,
-    )
+    from attnlab.backends.triton import tiles
 
     # -----------------------------------------------------------------------------------------------
     # Helpers: loads, operand rounding, the query tiles of a key tile, the explicit mask
@@ -87,7 +78,7 @@ if triton is not None:
                    UPCAST: tl.constexpr):
         """A [len(offs), BLOCK_D] tile starting at ``base``: rows ``offs >= n_valid`` and columns past D read 0
         (no predicate at all for a tile known to be in bounds with an unpadded D)."""
-        return _load_tile(base + offs[:, None] * s_n + offs_d[None, :] * s_d, offs, offs_d, n_valid, D, 0,
+        return tiles.load_tile(base + offs[:, None] * s_n + offs_d[None, :] * s_d, offs, offs_d, n_valid, D, 0,
                           CHECK_ROWS, EVEN_D, UPCAST)
 
     @triton.jit
@@ -117,7 +108,7 @@ if triton is not None:
             full_hi = tl.minimum(hi, n0 - off + win_left + 1)
         hi = tl.where(n0 < Lk, tl.maximum(hi, lo), lo)  # a tile of keys past Lk is seen by no row
         full_hi = tl.where(n0 + BLOCK_N <= Lk, full_hi, full_lo)  # keys past Lk: every row tile is partial
-        return _tiles(lo, hi, full_lo, full_hi, BLOCK_M)
+        return tiles.tile_ranges(lo, hi, full_lo, full_hi, BLOCK_M)
 
     @triton.jit
     def _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, KEY_AXIS: tl.constexpr, HAS_MASK: tl.constexpr):
@@ -127,7 +118,7 @@ if triton is not None:
         row_i = tl.expand_dims(rows, KEY_AXIS)
         key_j = tl.expand_dims(keys, 1 - KEY_AXIS)
         ok = (row_i < Nq) & (key_j < Nk)
-        return _apply_explicit(s, e_base + row_i.to(tl.int64) * s_ei + key_j.to(tl.int64) * s_ej, ok, HAS_MASK)
+        return tiles.apply_explicit(s, e_base + row_i.to(tl.int64) * s_ei + key_j.to(tl.int64) * s_ej, ok, HAS_MASK)
 
     # -----------------------------------------------------------------------------------------------
     # 1. Preprocess: Delta = rowsum(dO * O), and the base-2 lse
@@ -191,11 +182,11 @@ if triton is not None:
             delta = tl.load(delta_base + rows)
 
         # S^T = K Q^T in base 2, masked; P^T = exp2(S^T - lse2) (0 for rows with lse2 = +inf)
-        s_t = _score_mod(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale)
+        s_t = tiles.score_mod(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale)
         if HAS_MASK or HAS_BIAS:
             s_t = _explicit(s_t, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 0, HAS_MASK)
         if PARTIAL:
-            s_t = _band(s_t, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
+            s_t = tiles.band(s_t, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         dv = tl.dot(_operand(p_t, DTYPE, UPCAST), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T
@@ -225,7 +216,7 @@ if triton is not None:
         b = tl.program_id(2)
         n0 = pid_n * BLOCK_N
         zero = n0 * 0
-        Lk, Lq, off = _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
         t_lo, f_lo, f_hi, t_hi = _query_tiles(n0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
                                               HAS_LEFT, HAS_RIGHT)
 
@@ -249,7 +240,7 @@ if triton is not None:
             row0 = (b64 * Hq + h64) * Nq  # Lse2 and Delta are contiguous [B, Hq, Nq]
             e_base = Explicit + b64 * s_eb + h64 * s_eh
             for phase in tl.static_range(3):  # partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi)
-                t_begin, t_end = _phase(phase, t_lo, f_lo, f_hi, t_hi)
+                t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
                 for t in range(t_begin, t_end):
                     dk, dv = _dkdv_row_tile(
                         dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, zero + t * BLOCK_M,
@@ -284,11 +275,11 @@ if triton is not None:
         n64 = n0.to(tl.int64)
         k = _load_rows(k_base + n64 * s_kn, offs_n, Lk - n0, offs_d, D, s_kn, s_kd, PARTIAL, EVEN_D, UPCAST)
         v = _load_rows(v_base + n64 * s_vn, offs_n, Lk - n0, offs_d, D, s_vn, s_vd, PARTIAL, EVEN_D, UPCAST)
-        s = _score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)  # base 2
+        s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)  # base 2
         if HAS_MASK or HAS_BIAS:
             s = _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 1, HAS_MASK)
         if PARTIAL:
-            s = _band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
+            s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # dP = dO V^T
         ds = p * (dp - delta[:, None])  # dS = P * (dP - Delta)
@@ -315,8 +306,8 @@ if triton is not None:
         b = tl.program_id(2)
         i0 = pid_m * BLOCK_M
         zero = i0 * 0
-        Lk, Lq, off = _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
-        t_lo, f_lo, f_hi, t_hi = _key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
+        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        t_lo, f_lo, f_hi, t_hi = tiles.key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
                                             HAS_LEFT, HAS_RIGHT)
 
         # ---- the stationary row tile: Q, dO, Lse2, Delta -----------------------------------------------
@@ -338,7 +329,7 @@ if triton is not None:
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         for phase in tl.static_range(3):  # partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi)
-            t_begin, t_end = _phase(phase, t_lo, f_lo, f_hi, t_hi)
+            t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
             for t in range(t_begin, t_end):
                 dq = _dq_key_tile(
                     dq, q, do, lse2, delta, k_base, v_base, e_base, zero + t * BLOCK_N, rows, Lk, off,

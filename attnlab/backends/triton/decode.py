@@ -70,7 +70,7 @@ INTERPRETER_SPLITS = 3
 # The kernels
 # ---------------------------------------------------------------------------------------------------
 if triton is not None:
-    from attnlab.backends.triton.tiles import _key_range, _lengths, _load_tile, _phase, _score_mod, _softmax_update
+    from attnlab.backends.triton import tiles
 
     @triton.jit
     def _key_offsets(Bt, keys, Lk, num_blocks, block_size, s_kn, s_kblk, s_vn, s_vblk,
@@ -95,7 +95,7 @@ if triton is not None:
                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """Base-2 scores of one tile, [BLOCK_M packed rows, BLOCK_N keys]: -inf where the explicit mask,
         the length or (partial tiles only) the band forbids the key. ``rows`` are query row indices."""
-        s = _score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)
+        s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)
         if HAS_MASK or HAS_BIAS:
             e_ptrs = e_rows[:, None] + keys[None, :].to(tl.int64) * s_ej
             e_ok = row_ok[:, None] & (keys < Nk)[None, :]
@@ -124,13 +124,13 @@ if triton is not None:
         keys = t * BLOCK_N + offs_n
         k_off, v_off = _key_offsets(Bt, keys, Lk, num_blocks, block_size, s_kn, s_kblk, s_vn, s_vblk,
                                     PAGED, PARTIAL)
-        k = _load_tile(k_base + k_off[:, None] + offs_d[None, :] * s_kd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
+        k = tiles.load_tile(k_base + k_off[:, None] + offs_d[None, :] * s_kd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
                        UPCAST)
-        v = _load_tile(v_base + v_off[:, None] + offs_d[None, :] * s_vd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
+        v = tiles.load_tile(v_base + v_off[:, None] + offs_d[None, :] * s_vd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
                        UPCAST)
         s = _scores(q, k, e_rows, keys, rows, row_ok, Lk, Nk, off, win_left, win_right, qk_scale, s_ej,
                     PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION)
-        p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc, 1, PARTIAL or HAS_MASK or HAS_BIAS)
+        p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 1, PARTIAL or HAS_MASK or HAS_BIAS)
         return m_i, l_i, tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
     @triton.jit
@@ -157,7 +157,7 @@ if triton is not None:
         zero = split * 0  # an int32 scalar tensor: keeps every bound a tensor
 
         # ---- lengths (clamped: a device length is never trusted for addressing) and the diagonal -------
-        Lk, Lq, off = _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
 
         # ---- packed rows: r = g * Nq + i is query head kvh * group + g, row i ---------------------------
         offs_m = r0 + tl.arange(0, BLOCK_M)
@@ -168,7 +168,8 @@ if triton is not None:
         i_last = tl.minimum(Lq, Nq) - 1  # the last live row of any packed head (-1: none)
 
         # ---- keys [lo, hi) some row may see, [full_lo, full_hi) every row sees; this split's tiles ------
-        lo, hi, full_lo, full_hi = _key_range(zero, zero, i_last, Lk, off, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+        lo, hi, full_lo, full_hi = tiles.key_range(zero, zero, i_last, Lk, off, win_left, win_right, HAS_LEFT,
+                                                   HAS_RIGHT)
         hi = tl.where(i_last >= 0, tl.maximum(hi, lo), lo)
         t_lo = lo // BLOCK_N
         t_hi = tl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
@@ -198,11 +199,9 @@ if triton is not None:
         Bt = BlockTable + b64 * s_btb
         e_rows = Explicit + b64 * s_eb + heads * s_eh + rows.to(tl.int64) * s_ei
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 1)
         for phase in tl.static_range(3):
-            t_begin, t_end = _phase(phase, s_lo, a, c, s_hi)
+            t_begin, t_end = tiles.phase_range(phase, s_lo, a, c, s_hi)
             for t in range(t_begin, t_end):
                 m_i, l_i, acc = _tile(
                     m_i, l_i, acc, q, zero + t, k_base, v_base, Bt, e_rows, rows, row_ok, offs_n, offs_d,

@@ -20,23 +20,14 @@ except ImportError as e:  # the backend reports itself unavailable
 LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2
 
 if triton is not None:
-    from attnlab.backends.triton.tiles import (
-        _apply_explicit,
-        _band,
-        _key_tiles,
-        _lengths,
-        _load_tile,
-        _phase,
-        _score_mod,
-        _softmax_update,
-    )
+    from attnlab.backends.triton import tiles
 
     # ---- loads and the explicit mask ------------------------------------------------------------------
 
     @triton.jit
     def _load_q(q_tile, offs_m, offs_c, rows, Nq, D, s_qn, s_qd, UPCAST: tl.constexpr):
         """Columns ``offs_c`` of the Q tile ([BLOCK_M, len(offs_c)]): rows past Nq and columns past D are 0."""
-        return _load_tile(q_tile + offs_m[:, None] * s_qn + offs_c[None, :] * s_qd, rows, offs_c, Nq, D, 0, True,
+        return tiles.load_tile(q_tile + offs_m[:, None] * s_qn + offs_c[None, :] * s_qd, rows, offs_c, Nq, D, 0, True,
                           False, UPCAST)
 
     @triton.jit
@@ -49,7 +40,7 @@ if triton is not None:
         if HAS_MASK or HAS_BIAS:
             e_ptrs = e_base + n0.to(tl.int64) * s_ej + tile_m * s_ei + tile_n * s_ej
             e_ok = tl.expand_dims(rows < Nq, KEY_AXIS) & tl.expand_dims(keys < Nk, 1 - KEY_AXIS)
-            s = _apply_explicit(s, e_ptrs, e_ok, HAS_MASK)
+            s = tiles.apply_explicit(s, e_ptrs, e_ok, HAS_MASK)
         return s
 
     # ---- query-major: S = Q K^T [BLOCK_M, BLOCK_N], O += P V --------------------------------------------
@@ -68,21 +59,19 @@ if triton is not None:
         tile_n = offs_n[None, :]
         if QK_CHUNK == 0:
             q = _load_q(q_tile, offs_m, offs_d, rows, Nq, D, s_qn, s_qd, UPCAST_DOT)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 1)
         for phase in tl.static_range(3):
-            t_begin, t_end = _phase(phase, t_lo, f_lo, f_hi, t_hi)
+            t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
             for t in range(t_begin, t_end):
                 n0 = zero + t * BLOCK_N  # (a tensor also in the interpreter, where t is an int)
                 keys = n0 + offs_n
                 k_ptrs = k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
                 v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
                 # partial tiles (phase != 1) read no key past Lk; full tiles load without a predicate
-                v = _load_tile(v_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
+                v = tiles.load_tile(v_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
                 # s = scale * log2(e) * q k^T (+ log2(e) * bias), in base 2
                 if QK_CHUNK == 0:
-                    k = _load_tile(k_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
+                    k = tiles.load_tile(k_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
                     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
                 else:
                     # D in chunks of QK_CHUNK columns, Q's re-read from L1 each tile: the FMA lowering of a
@@ -94,13 +83,13 @@ if triton is not None:
                         qc = _load_q(q_tile, offs_m, offs_c, rows, Nq, D, s_qn, s_qd, UPCAST_DOT)
                         kc_ptrs = (k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn
                                    + offs_c[None, :] * s_kd)
-                        kc = _load_tile(kc_ptrs, keys, offs_c, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
+                        kc = tiles.load_tile(kc_ptrs, keys, offs_c, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
                         s = tl.dot(qc, tl.trans(kc), s, input_precision=DOT_PRECISION)
-                s = _explicit(_score_mod(s, qk_scale), e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej, 1,
-                              HAS_MASK, HAS_BIAS)
+                s = _explicit(tiles.score_mod(s, qk_scale), e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei,
+                              s_ej, 1, HAS_MASK, HAS_BIAS)
                 if phase != 1:  # partial tile: the length and band predicate
-                    s = _band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
-                p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc, 1, (phase != 1) | HAS_MASK | HAS_BIAS)
+                    s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
+                p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 1, (phase != 1) | HAS_MASK | HAS_BIAS)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         return m_i, l_i, acc
 
@@ -128,24 +117,22 @@ if triton is not None:
             qc = _load_q(q_tile, offs_m, offs_c, rows, Nq, D, s_qn, s_qd, False)
             eye = tl.where(offs_d[:, None] == offs_c[None, :], 1.0, 0.0)
             q_t = tl.dot(eye, tl.trans(qc), q_t, input_precision="ieee")
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)  # O^T
+        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 0)  # acc: O^T
         for t in range(t_lo, t_hi):
             n0 = zero + t * BLOCK_N  # (a tensor also in the interpreter, where t is an int)
             keys = n0 + offs_n
             k_ptrs = k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
             v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[None, :] * s_vn + offs_d[:, None] * s_vd
-            k = _load_tile(k_ptrs, keys, offs_d, Lk, D, 0, True, EVEN_D, False)
+            k = tiles.load_tile(k_ptrs, keys, offs_d, Lk, D, 0, True, EVEN_D, False)
             s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # s^T, in base 2 after the scale
-            s = _explicit(_score_mod(s, qk_scale), e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej, 0,
-                          HAS_MASK, HAS_BIAS)
+            s = _explicit(tiles.score_mod(s, qk_scale), e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej,
+                          0, HAS_MASK, HAS_BIAS)
             if (t < f_lo) | (t >= f_hi):  # partial tile: the length and band predicate
-                s = _band(s, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
-            p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc, 0, True)
+                s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
+            p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 0, True)
             # V^T is loaded here, after the softmax: loaded first, the FMA dot's operand registers of it stay
             # live across Q K^T (on the H200's compiler: 255 registers and spills)
-            v = _load_tile(v_ptrs, keys, offs_d, Lk, D, 1, True, EVEN_D, False)
+            v = tiles.load_tile(v_ptrs, keys, offs_d, Lk, D, 1, True, EVEN_D, False)
             acc = tl.dot(v, p, acc, input_precision=DOT_PRECISION)  # O^T += V^T P^T
         return m_i, l_i, acc
 
@@ -201,8 +188,8 @@ if triton is not None:
         kvh = h // group
         i0 = pid_m * BLOCK_M
         zero = i0 * 0  # an int32 scalar tensor: keeps every bound below a tensor (also when Nk == 1)
-        Lk, Lq, off = _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
-        t_lo, f_lo, f_hi, t_hi = _key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        t_lo, f_lo, f_hi, t_hi = tiles.key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                             HAS_RIGHT)
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)

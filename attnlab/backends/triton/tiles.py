@@ -21,7 +21,7 @@ if triton is not None:
     # ---- loads --------------------------------------------------------------------------------------
 
     @triton.jit
-    def _load_tile(ptrs, idx, cols, n, D, IDX_AXIS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
+    def load_tile(ptrs, idx, cols, n, D, IDX_AXIS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
                    UPCAST: tl.constexpr):
         """A tile of rows or keys ``idx`` along axis ``IDX_AXIS`` and D columns ``cols`` along the other: a
         partial tile reads nothing at or past ``n`` (nor columns past D), a full one no predicate unless D
@@ -40,7 +40,7 @@ if triton is not None:
     # ---- lengths, the band's key range, key tiles -----------------------------------------------------
 
     @triton.jit
-    def _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr,
+    def lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr,
                  BOTTOM_RIGHT: tl.constexpr):
         """(Lk, Lq, off) of batch entry b: the effective lengths, clamped to [0, Nk] and [0, Nq] whatever the
         caller passed (no load leaves the tensors), and the diagonal offset (row i's diagonal is key i + off)."""
@@ -59,7 +59,7 @@ if triton is not None:
         return Lk, Lq, off
 
     @triton.jit
-    def _key_range(lo, i0, i_last, Lk, off, win_left, win_right, HAS_LEFT: tl.constexpr,
+    def key_range(lo, i0, i_last, Lk, off, win_left, win_right, HAS_LEFT: tl.constexpr,
                    HAS_RIGHT: tl.constexpr):
         """Keys ``[lo, hi)`` that some row of ``[i0, i_last]`` may see and ``[full_lo, full_hi)`` that every
         one of them may see (``lo``: a zero of the caller's)."""
@@ -75,7 +75,7 @@ if triton is not None:
         return lo, hi, full_lo, full_hi
 
     @triton.jit
-    def _tiles(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    def tile_ranges(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
         """Index ranges ``[lo, hi)`` and ``[full_lo, full_hi)`` (lo >= 0) in tiles of BLOCK:
         (t_lo, f_lo, f_hi, t_hi), with partial tiles [t_lo, f_lo) and [f_hi, t_hi), full ones [f_lo, f_hi).
         Every operand of // is non-negative, so it floors the same compiled and interpreted."""
@@ -88,18 +88,18 @@ if triton is not None:
         return t_lo, f_lo, f_hi, t_hi
 
     @triton.jit
-    def _key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
         """Key tiles of rows ``[i0, i0 + BLOCK_M)``: (t_lo, f_lo, f_hi, t_hi), [t_lo, t_hi) those some row may
         see, [f_lo, f_hi) inside them those every row sees whole."""
         i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1  # the last row that is not padding
-        lo, hi, full_lo, full_hi = _key_range(off * 0, i0, i_last, Lk, off, win_left, win_right, HAS_LEFT,
+        lo, hi, full_lo, full_hi = key_range(off * 0, i0, i_last, Lk, off, win_left, win_right, HAS_LEFT,
                                               HAS_RIGHT)
         hi = tl.where(i0 < Lq, tl.maximum(hi, lo), lo)  # a tile of padding rows sees nothing
-        return _tiles(lo, hi, full_lo, full_hi, BLOCK_N)
+        return tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
 
     @triton.jit
-    def _phase(PHASE: tl.constexpr, t_lo, f_lo, f_hi, t_hi):
+    def phase_range(PHASE: tl.constexpr, t_lo, f_lo, f_hi, t_hi):
         """The tiles ``[begin, end)`` of loop phase ``PHASE`` (a ``tl.static_range(3)`` index): partial
         [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi)."""
         if PHASE == 0:
@@ -116,13 +116,13 @@ if triton is not None:
     # ---- scores ---------------------------------------------------------------------------------------
 
     @triton.jit
-    def _score_mod(qk, qk_scale):
+    def score_mod(qk, qk_scale):
         """Base-2 scores of a tile of products q.k: ``qk * scale * log2(e)`` (``qk_scale``). The one place a
         transform of the scores before the bias and the masks (a soft cap) would go, for every kernel."""
         return qk * qk_scale
 
     @triton.jit
-    def _apply_explicit(s, e_ptrs, e_ok, HAS_MASK: tl.constexpr):
+    def apply_explicit(s, e_ptrs, e_ok, HAS_MASK: tl.constexpr):
         """The explicit bool mask (-inf where False) or, without one, the additive bias (read in the caller's
         dtype, made float32, times log2(e)) at ``e_ptrs`` (``e_ok``: in bounds) on base-2 scores ``s``."""
         if HAS_MASK:
@@ -134,7 +134,7 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _band(s, keys, rows, Lk, off, win_left, win_right, KEY_AXIS: tl.constexpr, HAS_LEFT: tl.constexpr,
+    def band(s, keys, rows, Lk, off, win_left, win_right, KEY_AXIS: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr):
         """Scores -inf where a key is past Lk or outside its row's band (diagonal i + off, left/right
         widths); the score tile's keys run along ``KEY_AXIS``."""
@@ -147,10 +147,22 @@ if triton is not None:
             ok = ok & (key_j <= row_i + off + win_right)
         return tl.where(ok, s, float("-inf"))
 
-    # ---- the online-softmax update --------------------------------------------------------------------
+    # ---- the online softmax ---------------------------------------------------------------------------
 
     @triton.jit
-    def _softmax_update(s, m_i, l_i, acc, KEY_AXIS: tl.constexpr, GUARD: tl.constexpr):
+    def softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, KEY_AXIS: tl.constexpr):
+        """The empty state of BLOCK_M rows: m = -inf, l = 0, acc = 0 ([BLOCK_M, BLOCK_D]; transposed when the
+        keys run along axis 0)."""
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        if KEY_AXIS == 0:
+            acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def softmax_update(s, m_i, l_i, acc, KEY_AXIS: tl.constexpr, GUARD: tl.constexpr):
         """One tile of online softmax in base 2 (a row's keys run along ``KEY_AXIS``): returns (p, m_new, l_i,
         acc rescaled by alpha); the caller adds P V. ``GUARD``: the tile may hold rows with no allowed key
         so far (m_new = -inf), which subtract 0 instead (alpha = p = 0); a full tile without explicit mask
