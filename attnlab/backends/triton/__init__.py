@@ -82,8 +82,9 @@ and compiled launches mix in one process. The code uses plain pointer arithmetic
 Where the code is
 -----------------
 * :mod:`~attnlab.backends.triton.kernel`: the @triton.jit code, in the order a program runs it:
-  the tile bounds (``_lengths``, ``_key_tiles``), one inner loop per orientation (``_query_major_loop``,
-  ``_keys_major_loop``) sharing ``_score_mod``, ``_explicit``, ``_band`` and ``_softmax_update``, and
+  the tile bounds (``tiles.lengths``, ``tiles.key_tiles``), one inner loop per orientation
+  (``_query_major_loop``, ``_keys_major_loop``) sharing ``tiles.score_mod``, ``_explicit``, ``tiles.band`` and
+  ``tiles.softmax_update``, and
   ``_epilogue``; ``_attn_fwd_kernel`` strings them together.
 * :mod:`~attnlab.backends.triton.tiles`: the @triton.jit pieces the forward, the backward and the decode
   kernels share (tile loads, lengths and key tiles, loop phases, the scores' transform, the explicit mask or
