@@ -18,7 +18,7 @@ import torch
 
 from attnlab.backends.triton import backward as tbwd
 from attnlab.backends.triton import configs as tconfigs
-from attnlab.backends.triton import kernel as tkernel
+from attnlab.backends.triton import tiles as ttiles
 from attnlab.backends.triton import tune_cache as tc
 from attnlab.problem import make_problem
 
@@ -81,15 +81,15 @@ def test_default_location_and_opt_out(tmp_path, monkeypatch):
 
 def test_key_changes_with_the_kernel_source(cache, monkeypatch):
     """Editing any @triton.jit function of a kernel changes its source hash, so what was tuned for the old
-    source is not found; _band is shared by both kernels."""
+    source is not found; tiles.band is shared by both kernels."""
     fwd, bwd = tc.kernel_source_hash("fwd"), tc.kernel_source_hash("bwd")
     assert fwd == tc.kernel_source_hash("fwd") and fwd != bwd and len(fwd) == 20
     assert any("def _attn_fwd_kernel(" in s for s in tc._jit_sources("attnlab.backends.triton.kernel"))
     tc.store("fwd", 0, KEY, {"block_m": 64})
     tc.store("bwd", 0, KEY, [{"block_m": 16}, {"block_m": 16}])
-    if not hasattr(tkernel._band, "_src"):
+    if not hasattr(ttiles.band, "_src"):
         pytest.skip("this triton keeps a JIT function's source elsewhere")
-    monkeypatch.setattr(tkernel._band, "_src", tkernel._band.src.replace("-inf", "- inf"))
+    monkeypatch.setattr(ttiles.band, "_src", ttiles.band.src.replace("-inf", "- inf"))
     assert tc.kernel_source_hash("fwd") != fwd and tc.kernel_source_hash("bwd") != bwd
     _forget()
     assert tc.load("fwd", 0, KEY) is None and tc.load("bwd", 0, KEY) is None

@@ -21,29 +21,18 @@ FLOPs: the forward's useful FLOPs times 1, 3.5 and 2.5 (the backward is counted 
 from __future__ import annotations
 
 import dataclasses
-import time
-import warnings
 from typing import Any
 
 import torch
 
 from attnlab.bench.competitors import Competitor
-from attnlab.bench.runner import Options, _row, _rows, failure, measure, prepare, rates
+from attnlab.bench.runner import Options, _row, _rows, failure, first_call, measure, prepare, rates
 from attnlab.bench.schema import MIB
 from attnlab.bench.suites import BACKWARD_MODES, row_keys
-from attnlab.bench.timing import _eager_fallbacks, _free, _sync
+from attnlab.bench.timing import _free
 from attnlab.bench.truth import CaseInputs, Truth, slice_inputs, take_slice
 
 GRAD_NAMES = ("dq", "dk", "dv")
-
-
-def take_kv_slice(t: torch.Tensor, sl) -> torch.Tensor:
-    """The checked part of a key-side tensor [B, Hkv, Nk, D] (dk, dv)."""
-    if sl is None:
-        return t
-    bs, _, kvh = sl
-    dev = t.device
-    return t.index_select(0, torch.tensor(bs, device=dev)).index_select(1, torch.tensor(kvh, device=dev))
 
 
 def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
@@ -88,8 +77,7 @@ def check_grads(grads, truth: Truth, dtype: torch.dtype) -> tuple[bool, dict[str
     bases = truth.grad_base or (None, None, None)
     ok, worst, parts = True, None, []
     for name, g, g64, gb in zip(GRAD_NAMES, grads, truth.grads, bases):
-        cut = take_slice if name == "dq" else take_kv_slice
-        rep = compare(cut(g, sl), g64, dtype=dtype, base=None if gb is None else gb)
+        rep = compare(take_slice(g, sl, kv=name != "dq"), g64, dtype=dtype, base=None if gb is None else gb)
         passed = rep.passed if rep.baseline_passed is None else bool(rep.baseline_passed)
         ok &= passed
         parts.append(f"{name} {rep.max_abs:.2e}" + ("" if rep.base_max_abs is None else
@@ -128,16 +116,7 @@ def run_backward(comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options,
 
     # 1. the checked call: forward (poisoned output for attnlab) and backward on set 0
     try:
-        t0 = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out = (prep.check_call or prep.call)(0)
-            grads = torch.autograd.grad(out, leaves[0], douts[0])
-            _sync(dev)
-        first_s = time.perf_counter() - t0
-        if prep.mark is not None:
-            prep.mark()
-        fallback = _eager_fallbacks(caught)
+        out, grads, first_s, fallback = first_call(prep, dev, lambda o: torch.autograd.grad(o, leaves[0], douts[0]))
         if comp.name == "flex" and first_s > 1.0:
             notes.append(f"first call (compile, fwd and bwd) {first_s:.1f} s")
         got = out.detach()

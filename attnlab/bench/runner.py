@@ -173,15 +173,7 @@ def run_one(
     notes = list(prep.notes)
     # 1. the checked call (set 0); for attnlab backends the output is poisoned first (every element written)
     try:
-        t0 = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out = (prep.check_call or prep.call)(0)
-            _sync(dev)
-        first_s = time.perf_counter() - t0
-        if prep.mark is not None:
-            prep.mark()
-        fallback = _eager_fallbacks(caught)
+        out, _, first_s, fallback = first_call(prep, dev)
         if comp.name == "flex" and first_s > 1.0:
             notes.append(f"first call (compile) {first_s:.1f} s")
         got = out
@@ -227,6 +219,22 @@ def failure(comp: Competitor, case: BenchCase, e: BaseException, dev: torch.devi
         raise ContextLost(comp.name, case.name, _short(e)) from e
     _free(dev)
     return {"status": "error", "notes": "; ".join([*notes, f"{where}: {_short(e)}"])}
+
+
+def first_call(prep, dev: torch.device, then: Callable[[Any], Any] | None = None) -> tuple[Any, Any, float, str]:
+    """The checked call of a prepared competitor (set 0; ``prep.check_call`` when it has one), and ``then`` of
+    its output (the backward), timed together with their warnings: (output, what ``then`` returned,
+    seconds, eager fallbacks seen). ``prep.mark`` runs after."""
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = (prep.check_call or prep.call)(0)
+        extra = then(out) if then is not None else None
+        _sync(dev)
+    first_s = time.perf_counter() - t0
+    if prep.mark is not None:
+        prep.mark()
+    return out, extra, first_s, _eager_fallbacks(caught)
 
 
 def prepare(comp: Competitor, inp, dev: torch.device) -> tuple[Any, dict[str, Any] | None]:

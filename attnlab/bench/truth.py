@@ -102,13 +102,15 @@ def slice_scope(sl: tuple[list[int], list[int], list[int]] | None) -> str:
     return f"slice b={sl[0]} hq={sl[1]}"
 
 
-def take_slice(out: torch.Tensor, sl) -> torch.Tensor:
-    """The checked part of an output [B, Hq, Nq, D]."""
+def take_slice(out: torch.Tensor, sl, kv: bool = False) -> torch.Tensor:
+    """The checked part of an output [B, Hq, Nq, D] (dq too), or with ``kv`` of a key-side tensor
+    [B, Hkv, Nk, D] (dk, dv)."""
     if sl is None:
         return out
-    bs, qh, _ = sl
+    bs, qh, kvh = sl
     dev = out.device
-    return out.index_select(0, torch.tensor(bs, device=dev)).index_select(1, torch.tensor(qh, device=dev))
+    heads = kvh if kv else qh
+    return out.index_select(0, torch.tensor(bs, device=dev)).index_select(1, torch.tensor(heads, device=dev))
 
 
 @dataclass

@@ -82,9 +82,13 @@ and compiled launches mix in one process. The code uses plain pointer arithmetic
 Where the code is
 -----------------
 * :mod:`~attnlab.backends.triton.kernel`: the @triton.jit code, in the order a program runs it:
-  ``_tile_bounds`` (lengths, diagonal offset, key tiles), one inner loop per orientation
-  (``_query_major_loop``, ``_keys_major_loop``) sharing ``_softmax_update``, ``_explicit`` and ``_band``,
-  and ``_epilogue``; ``_attn_fwd_kernel`` strings them together.
+  the tile bounds (``tiles.lengths``, ``tiles.key_tiles``), one inner loop per orientation
+  (``_query_major_loop``, ``_keys_major_loop``) sharing ``tiles.score_mod``, ``_explicit``, ``tiles.band`` and
+  ``tiles.softmax_update``, and
+  ``_epilogue``; ``_attn_fwd_kernel`` strings them together.
+* :mod:`~attnlab.backends.triton.tiles`: the @triton.jit pieces the forward, the backward and the decode
+  kernels share (tile loads, lengths and key tiles, loop phases, the scores' transform, the explicit mask or
+  bias, the band, the online-softmax update), each written once.
 * :mod:`~attnlab.backends.triton.configs`: :class:`Config`, :func:`candidates`, :func:`tune_key`,
   autotuning, :func:`allow_tf32`.
 * :mod:`~attnlab.backends.triton.tune_cache`: autotune results on disk (forward and backward).

@@ -40,7 +40,7 @@ Block skipping
 --------------
 As in the forward, the loops visit only tiles that the lengths and the band allow, and split them into
 partial tiles (bounds and band predicate applied) and full ones (no predicate): the dQ pass uses the
-forward's key range per row tile, ``[lo, hi)`` and ``[full_lo, full_hi)`` (:func:`_key_tiles`); the dK/dV
+forward's key range per row tile, ``[lo, hi)`` and ``[full_lo, full_hi)`` (:func:`tiles.key_tiles`); the dK/dV
 pass uses the band solved for rows, the rows ``[lo, hi)`` that may see some key of the tile and
 ``[full_lo, full_hi)`` that see all of them (:func:`_query_tiles`): key j is seen by row i iff
 ``j - off - right <= i <= j - off + left`` (off the diagonal offset of the alignment). A key tile that
@@ -68,26 +68,18 @@ except ImportError:  # attnlab.backends.triton.backward reports the backward una
     triton, tl = None, None
 
 if triton is not None:
-    from attnlab.backends.triton.kernel import _band
+    from attnlab.backends.triton import tiles
 
     # -----------------------------------------------------------------------------------------------
-    # Helpers: loads, operand rounding, the tile bounds
+    # Helpers: loads, operand rounding, the query tiles of a key tile, the explicit mask
     # -----------------------------------------------------------------------------------------------
     @triton.jit
     def _load_rows(base, offs, n_valid, offs_d, D, s_n, s_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr,
                    UPCAST: tl.constexpr):
         """A [len(offs), BLOCK_D] tile starting at ``base``: rows ``offs >= n_valid`` and columns past D read 0
         (no predicate at all for a tile known to be in bounds with an unpadded D)."""
-        ptrs = base + offs[:, None] * s_n + offs_d[None, :] * s_d
-        if CHECK_ROWS:
-            x = tl.load(ptrs, mask=(offs < n_valid)[:, None] & (offs_d < D)[None, :], other=0.0)
-        elif EVEN_D:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-        return x
+        return tiles.load_tile(base + offs[:, None] * s_n + offs_d[None, :] * s_d, offs, offs_d, n_valid, D, 0,
+                          CHECK_ROWS, EVEN_D, UPCAST)
 
     @triton.jit
     def _operand(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
@@ -96,57 +88,6 @@ if triton is not None:
         if UPCAST:
             x = x.to(tl.float32)
         return x
-
-    @triton.jit
-    def _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr,
-                 BOTTOM_RIGHT: tl.constexpr):
-        """(Lk, Lq, off) of batch entry b: the effective lengths, clamped to [0, Nk] and [0, Nq] whatever the
-        caller passed (no load leaves the tensors), and the diagonal offset (row i's diagonal is key i + off)."""
-        if HAS_KV_LEN:
-            Lk = tl.minimum(tl.maximum(tl.load(KvLen + b), 0), Nk)
-        else:
-            Lk = zero + Nk
-        if HAS_Q_LEN:
-            Lq = tl.minimum(tl.maximum(tl.load(QLen + b), 0), Nq)
-        else:
-            Lq = zero + Nq
-        if BOTTOM_RIGHT:
-            off = Lk - Lq
-        else:
-            off = zero
-        return Lk, Lq, off
-
-    @triton.jit
-    def _tiles(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
-        """Index ranges ``[lo, hi)`` and ``[full_lo, full_hi)`` (lo >= 0) in tiles of BLOCK:
-        (t_lo, f_lo, f_hi, t_hi), with partial tiles [t_lo, f_lo) and [f_hi, t_hi), full ones [f_lo, f_hi).
-        Every operand of // is non-negative, so it floors the same compiled and interpreted."""
-        t_lo = lo // BLOCK
-        t_hi = tl.where(hi > lo, (hi + BLOCK - 1) // BLOCK, t_lo)
-        f_lo = (tl.maximum(full_lo, 0) + BLOCK - 1) // BLOCK
-        f_hi = tl.maximum(full_hi, 0) // BLOCK
-        f_lo = tl.minimum(tl.maximum(f_lo, t_lo), t_hi)
-        f_hi = tl.maximum(tl.minimum(f_hi, t_hi), f_lo)
-        return t_lo, f_lo, f_hi, t_hi
-
-    @triton.jit
-    def _key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-        """Key tiles of rows ``[i0, i0 + BLOCK_M)``: those some row may see, and inside them those every row
-        may see (the forward's bounds)."""
-        i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1  # the last row that is not padding
-        lo = off * 0
-        hi = Lk
-        full_lo = lo
-        full_hi = hi
-        if HAS_LEFT:  # j >= i + off - left
-            lo = tl.maximum(lo, i0 + off - win_left)
-            full_lo = tl.maximum(lo, i_last + off - win_left)
-        if HAS_RIGHT:  # j <= i + off + right
-            hi = tl.minimum(hi, i_last + off + win_right + 1)
-            full_hi = tl.minimum(hi, i0 + off + win_right + 1)
-        hi = tl.where(i0 < Lq, tl.maximum(hi, lo), lo)  # a tile of padding rows sees nothing
-        return _tiles(lo, hi, full_lo, full_hi, BLOCK_N)
 
     @triton.jit
     def _query_tiles(n0, Lk, Lq, off, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -167,7 +108,7 @@ if triton is not None:
             full_hi = tl.minimum(hi, n0 - off + win_left + 1)
         hi = tl.where(n0 < Lk, tl.maximum(hi, lo), lo)  # a tile of keys past Lk is seen by no row
         full_hi = tl.where(n0 + BLOCK_N <= Lk, full_hi, full_lo)  # keys past Lk: every row tile is partial
-        return _tiles(lo, hi, full_lo, full_hi, BLOCK_M)
+        return tiles.tile_ranges(lo, hi, full_lo, full_hi, BLOCK_M)
 
     @triton.jit
     def _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, KEY_AXIS: tl.constexpr, HAS_MASK: tl.constexpr):
@@ -177,14 +118,7 @@ if triton is not None:
         row_i = tl.expand_dims(rows, KEY_AXIS)
         key_j = tl.expand_dims(keys, 1 - KEY_AXIS)
         ok = (row_i < Nq) & (key_j < Nk)
-        ptrs = e_base + row_i.to(tl.int64) * s_ei + key_j.to(tl.int64) * s_ej
-        if HAS_MASK:
-            allowed = tl.load(ptrs, mask=ok, other=0)
-            s = tl.where(allowed != 0, s, float("-inf"))
-        else:
-            bias = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-            s = s + bias * 1.4426950408889634
-        return s
+        return tiles.apply_explicit(s, e_base + row_i.to(tl.int64) * s_ei + key_j.to(tl.int64) * s_ej, ok, HAS_MASK)
 
     # -----------------------------------------------------------------------------------------------
     # 1. Preprocess: Delta = rowsum(dO * O), and the base-2 lse
@@ -248,11 +182,11 @@ if triton is not None:
             delta = tl.load(delta_base + rows)
 
         # S^T = K Q^T in base 2, masked; P^T = exp2(S^T - lse2) (0 for rows with lse2 = +inf)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        s_t = tiles.score_mod(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale)
         if HAS_MASK or HAS_BIAS:
             s_t = _explicit(s_t, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 0, HAS_MASK)
         if PARTIAL:
-            s_t = _band(s_t, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
+            s_t = tiles.band(s_t, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         dv = tl.dot(_operand(p_t, DTYPE, UPCAST), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T
@@ -282,7 +216,7 @@ if triton is not None:
         b = tl.program_id(2)
         n0 = pid_n * BLOCK_N
         zero = n0 * 0
-        Lk, Lq, off = _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
         t_lo, f_lo, f_hi, t_hi = _query_tiles(n0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
                                               HAS_LEFT, HAS_RIGHT)
 
@@ -306,15 +240,7 @@ if triton is not None:
             row0 = (b64 * Hq + h64) * Nq  # Lse2 and Delta are contiguous [B, Hq, Nq]
             e_base = Explicit + b64 * s_eb + h64 * s_eh
             for phase in tl.static_range(3):  # partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi)
-                if phase == 0:
-                    t_begin = t_lo
-                    t_end = f_lo
-                elif phase == 1:
-                    t_begin = f_lo
-                    t_end = f_hi
-                else:
-                    t_begin = f_hi
-                    t_end = t_hi
+                t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
                 for t in range(t_begin, t_end):
                     dk, dv = _dkdv_row_tile(
                         dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, zero + t * BLOCK_M,
@@ -349,11 +275,11 @@ if triton is not None:
         n64 = n0.to(tl.int64)
         k = _load_rows(k_base + n64 * s_kn, offs_n, Lk - n0, offs_d, D, s_kn, s_kd, PARTIAL, EVEN_D, UPCAST)
         v = _load_rows(v_base + n64 * s_vn, offs_n, Lk - n0, offs_d, D, s_vn, s_vd, PARTIAL, EVEN_D, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # base 2
+        s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)  # base 2
         if HAS_MASK or HAS_BIAS:
             s = _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 1, HAS_MASK)
         if PARTIAL:
-            s = _band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
+            s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # dP = dO V^T
         ds = p * (dp - delta[:, None])  # dS = P * (dP - Delta)
@@ -380,8 +306,8 @@ if triton is not None:
         b = tl.program_id(2)
         i0 = pid_m * BLOCK_M
         zero = i0 * 0
-        Lk, Lq, off = _lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
-        t_lo, f_lo, f_hi, t_hi = _key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
+        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        t_lo, f_lo, f_hi, t_hi = tiles.key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
                                             HAS_LEFT, HAS_RIGHT)
 
         # ---- the stationary row tile: Q, dO, Lse2, Delta -----------------------------------------------
@@ -403,15 +329,7 @@ if triton is not None:
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         for phase in tl.static_range(3):  # partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi)
-            if phase == 0:
-                t_begin = t_lo
-                t_end = f_lo
-            elif phase == 1:
-                t_begin = f_lo
-                t_end = f_hi
-            else:
-                t_begin = f_hi
-                t_end = t_hi
+            t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
             for t in range(t_begin, t_end):
                 dq = _dq_key_tile(
                     dq, q, do, lse2, delta, k_base, v_base, e_base, zero + t * BLOCK_N, rows, Lk, off,

@@ -70,6 +70,7 @@ INTERPRETER_SPLITS = 3
 # The kernels
 # ---------------------------------------------------------------------------------------------------
 if triton is not None:
+    from attnlab.backends.triton import tiles
 
     @triton.jit
     def _key_offsets(Bt, keys, Lk, num_blocks, block_size, s_kn, s_kblk, s_vn, s_vblk,
@@ -89,28 +90,12 @@ if triton is not None:
             return kk * s_kn, kk * s_vn
 
     @triton.jit
-    def _load_rows(base, row_off, offs_d, s_d, keys, Lk, D, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
-                   UPCAST: tl.constexpr):
-        """A [BLOCK_N, BLOCK_D] K or V tile: a partial tile reads no key at or past Lk, a full one no
-        predicate unless D is padded."""
-        ptrs = base + row_off[:, None] + offs_d[None, :] * s_d
-        if PARTIAL:
-            x = tl.load(ptrs, mask=(keys < Lk)[:, None] & (offs_d < D)[None, :], other=0.0)
-        elif EVEN_D:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-        return x
-
-    @triton.jit
     def _scores(q, k, e_rows, keys, rows, row_ok, Lk, Nk, off, win_left, win_right, qk_scale, s_ej,
                 PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """Base-2 scores of one tile, [BLOCK_M packed rows, BLOCK_N keys]: -inf where the explicit mask,
         the length or (partial tiles only) the band forbids the key. ``rows`` are query row indices."""
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)
         if HAS_MASK or HAS_BIAS:
             e_ptrs = e_rows[:, None] + keys[None, :].to(tl.int64) * s_ej
             e_ok = row_ok[:, None] & (keys < Nk)[None, :]
@@ -129,22 +114,6 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _softmax_update(m_i, l_i, acc, s, v, GUARD: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """One online-softmax step: rescale the state (m_i, l_i, acc) to the new row max and add the tile.
-        ``GUARD``: a row may have no allowed key yet (m = -inf), so subtract 0 there (alpha = p = 0)."""
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if GUARD:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_safe = m_new
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        return m_new, l_i, acc
-
-    @triton.jit
     def _tile(m_i, l_i, acc, q, t, k_base, v_base, Bt, e_rows, rows, row_ok, offs_n, offs_d,
               Lk, Nk, D, off, win_left, win_right, qk_scale, num_blocks, block_size,
               s_kn, s_kblk, s_kd, s_vn, s_vblk, s_vd, s_ej,
@@ -155,11 +124,14 @@ if triton is not None:
         keys = t * BLOCK_N + offs_n
         k_off, v_off = _key_offsets(Bt, keys, Lk, num_blocks, block_size, s_kn, s_kblk, s_vn, s_vblk,
                                     PAGED, PARTIAL)
-        k = _load_rows(k_base, k_off, offs_d, s_kd, keys, Lk, D, PARTIAL, EVEN_D, UPCAST)
-        v = _load_rows(v_base, v_off, offs_d, s_vd, keys, Lk, D, PARTIAL, EVEN_D, UPCAST)
+        k = tiles.load_tile(k_base + k_off[:, None] + offs_d[None, :] * s_kd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
+                       UPCAST)
+        v = tiles.load_tile(v_base + v_off[:, None] + offs_d[None, :] * s_vd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
+                       UPCAST)
         s = _scores(q, k, e_rows, keys, rows, row_ok, Lk, Nk, off, win_left, win_right, qk_scale, s_ej,
                     PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION)
-        return _softmax_update(m_i, l_i, acc, s, v, PARTIAL or HAS_MASK or HAS_BIAS, DOT_PRECISION)
+        p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 1, PARTIAL or HAS_MASK or HAS_BIAS)
+        return m_i, l_i, tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
     @triton.jit
     def _decode_split_kernel(
@@ -185,16 +157,7 @@ if triton is not None:
         zero = split * 0  # an int32 scalar tensor: keeps every bound a tensor
 
         # ---- lengths (clamped: a device length is never trusted for addressing) and the diagonal -------
-        Lk = zero + Nk
-        if HAS_KV_LEN:
-            Lk = tl.minimum(tl.maximum(tl.load(KvLen + b), 0), Nk)
-        Lq = zero + Nq
-        if HAS_Q_LEN:
-            Lq = tl.minimum(tl.maximum(tl.load(QLen + b), 0), Nq)
-        if BOTTOM_RIGHT:
-            off = Lk - Lq  # row i's diagonal is key i + Lk - Lq
-        else:
-            off = zero
+        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
 
         # ---- packed rows: r = g * Nq + i is query head kvh * group + g, row i ---------------------------
         offs_m = r0 + tl.arange(0, BLOCK_M)
@@ -205,16 +168,8 @@ if triton is not None:
         i_last = tl.minimum(Lq, Nq) - 1  # the last live row of any packed head (-1: none)
 
         # ---- keys [lo, hi) some row may see, [full_lo, full_hi) every row sees; this split's tiles ------
-        lo = zero
-        hi = Lk
-        full_lo = lo
-        full_hi = hi
-        if HAS_LEFT:
-            lo = tl.maximum(lo, off - win_left)
-            full_lo = tl.maximum(lo, i_last + off - win_left)
-        if HAS_RIGHT:
-            hi = tl.minimum(hi, i_last + off + win_right + 1)
-            full_hi = tl.minimum(hi, off + win_right + 1)
+        lo, hi, full_lo, full_hi = tiles.key_range(zero, zero, i_last, Lk, off, win_left, win_right, HAS_LEFT,
+                                                   HAS_RIGHT)
         hi = tl.where(i_last >= 0, tl.maximum(hi, lo), lo)
         t_lo = lo // BLOCK_N
         t_hi = tl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
@@ -244,19 +199,9 @@ if triton is not None:
         Bt = BlockTable + b64 * s_btb
         e_rows = Explicit + b64 * s_eb + heads * s_eh + rows.to(tl.int64) * s_ei
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 1)
         for phase in tl.static_range(3):
-            if phase == 0:
-                t_begin = s_lo
-                t_end = a
-            elif phase == 1:
-                t_begin = a
-                t_end = c
-            else:
-                t_begin = c
-                t_end = s_hi
+            t_begin, t_end = tiles.phase_range(phase, s_lo, a, c, s_hi)
             for t in range(t_begin, t_end):
                 m_i, l_i, acc = _tile(
                     m_i, l_i, acc, q, zero + t, k_base, v_base, Bt, e_rows, rows, row_ok, offs_n, offs_d,

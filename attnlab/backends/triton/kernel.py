@@ -1,7 +1,9 @@
 """The fused Triton forward kernel, in the pieces the Triton tutorial's fused attention reads in: the tile's
 key bounds, one inner loop per orientation (query-major, keys-major), the online-softmax update they share,
 and the epilogue. The package docstring (:mod:`attnlab.backends.triton`) explains the design; every helper
-is a ``@triton.jit`` function that Triton inlines into :func:`_attn_fwd_kernel`.
+is a ``@triton.jit`` function that Triton inlines into :func:`_attn_fwd_kernel`. The pieces the backward and
+the decode kernels use too (loads, lengths and key tiles, the scores, the band, the softmax update) are in
+:mod:`~attnlab.backends.triton.tiles`.
 """
 
 from __future__ import annotations
@@ -18,47 +20,15 @@ except ImportError as e:  # the backend reports itself unavailable
 LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2
 
 if triton is not None:
+    from attnlab.backends.triton import tiles
 
-    # ---- loads and the mask rule ----------------------------------------------------------------------
+    # ---- loads and the explicit mask ------------------------------------------------------------------
 
     @triton.jit
     def _load_q(q_tile, offs_m, offs_c, rows, Nq, D, s_qn, s_qd, UPCAST: tl.constexpr):
         """Columns ``offs_c`` of the Q tile ([BLOCK_M, len(offs_c)]): rows past Nq and columns past D are 0."""
-        q = tl.load(q_tile + offs_m[:, None] * s_qn + offs_c[None, :] * s_qd,
-                    mask=(rows < Nq)[:, None] & (offs_c < D)[None, :], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-        return q
-
-    @triton.jit
-    def _load_kv(ptrs, keys, cols, Lk, D, KEYS_AT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
-                 UPCAST: tl.constexpr):
-        """A K or V tile whose keys run along axis ``KEYS_AT`` and D columns ``cols`` along the other: a
-        partial tile reads no key at or past Lk, a full one no predicate unless D is padded."""
-        if PARTIAL:
-            ok = tl.expand_dims(keys < Lk, 1 - KEYS_AT) & tl.expand_dims(cols < D, KEYS_AT)
-            x = tl.load(ptrs, mask=ok, other=0.0)
-        elif EVEN_D:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=tl.expand_dims(cols < D, KEYS_AT), other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-        return x
-
-    @triton.jit
-    def _band(s, keys, rows, Lk, off, win_left, win_right, KEY_AXIS: tl.constexpr, HAS_LEFT: tl.constexpr,
-              HAS_RIGHT: tl.constexpr):
-        """Scores -inf where a key is past Lk or outside its row's band (diagonal i + off, left/right
-        widths); the score tile's keys run along ``KEY_AXIS``."""
-        key_j = tl.expand_dims(keys, 1 - KEY_AXIS)
-        row_i = tl.expand_dims(rows, KEY_AXIS)
-        ok = tl.expand_dims(keys < Lk, 1 - KEY_AXIS) & tl.expand_dims(rows >= 0, KEY_AXIS)
-        if HAS_LEFT:
-            ok = ok & (key_j >= row_i + off - win_left)
-        if HAS_RIGHT:
-            ok = ok & (key_j <= row_i + off + win_right)
-        return tl.where(ok, s, float("-inf"))
+        return tiles.load_tile(q_tile + offs_m[:, None] * s_qn + offs_c[None, :] * s_qd, rows, offs_c, Nq, D, 0, True,
+                          False, UPCAST)
 
     @triton.jit
     def _explicit(s, e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej, KEY_AXIS: tl.constexpr,
@@ -70,78 +40,8 @@ if triton is not None:
         if HAS_MASK or HAS_BIAS:
             e_ptrs = e_base + n0.to(tl.int64) * s_ej + tile_m * s_ei + tile_n * s_ej
             e_ok = tl.expand_dims(rows < Nq, KEY_AXIS) & tl.expand_dims(keys < Nk, 1 - KEY_AXIS)
-            if HAS_MASK:
-                allowed = tl.load(e_ptrs, mask=e_ok, other=0)
-                s = tl.where(allowed != 0, s, float("-inf"))
-            else:
-                bias = tl.load(e_ptrs, mask=e_ok, other=0.0).to(tl.float32)
-                s = s + bias * 1.4426950408889634
+            s = tiles.apply_explicit(s, e_ptrs, e_ok, HAS_MASK)
         return s
-
-    # ---- tile bounds ------------------------------------------------------------------------------------
-
-    @triton.jit
-    def _tile_bounds(b, i0, zero, KvLen, QLen, Nq, Nk, win_left, win_right, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                     BOTTOM_RIGHT: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr):
-        """This row tile's effective lengths (Lq, Lk), diagonal offset, and key tiles: [t_lo, t_hi) hold the
-        keys some row may see, [f_lo, f_hi) inside them the tiles every row sees whole."""
-        # ---- effective lengths and the diagonal offset of this batch entry ------------------------------
-        # Lengths are clamped to [0, Nk] and [0, Nq] here too (MaskSpec clamps GPU lengths already): whatever
-        # a caller passes, no load leaves the tensors.
-        if HAS_KV_LEN:
-            Lk = tl.minimum(tl.maximum(tl.load(KvLen + b), 0), Nk)
-        else:
-            Lk = zero + Nk
-        if HAS_Q_LEN:
-            Lq = tl.minimum(tl.maximum(tl.load(QLen + b), 0), Nq)
-        else:
-            Lq = zero + Nq
-        if BOTTOM_RIGHT:
-            off = Lk - Lq  # row i's diagonal is key i + Lk - Lq
-        else:
-            off = zero  # top left: row i's diagonal is key i
-        i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1  # last row of the tile that is not padding
-
-        # ---- key bounds: [lo, hi) some row may see; [full_lo, full_hi) every row may see ----------------
-        lo = zero
-        hi = Lk
-        full_lo = lo
-        full_hi = hi
-        if HAS_LEFT:  # j >= diag_i - left
-            lo = tl.maximum(lo, i0 + off - win_left)
-            full_lo = tl.maximum(lo, i_last + off - win_left)
-        if HAS_RIGHT:  # j <= diag_i + right
-            hi = tl.minimum(hi, i_last + off + win_right + 1)
-            full_hi = tl.minimum(hi, i0 + off + win_right + 1)
-        hi = tl.where(i0 < Lq, tl.maximum(hi, lo), lo)  # a tile of padding rows sees nothing
-        # In key tiles (all operands non-negative, so // floors the same on the GPU and in the interpreter).
-        t_lo = lo // BLOCK_N
-        t_hi = tl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
-        f_lo = (tl.maximum(full_lo, 0) + BLOCK_N - 1) // BLOCK_N
-        f_hi = tl.maximum(full_hi, 0) // BLOCK_N
-        f_lo = tl.minimum(tl.maximum(f_lo, t_lo), t_hi)
-        f_hi = tl.maximum(tl.minimum(f_hi, t_hi), f_lo)
-        return Lq, Lk, off, t_lo, t_hi, f_lo, f_hi
-
-    # ---- the online-softmax update, shared by both orientations -----------------------------------------
-
-    @triton.jit
-    def _softmax_update(s, m_i, l_i, acc, KEY_AXIS: tl.constexpr, GUARD: tl.constexpr):
-        """One tile of online softmax in base 2 (a row's keys run along ``KEY_AXIS``): returns (p, m_new, l_i,
-        acc rescaled by alpha); the caller adds P V. ``GUARD``: the tile may hold rows with no allowed key
-        so far (m_new = -inf), which subtract 0 instead (alpha = p = 0); a full tile without explicit mask
-        gives every row a finite score."""
-        m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
-        if GUARD:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_safe = m_new
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - tl.expand_dims(m_safe, KEY_AXIS))
-        l_i = l_i * alpha + tl.sum(p, KEY_AXIS)
-        acc = acc * tl.expand_dims(alpha, KEY_AXIS)
-        return p, m_new, l_i, acc
 
     # ---- query-major: S = Q K^T [BLOCK_M, BLOCK_N], O += P V --------------------------------------------
 
@@ -159,29 +59,19 @@ if triton is not None:
         tile_n = offs_n[None, :]
         if QK_CHUNK == 0:
             q = _load_q(q_tile, offs_m, offs_d, rows, Nq, D, s_qn, s_qd, UPCAST_DOT)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 1)
         for phase in tl.static_range(3):
-            if phase == 0:
-                t_begin = t_lo
-                t_end = f_lo
-            elif phase == 1:
-                t_begin = f_lo
-                t_end = f_hi
-            else:
-                t_begin = f_hi
-                t_end = t_hi
+            t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
             for t in range(t_begin, t_end):
                 n0 = zero + t * BLOCK_N  # (a tensor also in the interpreter, where t is an int)
                 keys = n0 + offs_n
                 k_ptrs = k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
                 v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
                 # partial tiles (phase != 1) read no key past Lk; full tiles load without a predicate
-                v = _load_kv(v_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
+                v = tiles.load_tile(v_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
                 # s = scale * log2(e) * q k^T (+ log2(e) * bias), in base 2
                 if QK_CHUNK == 0:
-                    k = _load_kv(k_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
+                    k = tiles.load_tile(k_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
                     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
                 else:
                     # D in chunks of QK_CHUNK columns, Q's re-read from L1 each tile: the FMA lowering of a
@@ -193,13 +83,13 @@ if triton is not None:
                         qc = _load_q(q_tile, offs_m, offs_c, rows, Nq, D, s_qn, s_qd, UPCAST_DOT)
                         kc_ptrs = (k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn
                                    + offs_c[None, :] * s_kd)
-                        kc = _load_kv(kc_ptrs, keys, offs_c, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
+                        kc = tiles.load_tile(kc_ptrs, keys, offs_c, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
                         s = tl.dot(qc, tl.trans(kc), s, input_precision=DOT_PRECISION)
-                s = _explicit(s * qk_scale, e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej, 1, HAS_MASK,
-                              HAS_BIAS)
+                s = _explicit(tiles.score_mod(s, qk_scale), e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei,
+                              s_ej, 1, HAS_MASK, HAS_BIAS)
                 if phase != 1:  # partial tile: the length and band predicate
-                    s = _band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
-                p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc, 1, (phase != 1) | HAS_MASK | HAS_BIAS)
+                    s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
+                p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 1, (phase != 1) | HAS_MASK | HAS_BIAS)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         return m_i, l_i, acc
 
@@ -227,24 +117,22 @@ if triton is not None:
             qc = _load_q(q_tile, offs_m, offs_c, rows, Nq, D, s_qn, s_qd, False)
             eye = tl.where(offs_d[:, None] == offs_c[None, :], 1.0, 0.0)
             q_t = tl.dot(eye, tl.trans(qc), q_t, input_precision="ieee")
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)  # O^T
+        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 0)  # acc: O^T
         for t in range(t_lo, t_hi):
             n0 = zero + t * BLOCK_N  # (a tensor also in the interpreter, where t is an int)
             keys = n0 + offs_n
             k_ptrs = k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
             v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[None, :] * s_vn + offs_d[:, None] * s_vd
-            k = _load_kv(k_ptrs, keys, offs_d, Lk, D, 0, True, EVEN_D, False)
+            k = tiles.load_tile(k_ptrs, keys, offs_d, Lk, D, 0, True, EVEN_D, False)
             s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # s^T, in base 2 after the scale
-            s = _explicit(s * qk_scale, e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej, 0, HAS_MASK,
-                          HAS_BIAS)
+            s = _explicit(tiles.score_mod(s, qk_scale), e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej,
+                          0, HAS_MASK, HAS_BIAS)
             if (t < f_lo) | (t >= f_hi):  # partial tile: the length and band predicate
-                s = _band(s, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
-            p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc, 0, True)
+                s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
+            p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 0, True)
             # V^T is loaded here, after the softmax: loaded first, the FMA dot's operand registers of it stay
             # live across Q K^T (on the H200's compiler: 255 registers and spills)
-            v = _load_kv(v_ptrs, keys, offs_d, Lk, D, 1, True, EVEN_D, False)
+            v = tiles.load_tile(v_ptrs, keys, offs_d, Lk, D, 1, True, EVEN_D, False)
             acc = tl.dot(v, p, acc, input_precision=DOT_PRECISION)  # O^T += V^T P^T
         return m_i, l_i, acc
 
@@ -300,9 +188,9 @@ if triton is not None:
         kvh = h // group
         i0 = pid_m * BLOCK_M
         zero = i0 * 0  # an int32 scalar tensor: keeps every bound below a tensor (also when Nk == 1)
-        Lq, Lk, off, t_lo, t_hi, f_lo, f_hi = _tile_bounds(
-            b, i0, zero, KvLen, QLen, Nq, Nk, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-            BOTTOM_RIGHT, HAS_KV_LEN, HAS_Q_LEN)
+        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        t_lo, f_lo, f_hi, t_hi = tiles.key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                            HAS_RIGHT)
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         rows = i0 + offs_m

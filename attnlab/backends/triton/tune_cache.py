@@ -37,8 +37,9 @@ FORMAT = 1
 
 #: The modules whose @triton.jit functions make up each kernel (their source text is hashed).
 KERNEL_MODULES = {
-    "fwd": ("attnlab.backends.triton.kernel",),
-    "bwd": ("attnlab.backends.triton.backward_kernels", "attnlab.backends.triton.kernel"),
+    "fwd": ("attnlab.backends.triton.kernel", "attnlab.backends.triton.tiles"),
+    "bwd": ("attnlab.backends.triton.backward_kernels", "attnlab.backends.triton.kernel",
+            "attnlab.backends.triton.tiles"),
 }
 
 
