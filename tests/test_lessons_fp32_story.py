@@ -51,7 +51,7 @@ def test_work_model():
     assert t["FMA (QK^T + PV)"] == r["FMA (QK^T + PV)"] == 128
     assert t["exp"] == 16 and r["exp"] == 1.25
     with pytest.raises(ValueError):
-        fp32_story.work_per_score("naive")
+        fp32_story.work_per_score("flash")
 
 
 def test_recorded_suite_loads():

@@ -73,19 +73,28 @@ def work_per_score(family: str, D: int = 64) -> dict[str, float]:
     the dot product, and every one of the 8 runs the row's softmax update (2 exps) and rescales its slice
     of acc (one multiply per dim). rowmax: 4 x 4 register blocks fed by 16-byte shared loads (8 FMAs per
     load), one exp per score, the tile's rescale (one alpha per row and thread, one multiply per dim)
-    shared by the 64 keys of a tile, 4 shuffles per row and tile for the tile max.
+    shared by the 64 keys of a tile, 4 shuffles per row and tile for the tile max. naive: one warp per
+    key, each lane 2 of 64 dims and 5 shuffles per dot product; the three passes compute every score
+    three times and its exp twice on all 32 lanes; nothing is shared, so K and V come from L2 or HBM.
+    The last entry counts K and V elements loaded from global memory per score (each tile is shared by
+    16 or 64 query rows).
     """
+    if family == "naive":  # one warp per key: 2 dims per lane, 5 shuffles; 3 passes recompute the score
+        passes, lanes = 3, 32
+        return {"FMA (QK^T + PV)": passes * D + D, "rescale multiplies": 0, "shared-memory loads": 0,
+                "exp": 2 * lanes, "shuffles": passes * 5 * lanes, "global/L2 loads of K, V": passes * D + D}
     if family == "tiled":
         group = 8
         return {"FMA (QK^T + PV)": 2 * D, "rescale multiplies": D, "shared-memory loads": 2 * D,
-                "exp": 2 * group, "shuffles": 3 * group}
+                "exp": 2 * group, "shuffles": 3 * group,
+                "global/L2 loads of K, V": 2 * D / 16}
     if family == "rowmax":
         bm = bn = 64
         threads, tm, threads_per_row = 256, 4, 16
         return {"FMA (QK^T + PV)": 2 * D, "rescale multiplies": bm * D / (bm * bn),
                 "shared-memory loads": 2 * D / 8, "exp": 1 + threads_per_row / bn,
-                "shuffles": threads * tm * 4 / (bm * bn)}
-    raise ValueError(f"no work model for {family!r}; one of 'tiled', 'rowmax'")
+                "shuffles": threads * tm * 4 / (bm * bn), "global/L2 loads of K, V": 2 * D / bm}
+    raise ValueError(f"no work model for {family!r}; one of 'naive', 'tiled', 'rowmax'")
 
 
 def tiled_rowmax_split(fp32: pd.DataFrame, lad: pd.DataFrame, case: str = "fp32_b8_h16_n2048_d64_causal") -> dict:

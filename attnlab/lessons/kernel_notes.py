@@ -162,11 +162,12 @@ def blocks_per_sm(threads: int, registers: int, shared_bytes: int, limits: dict 
 
 def nvcc_commands(family: str, arch: str = "sm_90", out_dir: str = "build") -> list[list[str]]:
     """The blog's route without CuPy: compile one ``kernels/attn_<family>.cu`` alone with nvcc into a cubin
-    (the NVRTC options attnlab uses), then list its kernel symbols, which ``ctypes`` finds by name through
-    the driver API (``cuModuleLoad``, ``cuModuleGetFunction``)."""
+    (the NVRTC options attnlab uses; paths relative to the repository root), then list its kernel symbols,
+    which ``ctypes`` finds by name through the driver API (``cuModuleLoad``, ``cuModuleGetFunction``)."""
     from attnlab.backends.cuda.sources import NVRTC_OPTIONS
 
-    src = str(kernel_path(family))
+    src = f"kernels/attn_{family}.cu"  # run from the repository root
+    kernel_path(family)  # the family exists
     cubin = f"{out_dir}/attn_{family}_{arch}.cubin"
     return [["nvcc", f"-arch={arch}", *NVRTC_OPTIONS, "-cubin", src, "-o", cubin],
             ["cuobjdump", "-symbols", cubin]]
