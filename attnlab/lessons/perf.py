@@ -251,8 +251,8 @@ def small_n_verdict(df: pd.DataFrame | None, *, public: str = "triton", kernel: 
     holds = sdpa_wins == len(r)
     return (f"Over the {len(r)} latency cases (N from {r['N'].min()} to {r['N'].max()}), SDPA's fastest kernel "
             f"beats attnlab's public call in {sdpa_wins}: the public call takes {ratio.min():.2f}x to "
-            f"{ratio.max():.2f}x SDPA's time, and a median host time of {r['public_host_us'].median():.0f} µs "
-            f"for the public call. attnlab's validate-once kernel path is faster than SDPA's best in {kern_wins} "
+            f"{ratio.max():.2f}x SDPA's time (median host time {r['public_host_us'].median():.0f} µs "
+            f"per call). attnlab's validate-once kernel path is faster than SDPA's best in {kern_wins} "
             f"of {len(r)}, " + ("so at these sizes what separates them is the launch path, not the kernel. "
                                 if 2 * kern_wins > len(r) else "so the kernel itself is not faster either. ")
             + "Verdict: "
