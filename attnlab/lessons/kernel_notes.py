@@ -137,3 +137,37 @@ def fp32_layout_log(path: Path | str | None = None) -> dict:
     if ncu:
         frac = int(ncu.group(1).replace(",", "")) / int(ncu.group(2).replace(",", ""))
     return {"bank_conflict_frac": frac, "query_major_ratio": ratios, "path": p}
+
+
+# ---- launch limits and the nvcc route ----------------------------------------------------------------
+#: Per-multiprocessor limits of sm_90 (H100/H200) that bound how many blocks are resident at once.
+SM90_LIMITS = {"threads": 2048, "blocks": 32, "registers": 65536, "shared_bytes": 228 * 1024,
+               "reserved_per_block": 1024}
+
+
+def blocks_per_sm(threads: int, registers: int, shared_bytes: int, limits: dict | None = None) -> dict[str, int]:
+    """How many blocks of a kernel fit on one multiprocessor, per limit (threads, registers, shared memory,
+    the block cap) and overall (``"resident"``): the arithmetic of the CUDA occupancy calculator, which
+    ``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` does on a GPU (registers are allocated per warp in
+    units of 256)."""
+    lim = dict(SM90_LIMITS, **(limits or {}))
+    warps = -(-threads // 32)
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    per = {"threads": lim["threads"] // threads, "blocks": lim["blocks"],
+           "registers": lim["registers"] // (regs_per_warp * warps) if registers else lim["blocks"],
+           "shared memory": lim["shared_bytes"] // (shared_bytes + lim["reserved_per_block"])}
+    per["resident"] = min(per.values())
+    return per
+
+
+def nvcc_commands(family: str, arch: str = "sm_90", out_dir: str = "build") -> list[list[str]]:
+    """The blog's route without CuPy: compile one ``kernels/attn_<family>.cu`` alone with nvcc into a cubin
+    (the NVRTC options attnlab uses; paths relative to the repository root), then list its kernel symbols,
+    which ``ctypes`` finds by name through the driver API (``cuModuleLoad``, ``cuModuleGetFunction``)."""
+    from attnlab.backends.cuda.sources import NVRTC_OPTIONS
+
+    src = f"kernels/attn_{family}.cu"  # run from the repository root
+    kernel_path(family)  # the family exists
+    cubin = f"{out_dir}/attn_{family}_{arch}.cubin"
+    return [["nvcc", f"-arch={arch}", *NVRTC_OPTIONS, "-cubin", src, "-o", cubin],
+            ["cuobjdump", "-symbols", cubin]]

@@ -222,3 +222,39 @@ def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float) -> s
         out.append("* **Backward** (forward + backward, Triton's speed relative to each): " + "; ".join(parts)
                    + (f". {skipped} rows of the suite were skipped and are not timed." if skipped else "."))
     return "\n".join(out)
+
+
+def small_n_verdict(df: pd.DataFrame | None, *, public: str = "triton", kernel: str = "triton-kernel") -> str:
+    """Whether "for N of a few hundred just use SDPA" holds in the latency suite: per case, SDPA's fastest
+    kernel (``sdpa-*``) against attnlab's public call and its validate-once kernel path, by device time
+    (median ms), with the public call's host time. A sentence built from whatever the CSV holds."""
+    if df is None or not len(df):
+        return "No latency suite recorded: nothing to judge."
+    ok = _ok(df)
+    rows = []
+    for case, d in ok.groupby("case", sort=False):
+        t = d.set_index("backend")
+        sd = t[t.index.str.startswith("sdpa")]
+        if public not in t.index or sd.empty:
+            continue
+        best = sd["ms"].idxmin()
+        rows.append({"case": case, "N": int(t["Nk"].iloc[0]), "sdpa": best, "sdpa_ms": float(sd["ms"].min()),
+                     "public_ms": float(t.loc[public, "ms"]),
+                     "kernel_ms": float(t.loc[kernel, "ms"]) if kernel in t.index else float("nan"),
+                     "public_host_us": float(t.loc[public, "host_us"]) if "host_us" in t else float("nan")})
+    if not rows:
+        return "The latency suite holds no case with both SDPA and attnlab timed."
+    r = pd.DataFrame(rows)
+    sdpa_wins = int((r["sdpa_ms"] <= r["public_ms"]).sum())
+    kern_wins = int((r["kernel_ms"] < r["sdpa_ms"]).sum())
+    ratio = r["public_ms"] / r["sdpa_ms"]
+    holds = sdpa_wins == len(r)
+    return (f"Over the {len(r)} latency cases (N from {r['N'].min()} to {r['N'].max()}), SDPA's fastest kernel "
+            f"beats attnlab's public call in {sdpa_wins}: the public call takes {ratio.min():.2f}x to "
+            f"{ratio.max():.2f}x SDPA's time (median host time {r['public_host_us'].median():.0f} µs "
+            f"per call). attnlab's validate-once kernel path is faster than SDPA's best in {kern_wins} "
+            f"of {len(r)}, " + ("so at these sizes what separates them is the launch path, not the kernel. "
+                                if 2 * kern_wins > len(r) else "so the kernel itself is not faster either. ")
+            + "Verdict: "
+            + ("it holds; for N of a few hundred, call SDPA." if holds else
+               "it holds only in part; SDPA is not faster in every case here."))

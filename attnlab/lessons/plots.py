@@ -351,10 +351,11 @@ def _components(owner: np.ndarray) -> list[tuple[int, np.ndarray]]:
 
 
 def thread_map(owner: np.ndarray, *, color: np.ndarray | None = None, title: str = "", xlabel: str = "",
-               ylabel: str = "", ax=None, fontsize: float = 5.5) -> Figure:
+               ylabel: str = "", ax=None, fontsize: float | None = None) -> Figure:
     """Draw which thread owns each element of a tile: ``owner`` holds thread ids. Colours follow ``color``
     (default: the thread id, cycling through 20), white lines separate owners, and each thread's id is
-    written once on every rectangular region it owns (on each cell of an irregular one)."""
+    written once on every rectangular region it owns (on each cell of an irregular one). ``fontsize``
+    None sizes each label to fit its region (at most 11 pt), so labels stay legible: draw few cells."""
     from matplotlib.collections import LineCollection
 
     owner = np.asarray(owner)
@@ -368,18 +369,104 @@ def thread_map(owner: np.ndarray, *, color: np.ndarray | None = None, title: str
     rows, cols = owner.shape
     segs = [[(c + 0.5, r - 0.5), (c + 0.5, r + 0.5)] for r, c in np.argwhere(owner[:, 1:] != owner[:, :-1])]
     segs += [[(c - 0.5, r + 0.5), (c + 0.5, r + 0.5)] for r, c in np.argwhere(owner[1:, :] != owner[:-1, :])]
-    ax.add_collection(LineCollection(segs, colors="white", linewidths=0.7))
+    ax.add_collection(LineCollection(segs, colors="white", linewidths=1.0))
+    pos = ax.get_position()
+    cell_w = 0.85 * fig.get_figwidth() * pos.width * 72 / cols  # points per cell
+    cell_h = 0.85 * fig.get_figheight() * pos.height * 72 / rows
+
+    def label(x: float, y: float, text: str, w: int, h: int) -> None:
+        size = fontsize or min(11.0, w * cell_w / (0.62 * len(text) + 0.4), 0.7 * h * cell_h)
+        ax.text(x, y, text, ha="center", va="center", fontsize=size, color="black")
+
     for t, comp in _components(owner):
         (r0, c0), (r1, c1) = comp.min(0), comp.max(0)
         if len(comp) == (r1 - r0 + 1) * (c1 - c0 + 1):  # a rectangle: one label in its middle
-            ax.text((c0 + c1) / 2, (r0 + r1) / 2, str(t), ha="center", va="center", fontsize=fontsize)
+            label((c0 + c1) / 2, (r0 + r1) / 2, str(t), c1 - c0 + 1, r1 - r0 + 1)
         else:
             for r, c in comp:
-                ax.text(c, r, str(t), ha="center", va="center", fontsize=fontsize)
+                label(c, r, str(t), 1, 1)
     ax.set_xlim(-0.5, cols - 0.5)
     ax.set_ylim(rows - 0.5, -0.5)
+    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
     ax.grid(False)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
+    return fig
+
+
+# ---- the float32 story (notebook 05) -----------------------------------------------------------------
+def blog_vs_gpu(table: pd.DataFrame, *, gpu: str = "recorded GPU") -> Figure:
+    """The blog's relative times beside the recorded ones (:func:`attnlab.lessons.fp32_story.blog_vs_gpu`),
+    one pair of bars per implementation, log scale, each bar labelled with its ratio."""
+    fig, axes = _fig(size=(8.5, 3.8))
+    ax = axes[0, 0]
+    y = np.arange(len(table))
+    for off, col, name, c in ((-0.2, "blog (x rowmax)", "blog (Ampere, single run)", "#9bbfd6"),
+                              (0.2, "recorded (x rowmax)", gpu, "#3d7ea6")):
+        vals = table[col].astype(float).to_numpy()
+        ax.barh(y + off, vals, height=0.38, color=c, label=name)
+        for yy, v in zip(y + off, vals):
+            if np.isfinite(v):
+                ax.text(v * 1.05, yy, f"{v:.1f}x", va="center", fontsize=9)
+    ax.set_xscale("log")
+    ax.set_yticks(y)
+    ax.set_yticklabels(table.index)
+    ax.invert_yaxis()
+    ax.set_xlim(0.8, max(table[["blog (x rowmax)", "recorded (x rowmax)"]].max()) * 2)
+    ax.xaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.set_xlabel("time relative to the rowmax kernel (log scale; 1x = rowmax)")
+    ax.set_title("B1 H8 N1024 D64 causal, float32")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def ladder_chart(lad: pd.DataFrame) -> Figure:
+    """The rowmax ladder (:func:`attnlab.lessons.fp32_story.ladder`): each measured step's speedup on its
+    case, coloured by whether it was kept; steps never measured are listed as such."""
+    fig, axes = _fig(size=(11.0, 4.2))
+    ax = axes[0, 0]
+    colors = {"yes": "#3d7ea6", "no": "#bbbbbb", "opt-in": "#f4a259"}
+    y = np.arange(len(lad))
+    for yy, row in zip(y, lad.itertuples(index=False)):
+        label = f"{row.step}: {row.change} ({row.case})"
+        if np.isfinite(row.speedup):
+            ax.barh(yy, row.speedup - 1, left=1, color=colors[row.taken], height=0.6)
+            ax.text(max(row.speedup, 1) + 0.004, yy, f"{row.speedup:.3f}x  ({row.before_ms:g} -> {row.after_ms:g} ms)",
+                    va="center", fontsize=8)
+        else:
+            ax.text(1.004, yy, "not measured", va="center", fontsize=8, color="#777777")
+        ax.text(0.0, yy, label, transform=mpl.transforms.blended_transform_factory(ax.transAxes, ax.transData),
+                ha="right", va="center", fontsize=8.5)
+    ax.axvline(1, color="black", linewidth=1)
+    ax.set_yticks([])
+    ax.invert_yaxis()
+    ax.set_xlim(0.97, max(1.3, float(np.nanmax(lad["speedup"])) + 0.12))
+    ax.set_xlabel("speedup of the step (kernel time before / after, measured side by side)")
+    ax.set_title("rowmax ladder (float32, H200, recorded)")
+    ax.legend(handles=[Patch(color=c, label={"yes": "kept", "no": "not kept", "opt-in": "opt-in switch"}[k])
+                       for k, c in colors.items()], loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def fp32_bars(fair: pd.DataFrame, colors: Mapping[str, object] | None = None) -> Figure:
+    """TFLOP/s of every float32 backend per case (:func:`attnlab.lessons.fp32_story.fair_fp32`), one
+    panel per case, bars sorted by speed."""
+    cases = list(fair["tflops"].columns)
+    fig, axes = _fig(1, len(cases), size=(5.2 * len(cases), 3.8))
+    for ax, case in zip(axes.flat, cases):
+        t = fair["tflops"][case].dropna().sort_values()
+        ax.barh(t.index, t.values, color=[(colors or {}).get(b, "#3d7ea6") for b in t.index])
+        for i, v in enumerate(t.values):
+            ax.text(v * 1.03, i, f"{v:.1f}", va="center", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlim(t.min() / 1.5, t.max() * 2)
+        ax.xaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel("TFLOP/s (useful FLOPs, log scale)")
+        ax.set_title(case.replace("fp32_", "").replace("_", " "))
+    fig.suptitle("float32 IEEE (TF32 off) against float32 rivals only", fontweight="bold")
+    fig.tight_layout()
     return fig
