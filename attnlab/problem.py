@@ -8,7 +8,7 @@ about masks lives here, so that bad input fails the same way whatever the backen
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,9 +30,6 @@ class Problem:
     spec: MaskSpec
     scale: float
     layout: str
-    #: What backends remember about this problem between calls (the Triton launch plans): it lives and dies
-    #: with the problem and its tensors, and takes no part in comparisons.
-    cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def B(self) -> int:

@@ -1,11 +1,14 @@
 """Host time per call and GPU time of small problems through attnlab.attention vs SDPA, side by side.
 
 Host time: the wall time of N back-to-back calls without synchronizing, divided by N, while the GPU is kept
-busy (so the CPU side is what is measured). Prints one line per (case, competitor).
+busy (so the CPU side is what is measured). Prints one line per (case, competitor), then a profile of the
+public call's repeated (fast) path.
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import sys
 import time
 
@@ -13,12 +16,14 @@ import torch
 import torch.nn.functional as F
 
 import attnlab
+from attnlab.paged import to_paged
 
 
-def host_us(fn, n=200):
+def host_us(fn, n=300):
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # keep the GPU busy: the loop below is bound by the host alone
     t = time.perf_counter()
     for _ in range(n):
         fn()
@@ -27,7 +32,7 @@ def host_us(fn, n=200):
     return host
 
 
-def gpu_us(fn, n=100):
+def gpu_us(fn, n=200):
     for _ in range(5):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -40,12 +45,22 @@ def gpu_us(fn, n=100):
     return start.elapsed_time(end) / n * 1e3
 
 
-def competitors(q, k, v, causal):
+def prefill(q, k, v, causal):
     return {
-        "sdpa (raw F.sdpa)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        "raw F.sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
         "attnlab triton": lambda: attnlab.attention(q, k, v, causal=causal, backend="triton"),
         "attnlab auto": lambda: attnlab.attention(q, k, v, causal=causal),
         "attnlab sdpa": lambda: attnlab.attention(q, k, v, causal=causal, backend="sdpa"),
+    }
+
+
+def decode(q, k, v, lens, caches):
+    kc, vc, bt = caches
+    return {
+        "raw F.sdpa gqa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "attnlab auto": lambda: attnlab.attention(q, k, v),
+        "attnlab auto kv_len": lambda: attnlab.attention(q, k, v, kv_len=lens),
+        "attnlab auto paged16": lambda: attnlab.attention(q, kc, vc, block_table=bt, kv_len=lens),
     }
 
 
@@ -53,9 +68,26 @@ def main() -> int:
     torch.manual_seed(0)
     for B, H, N, D, causal in [(1, 8, 128, 64, True), (4, 16, 512, 64, False), (2, 32, 256, 128, True)]:
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for name, fn in competitors(q, k, v, causal).items():
-            print(f"B{B} H{H} N{N} D{D} causal={causal} {name:20s} host {host_us(fn):7.1f} us  "
+        for name, fn in prefill(q, k, v, causal).items():
+            print(f"B{B} H{H} N{N} D{D} causal={causal} {name:22s} host {host_us(fn):7.1f} us  "
                   f"gpu {gpu_us(fn):7.1f} us", flush=True)
+    for B, Hkv, Nk in [(1, 8, 32768), (8, 8, 8192)]:
+        q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        lens = torch.full((B,), Nk, device="cuda", dtype=torch.int32)
+        for name, fn in decode(q, k, v, lens, to_paged(k, v, 16)).items():
+            print(f"decode B{B} Hq32 Hkv{Hkv} Nk{Nk} {name:22s} host {host_us(fn):7.1f} us  "
+                  f"gpu {gpu_us(fn):7.1f} us", flush=True)
+    q, k, v = (torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fn = lambda: attnlab.attention(q, k, v, causal=True)
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3000):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     return 0
 
 

@@ -3,9 +3,9 @@
 Why a separate path
 -------------------
 Decoding reads K and V once and does almost no arithmetic per byte, so its speed is the rate at which the
-GPU streams the KV cache. The fused forward (:mod:`attnlab.backends.triton.kernel`) runs one program per (row tile,
-query head, batch entry): with Nq = 1 that is B * Hq programs, each reading its kv head's whole cache, so
-a GQA group reads the same K/V ``group`` times and a small batch leaves most SMs idle.
+GPU streams the KV cache. The fused forward (:mod:`attnlab.backends.triton.kernel`) runs one program per (row
+tile, query head, batch entry): with Nq = 1, B * Hq programs each read their kv head's whole cache, so a GQA
+group reads the same K/V ``group`` times and a small batch leaves most SMs idle.
 
 Packing, splitting and the program mapping
 ------------------------------------------
@@ -380,8 +380,7 @@ def decode_forward(
     ``block_size`` is optional (it is the caches' second dim). ``splits`` forces the split count (default:
     :func:`num_splits`; a fixed INTERPRETER_SPLITS on CPU); ``config`` the GPU tile config.
 
-    Repeated GPU calls with one Problem (and the same caches) reuse its launch plan, kept in ``prob.cache``:
-    the kernels' arguments and compiled kernels, launched without Triton's JIT dispatch (``FAST_LAUNCH``).
+    GPU calls of one signature share a launch plan (:func:`gpu_plan`), launched without Triton's JIT dispatch.
     """
     paged = None
     given = [x is not None for x in (k_cache, v_cache, block_table)]
@@ -508,8 +507,7 @@ class _Plan:
             (k0, k1, k2, k3), (v0, v1, v2, v3) = k.stride(), v.stride()
             k_strides, v_strides = (k0, k2, k1, k3), (v0, v2, v1, v3)
             s_bt, nb, bs = bt.stride(0), paged.num_blocks, paged.block_size
-        explicit = _explicit(prob)
-        e_strides = explicit.stride() if explicit is not None else (0, 0, 0, 0)
+        e_strides = (0, 0, 0, 0) if _explicit(prob) is None else _explicit(prob).stride()
         n_rt = row_tiles(prob, interpret)
         # Everything but the seven tensors, which change from call to call (see _tensors).
         self.fixed = (
