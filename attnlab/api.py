@@ -81,8 +81,9 @@ def attention(
     query rows on a GPU) reads the caches in place; other backends, and calls that need gradients, gather
     them to dense k and v first.
     """
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, mask)
+    needs_grad = torch.is_grad_enabled() and (
+        getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
+        or getattr(v, "requires_grad", False) or getattr(mask, "requires_grad", False)
     )
     if block_table is not None and needs_grad:  # the caches get their gradients through a differentiable gather
         k, v = gather_paged(q, k, v, block_table, layout, kv_len)
