@@ -288,7 +288,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("bias", bias_suite, all_rank=7, backends=("triton", "auto", "sdpa-cudnn", "sdpa-efficient"),
           deadline_s=40.0),
     Suite("backward", backward_suite, all_rank=8, timing=(10, 50.0, 3), backends=BACKWARD_BACKENDS,
-          deadline_s=150.0),
+          deadline_s=300.0),
     Suite("quick", quick_suite),
 )}
 

@@ -61,8 +61,9 @@ MAX_BLOCK_M = 64
 #: The most splits of one (batch, kv head, row tile), and the fewest key tiles a split should own.
 MAX_SPLITS = 256
 MIN_TILES_PER_SPLIT = 4
-#: Programs aimed for per SM when choosing the split count (a few waves of resident programs).
-PROGRAMS_PER_SM = 2
+#: Programs aimed for per SM when choosing the split count: 4, from the H200 sweep (graph replay, bf16 D128)
+#: in data/gpu_tests/nvidia-h200-decode-profile-2026-12-01.txt.
+PROGRAMS_PER_SM = 4
 #: The interpreter's fixed split count when none is forced (so CPU runs exercise the merge).
 INTERPRETER_SPLITS = 3
 
@@ -292,10 +293,9 @@ INTERPRETER_CONFIG = DecodeConfig(16, 1, 1)
 
 
 def default_config(dtype: torch.dtype, D: int) -> DecodeConfig:
-    """The GPU config for a dtype and head dim. bf16 D128 on the H200 (data/gpu_tests/nvidia-h200-decode-
-    run1.txt, B1 Hq32 Hkv32 Nk131072, where the GPU and not the host sets the time): (64, 4, 2) 516 us,
-    (64, 4, 3) 546, (32, 4, 2) 532, (128, 4, 4) 505 but slower elsewhere; run 2 (CUDA-graph replay): within
-    7% of (128, 4, 2) on all four decode shapes."""
+    """The GPU config for a dtype and head dim. bf16 D128 on the H200: (64, 4, 2) within a few percent of the
+    best on every shape swept (data/gpu_tests/nvidia-h200-decode-run1.txt and -decode-profile-2026-12-01.txt:
+    graph replay, where the GPU and not the host sets the time)."""
     block_d = _block_d(D)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2) if block_d <= 128 else DecodeConfig(16, 4, 2)
