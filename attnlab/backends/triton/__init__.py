@@ -63,13 +63,13 @@ the sizes' powers of two (:func:`tune_key`); ``AUTOTUNE = False`` uses each spac
 configs persist on disk per GPU model, Triton version and kernel source
 (:mod:`~attnlab.backends.triton.tune_cache`, ``$ATTNLAB_CACHE_DIR`` or ``~/.cache/attnlab``): a new process
 takes a known key from there without tuning.
-Repeated launches of one :class:`~attnlab.problem.Problem` (validated once with ``make_problem`` and
-passed to ``TritonBackend().forward`` again and again, as the benchmark harness does) reuse its arguments
-and compiled kernel and call Triton's launcher directly (:class:`_Plan`): on an H200 that cut the host
-time of such a call from about 86 us to 20 us (a sdpa-flash call: 20 us), which had been the floor of
-every small problem. :func:`attnlab.attention` validates its arguments into a new Problem on every call,
-so it always takes the JIT path. ``FAST_LAUNCH = False`` (or ATTNLAB_TRITON_FAST_LAUNCH=0) sends every
-launch through the JIT.
+Launches of one call signature (shapes, strides, dtypes, mask kind, alignment: :func:`_signature`) share a
+plan (:class:`_Plan`): its arguments and compiled kernel, with Triton's launcher called directly rather than
+through the JIT's per-call binding. :func:`attnlab.attention` goes further for a signature it has seen
+(:mod:`attnlab.calls`): the plan's fast call allocates the output and launches, with nothing validated or
+looked up again; on an H200 that made the public call's host time that of a raw SDPA call (about 20-37 us,
+data/gpu_tests/nvidia-h200-host-time-b9428a4.txt). ``FAST_LAUNCH = False`` (or
+ATTNLAB_TRITON_FAST_LAUNCH=0) sends every launch through the JIT.
 
 On CPU tensors the very same Python function runs through Triton's interpreter
 (``triton.runtime.interpreter.InterpretedFunction``) with one small config, so the user sets no
@@ -95,7 +95,11 @@ Where the code is
 * :mod:`~attnlab.backends.triton.launch`: the kernel's arguments, the grid, the JIT launch and the fast
   path of repeated launches.
 * :mod:`~attnlab.backends.triton.interpreter`: the CPU path.
-* :mod:`~attnlab.backends.triton.backend`: :class:`TritonBackend`.
+* :mod:`~attnlab.backends.triton.backend`: :class:`TritonBackend` and ``TritonDecodeBackend``.
+* :mod:`~attnlab.backends.triton.decode_kernels` and :mod:`~attnlab.backends.triton.decode`: the split-KV
+  decode path (``triton-decode``): its kernels, then its configs, split count, paged cache and plans.
+* :mod:`~attnlab.backends.triton.backward_kernels` and :mod:`~attnlab.backends.triton.backward`: the
+  FlashAttention-2 style backward kernels and their launches.
 """
 
 from __future__ import annotations

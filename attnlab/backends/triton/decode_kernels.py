@@ -1,0 +1,252 @@
+"""Split-KV Triton decode path: a few query rows against a long (optionally paged) KV cache.
+
+Why a separate path
+-------------------
+Decoding reads K and V once and does almost no arithmetic per byte, so its speed is the rate at which the
+GPU streams the KV cache. The fused forward (:mod:`attnlab.backends.triton.kernel`) runs one program per (row
+tile, query head, batch entry): with Nq = 1, B * Hq programs each read their kv head's whole cache, so a GQA
+group reads the same K/V ``group`` times and a small batch leaves most SMs idle.
+
+Packing, splitting and the program mapping
+------------------------------------------
+* **GQA packing.** The ``group = Hq // Hkv`` query heads of one kv head and the Nq query rows are packed
+  into the M dimension of one tile: packed row ``r = g * Nq + i`` is query head ``kvh * group + g``, row
+  ``i``. One program therefore multiplies a [BLOCK_M, D] Q tile by each K tile it loads, and K/V bytes are
+  read once per kv head. BLOCK_M is a power of two >= 16 (tl.dot's minimum; rows past ``group * Nq`` are
+  masked); more packed rows than BLOCK_M are cut into row tiles (``row_tiles``), each its own program.
+* **Split-KV.** The keys a kv head's rows may see (``[lo, hi)`` from kv_len, q_len and the causal/window
+  band, the same bounds as :meth:`attnlab.masks.MaskSpec.key_range`) are cut into ``S`` nearly equal runs
+  of whole key tiles, one per program; a split whose run is empty (a short ragged sequence) writes the
+  empty state m = -inf, l = 0, acc = 0. The grid is ``(S, Hkv * row_tiles, B)``: the splits of one head
+  are neighbours in launch order. ``S`` follows from B, Hkv, Nk and the SM count (:func:`num_splits`).
+* **Online softmax** per packed row, in base 2 as in the fused forward: ``m_i`` (running max of
+  ``s = scale * log2(e) * q.k (+ log2(e) * bias)``), ``l_i`` (sum of ``exp2(s - m_i)``) and ``acc`` (sum of
+  ``exp2(s - m_i) * v``), float32. Within a split, key tiles that every row sees in full run without any
+  predicate; the partial tiles at the ends of the band and the length pay for the masks.
+* **Merge.** Each split stores its unnormalized state (m, l, acc) in a float32 workspace, and a second
+  kernel combines the S states of each (batch, query head, row) with the lse rule: ``m = max_s m_s``,
+  ``l = sum_s l_s * exp2(m_s - m)``, ``out = sum_s acc_s * exp2(m_s - m) / l``, ``lse = (m + log2 l) * ln 2``;
+  l = 0 (no allowed key anywhere) gives out = 0 and lse = -inf. With S = 1 the split kernel normalizes and
+  writes out and lse itself, and no merge runs.
+* **Paged KV cache** (FlashAttention's ``flash_attn_with_kvcache`` convention): caches
+  ``[num_blocks, block_size, Hkv, D]`` and an int32 ``block_table [B, max_blocks]``; logical key j of batch
+  b is read at ``cache[block_table[b, j // block_size], j % block_size]``. Block ids are clamped to
+  ``[0, num_blocks)`` and no block-table entry at or past kv_len is read, so a bad table never reads out of
+  bounds.
+
+Plain pointer arithmetic with masks only (never ``tl.make_block_ptr``): the same functions compile with
+triton 3.4 to 3.9 and run through Triton's interpreter on CPU tensors (``attnlab.backends.triton.interpreter``'s
+``interpreter``), where BLOCK_M = BLOCK_N = 16 so small tests span several tiles, row tiles and splits.
+"""
+
+from __future__ import annotations
+
+from attnlab.backends.triton.kernel import tl, triton
+
+# ---------------------------------------------------------------------------------------------------
+# The kernels
+# ---------------------------------------------------------------------------------------------------
+if triton is not None:
+    from attnlab.backends.triton import tiles
+
+    @triton.jit
+    def _key_offsets(Bt, keys, Lk, num_blocks, block_size, s_kn, s_kblk, s_vn, s_vblk,
+                     PAGED: tl.constexpr, PARTIAL: tl.constexpr):
+        """int64 offsets of ``keys``' rows in K and V: dense, key * key stride (the batch is in the base
+        pointer); paged, through the block table row ``Bt`` (ids clamped; entries past Lk never read)."""
+        if PAGED:
+            if PARTIAL:
+                blk = tl.load(Bt + keys // block_size, mask=keys < Lk, other=0)
+            else:
+                blk = tl.load(Bt + keys // block_size)
+            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+            slot = (keys % block_size).to(tl.int64)
+            return blk * s_kblk + slot * s_kn, blk * s_vblk + slot * s_vn
+        else:
+            kk = keys.to(tl.int64)
+            return kk * s_kn, kk * s_vn
+
+    @triton.jit
+    def _scores(q, k, e_rows, keys, rows, row_ok, Lk, Nk, off, win_left, win_right, qk_scale, s_ej,
+                PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Base-2 scores of one tile, [BLOCK_M packed rows, BLOCK_N keys]: -inf where the explicit mask,
+        the length or (partial tiles only) the band forbids the key. ``rows`` are query row indices."""
+        s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)
+        if HAS_MASK or HAS_BIAS:
+            e_ptrs = e_rows[:, None] + keys[None, :].to(tl.int64) * s_ej
+            e_ok = row_ok[:, None] & (keys < Nk)[None, :]
+            if HAS_MASK:
+                allowed = tl.load(e_ptrs, mask=e_ok, other=0)
+                s = tl.where(allowed != 0, s, float("-inf"))
+            else:
+                s = s + tl.load(e_ptrs, mask=e_ok, other=0.0) * 1.4426950408889634
+        if PARTIAL:
+            ok = (keys < Lk)[None, :] & row_ok[:, None]
+            if HAS_LEFT:  # j >= diag_i - left
+                ok = ok & (keys[None, :] >= (rows + off - win_left)[:, None])
+            if HAS_RIGHT:  # j <= diag_i + right
+                ok = ok & (keys[None, :] <= (rows + off + win_right)[:, None])
+            s = tl.where(ok, s, float("-inf"))
+        return s
+
+    @triton.jit
+    def _tile(m_i, l_i, acc, q, t, k_base, v_base, Bt, e_rows, rows, row_ok, offs_n, offs_d,
+              Lk, Nk, D, off, win_left, win_right, qk_scale, num_blocks, block_size,
+              s_kn, s_kblk, s_kd, s_vn, s_vblk, s_vd, s_ej,
+              BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
+              HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Key tile ``t`` of the split: load K and V (dense or through the block table), score, update."""
+        keys = t * BLOCK_N + offs_n
+        k_off, v_off = _key_offsets(Bt, keys, Lk, num_blocks, block_size, s_kn, s_kblk, s_vn, s_vblk,
+                                    PAGED, PARTIAL)
+        k = tiles.load_tile(k_base + k_off[:, None] + offs_d[None, :] * s_kd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
+                       UPCAST)
+        v = tiles.load_tile(v_base + v_off[:, None] + offs_d[None, :] * s_vd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
+                       UPCAST)
+        s = _scores(q, k, e_rows, keys, rows, row_ok, Lk, Nk, off, win_left, win_right, qk_scale, s_ej,
+                    PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION)
+        p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 1, PARTIAL or HAS_MASK or HAS_BIAS)
+        return m_i, l_i, tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+
+    @triton.jit
+    def _decode_split_kernel(
+        Q, K, V, BlockTable, KvLen, QLen, Explicit,
+        s_qb, s_qh, s_qn, s_qd,
+        s_kb, s_kh, s_kn, s_kd,
+        s_vb, s_vh, s_vn, s_vd,
+        s_btb, s_eb, s_eh, s_ei, s_ej,
+        Hq, Nq, Nk, D, group, row_tiles, num_blocks, block_size, qk_scale, win_left, win_right,
+        Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+        HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        PAGED: tl.constexpr, FINAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        # ---- which program: split, (kv head, row tile), batch entry ------------------------------------
+        split = tl.program_id(0)
+        S = tl.num_programs(0)
+        kvh = tl.program_id(1) // row_tiles
+        r0 = (tl.program_id(1) % row_tiles) * BLOCK_M
+        b = tl.program_id(2)
+        zero = split * 0  # an int32 scalar tensor: keeps every bound a tensor
+
+        # ---- lengths (clamped: a device length is never trusted for addressing) and the diagonal -------
+        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+
+        # ---- packed rows: r = g * Nq + i is query head kvh * group + g, row i ---------------------------
+        offs_m = r0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < group * Nq
+        rows = offs_m % Nq
+        heads = (kvh * group + offs_m // Nq).to(tl.int64)
+        live_row = row_ok & (rows < Lq)
+        i_last = tl.minimum(Lq, Nq) - 1  # the last live row of any packed head (-1: none)
+
+        # ---- keys [lo, hi) some row may see, [full_lo, full_hi) every row sees; this split's tiles ------
+        lo, hi, full_lo, full_hi = tiles.key_range(zero, zero, i_last, Lk, off, win_left, win_right, HAS_LEFT,
+                                                   HAS_RIGHT)
+        hi = tl.where(i_last >= 0, tl.maximum(hi, lo), lo)
+        t_lo = lo // BLOCK_N
+        t_hi = tl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
+        n_tiles = t_hi - t_lo
+        s_lo = t_lo + (n_tiles * split) // S  # nearly equal runs of whole tiles
+        s_hi = t_lo + (n_tiles * (split + 1)) // S
+        f_lo = (tl.maximum(full_lo, 0) + BLOCK_N - 1) // BLOCK_N
+        f_hi = tl.maximum(full_hi, 0) // BLOCK_N
+        a = tl.minimum(tl.maximum(f_lo, s_lo), s_hi)  # [s_lo, a) partial, [a, c) full, [c, s_hi) partial
+        c = tl.minimum(tl.maximum(f_hi, a), s_hi)
+
+        # ---- the packed Q tile, loaded once -------------------------------------------------------------
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        b64 = b.to(tl.int64)
+        q_ptrs = (Q + b64 * s_qb + heads[:, None] * s_qh + rows[:, None].to(tl.int64) * s_qn
+                  + offs_d[None, :] * s_qd)
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        if PAGED:
+            k_base = K + kvh.to(tl.int64) * s_kh
+            v_base = V + kvh.to(tl.int64) * s_vh
+        else:
+            k_base = K + b64 * s_kb + kvh.to(tl.int64) * s_kh
+            v_base = V + b64 * s_vb + kvh.to(tl.int64) * s_vh
+        Bt = BlockTable + b64 * s_btb
+        e_rows = Explicit + b64 * s_eb + heads * s_eh + rows.to(tl.int64) * s_ei
+
+        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 1)
+        for phase in tl.static_range(3):
+            t_begin, t_end = tiles.phase_range(phase, s_lo, a, c, s_hi)
+            for t in range(t_begin, t_end):
+                m_i, l_i, acc = _tile(
+                    m_i, l_i, acc, q, zero + t, k_base, v_base, Bt, e_rows, rows, row_ok, offs_n, offs_d,
+                    Lk, Nk, D, off, win_left, win_right, qk_scale, num_blocks, block_size,
+                    s_kn, s_kb, s_kd, s_vn, s_vb, s_vd, s_ej,
+                    BLOCK_N, phase != 1, EVEN_D, PAGED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, UPCAST,
+                    DOT_PRECISION,
+                )
+
+        # ---- epilogue: padding rows hold the empty state; one split normalizes, several store states ---
+        ws_row = (b64 * Hq + heads) * Nq + rows  # (b, h, i) of each packed row
+        d_ok = row_ok[:, None] & (offs_d < D)[None, :]
+        if FINAL:
+            _store_final(Out, Lse, b64, heads, rows, offs_d, row_ok, live_row, m_i, l_i, acc, D,
+                         s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, WRITE_LSE)
+        else:
+            idx = ws_row * S + split
+            tl.store(WsM + idx, tl.where(live_row, m_i, float("-inf")), mask=row_ok)
+            tl.store(WsL + idx, tl.where(live_row, l_i, 0.0), mask=row_ok)
+            tl.store(WsAcc + idx[:, None] * D + offs_d[None, :], tl.where(live_row[:, None], acc, 0.0), mask=d_ok)
+
+    @triton.jit
+    def _store_final(Out, Lse, b64, heads, rows, offs_d, row_ok, live_row, m_i, l_i, acc, D,
+                     s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, WRITE_LSE: tl.constexpr):
+        """out = acc / l and lse = (m + log2 l) * ln 2 of each packed row; rows with l = 0 (no allowed key)
+        and padding rows write 0 and -inf."""
+        live = live_row & (l_i != 0.0)
+        l_div = tl.where(live, l_i, 1.0)
+        out = tl.where(live[:, None], acc / l_div[:, None], 0.0)
+        o_ptrs = (Out + b64 * s_ob + heads[:, None] * s_oh + rows[:, None].to(tl.int64) * s_on
+                  + offs_d[None, :] * s_od)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
+        if WRITE_LSE:
+            lse = tl.where(live, (m_i + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf"))
+            tl.store(Lse + b64 * s_lb + heads * s_lh + rows.to(tl.int64) * s_ln, lse, mask=row_ok)
+
+    @triton.jit
+    def _decode_merge_kernel(
+        WsM, WsL, WsAcc, Out, Lse, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+    ):
+        """One program per (b, h, i): combine the S split states with the lse rule (module docstring)."""
+        row = tl.program_id(0).to(tl.int64)  # (b * Hq + h) * Nq + i
+        i = row % Nq
+        h = (row // Nq) % Hq
+        b = row // (Nq * Hq)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        base = row * S
+        m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+        for s0 in range(0, S, BLOCK_S):  # m = max_s m_s
+            m = tl.maximum(m, tl.max(tl.load(WsM + base + s0 + offs_s, mask=s0 + offs_s < S,
+                                             other=float("-inf")), 0))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
+        l = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, S, BLOCK_S):  # l = sum_s l_s w_s, acc = sum_s acc_s w_s, w_s = exp2(m_s - m)
+            ok = s0 + offs_s < S
+            w = tl.math.exp2(tl.load(WsM + base + s0 + offs_s, mask=ok, other=float("-inf")) - m_safe)
+            l += tl.sum(tl.load(WsL + base + s0 + offs_s, mask=ok, other=0.0) * w, 0)
+            a_ptrs = WsAcc + (base + s0 + offs_s)[:, None] * D + offs_d[None, :]
+            a_s = tl.load(a_ptrs, mask=ok[:, None] & (offs_d < D)[None, :], other=0.0)
+            acc += tl.sum(a_s * w[:, None], 0)
+        live = l != 0.0
+        l_div = tl.where(live, l, 1.0)
+        out = tl.where(live, acc / l_div, 0.0)
+        tl.store(Out + b * s_ob + h * s_oh + i * s_on + offs_d * s_od, out.to(Out.dtype.element_ty),
+                 mask=offs_d < D)
+        if WRITE_LSE:
+            tl.store(Lse + b * s_lb + h * s_lh + i * s_ln,
+                     tl.where(live, (m + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf")))
