@@ -7,6 +7,7 @@ Writes ``data/bench/<gpu>/roofs.json`` (or the path given) with the environment.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -72,7 +73,8 @@ def main() -> int:
     out["read_tbps"] = nbytes / best_us(lambda: big.sum(), reps=10) / 1e6
     out["copy_tbps"] = 2 * nbytes / best_us(lambda: dst.copy_(big), reps=10) / 1e6
     out = {k: round(v, 1) if "tflops" in k else round(v, 2) for k, v in out.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("ATTNLAB_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     env = {"gpu": name, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
            "date_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "commit": commit or None,
