@@ -49,7 +49,7 @@ def profile_config(B: int, Hkv: int, Nk: int) -> None:
     label = f"B{B} Hkv{Hkv} Nk{Nk}"
 
     def rate(us):
-        return f"{us:7.1f} us {gb / us * 1e3:6.0f} GB/s"
+        return f"{us:7.1f} us {gb / (us * 1e-6):6.0f} GB/s"
 
     for name, kind in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         def sd(kind=kind):

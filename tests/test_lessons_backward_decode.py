@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 
 import attnlab
@@ -140,3 +141,14 @@ def test_bandwidth_table():
     t = dl.bandwidth_table(df)
     assert list(t.columns) == ["sdpa-cudnn", "triton"] or set(t.columns) == {"sdpa-cudnn", "triton"}
     assert dl.bandwidth_table(None) is None
+
+
+def test_parse_graph_profile(tmp_path):
+    assert dl.parse_graph_profile(tmp_path / "missing.txt") is None
+    log = tmp_path / "profile.txt"
+    log.write_text("# header\nB1 Hkv8 Nk32768 sdpa-cudnn             37.0 us      4 GB/s\n"
+                   "B1 Hkv8 Nk32768 attnlab paged16      52.8 us      3 GB/s\n"
+                   "B1 Hkv8 Nk32768 sweep bn64 w4 st2 (default S=32): S4:188.7\n")
+    df = dl.parse_graph_profile(log)
+    assert list(df["variant"]) == ["sdpa-cudnn", "paged16"]
+    assert df["gbps"].iloc[0] == pytest.approx(2 * 8 * 32768 * 128 * 2 / 37e-6 / 1e9)

@@ -285,3 +285,23 @@ def parse_decode_log(path: str | Path) -> pd.DataFrame | None:
             rows.append({"config": config, "variant": m.group(1).strip(), "us": float(m.group(2)),
                          "gbps": float(m.group(3))})
     return pd.DataFrame(rows) if rows else None
+
+
+_GRAPH_ROW = re.compile(r"^B(\d+) Hkv(\d+) Nk(\d+) (sdpa-\S+|attnlab \S+)\s+([\d.]+) us")
+
+
+def parse_graph_profile(path: str | Path, *, Hq: int = 32, D: int = 128, itemsize: int = 2) -> pd.DataFrame | None:
+    """The GPU-only decode times of a scripts/decode_profile.py log (CUDA-graph replay, so no host time in
+    them): config, variant, us, and GB/s of K/V read recomputed from the shape. None if the file is missing."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    rows = []
+    for line in path.read_text().splitlines():
+        if m := _GRAPH_ROW.match(line):
+            B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
+            us = float(m.group(5))
+            rows.append({"config": config_label(B, Hq, Hkv, Nk), "variant": m.group(4).replace("attnlab ", ""),
+                         "us": us, "gbps": 2 * B * Hkv * Nk * D * itemsize / (us * 1e-6) / 1e9})
+    return pd.DataFrame(rows) if rows else None
+
