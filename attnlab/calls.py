@@ -40,13 +40,14 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
 
 
-def _lengths_key(x: Any) -> Any:
-    """None, ("int", value) or a GPU tensor's metadata; raises LookupError for lengths validated by value."""
+def _lengths_key(x: Any, device: int) -> Any:
+    """None, ("int", value) or a GPU tensor's metadata; raises LookupError for lengths validated by value and
+    for lengths on another GPU than q's (the whole way moves those; a fast call would not)."""
     if x is None:
         return None
     if type(x) is int:
         return ("int", x)
-    if type(x) is _Tensor and x.is_cuda:
+    if type(x) is _Tensor and x.is_cuda and x.get_device() == device:
         return _tensor_key(x)
     raise LookupError
 
@@ -78,8 +79,10 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
             table_key = None
         if type(scale) is bool:
             return None
-        return (_tensor_key(q), _tensor_key(k), _tensor_key(v), _lengths_key(kv_len), _lengths_key(q_len),
-                mask_key, table_key, causal, window, align, scale, layout, backend, bool(want_lse))
+        device = q.get_device()
+        return (_tensor_key(q), _tensor_key(k), _tensor_key(v), _lengths_key(kv_len, device),
+                _lengths_key(q_len, device), mask_key, table_key, causal, window, align, scale, layout, backend,
+                bool(want_lse))
     except (LookupError, TypeError, ValueError):  # host lengths, an unhashable or malformed keyword
         return None
 
