@@ -67,8 +67,8 @@ Launches of one call signature (shapes, strides, dtypes, mask kind, alignment: :
 plan (:class:`_Plan`): its arguments and compiled kernel, with Triton's launcher called directly rather than
 through the JIT's per-call binding. :func:`attnlab.attention` goes further for a signature it has seen
 (:mod:`attnlab.calls`): the plan's fast call allocates the output and launches, with nothing validated or
-looked up again; on an H200 that made the public call's host time that of a raw SDPA call (about 20-37 us,
-data/gpu_tests/nvidia-h200-host-time-b9428a4.txt). ``FAST_LAUNCH = False`` (or
+looked up again; on an H200 that brought the public call's host time to 20-37 us, 0-19% above a raw SDPA
+call's 18-31 us (data/gpu_tests/nvidia-h200-host-time-b9428a4.txt). ``FAST_LAUNCH = False`` (or
 ATTNLAB_TRITON_FAST_LAUNCH=0) sends every launch through the JIT.
 
 On CPU tensors the very same Python function runs through Triton's interpreter
