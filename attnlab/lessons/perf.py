@@ -124,7 +124,7 @@ def _ratios(df: pd.DataFrame, backend: str, baseline: str) -> pd.Series:
     return b.loc[both] / a.loc[both]
 
 
-def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float) -> str:
+def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float, read_tbps: float | None = None) -> str:
     """The takeaways of notebook 08 as Markdown, every figure computed from the recorded suites."""
     out = []
     dense = data.get("dense")
@@ -170,6 +170,11 @@ def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float) -> s
             text += (f" {' and '.join(above)} read faster than the {copy_tbps:g} TB/s measured for a device "
                      "copy: that figure is a measured copy rate (a copy reads and writes), not a ceiling "
                      "for a read-only stream.")
+        if read_tbps is not None:
+            best = peaks["TB/s"].max()
+            text += (f" The best, {best:.2f} TB/s, is {best / read_tbps:.0%} of the {read_tbps:g} TB/s measured "
+                     "for a read-only stream" + (" (above it: the stream roofs.py measured is not the ceiling "
+                     "either)" if best > read_tbps else "") + ".")
         out.append(text)
     fp32 = data.get("fp32")
     if fp32 is not None:
