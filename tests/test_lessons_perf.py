@@ -25,5 +25,7 @@ def test_recorded_path_and_backward_table():
     df = _rows()
     assert perf.recorded_path(df).startswith("validate-once")
     assert perf.recorded_path(df.assign(path="public")) == "public"
+    mixed = df.assign(path=["public"] + [""] * (len(df) - 1))
+    assert perf.recorded_path(mixed) == "public, validate-once kernel path (older rows, no path)"
     bwd = perf.backward_table(df[df["case"].str.startswith("c")])
     assert bwd.loc[("c", "triton"), "fwd"] == 5.0 and bwd.loc[("c", "triton"), "bwd"] == "skipped"

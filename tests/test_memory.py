@@ -74,3 +74,34 @@ def test_sweep_columns():
     assert list(df["N"]) == [1024, 2048]
     assert (df["unfused_bytes"] > df["fused_bytes"]).all()
     assert df["score_bytes"].iloc[1] == 4 * df["score_bytes"].iloc[0]
+
+
+def test_measured_roofs_reads_roofs_json(tmp_path):
+    import json
+
+    (tmp_path / "roofs.json").write_text(json.dumps({
+        "roofs": {"bf16_matmul_tflops": 700.5, "fp32_matmul_tflops": 50.0, "fp32_fma_tflops": 49.0,
+                  "read_tbps": 4.3, "copy_tbps": 4.1},
+        "environment": {"gpu": "Some GPU", "commit": "abc1234", "date_utc": "2026-12-01T00:00:00Z", "how": "x"}}))
+    r = memory.measured_roofs(tmp_path)
+    assert (r["bf16_tflops"], r["fp32_tflops"], r["fp32_fma_tflops"]) == (700.5, 50.0, 49.0)
+    assert (r["read_tbps"], r["copy_tbps"], r["name"], r["commit"]) == (4.3, 4.1, "Some GPU", "abc1234")
+    assert r["source"] == f"{tmp_path.name}/roofs.json" and r["hbm_gib"] == memory.H200["hbm_gib"]
+
+
+def test_measured_roofs_falls_back_to_the_constants(tmp_path):
+    for content in (None, "not json", '{"roofs": {"bf16_matmul_tflops": 1.0}}'):
+        if content is not None:
+            (tmp_path / "roofs.json").write_text(content)
+        r = memory.measured_roofs(tmp_path)
+        assert r["source"] == "fallback: memory.H200"
+        assert r["bf16_tflops"] == memory.H200["bf16_tflops"] and r["copy_tbps"] == memory.H200["copy_tbps"]
+        assert r["fp32_fma_tflops"] == memory.H200["fp32_tflops"] and r["read_tbps"] == memory.H200["copy_tbps"]
+
+
+def test_measured_roofs_recorded_h200():
+    r = memory.measured_roofs()
+    if r["source"].startswith("fallback"):
+        pytest.skip("no data/bench/nvidia-h200/roofs.json in this checkout")
+    assert r["source"] == "nvidia-h200/roofs.json" and r["commit"] and r["date_utc"]
+    assert r["bf16_tflops"] > r["fp32_tflops"] > 0 and r["read_tbps"] > 0 and r["copy_tbps"] > 0

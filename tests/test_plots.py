@@ -141,3 +141,18 @@ def test_committed_csvs_load_with_the_new_columns():
         assert df["mode"].isin(["", "fwd", "fwd+bwd", "bwd"]).all() and df["path"].isin(["", "public", "kernel"]).all()
     assert isinstance(bench_plots.throughput_vs_n(bench_plots.load_bench("dense", gpu="nvidia-h200")), Figure)
     assert isinstance(bench_plots.memory_measured(bench_plots.load_bench("memory", gpu="nvidia-h200")), Figure)
+
+
+
+def test_roofline_helpers_take_the_measured_roofs():
+    roofs = {"bf16_tflops": 772.4, "fp32_fma_tflops": 50.5, "read_tbps": 4.22, "copy_tbps": 4.19}
+    fig = bench_plots.bench_roofline(synthetic_bench("dense"), peak_tflops=roofs["bf16_tflops"],
+                                     tbps=roofs["read_tbps"],
+                                     extra_peaks={"FP32 FMA (CUDA cores)": roofs["fp32_fma_tflops"]})
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any("772.4 TFLOP/s, 4.22 TB/s" in t for t in labels) and any("FP32 FMA" in t for t in labels)
+    fig = bench_plots.decode_bandwidth(synthetic_bench("decode"), copy_tbps=roofs["copy_tbps"],
+                                       read_tbps=roofs["read_tbps"])
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any("read-only stream 4.22 TB/s" in t for t in labels) and any("copy 4.19" in t for t in labels)
+    plt.close("all")

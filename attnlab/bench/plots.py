@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import matplotlib as mpl
@@ -211,10 +211,12 @@ def decode_config_label(d: pd.DataFrame) -> list[str]:
 
 
 def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.H200["copy_tbps"],
-                     backends: Iterable[str] | None = None, title: str = "") -> Figure | None:
+                     backends: Iterable[str] | None = None, title: str = "",
+                     read_tbps: float | None = None) -> Figure | None:
     """Decode (Nq = 1): achieved K/V bandwidth per recorded configuration (no median over batch sizes or
     masks) and backend, with the measured device copy rate as a reference line (a measured rate, not a bound:
-    a kernel can read faster than a copy, which also writes)."""
+    a kernel can read faster than a copy, which also writes) and, when given, the measured read-only rate
+    (``read_tbps``, :func:`attnlab.lessons.memory.measured_roofs`): the memory roof of a read stream."""
     if not _has_data(df, "decode"):
         return None
     d = _ok(df)
@@ -230,10 +232,13 @@ def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.H200[
     sns.barplot(data=d, x="config", y="gbps", hue="backend", ax=ax, palette=backend_colors(d["backend"]),
                 errorbar=None)
     ax.axhline(copy_tbps * 1e3, color="#c0392b", linestyle="--", label=f"measured device copy {copy_tbps:g} TB/s")
+    if read_tbps is not None:
+        ax.axhline(read_tbps * 1e3, color="black", linestyle="-", linewidth=1.2,
+                   label=f"measured read-only stream {read_tbps:g} TB/s")
     ax.set_xlabel("configuration (D128 bf16, one query per sequence)")
     ax.set_ylabel("K/V read bandwidth (GB/s)")
     ax.tick_params(axis="x", labelrotation=20)
-    ax.set_title(title or "decode: bandwidth per configuration, copy rate dashed")
+    ax.set_title(title or "decode: bandwidth per configuration, measured rates as lines")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
     return fig
@@ -241,9 +246,12 @@ def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.H200[
 
 def bench_roofline(df: pd.DataFrame | None, *, backends: Iterable[str] | None = None,
                    peak_tflops: float = memory.H200["bf16_tflops"], tbps: float = memory.H200["copy_tbps"],
-                   unfused: Iterable[str] = ("torch", "sdpa-math"), title: str = "") -> Figure | None:
+                   unfused: Iterable[str] = ("torch", "sdpa-math"), title: str = "",
+                   extra_peaks: Mapping[str, float] | None = None) -> Figure | None:
     """The best measured configuration of each backend on the roofline, at the intensity of the traffic
-    model that fits it: unfused for the backends in ``unfused`` (they write the scores), fused otherwise."""
+    model that fits it: unfused for the backends in ``unfused`` (they write the scores), fused otherwise
+    (K and V read once). The intensities are ideal ones from the model, not measured bytes. ``extra_peaks``:
+    further flat roofs, e.g. the FP32 FMA rate of the CUDA-core kernels."""
     if not _has_data(df, "roofline"):
         return None
     d = _ok(df)
@@ -264,7 +272,7 @@ def bench_roofline(df: pd.DataFrame | None, *, backends: Iterable[str] | None = 
     pts = [(f"{r.backend} N{r.Nk} D{r.D}", r.intensity, r.tflops) for r in best.itertuples()]
     cols = backend_colors(best["backend"])
     return roofline(pts, peak_tflops=peak_tflops, tbps=tbps, colors=[cols[b] for b in best["backend"]],
-                    title=title or "best measured point per backend")
+                    extra_peaks=extra_peaks, title=title or "best measured point per backend")
 
 
 def summary(df: pd.DataFrame | None, *, backends: Iterable[str] | None = None,

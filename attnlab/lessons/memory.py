@@ -8,21 +8,27 @@ questions about GPUs you do not have. Conventions:
 * FLOPs follow the FlashAttention convention ``4 * B * H * Nq * Nk * D`` (two matmuls, a multiply and
   an add each); causal masking halves it;
 * the *unfused* pipeline is the textbook one (``S = QK^T``; softmax; ``P @ V``, each a separate kernel that
-  writes its result to HBM); the *fused* one (FlashAttention) reads Q, K, V once and writes O and the
+  writes its result to HBM); the *fused* one (FlashAttention) reads Q once, K and V once per query tile
+  (``ceil(Nq / BLOCK_M)`` times, fewer from HBM when the L2 cache serves the re-reads) and writes O and the
   log-sum-exp, never the scores.
 
-The measured H200 ceilings (:data:`H200`) and anchors (:data:`ANCHORS`) are listed with their versions in
+The measured roofs come from ``data/bench/<gpu>/roofs.json`` (:func:`measured_roofs`), the older H200
+ceilings (:data:`H200`, its fallback) and anchors (:data:`ANCHORS`) are listed with their versions in
 docs/design.md, "Measured figures".
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
-#: Measured ceilings of an NVIDIA H200 (docs/design.md, "Measured figures"): TFLOP/s and TB/s.
+#: Ceilings of an NVIDIA H200 measured before ``scripts/roofs.py`` (docs/design.md, "Measured figures"):
+#: TFLOP/s and TB/s. The fallback of :func:`measured_roofs`, which reads the re-measured roofs when recorded.
 H200 = {
     "name": "NVIDIA H200",
     "bf16_tflops": 692.0,  # dense bf16 matmul, measured
@@ -30,6 +36,37 @@ H200 = {
     "copy_tbps": 4.2,  # device-to-device copy, measured
     "hbm_gib": 141e9 / 2**30,  # 141 GB of HBM3e
 }
+
+#: Where :func:`measured_roofs` looks by default: the recorded H200 data (``ATTNLAB_BENCH_DIR`` moves it).
+DEFAULT_GPU_DIR = (Path(os.environ.get("ATTNLAB_BENCH_DIR") or Path(__file__).resolve().parents[2] / "data" / "bench")
+                   / "nvidia-h200")
+
+
+def measured_roofs(gpu_dir: Path | str | None = None) -> dict:
+    """The roofs measured on one GPU (``<gpu_dir>/roofs.json``, written by ``scripts/roofs.py``), or the
+    constants of :data:`H200` when that file is absent or unreadable.
+
+    Keys: ``name``; ``bf16_tflops`` (dense bf16 matmul: the roof of the tensor-core kernels);
+    ``fp32_tflops`` (IEEE float32 matmul, TF32 off); ``fp32_fma_tflops`` (float32 FMAs in registers: the roof
+    of the CUDA-core kernels); ``read_tbps`` (read-only stream: the memory roof); ``copy_tbps`` (a
+    device-to-device copy, which reads and writes); ``hbm_gib``; and where they come from: ``source`` (the
+    file, or ``"fallback: memory.H200"``), ``commit``, ``date_utc``, ``how``. The fallback has no FMA or
+    read-only measurement, so it uses the float32 matmul rate and the copy rate for them.
+    """
+    fallback = {**H200, "fp32_fma_tflops": H200["fp32_tflops"], "read_tbps": H200["copy_tbps"],
+                "source": "fallback: memory.H200", "commit": None, "date_utc": None, "how": None}
+    path = Path(gpu_dir if gpu_dir is not None else DEFAULT_GPU_DIR) / "roofs.json"
+    try:
+        rec = json.loads(path.read_text())
+        r, env = rec["roofs"], rec.get("environment", {})
+        return {**fallback, "name": env.get("gpu", fallback["name"]),
+                "bf16_tflops": float(r["bf16_matmul_tflops"]), "fp32_tflops": float(r["fp32_matmul_tflops"]),
+                "fp32_fma_tflops": float(r["fp32_fma_tflops"]), "read_tbps": float(r["read_tbps"]),
+                "copy_tbps": float(r["copy_tbps"]), "source": f"{path.parent.name}/{path.name}",
+                "commit": env.get("commit"), "date_utc": env.get("date_utc"), "how": env.get("how")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return fallback
+
 
 #: Extra memory measured on the H200 (docs/design.md), bf16, textbook torch vs a fused kernel, in MiB.
 ANCHORS = pd.DataFrame(

@@ -22,8 +22,10 @@ def recorded_path(df: pd.DataFrame) -> str:
     validate-once kernel path for suites recorded before the ``path`` column existed (empty ``path``)."""
     if "path" not in df or df["path"].isna().all() or (df["path"].astype(str).str.strip() == "").all():
         return "validate-once kernel path (no path column)"
-    paths = sorted(str(p) for p in df["path"].dropna().unique())
-    return ", ".join(paths)
+    paths = df["path"].fillna("").astype(str).str.strip()
+    named = sorted(p for p in paths.unique() if p)
+    # a suite that kept an older run's rows (--keep-others): those rows have no path
+    return ", ".join(named + (["validate-once kernel path (older rows, no path)"] if (paths == "").any() else []))
 
 
 def suites_table(found: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
@@ -31,7 +33,7 @@ def suites_table(found: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     rows = []
     for s, df in found.items():
         env = bench_plots.bench_environment(s)
-        modes = sorted(str(m) for m in df["mode"].dropna().unique()) if "mode" in df else []
+        modes = sorted({str(m).strip() for m in df["mode"].dropna()} - {""}) if "mode" in df else []
         rows.append({"suite": s, "commit": env.get("commit", "?")[:7], "date (UTC)": env.get("date_utc", "?")[:16],
                      "timed through": recorded_path(df), "modes": ", ".join(modes) or "fwd",
                      "host_us": "host_us" in df and df["host_us"].notna().any()})
@@ -124,7 +126,7 @@ def _ratios(df: pd.DataFrame, backend: str, baseline: str) -> pd.Series:
     return b.loc[both] / a.loc[both]
 
 
-def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float) -> str:
+def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float, read_tbps: float | None = None) -> str:
     """The takeaways of notebook 08 as Markdown, every figure computed from the recorded suites."""
     out = []
     dense = data.get("dense")
@@ -164,12 +166,16 @@ def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float) -> s
         above = [b for b in peaks.index if peaks.loc[b, "TB/s"] > copy_tbps]
         text = ("* **Decode** is bandwidth: best K/V read rates " + ", ".join(
             f"{b} {peaks.loc[b, 'TB/s']:.2f} TB/s ({peaks.loc[b, 'config']})" for b in peaks.index)
-            + f"; Triton a median {r.median():.2f}x FlashAttention-2 ({_rng(r, '{:.2f}')}x), since with one "
-            "query its grid has B·Hq programs and it does not split the keys.")
+            + f"; Triton a median {r.median():.2f}x FlashAttention-2 ({_rng(r, '{:.2f}')}x over the configurations).")
         if above:
             text += (f" {' and '.join(above)} read faster than the {copy_tbps:g} TB/s measured for a device "
                      "copy: that figure is a measured copy rate (a copy reads and writes), not a ceiling "
                      "for a read-only stream.")
+        if read_tbps is not None:
+            best = peaks["TB/s"].max()
+            text += (f" The best, {best:.2f} TB/s, is {best / read_tbps:.0%} of the {read_tbps:g} TB/s measured "
+                     "for a read-only stream" + (" (above it: the stream roofs.py measured is not the ceiling "
+                     "either)" if best > read_tbps else "") + ".")
         out.append(text)
     fp32 = data.get("fp32")
     if fp32 is not None:
