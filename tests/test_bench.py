@@ -530,6 +530,8 @@ def test_keep_others_and_estimate_without_gpu(tmp_path, capsys):
     assert bench.main([*argv, "--backends", "sdpa", "--run-id", "B", "--keep-others"]) == 0
     df = bench.load(tmp_path / "cpu" / "quick.csv")
     assert dict(zip(df["backend"], df["run_id"])) == {"sdpa": "B", "torch": "A"}
+    env = json.loads((tmp_path / "cpu" / "quick.json").read_text())
+    assert env["run_id"] == "B" and set(env["kept_runs"]) == {"A"}  # where the kept rows come from
     capsys.readouterr()
     assert bench.main(["--suite", "backward", "latency", "--estimate"]) == 0  # several suites, one process
     out = capsys.readouterr().out

@@ -247,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
                 prev = [*prev, old["command"]]
             if prev:
                 senv["previous_commands"] = prev
+        if others and jpath.exists():  # say which earlier runs the kept rows are from (the json is replaced)
+            old = json.loads(jpath.read_text())
+            kept_runs = dict(old.get("kept_runs", {}))
+            if old.get("run_id"):
+                kept_runs[old["run_id"]] = {k: old.get(k) for k in ("commit", "date_utc", "torch", "triton")}
+            ids = {r.get("run_id") for r in others}
+            senv["kept_runs"] = {rid: v for rid, v in kept_runs.items() if rid in ids}
         jpath.write_text(json.dumps(senv, indent=2, default=str))
         t_suite = time.time()
         own = _suite_deadline_s(suite, args)

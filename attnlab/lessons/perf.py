@@ -161,12 +161,15 @@ def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float, read
             f"{_rng(_ratios(pre, 'triton', 'sdpa-cudnn'), '{:.2f}')}x cuDNN.")
     dec = data.get("decode")
     if dec is not None:
-        peaks = decode_peaks(dec, ["sdpa-flash", "sdpa-cudnn", "triton"])
-        r = _ratios(dec, "triton", "sdpa-flash")
+        ours = "triton-decode" if (dec["backend"] == "triton-decode").any() else "triton"
+        peaks = decode_peaks(dec, ["sdpa-flash", "sdpa-cudnn", ours])
+        r = _ratios(dec, ours, "sdpa-flash")
+        rc = _ratios(dec, ours, "sdpa-cudnn")
         above = [b for b in peaks.index if peaks.loc[b, "TB/s"] > copy_tbps]
         text = ("* **Decode** is bandwidth: best K/V read rates " + ", ".join(
             f"{b} {peaks.loc[b, 'TB/s']:.2f} TB/s ({peaks.loc[b, 'config']})" for b in peaks.index)
-            + f"; Triton a median {r.median():.2f}x FlashAttention-2 ({_rng(r, '{:.2f}')}x over the configurations).")
+            + f"; `{ours}` a median {r.median():.2f}x FlashAttention-2 ({_rng(r, '{:.2f}')}x over the "
+            f"configurations it runs) and {rc.median():.2f}x cuDNN ({_rng(rc, '{:.2f}')}x).")
         if above:
             text += (f" {' and '.join(above)} read faster than the {copy_tbps:g} TB/s measured for a device "
                      "copy: that figure is a measured copy rate (a copy reads and writes), not a ceiling "
