@@ -88,23 +88,26 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
 
 
 class _Entry:
-    """A fast call and how to make its lengths kernel-ready: None (absent), a tensor made on the first call
-    (an int length) or the limit to clamp a GPU tensor to."""
+    """A fast call and how to make its lengths kernel-ready: None (absent), ``(B, value)`` for an int length
+    (a new int32 tensor each call, on the call's stream) or the limit to clamp a GPU tensor to."""
 
     __slots__ = ("device", "fast", "kv", "ql")
 
     def __init__(self, fast: FastCall, device: int, kv: Any, ql: Any) -> None:
         self.fast, self.device, self.kv, self.ql = fast, device, kv, ql
 
+    def _lengths(self, how: Any, given: Any) -> torch.Tensor | None:
+        if how is None:
+            return None
+        if type(how) is int:
+            return device_lengths(given, how)
+        return torch.full((how[0],), how[1], dtype=torch.int32, device=torch.device("cuda", self.device))
+
     def __call__(self, q, k, v, kv_len, q_len, mask, block_table):
         if torch.cuda.current_device() != self.device:
             return None
-        kv = self.kv
-        if type(kv) is int:
-            kv = device_lengths(kv_len, kv)
-        ql = self.ql
-        if type(ql) is int:
-            ql = device_lengths(q_len, ql)
+        kv = None if self.kv is None else self._lengths(self.kv, kv_len)
+        ql = None if self.ql is None else self._lengths(self.ql, q_len)
         return self.fast(q, k, v, kv, ql, mask, block_table)
 
 
@@ -113,19 +116,18 @@ def lookup(key: tuple | None) -> _Entry | None:
 
 
 def remember(key: tuple, fast: FastCall, prob, kv_len: Any, q_len: Any) -> None:
-    """Keep ``fast`` for later calls of ``key``; ``prob`` is the first call's problem (its spec holds the lengths
-    as kernels read them)."""
-    spec = prob.spec
+    """Keep ``fast`` for later calls of ``key``; ``prob`` is the first call's problem. No tensor of the first
+    call is kept: an int length is made anew on each call's stream (a tensor made on the first call's stream
+    could still be in flight when another stream reads it)."""
 
-    def lengths(given: Any, made: torch.Tensor | None, limit: int) -> Any:
+    def lengths(given: Any, limit: int) -> Any:
         if given is None:
             return None
-        return made if type(given) is int else limit  # an int's tensor is reused; a GPU tensor is clamped anew
+        return (prob.B, given) if type(given) is int else limit
 
     if len(_CALLS) >= MAX_CALLS:
         del _CALLS[next(iter(_CALLS))]
-    _CALLS[key] = _Entry(fast, prob.device.index, lengths(kv_len, spec.kv_len, prob.Nk),
-                         lengths(q_len, spec.q_len, prob.Nq))
+    _CALLS[key] = _Entry(fast, prob.device.index, lengths(kv_len, prob.Nk), lengths(q_len, prob.Nq))
 
 
 def clear() -> None:

@@ -66,14 +66,16 @@ def test_the_signature_holds_layout_strides_values_and_keywords(monkeypatch):
     assert len(set(others)) == len(others)
 
 
-def test_an_entry_clamps_gpu_lengths_anew_and_reuses_an_int_length(monkeypatch):
+def test_an_entry_clamps_gpu_lengths_anew_and_makes_an_int_length_per_call(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    made = torch.tensor([5], dtype=torch.int32)
-    entry = calls._Entry(lambda *a: seen.append(a) or ("out", None), 0, kv=made, ql=7)
-    assert entry(None, None, None, 99, torch.tensor([-3, 9, 4]), None, None) == ("out", None)
-    kv, ql = seen[0][3], seen[0][4]
-    assert kv is made
-    assert ql.dtype == torch.int32 and ql.tolist() == [0, 7, 4]
+    real_full = torch.full
+    monkeypatch.setattr(torch, "full", lambda size, value, **kw: real_full(size, value, dtype=kw["dtype"]))
+    entry = calls._Entry(lambda *a: seen.append(a) or ("out", None), 0, kv=(3, 5), ql=7)
+    assert entry(None, None, None, 5, torch.tensor([-3, 9, 4]), None, None) == ("out", None)
+    assert entry(None, None, None, 5, torch.tensor([1, 2, 3]), None, None) == ("out", None)
+    (kv1, ql1), (kv2, ql2) = (a[3:5] for a in seen)
+    assert kv1.dtype == torch.int32 and kv1.tolist() == [5, 5, 5] and kv2 is not kv1  # a new tensor per call
+    assert ql1.dtype == torch.int32 and ql1.tolist() == [0, 7, 4] and ql2.tolist() == [1, 2, 3]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert entry(None, None, None, None, None, None, None) is None  # another GPU is current: the whole way
