@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from attnlab.masks import device_lengths
+from attnlab.masks import BIAS_DTYPES, device_lengths
 
 #: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table) -> (out, lse or None); lengths are
 #: kernel-ready (int32, contiguous, clamped) or None, the mask and block table are the caller's tensors or None.
@@ -47,7 +47,7 @@ def _lengths_key(x: Any, device: int) -> Any:
         return None
     if type(x) is int:
         return ("int", x)
-    if type(x) is _Tensor and x.is_cuda and x.get_device() == device:
+    if type(x) is _Tensor and x.is_cuda and x.get_device() == device and x.dim() == 1:  # 0-dim: expanded
         return _tensor_key(x)
     raise LookupError
 
@@ -55,7 +55,8 @@ def _lengths_key(x: Any, device: int) -> Any:
 def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, scale, layout, backend,
               want_lse) -> tuple | None:
     """The call's signature, or None when the call must take the whole way (see the module docstring)."""
-    if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda):
+    if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda and k.is_cuda
+            and v.is_cuda):
         return None
     if type(causal) is not bool:
         return None
@@ -68,6 +69,8 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
         if mask is not None:
             if type(mask) is not _Tensor or not mask.is_cuda:
                 return None
+            if mask.dtype != torch.bool and mask.dtype not in BIAS_DTYPES:
+                return None  # the full path converts it (or refuses it): not the caller's buffer
             mask_key = _tensor_key(mask)
         else:
             mask_key = None
@@ -77,13 +80,13 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
             table_key = _tensor_key(block_table)
         else:
             table_key = None
-        if type(scale) is bool:
-            return None
+        if scale is not None and type(scale) not in (int, float):
+            return None  # numpy scalars, Decimal, Fraction equal a float as keys; validation decides them
         device = q.get_device()
         return (_tensor_key(q), _tensor_key(k), _tensor_key(v), _lengths_key(kv_len, device),
-                _lengths_key(q_len, device), mask_key, table_key, causal, window, align, scale, layout, backend,
-                bool(want_lse))
-    except (LookupError, TypeError, ValueError):  # host lengths, an unhashable or malformed keyword
+                _lengths_key(q_len, device), mask_key, table_key, causal, window, align,
+                None if scale is None else float(scale), layout, backend, bool(want_lse))
+    except (LookupError, TypeError, ValueError, RuntimeError):  # host lengths, a malformed keyword, no storage
         return None
 
 
@@ -125,9 +128,18 @@ def remember(key: tuple, fast: FastCall, prob, kv_len: Any, q_len: Any) -> None:
             return None
         return (prob.B, given) if type(given) is int else limit
 
-    if len(_CALLS) >= MAX_CALLS:
-        del _CALLS[next(iter(_CALLS))]
+    evict_oldest(_CALLS, MAX_CALLS)
     _CALLS[key] = _Entry(fast, prob.device.index, lengths(kv_len, prob.Nk), lengths(q_len, prob.Nq))
+
+
+def evict_oldest(cache: dict, limit: int) -> None:
+    """Drop the oldest entries of ``cache`` until one more fits under ``limit``; safe when another thread
+    evicts at the same time (a key already gone, or the dict changing size, is no error)."""
+    while len(cache) >= max(limit, 1):
+        try:
+            cache.pop(next(iter(cache), None), None)
+        except RuntimeError:  # changed size while iterating: look again
+            continue
 
 
 def clear() -> None:

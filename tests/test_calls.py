@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 
@@ -37,6 +40,7 @@ def test_cpu_calls_leave_nothing_behind():
     dict(kv_len=[3]), dict(kv_len=torch.tensor([3])), dict(q_len=torch.tensor([3])), dict(kv_len=True),
     dict(causal=1), dict(scale=True), dict(window=(1, True)), dict(window=[[1], 2]),
     dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), dict(mask=torch.ones(8, 8, dtype=torch.bool)),
+    dict(scale=np.float32(0.5)), dict(scale=Fraction(1, 2)),
 ])
 def test_host_values_and_odd_keywords_have_no_signature(kw, monkeypatch):
     """Host lengths and masks are validated by value; keywords of the wrong type must reach the validation
@@ -79,3 +83,29 @@ def test_an_entry_clamps_gpu_lengths_anew_and_makes_an_int_length_per_call(monke
     assert ql1.dtype == torch.int32 and ql1.tolist() == [0, 7, 4] and ql2.tolist() == [1, 2, 3]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert entry(None, None, None, None, None, None, None) is None  # another GPU is current: the whole way
+
+
+@pytest.mark.parametrize("kw", [
+    dict(kv_len=torch.tensor(5, dtype=torch.int32)),  # 0-dim: the full path expands it to [B]
+    dict(mask=torch.zeros(1, 2, 8, 8, dtype=torch.uint8)),  # neither bool nor a bias dtype the kernels read
+    dict(mask=torch.zeros(1, 2, 8, 8).to(torch.float8_e4m3fn)),  # a bias the full path converts to float32
+])
+def test_values_the_full_path_transforms_have_no_signature(kw, monkeypatch):
+    """A 0-dim length or a float8 bias is made into another tensor by the full path: the caller's own buffer
+    must never reach a fast call."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q = torch.randn(1, 2, 8, 4)
+    assert _sig(q, q, q, **kw) is None
+
+
+def test_scale_keys_as_a_float(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q = torch.randn(1, 2, 8, 4)
+    assert _sig(q, q, q, scale=1) == _sig(q, q, q, scale=1.0) != _sig(q, q, q)
+
+
+def test_eviction_keeps_the_cache_bounded_and_tolerates_a_missing_key():
+    cache = {i: i for i in range(5)}
+    calls.evict_oldest(cache, 3)
+    assert list(cache) == [3, 4]
+    calls.evict_oldest({}, 0)  # an empty cache with no room: nothing to do, no error

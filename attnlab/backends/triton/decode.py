@@ -14,6 +14,7 @@ from attnlab.backends.triton import interpreter as _interp
 from attnlab.backends.triton import kernel as _kern
 from attnlab.backends.triton import launch as _launch
 from attnlab.backends.triton.kernel import triton
+from attnlab.calls import evict_oldest
 from attnlab.paged import PagedKV, paged_kv
 from attnlab.problem import Problem
 
@@ -178,8 +179,7 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
         for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= _launch.MAX_PLANS:
-            del _PLANS[next(iter(_PLANS))]
+        evict_oldest(_PLANS, _launch.MAX_PLANS)
         plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False)
     return plan
 

@@ -17,6 +17,7 @@ from attnlab.backends.triton import kernel as _k
 from attnlab.backends.triton.configs import Config, _block_d, _key_axis, _qk_chunk, config_for
 from attnlab.backends.triton.interpreter import interpreter
 from attnlab.backends.triton.kernel import LOG2E, triton
+from attnlab.calls import evict_oldest
 from attnlab.problem import Problem
 
 
@@ -253,7 +254,6 @@ def _plan(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
     key = _signature(prob)
     plan = _PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= MAX_PLANS:
-            del _PLANS[next(iter(_PLANS))]
+        evict_oldest(_PLANS, MAX_PLANS)
         plan = _PLANS[key] = _Plan(prob, config_for(prob, out, lse))
     return plan
