@@ -15,6 +15,7 @@ without a backward is refused for inputs that require grad, and ``auto`` then pi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -106,14 +107,19 @@ def attention(
         # A paged call only when its caches were read in place through the caller's own table (not gathered
         # to dense, not a contiguous copy of a strided table).
         if key is not None and (block_table is None or (paged is not None and paged.block_table is block_table)):
-            fast = be.fast_call(prob, out_bhnd, lse if return_lse else None, paged)
+            fast = be.fast_call(prob, out_bhnd, lse, paged)
             if fast is not None:
                 _calls.remember(key, fast, prob, kv_len, q_len)
     else:
-        if not torch.compiler.is_compiling():
-            _problem(*args[:6], *args[7:14])  # validate first: the same TypeError/ValueError as without grad
-        # The op takes lengths as tensors: Python ints and lists become (host) tensors, validated in the op.
-        args = (*args[:3], _lengths_arg(kv_len), _lengths_arg(q_len), *args[5:])
+        if torch.compiler.is_compiling():
+            # The op takes lengths as tensors: Python ints and lists become (host) tensors, validated in the op.
+            lengths = (_lengths_arg(kv_len), _lengths_arg(q_len))
+        else:
+            # Validate first (the same TypeError/ValueError as without grad); the op then takes the lengths as
+            # validated (int32 on q's device), not converted again.
+            spec = _problem(*args[:6], *args[7:14]).spec
+            lengths = (spec.kv_len, spec.q_len)
+        args = (*args[:3], *lengths, *args[5:])
         out, lse = torch.ops.attnlab.attention(*args)
     return (out, lse) if return_lse else out
 
@@ -138,27 +144,15 @@ def _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, alig
                         kv_len=kv_len, q_len=q_len, mask=mask, scale=scale, layout=layout)
 
 
-def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
-    mask: torch.Tensor | None, block_table: torch.Tensor | None, causal: bool, has_window: bool, left: int | None,
-    right: int | None, align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool,
-    needs_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate, pick the backend, run it: (out, lse); lse is an empty tensor unless ``want_lse`` or
-    ``needs_grad`` (the kernels' backward starts from the forward's lse)."""
-    out, lse, *_ = _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale,
-                        layout, backend, want_lse, needs_grad)
-    return out, lse
-
-
 def _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale, layout,
          backend, want_lse, needs_grad):
-    """:func:`_forward`'s work: (out, lse, the problem, the backend, out as [B, H, N, D], the paged cache read
-    in place or None)."""
+    """Validate, pick the backend, run it: (out, lse, the problem, the backend, out as [B, H, N, D], the paged
+    cache read in place or None). lse is None unless ``want_lse`` or ``needs_grad`` (the kernels' backward
+    starts from the forward's lse)."""
     masks = (causal, has_window, left, right, align, scale, layout)
     paged = None
     if block_table is not None:
-        kd, vd, paged = paged_placeholders(q, k, v, block_table, layout)
+        kd, vd = paged_placeholders(q, k, v, block_table, layout)
         prob = _problem(q, kd, vd, kv_len, q_len, mask, *masks)
         paged = paged_kv(k, v, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk, dtype=prob.dtype,
                          device=prob.device, kv_len=prob.spec.kv_len)
@@ -166,24 +160,25 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, ri
         prob = _problem(q, k, v, kv_len, q_len, mask, *masks)
     be = _backends.resolve(backend, prob, needs_grad=needs_grad)
     if paged is not None and not be.reads_paged:  # this backend takes dense k and v: gather them
-        kd, vd = (t if layout == "bhnd" else t.transpose(1, 2) for t in paged.dense())
-        prob, paged = _problem(q, kd, vd, kv_len, q_len, mask, *masks), None
+        kd, vd = paged.dense()  # [B, Hkv, Nk, D], the placeholders' shape: nothing validated changes
+        prob, paged = dataclasses.replace(prob, k=kd, v=vd), None
     out, out_bhnd = prob.new_out()
     want_lse = want_lse or needs_grad
-    shape = (prob.B, prob.Hq, prob.Nq) if want_lse else (0,)
-    lse = torch.empty(shape, dtype=torch.float32, device=prob.device)
+    lse = torch.empty((prob.B, prob.Hq, prob.Nq), dtype=torch.float32, device=prob.device) if want_lse else None
     if out.numel() == 0 or prob.Nk == 0:
         out.zero_()
-        lse.fill_(float("-inf"))
+        if lse is not None:
+            lse.fill_(float("-inf"))
     else:
         if _poison:
             out.fill_(float("nan"))
-            lse.fill_(float("nan"))
+            if lse is not None:
+                lse.fill_(float("nan"))
         with torch.no_grad():  # the op's outputs carry no history of their own; autograd goes through the op
             if paged is not None:
-                be.forward_paged(prob, paged, out_bhnd, lse if want_lse else None)
+                be.forward_paged(prob, paged, out_bhnd, lse)
             else:
-                be.forward(prob, out_bhnd, lse if want_lse else None)
+                be.forward(prob, out_bhnd, lse)
     return out, lse, prob, be, out_bhnd, paged
 
 
@@ -194,8 +189,9 @@ def _attention_op(
     right: int | None, align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool,
     needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale,
-                    layout, backend, want_lse, needs_grad)
+    out, lse, *_ = _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale,
+                        layout, backend, want_lse, needs_grad)
+    return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)  # the schema's empty lse
 
 
 @_attention_op.register_fake

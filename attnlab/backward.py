@@ -20,9 +20,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.problem import Problem
-from attnlab.reference import masked_scores
-
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+from attnlab.reference import DEFAULT_CHUNK_BYTES, masked_scores
 
 
 def textbook_backward(

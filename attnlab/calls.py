@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from attnlab.masks import BIAS_DTYPES, device_lengths
+from attnlab.masks import BIAS_DTYPES, device_lengths, int_lengths
 
 #: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table) -> (out, lse or None); lengths are
 #: kernel-ready (int32, contiguous, clamped) or None, the mask and block table are the caller's tensors or None.
@@ -104,7 +104,7 @@ class _Entry:
             return None
         if type(how) is int:
             return device_lengths(given, how)
-        return torch.full((how[0],), how[1], dtype=torch.int32, device=torch.device("cuda", self.device))
+        return int_lengths(how[0], how[1], torch.device("cuda", self.device))
 
     def __call__(self, q, k, v, kv_len, q_len, mask, block_table):
         if torch.cuda.current_device() != self.device:

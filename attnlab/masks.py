@@ -42,8 +42,10 @@ def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.dev
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, a sequence of ints or an integer tensor of shape [B]; got a bool")
     if isinstance(value, int):
-        t = torch.full((batch,), value, dtype=torch.int64)
-    elif isinstance(value, torch.Tensor):
+        if batch > 0 and not 0 <= value <= limit:
+            raise ValueError(f"{name} values must lie in [0, {limit}]; got values in [{value}, {value}]")
+        return int_lengths(batch, value, device)
+    if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor; got dtype {value.dtype}")
         if value.dim() == 0:
@@ -67,12 +69,18 @@ def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.dev
         lo, hi = (int(x) for x in torch.stack([t.min(), t.max()]).tolist())
         if lo < 0 or hi > limit:
             raise ValueError(f"{name} values must lie in [0, {limit}]; got values in [{lo}, {hi}]")
-    if t.device.type == "cpu" and device.type == "cuda":
+    if device.type == "cuda":
         t = t.to(torch.int32).pin_memory().to(device, non_blocking=True)  # host lengths: no stream sync
     t = t.to(device=device, dtype=torch.int32)
     if t.stride() != (1,):  # an expanded 0-dim length or a strided view: kernels read a plain int32 array
         t = torch.empty(batch, dtype=torch.int32, device=device).copy_(t)
     return t
+
+
+def int_lengths(batch: int, value: int, device: torch.device) -> torch.Tensor:
+    """One length (already checked) for every batch entry, as kernels read it: int32 [B], made on ``device``
+    (a fill there: no host copy, no sync)."""
+    return torch.full((batch,), value, dtype=torch.int32, device=device)
 
 
 def device_lengths(t: torch.Tensor, limit: int) -> torch.Tensor:
@@ -349,12 +357,15 @@ class MaskSpec:
         """
         i1 = self.Nq if i1 is None else i1
         dev = self.device
-        hm = self.Hq if explicit and self.mask is not None else 1
         b = torch.arange(self.B, device=dev).view(-1, 1, 1, 1)
-        h = torch.arange(hm, device=dev).view(1, -1, 1, 1)
+        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
         i = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
         j = torch.arange(self.Nk, device=dev).view(1, 1, 1, -1)
-        ok = self._mask_mod(explicit)(b, h, i, j).expand(self.B, hm, i1 - i0, self.Nk).contiguous()
+        ok = self._mask_mod(False)(b, h, i, j)  # lengths and band: the same for every head
+        if explicit and self.mask is not None:  # the bool mask's rows as a slice (mask_mod indexes it per element)
+            ok = (ok & self.mask[:, :, i0:i1]).contiguous()
+        else:
+            ok = ok.expand(self.B, 1, i1 - i0, self.Nk).contiguous()
         return ok if device is None else ok.to(device)
 
     def bias_rows(self, i0: int = 0, i1: int | None = None) -> torch.Tensor | None:

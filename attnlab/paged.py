@@ -103,12 +103,12 @@ def _cache_dims(q: Any, k: Any, block_table: Any) -> tuple[int, int, int, int]:
 
 
 def paged_placeholders(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
-                       layout: str) -> tuple[torch.Tensor, torch.Tensor, None]:
+                       layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Stand-ins for the logical k and v of a paged call, in ``layout``, for validating the problem: expanded
-    views of one element (stride 0, nothing allocated), never read by a backend that reads the caches."""
+    views of one uninitialized element (stride 0), never read by a backend that reads the caches."""
     B, Hkv, D, Nk = _cache_dims(q, k, block_table)
     shape = (B, Hkv, Nk, D) if layout != "bnhd" else (B, Nk, Hkv, D)
-    return k.new_zeros(()).expand(shape), v.new_zeros(()).expand(shape) if isinstance(v, torch.Tensor) else v, None
+    return k.new_empty(()).expand(shape), v.new_empty(()).expand(shape) if isinstance(v, torch.Tensor) else v
 
 
 def gather_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor, layout: str,

@@ -18,9 +18,7 @@ import torch.nn.functional as F
 
 from attnlab.backends import Backend
 from attnlab.problem import Problem
-from attnlab.reference import masked_scores
-
-_LSE_CHUNK_BYTES = 256 * 2**20
+from attnlab.reference import DEFAULT_CHUNK_BYTES, masked_scores
 
 
 @functools.cache
@@ -67,7 +65,7 @@ class SdpaBackend(Backend):
             o = o.masked_fill(empty, 0.0)
         out.copy_(o)
         if lse is not None:
-            rows = max(1, _LSE_CHUNK_BYTES // max(1, prob.B * prob.Hq * prob.Nk * 4))
+            rows = max(1, DEFAULT_CHUNK_BYTES // max(1, prob.B * prob.Hq * prob.Nk * 4))
             for i0 in range(0, prob.Nq, rows):
                 i1 = min(prob.Nq, i0 + rows)
                 lse[:, :, i0:i1] = torch.logsumexp(masked_scores(prob, i0, i1, torch.float32), dim=-1)

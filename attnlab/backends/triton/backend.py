@@ -49,8 +49,8 @@ class TritonBackend(Backend):
         _on_device(prob, out, lse, lambda: _plan(prob, out, lse).launch(prob, out, lse))
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
-        if not prob.q.is_cuda or paged is not None:
-            return None
+        if not prob.q.is_cuda or paged is not None or _empty_problem(prob, out):
+            return None  # an empty call launched nothing: no plan to build (or tune) for it
         return _plan(prob, out, lse).fast_call(prob, out, lse)
 
 
@@ -72,18 +72,22 @@ class TritonDecodeBackend(TritonBackend):
         _on_device(prob, out, lse, lambda: decode_forward(prob, out, lse))
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
-        if not prob.q.is_cuda or not out.numel() or not prob.Nk:
+        if not prob.q.is_cuda or _empty_problem(prob, out):
             return None
         return gpu_plan(prob, paged=paged).fast_call(prob, out, lse)
 
     def forward_paged(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        _on_device(prob, out, lse, lambda: decode_forward(
-            prob, out, lse, k_cache=paged.k_cache, v_cache=paged.v_cache, block_table=paged.block_table))
+        _on_device(prob, out, lse, lambda: decode_forward(prob, out, lse, paged=paged))  # validated by the caller
+
+
+def _empty_problem(prob: Problem, out: torch.Tensor) -> bool:
+    """Nothing to launch: no output element, or no key."""
+    return not out.numel() or not prob.Nk
 
 
 def _empty(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
     """Write an empty problem's answer (out 0, lse -inf) and say so; False when there is work to launch."""
-    if out.numel() and prob.Nk:
+    if not _empty_problem(prob, out):
         return False
     out.zero_()
     if lse is not None:

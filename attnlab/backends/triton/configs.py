@@ -119,8 +119,9 @@ def _qk_chunk(cfg: Config, block_d: int) -> int:
 
 
 def _key_axis(cfg: Config, dtype: torch.dtype) -> int:
-    """The kernel's KEY_AXIS: 0 (keys-major, S^T = K Q^T; why: the module docstring's "Keys-major
-    float32") for a float32 ``keys_major`` config, else 1. Half types keep the tensor-core orientation."""
+    """The kernel's KEY_AXIS: 0 (keys-major, S^T = K Q^T; why: the package docstring's "Keys-major
+    float32", :mod:`attnlab.backends.triton`) for a float32 ``keys_major`` config, else 1. Half types keep the
+    tensor-core orientation."""
     return 0 if cfg.keys_major and dtype == torch.float32 else 1
 
 
@@ -147,7 +148,10 @@ def _autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Con
     plans: dict[Config, _Plan] = {}
 
     def launch(cfg: Config) -> None:
-        plans.setdefault(cfg, _Plan(prob, cfg)).launch(prob, out, lse)
+        plan = plans.get(cfg)
+        if plan is None:  # one plan per candidate (setdefault would build a new one on every timed call)
+            plan = plans[cfg] = _Plan(prob, cfg)
+        plan.launch(prob, out, lse)
 
     return fastest(candidates(prob.dtype, _block_d(prob.D)), launch, f"dtype={prob.dtype}, D={prob.D}")
 

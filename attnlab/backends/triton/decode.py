@@ -13,6 +13,7 @@ import torch
 from attnlab.backends.triton import interpreter as _interp
 from attnlab.backends.triton import kernel as _kern
 from attnlab.backends.triton import launch as _launch
+from attnlab.backends.triton.configs import _block_d, _pow2_bucket
 from attnlab.backends.triton.kernel import triton
 from attnlab.calls import evict_oldest
 from attnlab.paged import PagedKV, paged_kv
@@ -60,18 +61,10 @@ def default_config(dtype: torch.dtype, D: int) -> DecodeConfig:
     return DecodeConfig(64, 4, 2) if block_d <= 128 else DecodeConfig(32, 4, 2)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _block_d(D: int) -> int:
-    return max(16, _pow2(D))
-
-
 def block_m(prob: Problem, interpret: bool = False) -> int:
     """Packed rows per program: group * Nq rounded up to a power of two, at least 16 (tl.dot's minimum),
     at most MAX_BLOCK_M (16 in the interpreter, so CPU tests also run several row tiles)."""
-    return 16 if interpret else min(MAX_BLOCK_M, max(16, _pow2(prob.group * prob.Nq)))
+    return 16 if interpret else min(MAX_BLOCK_M, max(16, _pow2_bucket(prob.group * prob.Nq)))
 
 
 def row_tiles(prob: Problem, interpret: bool = False) -> int:
@@ -128,6 +121,7 @@ def decode_forward(
     block_size: int | None = None,
     splits: int | None = None,
     config: DecodeConfig | None = None,
+    paged: PagedKV | None = None,
 ) -> None:
     """Split-KV decode of ``prob`` into ``out`` ([B, Hq, Nq, D] view, q's dtype) and ``lse`` ([B, Hq, Nq]
     float32, or None), writing every element (the backend contract of :meth:`attnlab.backends.Backend.forward`).
@@ -136,13 +130,14 @@ def decode_forward(
     [B, max_blocks]) together; ``prob`` then supplies q, the masks, the scale and the shapes (Hkv, D and
     Nk = max_blocks * block_size), and its k and v are never read (they may be stride-0 placeholders).
     ``block_size`` is optional (it is the caches' second dim). ``splits`` forces the split count (default:
-    :func:`num_splits`; a fixed INTERPRETER_SPLITS on CPU); ``config`` the GPU tile config.
+    :func:`num_splits`; a fixed INTERPRETER_SPLITS on CPU); ``config`` the GPU tile config. ``paged``: a cache
+    :func:`attnlab.paged.paged_kv` has already validated (the backend's ``forward_paged`` passes it), in place
+    of the three tensors.
 
     GPU calls of one signature share a launch plan (:func:`gpu_plan`), launched without Triton's JIT dispatch.
     """
-    paged = None
     given = [x is not None for x in (k_cache, v_cache, block_table)]
-    if any(given):
+    if paged is None and any(given):
         if not all(given):
             raise ValueError("a paged cache needs k_cache, v_cache and block_table together")
         paged = paged_kv(k_cache, v_cache, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk,
@@ -196,13 +191,20 @@ class _Kernel:
         self.fn, self.grid, self.constants = fn, grid, constants
         self.options = dict(num_warps=num_warps, num_stages=num_stages)
         self.compiled: dict[tuple, object] = {}
+        self._values: tuple | None = None
+
+    def _constant_values(self) -> tuple:
+        """The constants' values in the kernel's parameter order (the launcher takes them last), once."""
+        if self._values is None:
+            self._values = tuple(self.constants[p.name] for p in self.fn.params if p.is_constexpr)
+        return self._values
 
     def direct(self, key: tuple):
         """``go(stream, args)``: the compiled kernel of ``key`` launched directly (None before it exists)."""
         kernel = self.compiled.get(key)
         if kernel is None or not _launch.FAST_LAUNCH:
             return None
-        grid, constants = self.grid, tuple(self.constants[p.name] for p in self.fn.params if p.is_constexpr)
+        grid, constants = self.grid, self._constant_values()
         launcher, function, packed, hooks = kernel.run, kernel.function, kernel.packed_metadata, triton.knobs.runtime
 
         def go(stream, args):
@@ -219,7 +221,7 @@ class _Kernel:
             if _launch.FAST_LAUNCH and _launch._fast_launch_supported(kernel):
                 self.compiled[key] = kernel
             return
-        full = (*args, *(self.constants[p.name] for p in self.fn.params if p.is_constexpr))
+        full = (*args, *self._constant_values())
         stream = _launch._current_stream(device)
         hooks = triton.knobs.runtime
         kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata,
@@ -295,7 +297,8 @@ class _Plan:
             split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), cfg.num_warps,
                             cfg.num_stages)
             merge = _Kernel(merge_fn, (self.merge_rows, 1, 1),
-                            dict(BLOCK_S=min(64, _pow2(self.n_split)), BLOCK_D=self.block_d, WRITE_LSE=write_lse),
+                            dict(BLOCK_S=min(64, _pow2_bucket(self.n_split)), BLOCK_D=self.block_d,
+                                 WRITE_LSE=write_lse),
                             4 if self.block_d >= 128 else 2, 1)
             got = self.kernels[write_lse] = (split, merge)
         return got

@@ -1,9 +1,8 @@
-"""The fused Triton forward kernel, in the pieces the Triton tutorial's fused attention reads in: the tile's
-key bounds, one inner loop per orientation (query-major, keys-major), the online-softmax update they share,
-and the epilogue. The package docstring (:mod:`attnlab.backends.triton`) explains the design; every helper
-is a ``@triton.jit`` function that Triton inlines into :func:`_attn_fwd_kernel`. The pieces the backward and
-the decode kernels use too (loads, lengths and key tiles, the scores, the band, the softmax update) are in
-:mod:`~attnlab.backends.triton.tiles`.
+"""The fused Triton forward kernel, in the pieces the Triton tutorial's fused attention reads in: one inner loop per
+orientation (query-major, keys-major) and the epilogue, strung together by the kernel. The package docstring
+(:mod:`attnlab.backends.triton`) explains the design; every helper is a ``@triton.jit`` function that Triton inlines
+into :func:`_attn_fwd_kernel`. The pieces the backward and the decode kernels use too (loads, lengths and key tiles,
+the scores, the band, the softmax update) are in :mod:`~attnlab.backends.triton.tiles`.
 """
 
 from __future__ import annotations
