@@ -3,6 +3,7 @@ CSV schema and JSON metadata, load/ratios, flex's mask translation, and a smoke 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -153,6 +154,32 @@ def _cpu_opts(**kw):
 
 
 CASE = bench.BenchCase("t", "gate", B=2, Hq=2, Nq=24, D=16, dtype="bfloat16", causal=True, kv_len=(24, 9))
+
+
+def test_a_competitors_context_is_entered_once_around_all_its_calls():
+    """Prepared.context (SDPA's sdpa_kernel) wraps the checked and the timed calls, entered once: its cost is
+    not part of any timed call."""
+    events = []
+
+    @contextlib.contextmanager
+    def ctx():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    def prep(inp):
+        good = _right(inp)
+
+        def call(i):
+            events.append("call")
+            return good(i)
+
+        return bench.Prepared(call=call, context=ctx)
+
+    rows = bench.run_case(CASE, [bench.Competitor("ctx", "test", prep)], _cpu_opts())
+    assert rows[0]["status"] == "ok"
+    assert events[0] == "enter" and events[-1] == "exit" and events.count("enter") == 1
+    assert events.count("call") > 2  # the checked call, warm-up and timed calls, all inside
 
 
 def test_gate_wrong_output_is_failed_and_untimed():

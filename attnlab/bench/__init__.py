@@ -59,7 +59,7 @@ How the competitors are called
   ``backend.forward(problem, out, None)`` into a fresh output: the kernel without the public call's
   validation and dispatch. Rows recorded before the ``path`` column existed were this path.
 * ``sdpa-*``: ``F.scaled_dot_product_attention`` under ``sdpa_kernel(backend)``, with the mask translated
-  once by :func:`attnlab.sdpa.sdpa_inputs` (not timed; its bytes are in ``setup_mib``): ``is_causal`` for
+  once by :func:`attnlab.backends.sdpa.sdpa_inputs` (not timed; its bytes are in ``setup_mib``): ``is_causal`` for
   top-left causal with Nq == Nk, otherwise a materialized bool mask or bias. One exception: for pure
   bottom-right causal with Nq != Nk (the prefill suite), ``sdpa-flash`` and ``sdpa-efficient`` get
   ``torch.nn.attention.bias.causal_lower_right``, which they take natively (a materialized mask would make

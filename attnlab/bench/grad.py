@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from attnlab.bench.competitors import Competitor
-from attnlab.bench.runner import Options, _row, _rows, failure, first_call, measure, prepare, rates
+from attnlab.bench.runner import Options, _row, _rows, entered, failure, first_call, measure, prepare, rates
 from attnlab.bench.schema import MIB
 from attnlab.bench.suites import BACKWARD_MODES, row_keys
 from attnlab.bench.timing import _free
@@ -109,75 +109,76 @@ def run_backward(comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options,
     prep, why = prepare(comp, ginp, dev)
     if prep is None:
         return _rows(case, comp, opts, counts, **why, **base)
-    notes = list(prep.notes)
+    with entered(prep):  # e.g. SDPA restricted to one kernel: entered once, not per timed call
+        notes = list(prep.notes)
 
-    def fwdbwd(i: int):
-        return torch.autograd.grad(prep.call(i), leaves[i], douts[i])
+        def fwdbwd(i: int):
+            return torch.autograd.grad(prep.call(i), leaves[i], douts[i])
 
-    # 1. the checked call: forward (poisoned output for attnlab) and backward on set 0
-    try:
-        out, grads, first_s, fallback = first_call(prep, dev, lambda o: torch.autograd.grad(o, leaves[0], douts[0]))
-        if comp.name == "flex" and first_s > 1.0:
-            notes.append(f"first call (compile, fwd and bwd) {first_s:.1f} s")
-        got = out.detach()
-        if prep.zero_rows is not None and bool(prep.zero_rows.any()):
-            got = got.masked_fill(prep.zero_rows, 0.0)
-        rep = compare(take_slice(got, truth.sl), truth.ref, dtype=case.torch_dtype, base=truth.base)
-        grads_ok, gcols, gnote = check_grads(grads, truth, case.torch_dtype)
-        del out, got, grads
-    except Exception as e:
-        return _rows(case, comp, opts, counts, **failure(comp, case, e, dev, "first call", notes), **base)
-    notes.append(gnote)
-    base["setup_mib"] = prep.setup_bytes / MIB
-    fcols = {"max_abs_err": rep.max_abs, "rel_l2": rep.rel_l2,
-             "base_max_abs": "" if rep.base_max_abs is None else rep.base_max_abs}
-    passed = bool(rep.passed) and grads_ok
-    if fallback or not passed:
-        status = "fallback" if fallback else "failed"
-        extra = fallback[:1] if fallback else ([] if rep.passed else [f"out: {rep!r}"])
-        out_rows = _rows(case, comp, opts, counts, status=status, passed=passed, notes="; ".join(notes + extra),
-                         **base)
-        for r in out_rows:
-            r.update(fcols if r["mode"] == "fwd" else gcols)
-        return out_rows
-    # 2. each mode: memory, warm-up, timed calls, host time
-    rows, timed = [], {}
-    for (name, mode), (_, _, mult) in zip(row_keys(case), BACKWARD_MODES):
-        c = dict(counts, flops=counts["flops"] * mult, bytes=counts["bytes"] if mode == "fwd" else "")
-        mnotes = list(notes)
-        kw = dict(case=name, mode=mode, passed=True, **base, **(fcols if mode == "fwd" else gcols))
-        outs: list[torch.Tensor] = []
+        # 1. the checked call: forward (poisoned output for attnlab) and backward on set 0
         try:
-            if mode == "fwd":
-                call = prep.call
-            elif mode == "fwd+bwd":
-                call = fwdbwd
-            else:
-                outs = [prep.call(i) for i in range(inp.sets)]  # the retained graphs the timed calls reuse
-
-                def call(i: int, outs=outs):
-                    return torch.autograd.grad(outs[i], leaves[i], douts[i], retain_graph=True)
-
-            got, bad = measure(call, inp.sets, dev, timing, mnotes, prep.mark, prep.after_timing)
-            outs.clear()
+            out, grads, first_s, fallback = first_call(prep, dev, lambda o: torch.autograd.grad(o, leaves[0], douts[0]))
+            if comp.name == "flex" and first_s > 1.0:
+                notes.append(f"first call (compile, fwd and bwd) {first_s:.1f} s")
+            got = out.detach()
+            if prep.zero_rows is not None and bool(prep.zero_rows.any()):
+                got = got.masked_fill(prep.zero_rows, 0.0)
+            rep = compare(take_slice(got, truth.sl), truth.ref, dtype=case.torch_dtype, base=truth.base)
+            grads_ok, gcols, gnote = check_grads(grads, truth, case.torch_dtype)
+            del out, got, grads
         except Exception as e:
-            outs.clear()
-            sub = _subtracted(timed) if mode == "bwd" else None
-            if sub is not None:
-                mnotes.append(f"bwd = fwd+bwd - fwd (medians; a retained graph was refused: {str(e)[:120]})")
-                rows.append(_row(case, comp, opts, c, status="ok", **sub, **rates(c, sub["ms"]),
-                                 **{**kw, "notes": "; ".join(mnotes)}))
+            return _rows(case, comp, opts, counts, **failure(comp, case, e, dev, "first call", notes), **base)
+        notes.append(gnote)
+        base["setup_mib"] = prep.setup_bytes / MIB
+        fcols = {"max_abs_err": rep.max_abs, "rel_l2": rep.rel_l2,
+                 "base_max_abs": "" if rep.base_max_abs is None else rep.base_max_abs}
+        passed = bool(rep.passed) and grads_ok
+        if fallback or not passed:
+            status = "fallback" if fallback else "failed"
+            extra = fallback[:1] if fallback else ([] if rep.passed else [f"out: {rep!r}"])
+            out_rows = _rows(case, comp, opts, counts, status=status, passed=passed, notes="; ".join(notes + extra),
+                             **base)
+            for r in out_rows:
+                r.update(fcols if r["mode"] == "fwd" else gcols)
+            return out_rows
+        # 2. each mode: memory, warm-up, timed calls, host time
+        rows, timed = [], {}
+        for (name, mode), (_, _, mult) in zip(row_keys(case), BACKWARD_MODES):
+            c = dict(counts, flops=counts["flops"] * mult, bytes=counts["bytes"] if mode == "fwd" else "")
+            mnotes = list(notes)
+            kw = dict(case=name, mode=mode, passed=True, **base, **(fcols if mode == "fwd" else gcols))
+            outs: list[torch.Tensor] = []
+            try:
+                if mode == "fwd":
+                    call = prep.call
+                elif mode == "fwd+bwd":
+                    call = fwdbwd
+                else:
+                    outs = [prep.call(i) for i in range(inp.sets)]  # the retained graphs the timed calls reuse
+
+                    def call(i: int, outs=outs):
+                        return torch.autograd.grad(outs[i], leaves[i], douts[i], retain_graph=True)
+
+                got, bad = measure(call, inp.sets, dev, timing, mnotes, prep.mark, prep.after_timing)
+                outs.clear()
+            except Exception as e:
+                outs.clear()
+                sub = _subtracted(timed) if mode == "bwd" else None
+                if sub is not None:
+                    mnotes.append(f"bwd = fwd+bwd - fwd (medians; a retained graph was refused: {str(e)[:120]})")
+                    rows.append(_row(case, comp, opts, c, status="ok", **sub, **rates(c, sub["ms"]),
+                                     **{**kw, "notes": "; ".join(mnotes)}))
+                    continue
+                rows.append(_row(case, comp, opts, c, **{**kw, **failure(comp, case, e, dev, f"{mode} timed calls",
+                                                                         mnotes)}))
                 continue
-            rows.append(_row(case, comp, opts, c, **{**kw, **failure(comp, case, e, dev, f"{mode} timed calls",
-                                                                     mnotes)}))
-            continue
-        if bad:
-            rows.append(_row(case, comp, opts, c, status="fallback", **{**kw, "notes": "; ".join([*mnotes, bad])}))
-            continue
-        timed[mode] = got
-        rows.append(_row(case, comp, opts, c, status="ok", **got, **rates(c, got["ms"]),
-                         **{**kw, "notes": "; ".join(mnotes)}))
-    return rows
+            if bad:
+                rows.append(_row(case, comp, opts, c, status="fallback", **{**kw, "notes": "; ".join([*mnotes, bad])}))
+                continue
+            timed[mode] = got
+            rows.append(_row(case, comp, opts, c, status="ok", **got, **rates(c, got["ms"]),
+                             **{**kw, "notes": "; ".join(mnotes)}))
+        return rows
 
 
 def _subtracted(timed: dict[str, dict[str, Any]]) -> dict[str, Any] | None:

@@ -167,7 +167,7 @@ def ratio_bars(df: pd.DataFrame | None, baselines: Sequence[str] = ("sdpa-flash"
 
 
 def memory_measured(df: pd.DataFrame | None, *, live_scores: Sequence[int] = (2, 3), title: str = "") -> Figure | None:
-    """Measured peak extra memory against N per backend, with the models of :mod:`attnlab.memory` in black:
+    """Measured peak extra memory against N per backend, with the models of :mod:`attnlab.lessons.memory` in black:
     the textbook version holding each of ``live_scores`` score-sized tensors, and a fused kernel holding
     its float32 lse. The benchmark's ``peak_extra_mib`` excludes the output, so the models do too.
     Backends at 0 bytes cannot appear on the log axis; their legend entry says so."""

@@ -170,39 +170,40 @@ def run_one(
     prep, why = prepare(comp, inp, dev)
     if prep is None:
         return _row(case, comp, opts, counts, **why, **base)
-    notes = list(prep.notes)
-    # 1. the checked call (set 0); for attnlab backends the output is poisoned first (every element written)
-    try:
-        out, _, first_s, fallback = first_call(prep, dev)
-        if comp.name == "flex" and first_s > 1.0:
-            notes.append(f"first call (compile) {first_s:.1f} s")
-        got = out
-        if prep.zero_rows is not None and bool(prep.zero_rows.any()):
-            got = out.masked_fill(prep.zero_rows, 0.0)
-            notes.append(f"{int(prep.zero_rows.sum())} empty rows zeroed before checking")
-        rep = compare(take_slice(got, truth.sl), truth.ref, dtype=case.torch_dtype, base=truth.base)
-        del out, got
-    except Exception as e:
-        return _failure_row(case, comp, opts, counts, e, dev, "first call", base, notes)
-    base.update(max_abs_err=rep.max_abs, rel_l2=rep.rel_l2, setup_mib=prep.setup_bytes / MIB,
-                base_max_abs="" if rep.base_max_abs is None else rep.base_max_abs)
-    if fallback:
-        return _row(case, comp, opts, counts, status="fallback", passed=bool(rep.passed),
-                    notes="; ".join(notes + fallback[:1]), **base)
-    if not rep.passed:
-        notes.append(repr(rep))
-        return _row(case, comp, opts, counts, status="failed", passed=False, notes="; ".join(notes), **base)
-    # 2. memory and a first estimate; 3. warm-up, the timed calls and the host time
-    try:
-        timed, bad = measure(prep.call, inp.sets, dev, (max_reps, budget_ms, min_reps), notes, prep.mark,
-                             prep.after_timing)
-        if bad:
-            return _row(case, comp, opts, counts, status="fallback", passed=True, notes="; ".join([*notes, bad]),
-                        **base)
-    except Exception as e:
-        return _failure_row(case, comp, opts, counts, e, dev, "timed calls", base, notes, passed=True)
-    return _row(case, comp, opts, counts, status="ok", passed=True, **timed, **rates(counts, timed["ms"]),
-                notes="; ".join(notes), **base)
+    with entered(prep):  # e.g. SDPA restricted to one kernel: entered once, not per timed call
+        notes = list(prep.notes)
+        # 1. the checked call (set 0); for attnlab backends the output is poisoned first (every element written)
+        try:
+            out, _, first_s, fallback = first_call(prep, dev)
+            if comp.name == "flex" and first_s > 1.0:
+                notes.append(f"first call (compile) {first_s:.1f} s")
+            got = out
+            if prep.zero_rows is not None and bool(prep.zero_rows.any()):
+                got = out.masked_fill(prep.zero_rows, 0.0)
+                notes.append(f"{int(prep.zero_rows.sum())} empty rows zeroed before checking")
+            rep = compare(take_slice(got, truth.sl), truth.ref, dtype=case.torch_dtype, base=truth.base)
+            del out, got
+        except Exception as e:
+            return _failure_row(case, comp, opts, counts, e, dev, "first call", base, notes)
+        base.update(max_abs_err=rep.max_abs, rel_l2=rep.rel_l2, setup_mib=prep.setup_bytes / MIB,
+                    base_max_abs="" if rep.base_max_abs is None else rep.base_max_abs)
+        if fallback:
+            return _row(case, comp, opts, counts, status="fallback", passed=bool(rep.passed),
+                        notes="; ".join(notes + fallback[:1]), **base)
+        if not rep.passed:
+            notes.append(repr(rep))
+            return _row(case, comp, opts, counts, status="failed", passed=False, notes="; ".join(notes), **base)
+        # 2. memory and a first estimate; 3. warm-up, the timed calls and the host time
+        try:
+            timed, bad = measure(prep.call, inp.sets, dev, (max_reps, budget_ms, min_reps), notes, prep.mark,
+                                 prep.after_timing)
+            if bad:
+                return _row(case, comp, opts, counts, status="fallback", passed=True, notes="; ".join([*notes, bad]),
+                            **base)
+        except Exception as e:
+            return _failure_row(case, comp, opts, counts, e, dev, "timed calls", base, notes, passed=True)
+        return _row(case, comp, opts, counts, status="ok", passed=True, **timed, **rates(counts, timed["ms"]),
+                    notes="; ".join(notes), **base)
 
 
 def failure(comp: Competitor, case: BenchCase, e: BaseException, dev: torch.device, where: str,
@@ -235,6 +236,11 @@ def first_call(prep, dev: torch.device, then: Callable[[Any], Any] | None = None
     if prep.mark is not None:
         prep.mark()
     return out, extra, first_s, _eager_fallbacks(caught)
+
+
+def entered(prep) -> contextlib.AbstractContextManager:
+    """The context a prepared competitor's calls run in (:attr:`Prepared.context`), or none."""
+    return prep.context() if prep.context is not None else contextlib.nullcontext()
 
 
 def prepare(comp: Competitor, inp, dev: torch.device) -> tuple[Any, dict[str, Any] | None]:

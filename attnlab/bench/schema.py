@@ -66,7 +66,7 @@ import torch
 # Schema
 # ---------------------------------------------------------------------------------------------------------
 
-#: CSV columns, in file order. Stable: attnlab.plots and notebook 08 read them (module docstring); new
+#: CSV columns, in file order. Stable: attnlab.bench.plots and notebook 08 read them (module docstring); new
 #: columns go at the end, and :func:`attnlab.bench.load` fills the ones an older CSV lacks with empty values.
 COLUMNS = [
     "run_id", "suite", "case", "backend", "family", "status", "passed",

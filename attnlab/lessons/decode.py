@@ -251,22 +251,6 @@ def bandwidth_table(df: pd.DataFrame | None, backends: Iterable[str] | None = No
     return d.pivot_table(index="case", columns="backend", values="gbps", aggfunc="median", sort=False)
 
 
-def plot_bandwidth(table: pd.DataFrame, *, tbps: float = memory.H200["copy_tbps"], title: str = ""):
-    """Grouped bars of :func:`bandwidth_table` against the measured bandwidth line."""
-    from attnlab.bench.plots import backend_colors
-
-    t = table.reset_index().melt(id_vars="case", var_name="backend", value_name="gbps").dropna()
-    fig, axes = _fig(size=(10.5, 4.4))
-    ax = axes[0, 0]
-    sns.barplot(data=t, x="case", y="gbps", hue="backend", palette=backend_colors(t["backend"]), ax=ax)
-    ax.axhline(tbps * 1e3, color="#c0392b", linestyle="--", label=f"measured HBM bandwidth {tbps:g} TB/s")
-    ax.set(xlabel="", ylabel="K/V read (GB/s)", title=title or "decode: K/V read bandwidth per configuration")
-    ax.tick_params(axis="x", rotation=15)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
-    fig.tight_layout()
-    return fig
-
-
 _CONFIG = re.compile(r"^-- (B\d+ Hq\d+ Hkv\d+ Nk\d+)")
 _ROW = re.compile(r"^   (\S.*?)\s{2,}([\d.]+) us\s+(\d+) GB/s")
 

@@ -193,7 +193,7 @@ def online_trace(s: torch.Tensor, trace: pd.DataFrame, *, component: int = 0) ->
 # ---- memory, traffic, roofline -----------------------------------------------------------------------
 def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = memory.H200["hbm_gib"] * 2**30,
                 title: str = "") -> Figure:
-    """Extra memory against N from :func:`attnlab.memory.sweep`: one score matrix, the textbook version's
+    """Extra memory against N from :func:`attnlab.lessons.memory.sweep`: one score matrix, the textbook version's
     modelled peak and a fused kernel's, with the GPU's memory as a horizontal line."""
     fig, axes = _fig(size=(7.0, 4.2))
     ax = axes[0, 0]
@@ -285,7 +285,7 @@ def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *
 
 # ---- precision ---------------------------------------------------------------------------------------
 def error_vs_n(df: pd.DataFrame, *, relative: bool = False, title: str = "") -> Figure:
-    """Max error against N from :func:`attnlab.precision.error_sweep`, one panel per dtype, colour = D,
+    """Max error against N from :func:`attnlab.lessons.precision.error_sweep`, one panel per dtype, colour = D,
     line style = method, the checker's tolerance dashed. ``relative``: the error and the tolerance divided
     by max|ref| (columns ``max_rel``, ``rel_tolerance``), the measure that does not fall just because |out|
     shrinks with N."""
@@ -311,7 +311,7 @@ def error_vs_n(df: pd.DataFrame, *, relative: bool = False, title: str = "") -> 
 
 
 def exp_error(df: pd.DataFrame) -> Figure:
-    """Relative error (ulps) of expf and fast exp against x, from :func:`attnlab.precision.exp_error_table`."""
+    """Relative error (ulps) of expf and fast exp against x, from :func:`attnlab.lessons.precision.exp_error_table`."""
     fig, axes = _fig(size=(6.0, 3.6))
     ax = axes[0, 0]
     ax.plot(-df["x"], df["expf_ulp"], marker="o", label="expf")
