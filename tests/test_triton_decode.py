@@ -263,3 +263,20 @@ def test_public_calls_reuse_one_decode_plan_gpu(dtype, monkeypatch):
         monkeypatch.setattr(tlaunch, "FAST_LAUNCH", True)
         assert torch.equal(got, want)
     assert len(td._PLANS) == 1
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_half_bias_is_made_float32_before_log2e(dtype):
+    """A large half-type bias: bias * log2(e) rounded in the bias's dtype would move a score by up to
+    |bias| * 2^-8 (bf16), i.e. weights off by several percent; the fused forward's rule is float32 first."""
+    B, Hq, Hkv, Nk, D = 1, 4, 2, 80, 16
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, Hq, 1, D, generator=g).to(dtype) * 0.1
+    k, v = (torch.randn(B, Hkv, Nk, D, generator=g).to(dtype) for _ in range(2))
+    bias = (torch.rand(B, Hq, 1, Nk, generator=g) * 8 + 90).to(dtype)  # 90..98: coarse steps in bf16
+    prob = make_problem(q, k, v, mask=bias)
+    out = torch.empty(B, Hq, 1, D, dtype=dtype)
+    td.decode_forward(prob, out, None, splits=2)
+    ref = reference_forward(prob)[0]
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2 * torch.finfo(dtype).eps * ref.abs().max().item() + 1e-3, err

@@ -32,6 +32,9 @@ MIN_TILES_PER_SPLIT = 4
 #: Programs aimed for per SM when choosing the split count: 4, from the H200 sweep (graph replay, bf16 D128)
 #: in data/gpu_tests/nvidia-h200-decode-profile-2026-12-01.txt.
 PROGRAMS_PER_SM = 4
+#: The aim when the (batch, kv head, row tile) programs alone already fill every SM once (MHA at B >= 8):
+#: there a split only adds workspace traffic and a merge, and 4 per SM made B8 Hkv32 Nk8k 1.2x slower than 2.
+PROGRAMS_PER_SM_WIDE = 2
 #: The interpreter's fixed split count when none is forced (so CPU runs exercise the merge).
 INTERPRETER_SPLITS = 3
 
@@ -74,11 +77,13 @@ def row_tiles(prob: Problem, interpret: bool = False) -> int:
 
 def num_splits(prob: Problem, cfg: DecodeConfig, sm_count: int, interpret: bool = False) -> int:
     """How many splits each (batch entry, kv head, row tile) gets: enough programs for about
-    PROGRAMS_PER_SM per SM, each split at least MIN_TILES_PER_SPLIT key tiles, then evened out so that the
-    tiles divide nearly equally (a host-side choice: device lengths are not read back)."""
+    PROGRAMS_PER_SM per SM (PROGRAMS_PER_SM_WIDE when those programs alone fill the SMs), each split at
+    least MIN_TILES_PER_SPLIT key tiles, then evened out so that the tiles divide nearly equally (a host-side
+    choice: device lengths are not read back)."""
     tiles = max(1, (prob.Nk + cfg.block_n - 1) // cfg.block_n)
     base = max(1, prob.B * prob.Hkv * row_tiles(prob, interpret))
-    want = (PROGRAMS_PER_SM * sm_count + base - 1) // base
+    per_sm = PROGRAMS_PER_SM if base < sm_count else PROGRAMS_PER_SM_WIDE
+    want = (per_sm * sm_count + base - 1) // base
     s = max(1, min(want, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
     per = (tiles + s - 1) // s
     return (tiles + per - 1) // per
@@ -200,16 +205,22 @@ class _Kernel:
         return self._values
 
     def direct(self, key: tuple):
-        """``go(stream, args)``: the compiled kernel of ``key`` launched directly (None before it exists)."""
+        """``go(stream, tensors, args)``: the compiled kernel of ``key`` launched directly (None before it
+        exists)."""
         kernel = self.compiled.get(key)
         if kernel is None or not _launch.FAST_LAUNCH:
             return None
         grid, constants = self.grid, self._constant_values()
         launcher, function, packed, hooks = kernel.run, kernel.function, kernel.packed_metadata, triton.knobs.runtime
 
-        def go(stream, args):
-            full, enter = (*args, *constants), hooks.launch_enter_hook
-            meta = None if enter is None else kernel.launch_metadata(grid, stream, *full)
+        def go(stream, tensors, args):
+            """Launch with ``tensors`` (the leading pointer arguments) and then ``args``."""
+            enter = hooks.launch_enter_hook
+            if enter is None:  # addresses as ints (see attnlab.backends.triton.launch.pointers)
+                meta, full = None, (*_launch.pointers(tensors), *args, *constants)
+            else:
+                full = (*tensors, *args, *constants)
+                meta = kernel.launch_metadata(grid, stream, *full)
             launcher(*grid, stream, function, packed, meta, enter, hooks.launch_exit_hook, *full)
 
         return go
@@ -336,18 +347,19 @@ class _Plan:
             o = torch.empty(shape, dtype=q.dtype, device=dev)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
             l_arg = o if m is None else m
-            if go_merge is None:
-                ws_m = ws_l = ws_acc = o
-            else:  # one allocation; the launcher takes l's and acc's addresses as ints (no views to make)
-                ws_m = torch.empty(ws_numel, dtype=torch.float32, device=dev)
-                ws_l = ws_m.data_ptr() + 4 * rows
-                ws_acc = ws_l + 4 * rows
             stream = current_stream(index)
             bt = q if block_table is None else block_table
-            go_split(stream, (q, k, v, bt, q if kv_len is None else kv_len, q if q_len is None else q_len,
-                              q if mask is None else mask, *fixed, o, l_arg, ws_m, ws_l, ws_acc, *strides))
-            if go_merge is not None:
-                go_merge(stream, (ws_m, ws_l, ws_acc, o, l_arg, *strides, *merge_tail))
+            tensors = (q, k, v, bt, q if kv_len is None else kv_len, q if q_len is None else q_len,
+                       q if mask is None else mask)
+            if go_merge is None:
+                go_split(stream, tensors, (*fixed, *_launch.pointers((o, l_arg, o, o, o)), *strides))
+                return o, m
+            # one allocation; the launchers take l's and acc's addresses as ints (no views to make)
+            ws = torch.empty(ws_numel, dtype=torch.float32, device=dev)
+            ws_m = ws.data_ptr()
+            states = (ws_m, ws_m + 4 * rows, ws_m + 8 * rows)
+            go_split(stream, tensors, (*fixed, *_launch.pointers((o, l_arg)), *states, *strides))
+            go_merge(stream, (), (*states, *_launch.pointers((o, l_arg)), *strides, *merge_tail))
             return o, m
 
         return call
