@@ -67,14 +67,16 @@ def dkdv_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
         if block_d <= 128:
             return [BwdConfig(16, 32, 4, 2), BwdConfig(32, 32, 8, 2)]
         return [BwdConfig(16, 16, 4, 1), BwdConfig(16, 32, 8, 1)]
-    # H200, bf16 B4 H16 N4096 D128 (data/gpu_tests/nvidia-h200-triton-bwd.txt), dense (causal) ms:
-    # (64, 128, 8, 2) 2.25 (1.23), (32, 64, 4, 2) 2.52 (1.27), (32, 128, 8, 2) 2.92 (1.54), (64, 64, 8, 2)
-    # 4.32 (2.20). Each uses all 255 registers on sm_90 and spills a little (ptxas -v).
+    # H200, bf16 D128 (data/gpu_tests/nvidia-h200-tune-sweep-189ca35.txt), ms for B8 H16 N4096 with ragged
+    # kv_len (B4 H16 N4096 causal): (64, 128, 8, 3) 2.27 (1.16), (64, 128, 8, 2) 2.68 (1.24), (32, 128, 8, 3)
+    # 2.68 (1.35), (32, 64, 4, 2) 2.82 (1.26), (32, 128, 8, 2) 3.52 (1.54), (64, 64, 8, 2) 4.97 (2.22); four
+    # warps with 128-key tiles (the Triton tutorial's choice) 7.2 and more. The third stage hides the
+    # streaming Q and dO loads behind the five dots.
     if block_d <= 64:
         return [BwdConfig(64, 128, 8, 3), BwdConfig(64, 64, 4, 3), BwdConfig(32, 128, 4, 3),
                 BwdConfig(64, 128, 8, 2)]
     if block_d <= 128:
-        return [BwdConfig(64, 128, 8, 2), BwdConfig(32, 64, 4, 2), BwdConfig(32, 128, 8, 2), BwdConfig(64, 64, 8, 2)]
+        return [BwdConfig(64, 128, 8, 3), BwdConfig(64, 128, 8, 2), BwdConfig(32, 64, 4, 2), BwdConfig(32, 128, 8, 3)]
     return [BwdConfig(32, 64, 8, 1), BwdConfig(32, 32, 4, 1), BwdConfig(16, 64, 4, 1)]
 
 
@@ -90,9 +92,10 @@ def dq_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
     if block_d <= 64:
         return [BwdConfig(128, 64, 8, 3), BwdConfig(128, 32, 4, 3), BwdConfig(64, 64, 4, 3)]
     if block_d <= 128:
-        # H200, bf16 B4 H16 N4096 D128, dense (causal) ms: (64, 64, 4, 2) 1.45 (0.81), (128, 32, 8, 2) 1.50
-        # (0.85), (128, 64, 8, 2) 1.59 (0.95).
-        return [BwdConfig(64, 64, 4, 2), BwdConfig(128, 32, 8, 2), BwdConfig(128, 64, 8, 2)]
+        # H200, bf16 D128 (the same sweep), ms for the ragged kv_len case (causal): (128, 64, 8, 3) 1.54
+        # (0.78), (64, 64, 4, 2) 1.55 (0.83), (128, 32, 8, 2) 1.58 (0.84), (64, 32, 4, 3) 1.66 (0.85),
+        # (128, 64, 8, 2) 1.77 (0.95).
+        return [BwdConfig(128, 64, 8, 3), BwdConfig(64, 64, 4, 2), BwdConfig(128, 32, 8, 2), BwdConfig(64, 32, 4, 3)]
     return [BwdConfig(64, 32, 8, 1), BwdConfig(64, 16, 4, 1), BwdConfig(32, 32, 4, 1)]
 
 

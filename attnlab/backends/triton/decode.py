@@ -32,9 +32,12 @@ MIN_TILES_PER_SPLIT = 4
 #: Programs aimed for per SM when choosing the split count: 4, from the H200 sweep (graph replay, bf16 D128)
 #: in data/gpu_tests/nvidia-h200-decode-profile-2026-12-01.txt.
 PROGRAMS_PER_SM = 4
-#: The aim when the (batch, kv head, row tile) programs alone already fill every SM once (MHA at B >= 8):
-#: there a split only adds workspace traffic and a merge, and 4 per SM made B8 Hkv32 Nk8k 1.2x slower than 2.
+#: The aim when the (batch, kv head, row tile) programs alone already fill every SM once (MHA at B >= 8),
+#: without and with ragged kv_len. Equal lengths: 2 (S=2 at B8 Hkv32 Nk8k: 244 us, S=3 264, S=1 258). Ragged:
+#: the host cannot see the lengths, and many short programs even the load out; 16 (B16 Hkv32 Nk16k: 634 us
+#: at S=1, 596-601 at S=4-6). data/gpu_tests/nvidia-h200-tune-sweep-189ca35.txt (graph replay, bf16 D128).
 PROGRAMS_PER_SM_WIDE = 2
+PROGRAMS_PER_SM_WIDE_RAGGED = 16
 #: The interpreter's fixed split count when none is forced (so CPU runs exercise the merge).
 INTERPRETER_SPLITS = 3
 
@@ -77,12 +80,15 @@ def row_tiles(prob: Problem, interpret: bool = False) -> int:
 
 def num_splits(prob: Problem, cfg: DecodeConfig, sm_count: int, interpret: bool = False) -> int:
     """How many splits each (batch entry, kv head, row tile) gets: enough programs for about
-    PROGRAMS_PER_SM per SM (PROGRAMS_PER_SM_WIDE when those programs alone fill the SMs), each split at
+    PROGRAMS_PER_SM per SM (PROGRAMS_PER_SM_WIDE[_RAGGED] when those programs alone fill the SMs), each split at
     least MIN_TILES_PER_SPLIT key tiles, then evened out so that the tiles divide nearly equally (a host-side
     choice: device lengths are not read back)."""
     tiles = max(1, (prob.Nk + cfg.block_n - 1) // cfg.block_n)
     base = max(1, prob.B * prob.Hkv * row_tiles(prob, interpret))
-    per_sm = PROGRAMS_PER_SM if base < sm_count else PROGRAMS_PER_SM_WIDE
+    if base < sm_count:
+        per_sm = PROGRAMS_PER_SM
+    else:
+        per_sm = PROGRAMS_PER_SM_WIDE if prob.spec.kv_len is None else PROGRAMS_PER_SM_WIDE_RAGGED
     want = (per_sm * sm_count + base - 1) // base
     s = max(1, min(want, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
     per = (tiles + s - 1) // s
