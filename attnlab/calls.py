@@ -7,8 +7,8 @@ The first call of a signature goes the whole way (``make_problem``, ``resolve``,
 When the chosen backend hands back a fast call for it (:meth:`attnlab.backends.Backend.fast_call`: the Triton
 kernels on a GPU do), the later calls of that signature run it directly: the output's allocation and the
 kernel launches, with nothing validated twice. The answer is the same as the whole way's: what validation
-checks depends on the signature alone, and what it computes from values (the clamped GPU lengths) is computed
-again, by the same function.
+checks depends on the signature alone, and what it computes from values (GPU lengths clamped to [0, N]) the
+kernels compute again where they load the lengths.
 
 The whole way is taken every time by calls that need a gradient or are being traced (they go through the
 custom op), calls with lengths, masks or a block table on the host (validated by value), tensors
@@ -25,9 +25,11 @@ import torch
 
 from attnlab.masks import BIAS_DTYPES, device_lengths, int_lengths
 
-#: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table) -> (out, lse or None); lengths are
-#: kernel-ready (int32, contiguous, clamped) or None, the mask and block table are the caller's tensors or None.
-#: None back means "take the whole way" (a global switch the plan depends on has changed since).
+#: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table) -> (out, lse or None); lengths are None or
+#: contiguous [B] GPU tensors, int32 or int64, NOT clamped (the Triton kernels clamp every length they load:
+#: :func:`attnlab.backends.triton.tiles.lengths`; a backend whose kernels do not must clamp them itself);
+#: the mask and block table are the caller's tensors or None. None back means "take the whole way" (a global
+#: switch the plan depends on has changed since).
 FastCall = Callable[..., "tuple[torch.Tensor, torch.Tensor | None] | None"]
 
 _Tensor = torch.Tensor
@@ -90,9 +92,14 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
         return None
 
 
+#: GPU length dtypes a fast call passes on as they are (contiguous ones); others are made int32 first.
+_AS_GIVEN = (torch.int32, torch.int64)
+
+
 class _Entry:
     """A fast call and how to make its lengths kernel-ready: None (absent), ``(B, value)`` for an int length
-    (a new int32 tensor each call, on the call's stream) or the limit to clamp a GPU tensor to."""
+    (a new int32 tensor each call, on the call's stream), True for a GPU tensor passed as given (int32 or
+    int64, contiguous: no kernel of its own) or the limit of the int32 copy of any other GPU tensor."""
 
     __slots__ = ("device", "fast", "kv", "ql")
 
@@ -102,6 +109,8 @@ class _Entry:
     def _lengths(self, how: Any, given: Any) -> torch.Tensor | None:
         if how is None:
             return None
+        if how is True:
+            return given
         if type(how) is int:
             return device_lengths(given, how)
         return int_lengths(how[0], how[1], torch.device("cuda", self.device))
@@ -126,7 +135,9 @@ def remember(key: tuple, fast: FastCall, prob, kv_len: Any, q_len: Any) -> None:
     def lengths(given: Any, limit: int) -> Any:
         if given is None:
             return None
-        return (prob.B, given) if type(given) is int else limit
+        if type(given) is int:
+            return (prob.B, given)
+        return True if given.dtype in _AS_GIVEN and given.stride() == (1,) else limit
 
     evict_oldest(_CALLS, MAX_CALLS)
     _CALLS[key] = _Entry(fast, prob.device.index, lengths(kv_len, prob.Nk), lengths(q_len, prob.Nq))
