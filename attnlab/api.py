@@ -2,8 +2,9 @@
 
 ``attention`` is the op ``attnlab::attention`` (``torch.library.custom_op``): ``torch.compile(fullgraph=True)``
 sees one node (its fake implementation gives the output shapes without running anything) and autograd
-reaches its backward, the op ``attnlab::attention_backward``. A call that needs no gradient and is not being
-traced runs the op's implementation directly: the same code without the dispatcher's per-call cost.
+reaches its backward, the op ``attnlab::attention_backward``. Outside tracing the dispatcher is skipped: a call
+that needs no gradient runs the op's implementation directly, and one that needs a gradient runs the same
+implementation and autograd formula as a ``torch.autograd.Function`` (:class:`_EagerAttention`).
 
 Gradients: the kernel backends (``triton`` and the CUDA kernels) differentiate through the Triton backward
 kernels (:mod:`attnlab.backends.triton.backward`), from the forward's saved out and lse; the backends built from PyTorch
@@ -114,13 +115,12 @@ def attention(
         if torch.compiler.is_compiling():
             # The op takes lengths as tensors: Python ints and lists become (host) tensors, validated in the op.
             lengths = (_lengths_arg(kv_len), _lengths_arg(q_len))
+            out, lse = torch.ops.attnlab.attention(*args[:3], *lengths, *args[5:])
         else:
-            # Validate first (the same TypeError/ValueError as without grad); the op then takes the lengths as
-            # validated (int32 on q's device), not converted again.
+            # Validate first (the same TypeError/ValueError as without grad); the forward then takes the lengths
+            # as validated (int32 on q's device), not converted again.
             spec = _problem(*args[:6], *args[7:14]).spec
-            lengths = (spec.kv_len, spec.q_len)
-        args = (*args[:3], *lengths, *args[5:])
-        out, lse = torch.ops.attnlab.attention(*args)
+            out, lse = _EagerAttention.apply(*args[:3], spec.kv_len, spec.q_len, *args[5:])
     return (out, lse) if return_lse else out
 
 
@@ -182,8 +182,7 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, ri
     return out, lse, prob, be, out_bhnd, paged
 
 
-@torch.library.custom_op("attnlab::attention", mutates_args=())
-def _attention_op(
+def _attention_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
     mask: torch.Tensor | None, block_table: torch.Tensor | None, causal: bool, has_window: bool, left: int | None,
     right: int | None, align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool,
@@ -192,6 +191,9 @@ def _attention_op(
     out, lse, *_ = _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale,
                         layout, backend, want_lse, needs_grad)
     return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)  # the schema's empty lse
+
+
+_attention_op = torch.library.custom_op("attnlab::attention", mutates_args=())(_attention_impl)
 
 
 @_attention_op.register_fake
@@ -204,8 +206,7 @@ def _(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right
     return out, q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
-@torch.library.custom_op("attnlab::attention_backward", mutates_args=())
-def _attention_backward_op(
+def _attention_backward_impl(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
     mask: torch.Tensor | None, causal: bool, has_window: bool, left: int | None, right: int | None,
@@ -228,6 +229,10 @@ def _attention_backward_op(
     dmask = sum_to_shape(dbias, mask.shape).to(mask.dtype) if mask_grad else q.new_empty((0,))
     return (prob.to_layout(dq).to(q.dtype), prob.to_layout(dk).to(k.dtype), prob.to_layout(dv).to(v.dtype),
             dmask)
+
+
+_attention_backward_op = torch.library.custom_op("attnlab::attention_backward", mutates_args=())(
+    _attention_backward_impl)
 
 
 def _triton_backward_available() -> bool:
@@ -258,16 +263,34 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient tensor: dlse is None
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, backward_op=None):
+    """The op's autograd formula (``backward_op``: the backward op, or its implementation when eager)."""
     q, k, v, out, lse, kv_len, q_len, mask = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.want_lse else None
-    dq, dk, dv, dmask = torch.ops.attnlab.attention_backward(
-        dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, *ctx.options, ctx.mask_grad)
+    backward_op = backward_op or torch.ops.attnlab.attention_backward
+    dq, dk, dv, dmask = backward_op(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, *ctx.options, ctx.mask_grad)
     # One gradient per op input: q, k, v, kv_len, q_len, mask, block_table (gathered before the op whenever a
     # gradient is needed, so always None here), then the ten non-tensor arguments.
     return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, None, *([None] * 10))
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The op and its autograd formula, run eagerly without the dispatcher (a call that needs a gradient and
+    is not being traced). The same implementation, the same saved tensors, the same backward; what it saves is
+    torch's first-use cost of a custom op's dispatch (it imports torch._dynamo: 5 s on the H200's host in
+    the first training step of every process)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _attention_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, _attention_backward_impl)

@@ -26,8 +26,9 @@ import torch
 from attnlab.masks import BIAS_DTYPES, device_lengths, int_lengths
 
 #: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table) -> (out, lse or None); lengths are None or
-#: contiguous [B] GPU tensors, int32 or int64, NOT clamped (the Triton kernels clamp every length they load:
-#: :func:`attnlab.backends.triton.tiles.lengths`; a backend whose kernels do not must clamp them itself);
+#: contiguous, 16-byte aligned int32 [B] GPU tensors, NOT clamped (the Triton kernels clamp every length they
+#: load: :func:`attnlab.backends.triton.tiles.lengths`; a backend whose kernels do not must clamp them itself),
+#: the same dtype and alignment as the whole way's lengths (its compiled kernels are specialized on them);
 #: the mask and block table are the caller's tensors or None. None back means "take the whole way" (a global
 #: switch the plan depends on has changed since).
 FastCall = Callable[..., "tuple[torch.Tensor, torch.Tensor | None] | None"]
@@ -92,14 +93,13 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
         return None
 
 
-#: GPU length dtypes a fast call passes on as they are (contiguous ones); others are made int32 first.
-_AS_GIVEN = (torch.int32, torch.int64)
 
 
 class _Entry:
     """A fast call and how to make its lengths kernel-ready: None (absent), ``(B, value)`` for an int length
-    (a new int32 tensor each call, on the call's stream), True for a GPU tensor passed as given (int32 or
-    int64, contiguous: no kernel of its own) or the limit of the int32 copy of any other GPU tensor."""
+    (a new int32 tensor each call, on the call's stream), True for a GPU tensor passed as given (int32,
+    contiguous and 16-byte aligned, as the whole way's clamped copy is: no kernel of its own) or the limit of
+    the clamped int32 copy of any other GPU tensor (an int64 one, say)."""
 
     __slots__ = ("device", "fast", "kv", "ql")
 
@@ -137,7 +137,8 @@ def remember(key: tuple, fast: FastCall, prob, kv_len: Any, q_len: Any) -> None:
             return None
         if type(given) is int:
             return (prob.B, given)
-        return True if given.dtype in _AS_GIVEN and given.stride() == (1,) else limit
+        as_given = given.dtype == torch.int32 and given.stride() == (1,) and given.data_ptr() % 16 == 0
+        return True if as_given else limit  # (dtype, strides and alignment are in the signature)
 
     evict_oldest(_CALLS, MAX_CALLS)
     _CALLS[key] = _Entry(fast, prob.device.index, lengths(kv_len, prob.Nk), lengths(q_len, prob.Nq))

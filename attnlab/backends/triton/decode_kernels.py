@@ -70,15 +70,24 @@ if triton is not None:
     def _scores(q, k, e_rows, keys, rows, row_ok, Lk, Nk, off, win_left, win_right, qk_scale, s_ej,
                 PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """Base-2 scores of one tile, [BLOCK_M packed rows, BLOCK_N keys]: the explicit mask or bias as the
-        fused forward applies it, then (partial tiles only) -inf past the length and outside the band.
-        ``rows`` are query row indices; padding rows (not ``row_ok``) read no mask and are never stored."""
+        """Base-2 scores of one tile, [BLOCK_M packed rows, BLOCK_N keys]: -inf where the explicit mask,
+        the length or (partial tiles only) the band forbids the key. ``rows`` are query row indices."""
         s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)
         if HAS_MASK or HAS_BIAS:
             e_ptrs = e_rows[:, None] + keys[None, :].to(tl.int64) * s_ej
-            s = tiles.apply_explicit(s, e_ptrs, row_ok[:, None] & (keys < Nk)[None, :], HAS_MASK)
+            e_ok = row_ok[:, None] & (keys < Nk)[None, :]
+            if HAS_MASK:
+                allowed = tl.load(e_ptrs, mask=e_ok, other=0)
+                s = tl.where(allowed != 0, s, float("-inf"))
+            else:
+                s = s + tl.load(e_ptrs, mask=e_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # float32 first
         if PARTIAL:
-            s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
+            ok = (keys < Lk)[None, :] & row_ok[:, None]
+            if HAS_LEFT:  # j >= diag_i - left
+                ok = ok & (keys[None, :] >= (rows + off - win_left)[:, None])
+            if HAS_RIGHT:  # j <= diag_i + right
+                ok = ok & (keys[None, :] <= (rows + off + win_right)[:, None])
+            s = tl.where(ok, s, float("-inf"))
         return s
 
     @triton.jit
@@ -139,10 +148,13 @@ if triton is not None:
         lo, hi, full_lo, full_hi = tiles.key_range(zero, zero, i_last, Lk, off, win_left, win_right, HAS_LEFT,
                                                    HAS_RIGHT)
         hi = tl.where(i_last >= 0, tl.maximum(hi, lo), lo)
-        t_lo, f_lo, f_hi, t_hi = tiles.tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
+        t_lo = lo // BLOCK_N
+        t_hi = tl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
         n_tiles = t_hi - t_lo
         s_lo = t_lo + (n_tiles * split) // S  # nearly equal runs of whole tiles
         s_hi = t_lo + (n_tiles * (split + 1)) // S
+        f_lo = (tl.maximum(full_lo, 0) + BLOCK_N - 1) // BLOCK_N
+        f_hi = tl.maximum(full_hi, 0) // BLOCK_N
         a = tl.minimum(tl.maximum(f_lo, s_lo), s_hi)  # [s_lo, a) partial, [a, c) full, [c, s_hi) partial
         c = tl.minimum(tl.maximum(f_hi, a), s_hi)
 

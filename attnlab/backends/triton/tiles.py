@@ -43,15 +43,13 @@ if triton is not None:
     def lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr,
                  BOTTOM_RIGHT: tl.constexpr):
         """(Lk, Lq, off) of batch entry b: the effective lengths, clamped to [0, Nk] and [0, Nq] whatever the
-        caller passed (no load leaves the tensors), and the diagonal offset (row i's diagonal is key i + off).
-        The length tensors may be int32 or int64 (a repeated public call passes the caller's as given): each
-        is clamped in its own type, then int32."""
+        caller passed (no load leaves the tensors), and the diagonal offset (row i's diagonal is key i + off)."""
         if HAS_KV_LEN:
-            Lk = tl.minimum(tl.maximum(tl.load(KvLen + b), 0), Nk).to(tl.int32)
+            Lk = tl.minimum(tl.maximum(tl.load(KvLen + b), 0), Nk)
         else:
             Lk = zero + Nk
         if HAS_Q_LEN:
-            Lq = tl.minimum(tl.maximum(tl.load(QLen + b), 0), Nq).to(tl.int32)
+            Lq = tl.minimum(tl.maximum(tl.load(QLen + b), 0), Nq)
         else:
             Lq = zero + Nq
         if BOTTOM_RIGHT:
