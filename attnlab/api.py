@@ -120,8 +120,19 @@ def attention(
             # Validate first (the same TypeError/ValueError as without grad); the forward then takes the lengths
             # as validated (int32 on q's device), not converted again.
             spec = _problem(*args[:6], *args[7:14]).spec
-            out, lse = _EagerAttention.apply(*args[:3], spec.kv_len, spec.q_len, *args[5:])
+            args = (*args[:3], spec.kv_len, spec.q_len, *args[5:])
+            out, lse = _EagerAttention.apply(*args) if _plain_eager(q, k, v) else torch.ops.attnlab.attention(*args)
     return (out, lse) if return_lse else out
+
+
+def _plain_eager(*tensors: torch.Tensor) -> bool:
+    """Whether a call that needs a gradient may skip the dispatcher: plain tensors with storage and no
+    dispatch mode active. Fake and meta tensors, and tracers such as make_fx or FlopCounterMode, go
+    through the op (its fake implementation)."""
+    if any(type(t) is not torch.Tensor or t.is_meta for t in tensors):
+        return False
+    stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return stack is None or stack() == 0
 
 
 def _lengths_arg(value: Any) -> Any:
@@ -292,5 +303,6 @@ class _EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # as the op: no double backward (its backward has no formula)
     def backward(ctx, dout, dlse):
         return _backward(ctx, dout, dlse, _attention_backward_impl)

@@ -11,9 +11,10 @@ checks depends on the signature alone, and what it computes from values (GPU len
 kernels compute again where they load the lengths.
 
 The whole way is taken every time by calls that need a gradient or are being traced (they go through the
-custom op), calls with lengths, masks or a block table on the host (validated by value), tensors
-on the CPU or of a tensor subclass, calls whose GPU is not the current one, and calls with poisoned outputs.
-A paged cache's call has a signature when its block table is on the GPU (its ids are never read on the host).
+custom op or its eager autograd twin), calls with lengths, masks or a block table on the host (validated by
+value), tensors on the CPU or of a tensor subclass, calls whose GPU is not the current one, and calls with
+poisoned outputs. A paged cache's call has a signature when its block table is on the GPU (its ids are never
+read on the host).
 """
 
 from __future__ import annotations

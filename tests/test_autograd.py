@@ -125,3 +125,22 @@ def test_compiled_backward_matches_eager():
     torch.compile(f, fullgraph=True, backend="aot_eager")(*comp).square().sum().backward()
     for a, b in zip(comp, eager):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_eager_double_backward_is_an_error_not_a_silent_zero():
+    """The eager path (an autograd.Function) refuses a second backward, as the op does (no formula)."""
+    q = torch.randn(1, 2, 8, 8, requires_grad=True)
+    out = attnlab.attention(q, q, q, backend="torch")
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
+
+
+def test_fake_tensors_that_need_grad_go_through_the_op():
+    """Fake tensors (shape propagation, memory estimators) reach the op's fake implementation, not a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.randn(1, 2, 8, 8, requires_grad=True)
+        out, lse = attnlab.attention(q, q, q, causal=True, backend="triton", return_lse=True)
+    assert isinstance(out, FakeTensor) and out.shape == q.shape and lse.shape == (1, 2, 8)

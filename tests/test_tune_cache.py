@@ -236,9 +236,9 @@ _GPU_RUN = textwrap.dedent("""
     out.sum().backward()
     torch.cuda.synchronize()
     top = io.StringIO()
-    pstats.Stats(prof, stream=top).sort_stats("cumulative").print_stats(25)
+    pstats.Stats(prof, stream=top).strip_dirs().sort_stats("cumulative").print_stats(25)
     print(json.dumps({"calls": calls, "fwd_s": t1 - t0, "bwd_s": time.perf_counter() - t1,
-                      "profile": top.getvalue()[-4000:]}))
+                      "profile": top.getvalue()[:4000]}))
 """)
 
 
