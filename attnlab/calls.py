@@ -40,7 +40,8 @@ _CALLS: dict[tuple, _Entry] = {}
 MAX_CALLS = 1024
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What a plan or fast call depends on of a tensor: shape, strides, dtype, device and 16-byte alignment."""
     return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
 
 
@@ -52,7 +53,7 @@ def _lengths_key(x: Any, device: int) -> Any:
     if type(x) is int:
         return ("int", x)
     if type(x) is _Tensor and x.is_cuda and x.get_device() == device and x.dim() == 1:  # 0-dim: expanded
-        return _tensor_key(x)
+        return tensor_key(x)
     raise LookupError
 
 
@@ -75,19 +76,19 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
                 return None
             if mask.dtype != torch.bool and mask.dtype not in BIAS_DTYPES:
                 return None  # the full path converts it (or refuses it): not the caller's buffer
-            mask_key = _tensor_key(mask)
+            mask_key = tensor_key(mask)
         else:
             mask_key = None
         if block_table is not None:
             if type(block_table) is not _Tensor or not block_table.is_cuda:
                 return None  # a table on the host has its ids checked
-            table_key = _tensor_key(block_table)
+            table_key = tensor_key(block_table)
         else:
             table_key = None
         if scale is not None and type(scale) not in (int, float):
             return None  # numpy scalars, Decimal, Fraction equal a float as keys; validation decides them
         device = q.get_device()
-        return (_tensor_key(q), _tensor_key(k), _tensor_key(v), _lengths_key(kv_len, device),
+        return (tensor_key(q), tensor_key(k), tensor_key(v), _lengths_key(kv_len, device),
                 _lengths_key(q_len, device), mask_key, table_key, causal, window, align,
                 None if scale is None else float(scale), layout, backend, bool(want_lse))
     except (LookupError, TypeError, ValueError, RuntimeError):  # host lengths, a malformed keyword, no storage

@@ -94,7 +94,7 @@ def backward_configs(B: int, H: int, N: int, kv_len: bool, causal: bool) -> None
     tb._launch_dq(prob, dout, delta, lse2, dq, q_space[0], False)
     ref_k, ref_v, ref_q = dk.clone(), dv.clone(), dq.clone()
     tag = f"B{B} H{H} N{N}{' kvlen' if kv_len else ''}{' causal' if causal else ''}"
-    for cfg in kv_space + BWD_EXTRA_DKDV:
+    for cfg in dict.fromkeys(kv_space + BWD_EXTRA_DKDV):  # the extras not already candidates
         try:
             ms = do_bench(lambda cfg=cfg: tb._launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg, False),
                           return_mode="median")
@@ -103,7 +103,7 @@ def backward_configs(B: int, H: int, N: int, kv_len: bool, causal: bool) -> None
             print(f"bwd {tag} dkdv {cfg}: {ms:.3f} ms err {err:.1e}", flush=True)
         except Exception as e:
             print(f"bwd {tag} dkdv {cfg}: {type(e).__name__}", flush=True)
-    for cfg in q_space + BWD_EXTRA_DQ:
+    for cfg in dict.fromkeys(q_space + BWD_EXTRA_DQ):
         try:
             ms = do_bench(lambda cfg=cfg: tb._launch_dq(prob, dout, delta, lse2, dq, cfg, False), return_mode="median")
             err = ((dq.float() - ref_q.float()).abs().max() / ref_q.float().abs().max()).item()

@@ -239,6 +239,21 @@ def test_attnlab_backend_must_write_every_element():
     assert st == {"sdpa": "ok", "lazy-test": "failed"}
 
 
+def test_paged_rows_run_the_public_call_on_paged_caches():
+    """``auto-paged16``: the public call with paged caches, checked on a poisoned output like every attnlab row,
+    its notes naming the block size and what auto picked; a KV length its blocks do not divide is unsupported."""
+    from attnlab.bench.suites import decode_suite
+
+    case = decode_suite("cpu")[0]
+    rows = bench.run_case(case, bench.competitors(["auto-paged16", "triton-decode"]), _cpu_opts())
+    st = {r["backend"]: (r["status"], r["notes"]) for r in rows}
+    assert st["auto-paged16"][0] == "ok" and st["triton-decode"][0] == "ok"
+    assert st["auto-paged16"][1].startswith("paged cache, blocks of 16 keys; auto picked ")
+    inp = bench.make_case_inputs(case, "cpu", seed=0, sets=1)
+    with pytest.raises(bench.Unsupported, match="multiple of 7"):
+        bench.competitors(["auto-paged7"])[0].prepare(inp)
+
+
 def test_status_rows_for_exceptions():
     def raiser(exc):
         def prepare(inp):

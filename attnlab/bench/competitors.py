@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -88,25 +88,35 @@ def _attnlab_backend(name: str, inp: CaseInputs):
     return be, prob
 
 
+def _public_prepared(name: str, be, call: Callable[[int], torch.Tensor], notes: Sequence[str] = (),
+                     setup_bytes: int = 0) -> Prepared:
+    """A public-call competitor's :class:`Prepared`: ``call`` timed as it is, its checked call under
+    ``poison_outputs`` (an element the backend does not write fails the check as NaN), and the backend
+    ``auto`` picked in the notes."""
+    from attnlab.api import poison_outputs
+
+    def check_call(i: int) -> torch.Tensor:
+        with poison_outputs():
+            return call(i)
+
+    notes = [*notes, *([f"auto picked {be.name}"] if name == "auto" else [])]
+    return Prepared(call=call, check_call=check_call, setup_bytes=setup_bytes, notes=notes)
+
+
 def _attnlab_competitor(name: str) -> Competitor:
     """The public call: ``attnlab.attention(q, k, v, **keywords, backend=name)`` as a user makes it, a new
     Problem (and its validation) every call; the checked call runs under ``poison_outputs``."""
 
     def prepare(inp: CaseInputs) -> Prepared:
-        from attnlab.api import attention, poison_outputs
+        from attnlab.api import attention
 
         be, _ = _attnlab_backend(name, inp)
-        notes = [f"auto picked {be.name}"] if name == "auto" else []
         qs, ks, vs, kw = inp.qs, inp.ks, inp.vs, inp.kw
 
         def call(i: int) -> torch.Tensor:
             return attention(qs[i], ks[i], vs[i], backend=name, **kw)
 
-        def check_call(i: int) -> torch.Tensor:
-            with poison_outputs():  # an element the backend does not write fails the check as NaN
-                return call(i)
-
-        return Prepared(call=call, check_call=check_call, notes=notes)
+        return _public_prepared(name, be, call)
 
     return Competitor(name, "attnlab", prepare)
 
@@ -122,7 +132,7 @@ def _paged_competitor(name: str) -> Competitor:
     block_size = int(size)
 
     def prepare(inp: CaseInputs) -> Prepared:
-        from attnlab.api import attention, poison_outputs
+        from attnlab.api import attention
         from attnlab.paged import to_paged
 
         be, prob = _attnlab_backend(base, inp)
@@ -138,12 +148,7 @@ def _paged_competitor(name: str) -> Competitor:
             kc, vc, bt = caches[i]
             return attention(qs[i], kc, vc, block_table=bt, backend=base, **kw)
 
-        def check_call(i: int) -> torch.Tensor:
-            with poison_outputs():
-                return call(i)
-
-        notes = [f"paged cache, blocks of {block_size} keys"] + ([f"auto picked {be.name}"] if base == "auto" else [])
-        return Prepared(call=call, check_call=check_call, setup_bytes=setup, notes=notes)
+        return _public_prepared(base, be, call, [f"paged cache, blocks of {block_size} keys"], setup)
 
     return Competitor(name, "attnlab", prepare)
 

@@ -6,7 +6,6 @@ there is none, print a clear message and return ``None`` instead of failing.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from matplotlib.figure import Figure
 from attnlab.bench.results import _ok, mask_label, ratios
 from attnlab.lessons import memory
 from attnlab.lessons.plots import _binary_axis, _fig, _n_axis, roofline
+from attnlab.paths import BENCH_DIR
 
 #: One colour per backend, the same in every benchmark figure (unknown names get further colours).
 BACKEND_COLORS = {
@@ -35,8 +35,8 @@ def backend_colors(names: Iterable[str]) -> dict[str, object]:
     return {n: BACKEND_COLORS[n] if n in BACKEND_COLORS else next(extra) for n in names}
 
 
-#: Where recorded benchmarks live: $ATTNLAB_BENCH_DIR, else a checkout's data/bench (a wheel has none).
-DATA_ROOT = Path(os.environ.get("ATTNLAB_BENCH_DIR") or Path(__file__).resolve().parents[2] / "data" / "bench")
+#: Where recorded benchmarks live (:data:`attnlab.paths.BENCH_DIR`).
+DATA_ROOT = BENCH_DIR
 
 #: Columns every benchmark CSV has (a subset of ``attnlab.bench.COLUMNS``: what the figures read).
 BENCH_COLUMNS = (

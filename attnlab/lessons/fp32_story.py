@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from attnlab.paths import DATA_DIR
+
 #: The blog's table: time relative to its rowmax kernel, one Ampere GPU, B1 H8 N1024 D64 causal, float32,
 #: a single run (the blog's own caveat). attnlab's backend that implements each row.
 BLOG_FP32 = {"torch": 4.0, "cuda-naive": 3.2, "cuda-tiled": 1.4, "cuda-rowmax": 1.0}
@@ -23,7 +25,7 @@ BLOG_CASE = "fp32_b1_h8_n1024_d64_causal"
 FP32_BACKENDS = ("cuda-naive", "cuda-tiled", "cuda-rowmax", "triton", "torch", "sdpa-math", "sdpa-efficient",
                  "flex")
 
-LADDER_PATH = Path(__file__).resolve().parents[2] / "data" / "notes" / "rowmax_ladder.csv"
+LADDER_PATH = DATA_DIR / "notes" / "rowmax_ladder.csv"
 
 
 def _ok(df: pd.DataFrame, case: str) -> pd.Series:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from attnlab.paths import DATA_DIR
+
 FAMILIES = ("naive", "tiled", "rowmax")
 
 
@@ -123,8 +125,7 @@ def fp32_layout_log(path: Path | str | None = None) -> dict:
     """
     import re
 
-    p = Path(path) if path is not None else Path(__file__).resolve().parents[2] / "data" / "gpu_tests" / \
-        "nvidia-h200-fp32-layouts.txt"
+    p = Path(path) if path is not None else DATA_DIR / "gpu_tests" / "nvidia-h200-fp32-layouts.txt"
     if not p.is_file():
         return {"bank_conflict_frac": None, "query_major_ratio": {}}
     text = p.read_text()

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+
+from attnlab.paths import BENCH_DIR
 
 #: Ceilings of an NVIDIA H200 measured before ``scripts/roofs.py`` (docs/design.md, "Measured figures"):
 #: TFLOP/s and TB/s. The fallback of :func:`measured_roofs`, which reads the re-measured roofs when recorded.
@@ -38,8 +39,7 @@ H200 = {
 }
 
 #: Where :func:`measured_roofs` looks by default: the recorded H200 data (``ATTNLAB_BENCH_DIR`` moves it).
-DEFAULT_GPU_DIR = (Path(os.environ.get("ATTNLAB_BENCH_DIR") or Path(__file__).resolve().parents[2] / "data" / "bench")
-                   / "nvidia-h200")
+DEFAULT_GPU_DIR = BENCH_DIR / "nvidia-h200"
 
 
 def measured_roofs(gpu_dir: Path | str | None = None) -> dict:

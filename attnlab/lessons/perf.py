@@ -58,20 +58,11 @@ def latency_table(df: pd.DataFrame | None) -> pd.DataFrame | None:
     return t.reindex([c for c in order if c in t.index]).round(0)
 
 
-def ratio_range(df: pd.DataFrame | None, backend: str, baseline: str, *,
-                metric: str = "ms") -> tuple[float, float] | None:
+def ratio_range(df: pd.DataFrame | None, backend: str, baseline: str) -> tuple[float, float] | None:
     """The smallest and largest speed ratio of ``backend`` to ``baseline`` over the cases both timed
-    (> 1: faster)."""
-    if df is None:
-        return None
-    ok = _ok(df)
-    a = ok[ok["backend"] == backend].set_index("case")[metric]
-    b = ok[ok["backend"] == baseline].set_index("case")[metric]
-    both = a.index.intersection(b.index)
-    if len(both) == 0:
-        return None
-    r = b.loc[both] / a.loc[both] if metric == "ms" else a.loc[both] / b.loc[both]
-    return float(r.min()), float(r.max())
+    (> 1: faster), from :func:`speed_ratios`."""
+    r = speed_ratios(df, backend, baseline)
+    return (float(r.min()), float(r.max())) if len(r) else None
 
 
 def backward_table(df: pd.DataFrame | None) -> pd.DataFrame | None:
@@ -112,13 +103,19 @@ def _rng(values, fmt: str = "{:.0f}") -> str:
     return a if a == b else f"{a}-{b}"
 
 
-def _tflops(df: pd.DataFrame, backend: str) -> pd.Series:
+def tflops_of(df: pd.DataFrame | None, backend: str) -> pd.Series:
+    """TFLOP/s of ``backend`` per case of a recorded suite (ok rows; empty without data)."""
+    if df is None:
+        return pd.Series(dtype=float)
     ok = _ok(df)
     return ok[ok["backend"] == backend].set_index("case")["tflops"]
 
 
-def _ratios(df: pd.DataFrame, backend: str, baseline: str) -> pd.Series:
-    """Per case ``baseline_ms / backend_ms`` over the cases both timed (unrounded)."""
+def speed_ratios(df: pd.DataFrame | None, backend: str, baseline: str) -> pd.Series:
+    """Per case ``baseline_ms / backend_ms`` over the cases both timed (unrounded; > 1: ``backend`` is
+    faster; empty without data)."""
+    if df is None:
+        return pd.Series(dtype=float)
     ok = _ok(df)
     a = ok[ok["backend"] == backend].set_index("case")["ms"]
     b = ok[ok["backend"] == baseline].set_index("case")["ms"]
@@ -131,40 +128,40 @@ def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float, read
     out = []
     dense = data.get("dense")
     if dense is not None:
-        tri, cud, fa = _tflops(dense, "triton"), _tflops(dense, "sdpa-cudnn"), _tflops(dense, "sdpa-flash")
-        r_fa, r_cud = _ratios(dense, "triton", "sdpa-flash"), _ratios(dense, "triton", "sdpa-cudnn")
-        tb = _ratios(dense, "torch", "sdpa-flash")
-        cuda = {k: _tflops(dense, f"cuda-{k}") for k in ("naive", "tiled", "rowmax")}
+        tri, cud, fa = tflops_of(dense, "triton"), tflops_of(dense, "sdpa-cudnn"), tflops_of(dense, "sdpa-flash")
+        r_fa, r_cud = speed_ratios(dense, "triton", "sdpa-flash"), speed_ratios(dense, "triton", "sdpa-cudnn")
+        tb = speed_ratios(dense, "torch", "sdpa-flash")
+        cuda = {k: tflops_of(dense, f"cuda-{k}") for k in ("naive", "tiled", "rowmax")}
         out.append(
             f"* **Dense bf16/fp16** ({len(r_fa)} configs): cuDNN median {cud.median():.0f} TFLOP/s (up to "
             f"{cud.max():.0f}), attnlab's Triton kernel median {tri.median():.0f} (up to {tri.max():.0f}), "
             f"FlashAttention-2 median {fa.median():.0f}. Triton against FlashAttention-2: a median "
             f"{r_fa.median():.2f}x, {_rng(r_fa, '{:.2f}')}x over the configs; against cuDNN a median "
-            f"{r_cud.median():.2f}x. The textbook version: {_rng(_tflops(dense, 'torch'))} TFLOP/s (a median "
+            f"{r_cud.median():.2f}x. The textbook version: {_rng(tflops_of(dense, 'torch'))} TFLOP/s (a median "
             f"{tb.median():.2f}x FlashAttention-2), memory-bound as notebook 01 predicts. attnlab's CUDA kernels "
             + ", ".join(f"{k} {_rng(v, '{:.1f}')}" for k, v in cuda.items() if len(v))
             + " TFLOP/s: float32 arithmetic on CUDA cores, there to be read and measured.")
     pad = data.get("padding")
     if pad is not None:
-        r_flex = _ratios(pad, "triton", "flex")
-        parts = [f"{b} {_rng(_ratios(pad, 'triton', b), '{:.1f}')}x" for b in ("sdpa-cudnn", "sdpa-efficient")
-                 if len(_ratios(pad, "triton", b))]
+        r_flex = speed_ratios(pad, "triton", "flex")
+        parts = [f"{b} {_rng(speed_ratios(pad, 'triton', b), '{:.1f}')}x" for b in ("sdpa-cudnn", "sdpa-efficient")
+                 if len(speed_ratios(pad, "triton", b))]
         out.append(
             f"* **Padding** ({len(r_flex)} cases, one ragged with `q_len = kv_len`; useful FLOPs): Triton "
-            f"{_rng(_tflops(pad, 'triton'))} TFLOP/s, {_rng(r_flex, '{:.2f}')}x compiled FlexAttention "
-            f"({_rng(_tflops(pad, 'flex'))}); against SDPA fed a materialized mask: " + ", ".join(parts) + ".")
+            f"{_rng(tflops_of(pad, 'triton'))} TFLOP/s, {_rng(r_flex, '{:.2f}')}x compiled FlexAttention "
+            f"({_rng(tflops_of(pad, 'flex'))}); against SDPA fed a materialized mask: " + ", ".join(parts) + ".")
     pre = data.get("prefill")
     if pre is not None:
         out.append(
-            f"* **Prefill** (bottom-right causal): Triton {_rng(_tflops(pre, 'triton'))} TFLOP/s, "
-            f"{_rng(_ratios(pre, 'triton', 'sdpa-flash'), '{:.2f}')}x FlashAttention-2 and "
-            f"{_rng(_ratios(pre, 'triton', 'sdpa-cudnn'), '{:.2f}')}x cuDNN.")
+            f"* **Prefill** (bottom-right causal): Triton {_rng(tflops_of(pre, 'triton'))} TFLOP/s, "
+            f"{_rng(speed_ratios(pre, 'triton', 'sdpa-flash'), '{:.2f}')}x FlashAttention-2 and "
+            f"{_rng(speed_ratios(pre, 'triton', 'sdpa-cudnn'), '{:.2f}')}x cuDNN.")
     dec = data.get("decode")
     if dec is not None:
         ours = "triton-decode" if (dec["backend"] == "triton-decode").any() else "triton"
         peaks = decode_peaks(dec, ["sdpa-flash", "sdpa-cudnn", ours])
-        r = _ratios(dec, ours, "sdpa-flash")
-        rc = _ratios(dec, ours, "sdpa-cudnn")
+        r = speed_ratios(dec, ours, "sdpa-flash")
+        rc = speed_ratios(dec, ours, "sdpa-cudnn")
         above = [b for b in peaks.index if peaks.loc[b, "TB/s"] > copy_tbps]
         text = ("* **Decode** is bandwidth: best K/V read rates " + ", ".join(
             f"{b} {peaks.loc[b, 'TB/s']:.2f} TB/s ({peaks.loc[b, 'config']})" for b in peaks.index)
@@ -185,7 +182,7 @@ def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float, read
         cases = [c for c in dict.fromkeys(_ok(fp32)["case"])]
         cells = []
         for b in ("triton", "cuda-rowmax", "torch"):
-            t, r = _tflops(fp32, b), _ratios(fp32, b, "sdpa-efficient")
+            t, r = tflops_of(fp32, b), speed_ratios(fp32, b, "sdpa-efficient")
             if len(t):
                 cells.append(f"{b} " + " and ".join(f"{t[c]:.1f}" for c in cases if c in t) + " TFLOP/s ("
                              + " and ".join(f"{r[c]:.2f}x" for c in cases if c in r) + ")")
@@ -213,9 +210,9 @@ def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float, read
                       "SDPA's kernels." if "triton" in med and all(med["triton"] > med[b] for b in
                       ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient") if b in med) else "."))
     bias = data.get("bias")
-    if bias is not None and len(_ratios(bias, "triton", "sdpa-cudnn")):
-        r = _ratios(bias, "triton", "sdpa-cudnn")
-        out.append(f"* **Bias** (ALiBi-style float bias with causal): Triton {_tflops(bias, 'triton').iloc[0]:.0f} "
+    if bias is not None and len(speed_ratios(bias, "triton", "sdpa-cudnn")):
+        r = speed_ratios(bias, "triton", "sdpa-cudnn")
+        out.append(f"* **Bias** (ALiBi-style float bias with causal): Triton {tflops_of(bias, 'triton').iloc[0]:.0f} "
                    f"TFLOP/s, {r.iloc[0]:.2f}x cuDNN fed the bias.")
     bwd = data.get("backward")
     if bwd is not None:

@@ -253,13 +253,18 @@ def at_the_edge(r: Resources) -> bool:
     return r.registers >= REGISTER_CAP and 0 < r.spills <= EDGE_SPILL_BYTES
 
 
+def _spills_gated(r: Resources) -> bool:
+    """Whether ``--strict`` holds this kernel to no spills: tiled and rowmax for D <= 128."""
+    return r.variant.family in ("tiled", "rowmax") and r.variant.dmax <= 128
+
+
 def strict_problems(results: Sequence[Resources]) -> list[str]:
     """What ``--strict`` fails on: spills in tiled/rowmax for D <= 128 (except a small one at the register cap,
     :func:`at_the_edge`), shared memory over the arch limit."""
     bad = []
     for r in results:
         v = r.variant
-        if v.family in ("tiled", "rowmax") and v.dmax <= 128 and r.spills > 0 and not at_the_edge(r):
+        if _spills_gated(r) and r.spills > 0 and not at_the_edge(r):
             bad.append(f"{v.label} {r.arch} ({r.compiler}): {r.spill_stores} bytes spill stores, "
                        f"{r.spill_loads} bytes spill loads")
         total = v.shared_bytes() + r.static_smem
@@ -340,7 +345,7 @@ def compile_check_main(argv: list[str]) -> int:
     if args.strict:
         bad = strict_problems(results)
         for r in results:
-            if r.variant.family in ("tiled", "rowmax") and r.variant.dmax <= 128 and at_the_edge(r):
+            if _spills_gated(r) and at_the_edge(r):
                 print(f"strict: warning: {r.variant.label} {r.arch} ({r.compiler}) spills {r.spill_stores} / "
                       f"{r.spill_loads} bytes at the {REGISTER_CAP}-register cap (EDGE_SPILL_BYTES)", file=sys.stderr)
         for b in bad:

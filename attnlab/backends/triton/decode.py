@@ -15,7 +15,7 @@ from attnlab.backends.triton import kernel as _kern
 from attnlab.backends.triton import launch as _launch
 from attnlab.backends.triton.configs import _block_d, _pow2_bucket
 from attnlab.backends.triton.kernel import triton
-from attnlab.calls import evict_oldest
+from attnlab.calls import evict_oldest, tensor_key
 from attnlab.paged import PagedKV, paged_kv
 from attnlab.problem import Problem
 
@@ -181,8 +181,7 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
     cfg = cfg or default_config(prob.dtype, prob.D)
     n_split = n_split if n_split is not None else num_splits(prob, cfg, _sm_count(prob.device.index or 0))
     key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
-        (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
-        for t in (paged.k_cache, paged.v_cache, paged.block_table)))
+        tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
     if plan is None:
         evict_oldest(_PLANS, _launch.MAX_PLANS)
@@ -244,11 +243,6 @@ class _Kernel:
         kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(self.grid, stream, *full), hooks.launch_enter_hook,
                    hooks.launch_exit_hook, *full)
-
-
-def _layout_key(*tensors: torch.Tensor) -> tuple:
-    """What the JIT specializes tensors on (dtype, strides, 16-byte alignment)."""
-    return tuple((t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in tensors)
 
 
 def _explicit(prob: Problem) -> torch.Tensor | None:
@@ -335,7 +329,7 @@ class _Plan:
         write_lse = lse is not None
         split, merge = self._kernels(write_lse)
         lse_arg = lse if write_lse else out
-        key = _layout_key(out, lse_arg, *self._workspace(prob, out))
+        key = _launch.layout_key(out, lse_arg, *self._workspace(prob, out))
         go_split, go_merge = split.direct(key), merge.direct(key) if self.n_split > 1 else None
         if go_split is None or (self.n_split > 1 and go_merge is None):
             return None
@@ -378,7 +372,7 @@ class _Plan:
         l_strides = lse.stride() if lse is not None else (0, 0, 0)
         ws_m, ws_l, ws_acc = self._workspace(prob, out)
         per_call = (out, lse_arg, ws_m, ws_l, ws_acc, *out.stride(), *l_strides)
-        key = _layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
+        key = _launch.layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
         device = prob.device.index or 0
         with _interp.interpreter(_decode_merge_kernel) if self.interpret else contextlib.nullcontext():
             split.launch((*_tensors(prob, paged), *self.fixed, *per_call), key, device)

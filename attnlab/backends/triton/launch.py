@@ -130,10 +130,7 @@ class _Plan:
         self.fixed: dict[bool, tuple] = {}  # write_lse -> (mid after its 3 pointers, tail, the constants' values)
 
     def launch(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        if lse is None:
-            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0)
-        else:
-            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0, lse.dtype, lse.stride(), lse.data_ptr() % 16 == 0)
+        key = layout_key(out, lse)
         kernel = self.kernels.get(key)
         if kernel is None or not FAST_LAUNCH:
             kernel = _launch(prob, out, lse, self.cfg, interpret=False)
@@ -163,7 +160,6 @@ class _Plan:
                    kernel.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
                    *args)
 
-
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """After a launch for ``prob`` into ``out`` and ``lse``: a function ``(q, k, v, kv_len, q_len, mask,
         block_table) -> (out, lse or None)`` (the table unused here) for a later call of the signature
@@ -171,10 +167,7 @@ class _Plan:
         layout applies), puts the call's tensors into the fixed arguments and calls the launcher; None once TF32
         or autotune switched since (take the whole way).
         None here when there is no compiled kernel of that layout to call directly."""
-        if lse is None:
-            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0)
-        else:
-            key = (out.dtype, out.stride(), out.data_ptr() % 16 == 0, lse.dtype, lse.stride(), lse.data_ptr() % 16 == 0)
+        key = layout_key(out, lse)
         kernel = self.kernels.get(key)
         if kernel is None or not FAST_LAUNCH:  # (an empty call never gets here: it launched nothing)
             return None
@@ -206,6 +199,12 @@ class _Plan:
             return o, m
 
         return call
+
+
+def layout_key(*tensors: torch.Tensor | None) -> tuple:
+    """What Triton's JIT specializes a call's output tensors on, besides the plan's signature: dtype, strides
+    and 16-byte alignment of each (None, an absent lse, counts as absent)."""
+    return tuple(None if t is None else (t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in tensors)
 
 
 def pointers(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
