@@ -275,3 +275,59 @@ def test_repeated_decode_calls_take_the_fast_path_and_agree(kw, backend):
             assert torch.equal(a, b)
         ref = attnlab.reference(*args, **{n: x for n, x in kw2.items() if n not in ("backend", "return_lse")})
         assert attnlab.check.compare(got[0], ref[0]).passed
+
+
+def _decode_inputs(B=2, Hq=8, Hkv=2, Nk=4096, D=64, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, Hkv, Nk, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, Hkv, Nk, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def test_decode_split_merge_never_synchronizes_and_replays_in_a_graph():
+    """The split-KV decode with several splits and their merge: no device sync, CUDA-graph capture and
+    replay on new inputs and lengths."""
+    _available("triton")
+    q, k, v = _decode_inputs()
+    lens = torch.tensor([4096, 1000], device="cuda", dtype=torch.int32)
+    kw = dict(kv_len=lens, backend="triton-decode")
+    attnlab.attention(q, k, v, **kw)
+    torch.cuda.synchronize()
+    with _sync_is_an_error():
+        out = attnlab.attention(q, k, v, **kw)
+    assert attnlab.check.compare(out, attnlab.reference(q, k, v, kv_len=lens)[0]).passed
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            attnlab.attention(q, k, v, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attnlab.attention(q, k, v, **kw)
+    for seed in (1, 2):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        lens.copy_(torch.tensor([77 * seed, 4096], device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, attnlab.attention(q, k, v, **kw), atol=0, rtol=0)
+
+
+def test_decode_on_two_streams_at_once():
+    """Calls queued on two streams at the same time (each its own workspace, on its stream) agree with
+    one at a time."""
+    _available("triton")
+    inputs = [_decode_inputs(seed=s) for s in (0, 1)]
+    want = [attnlab.attention(*x, backend="triton-decode") for x in inputs]
+    streams = [torch.cuda.Stream() for _ in inputs]
+    torch.cuda.synchronize()
+    got = [[], []]
+    for _ in range(20):
+        for i, (x, s) in enumerate(zip(inputs, streams)):
+            with torch.cuda.stream(s):
+                got[i].append(attnlab.attention(*x, backend="triton-decode"))
+    torch.cuda.synchronize()
+    for i in range(2):
+        for g in got[i]:
+            torch.testing.assert_close(g, want[i], atol=0, rtol=0)

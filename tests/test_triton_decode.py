@@ -228,19 +228,34 @@ def test_num_splits_fills_the_gpu():
     cfg = td.DecodeConfig(64)
     for B, Hq, Hkv, Nk in [(1, 32, 8, 32768), (8, 32, 8, 8192), (1, 32, 32, 131072), (16, 32, 8, 4096)]:
         p = prob(B, Hq, Hkv, Nk)
-        s = td.num_splits(p, cfg, sm_count=132)
         tiles = Nk // 64
-        assert 1 <= s <= td.MAX_SPLITS and tiles // s >= td.MIN_TILES_PER_SPLIT
-        assert B * Hkv * s >= 132  # at least one program per SM
+        for resident in (None, 3, 5):
+            s = td.num_splits(p, cfg, sm_count=132, resident=resident)
+            assert 1 <= s <= td.MAX_SPLITS and tiles // s >= td.MIN_TILES_PER_SPLIT
+            per_sm = resident or td.PROGRAMS_PER_SM
+            # one wave: at least one program per SM, never more than fit at once
+            assert 132 <= B * Hkv * s <= per_sm * 132, (B, Hkv, resident, s)
         assert td.workspace_bytes(p, s) == B * Hq * s * (128 + 2) * 4
     assert td.num_splits(prob(64, 32, 8, 256), cfg, sm_count=132) == 1  # enough programs already
-    # B * Hkv alone fill the SMs (MHA): about PROGRAMS_PER_SM_WIDE programs per SM, or with ragged lengths
-    # (unknown on the host) PROGRAMS_PER_SM_WIDE_RAGGED
+    # B * Hkv alone fill the SMs (MHA): what fits besides them, or with ragged lengths (unknown on the host)
+    # PROGRAMS_PER_SM_WIDE_RAGGED per SM
     assert td.num_splits(prob(8, 32, 32, 8192), cfg, sm_count=132) == 2
+    assert td.num_splits(prob(8, 32, 32, 8192), cfg, sm_count=132, resident=5) == 2
     k = torch.empty(1, 1, 1, 1).expand(16, 32, 16384, 128)  # shapes only: no memory behind them
     ragged = make_problem(torch.empty(16, 32, 1, 128), k, k, kv_len=[16384 - 100 * b for b in range(16)])
-    assert td.num_splits(ragged, cfg, sm_count=132) == 5
+    assert td.num_splits(ragged, cfg, sm_count=132) == 4
     assert td.workspace_bytes(prob(1, 2, 2, 64), 1) == 0
+
+
+def test_programs_per_sm_counts_registers_shared_memory_and_threads():
+    # registers by warp in units of 256: 96 regs -> 3072 a warp, 21 warps, 5 programs of 4 warps
+    assert td.programs_per_sm(96, 0, 4) == 5
+    assert td.programs_per_sm(153, 0, 4) == 3  # 160 * 32 = 5120 a warp: 12 warps
+    assert td.programs_per_sm(128, 0, 4) == 4
+    # shared memory: 38 KiB + 1 KiB reserved each, 228 KiB an SM
+    assert td.programs_per_sm(32, 38912, 4) == 5
+    assert td.programs_per_sm(32, 0, 4) == 16  # threads: 2048 an SM, 128 a program
+    assert td.programs_per_sm(255, 200_000, 8) == 1  # never less than one
 
 
 def test_paged_dense_view_gathers_the_table():

@@ -207,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         "flex": "torch.compile(flex_attention, fullgraph=True, dynamic=False); torch._dynamo.reset() per case; "
                 "recompile limit raised, fail_on_recompile_limit_hit",
         "timing": "median of CUDA-event-timed calls rotating over input sets >= 4x L2, after a checked call, "
-                  "a memory call and warm-up; attnlab rows time the public call attnlab.attention(...) (path "
-                  "'public'), <backend>-kernel rows backend.forward on a Problem validated once (path 'kernel')",
+                  "a memory call and >= 25 ms of warm-up; attnlab rows time the public call "
+                  "attnlab.attention(...) (path 'public'), <backend>-kernel rows backend.forward on a Problem "
+                  "validated once (path 'kernel')",
         "host_us": f"{HOST_SLEEP_CYCLES} GPU cycles of sleep queued, then up to 10 calls back to back unsynchronized; "
                    "host wall time / calls",
     })

@@ -33,10 +33,19 @@ def _timing(case: BenchCase, opts: Options) -> tuple[int, float, int]:
     return min(max_reps, opts.max_reps), budget, min(min_reps, opts.min_reps)
 
 
+#: Warm-up before the timed calls lasts at least this long (as triton.testing.do_bench's), at most
+#: MAX_WARMUP calls: a host that waited for the GPU (the memory call's synchronize) runs its first calls
+#: slower, which times a host-bound call's first tens of microseconds high.
+WARMUP_MS, MAX_WARMUP = 25.0, 500
+
+
 def _reps_and_warmup(est_ms: float, max_reps: int, budget_ms: float, min_reps: int) -> tuple[int, int]:
-    """Timed calls (the budget over the estimated call, clamped) and warm-up calls (fewer for long calls)."""
+    """Timed calls (the budget over the estimated call, clamped) and warm-up calls: none for calls over
+    20 ms, else at least 2 (5 below 2 ms) and enough for WARMUP_MS, at most MAX_WARMUP."""
     reps = int(min(max_reps, max(min_reps, budget_ms // max(est_ms, 1e-3))))
-    return reps, 0 if est_ms > 20 else (2 if est_ms > 2 else 5)
+    if est_ms > 20:
+        return reps, 0
+    return reps, int(min(MAX_WARMUP, max(2 if est_ms > 2 else 5, math.ceil(WARMUP_MS / max(est_ms, 1e-3)))))
 DEFAULT_REPS, DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS = 30, 100.0, 3
 
 

@@ -29,14 +29,15 @@ MAX_BLOCK_M = 64
 #: The most splits of one (batch, kv head, row tile), and the fewest key tiles a split should own.
 MAX_SPLITS = 256
 MIN_TILES_PER_SPLIT = 4
-#: Programs aimed for per SM when choosing the split count: 4, from the H200 sweep (graph replay, bf16 D128)
-#: in data/gpu_tests/nvidia-h200-decode-profile-2026-12-01.txt.
+#: The most programs per SM the split count aims at, and what it assumes when the split kernel's occupancy
+#: is unknown (no compile yet: the notebooks' tables). Where more fit (bf16 D128 on the H200: 5), more and
+#: shorter splits were no faster: B1 Hkv8 Nk32k 43.9 us at S=74 (5 per SM) against 41.6 at S=64, equal at
+#: B8 Hkv8 Nk8k and B1 Hkv32 Nk128k (data/gpu_tests/nvidia-h200-decode-occupancy.txt, graph replay).
 PROGRAMS_PER_SM = 4
-#: The aim when the (batch, kv head, row tile) programs alone already fill every SM once (MHA at B >= 8),
-#: without and with ragged kv_len. Equal lengths: 2 (S=2 at B8 Hkv32 Nk8k: 244 us, S=3 264, S=1 258). Ragged:
-#: the host cannot see the lengths, and many short programs even the load out; 16 (B16 Hkv32 Nk16k: 634 us
-#: at S=1, 596-601 at S=4-6). data/gpu_tests/nvidia-h200-tune-sweep-189ca35.txt (graph replay, bf16 D128).
-PROGRAMS_PER_SM_WIDE = 2
+#: With ragged kv_len, when the (batch, kv head, row tile) programs alone already fill every SM (MHA at
+#: B >= 8): the host cannot see the lengths, and many short programs even the load out, so the split aims at
+#: 16 programs per SM (B16 Hkv32 Nk16k: 634 us at S=1, 596-601 at S=4-6;
+#: data/gpu_tests/nvidia-h200-tune-sweep-189ca35.txt, graph replay, bf16 D128).
 PROGRAMS_PER_SM_WIDE_RAGGED = 16
 #: The interpreter's fixed split count when none is forced (so CPU runs exercise the merge).
 INTERPRETER_SPLITS = 3
@@ -51,20 +52,27 @@ class DecodeConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    #: a cap on registers per thread (Triton's ``maxnreg``), or None: more programs fit on an SM at once
+    maxnreg: int | None = None
 
 
 #: The interpreter's config: 16-key tiles, so short CPU sequences span several tiles per split.
 INTERPRETER_CONFIG = DecodeConfig(16, 1, 1)
 
 
-def default_config(dtype: torch.dtype, D: int) -> DecodeConfig:
+def default_config(dtype: torch.dtype, D: int, paged: bool = False) -> DecodeConfig:
     """The GPU config for a dtype and head dim. bf16 D128 on the H200: (64, 4, 2) within a few percent of the
     best on every shape swept (data/gpu_tests/nvidia-h200-decode-run1.txt and -decode-profile-2026-12-01.txt:
-    graph replay, where the GPU and not the host sets the time)."""
+    graph replay, where the GPU and not the host sets the time). A paged cache's kernel needs 150-153
+    registers a thread there, so 3 programs fit on an SM: capped at 128 (a few spills), 4 do, and the paged
+    cache runs at 0.94-0.99x the dense one instead of 0.72-0.94x (B8 Hkv32 Nk8k 246 us against 333;
+    data/gpu_tests/nvidia-h200-decode-occupancy.txt)."""
     block_d = _block_d(D)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2) if block_d <= 128 else DecodeConfig(16, 4, 2)
-    return DecodeConfig(64, 4, 2) if block_d <= 128 else DecodeConfig(32, 4, 2)
+    if block_d <= 128:
+        return DecodeConfig(64, 4, 2, maxnreg=128 if paged else None)
+    return DecodeConfig(32, 4, 2)
 
 
 def block_m(prob: Problem, interpret: bool = False) -> int:
@@ -78,21 +86,50 @@ def row_tiles(prob: Problem, interpret: bool = False) -> int:
     return (prob.group * prob.Nq + bm - 1) // bm
 
 
-def num_splits(prob: Problem, cfg: DecodeConfig, sm_count: int, interpret: bool = False) -> int:
-    """How many splits each (batch entry, kv head, row tile) gets: enough programs for about
-    PROGRAMS_PER_SM per SM (PROGRAMS_PER_SM_WIDE[_RAGGED] when those programs alone fill the SMs), each split at
-    least MIN_TILES_PER_SPLIT key tiles, then evened out so that the tiles divide nearly equally (a host-side
-    choice: device lengths are not read back)."""
+def num_splits(prob: Problem, cfg: DecodeConfig, sm_count: int, interpret: bool = False,
+               resident: int | None = None) -> int:
+    """How many splits each (batch entry, kv head, row tile) gets: as many programs as run on the SMs at
+    once (one wave: ``resident`` programs per SM, :func:`resident_programs`, at most PROGRAMS_PER_SM), and no
+    more, since a second, partial wave leaves most SMs idle at the end; each split at least
+    MIN_TILES_PER_SPLIT key tiles; then evened out so that the tiles divide nearly equally. With ragged kv_len
+    and the SMs already full, PROGRAMS_PER_SM_WIDE_RAGGED per SM. A host-side choice: device lengths are not
+    read back."""
     tiles = max(1, (prob.Nk + cfg.block_n - 1) // cfg.block_n)
     base = max(1, prob.B * prob.Hkv * row_tiles(prob, interpret))
-    if base < sm_count:
-        per_sm = PROGRAMS_PER_SM
-    else:
-        per_sm = PROGRAMS_PER_SM_WIDE if prob.spec.kv_len is None else PROGRAMS_PER_SM_WIDE_RAGGED
-    want = (per_sm * sm_count + base - 1) // base
+    per_sm = min(resident, PROGRAMS_PER_SM) if resident else PROGRAMS_PER_SM
+    if base >= sm_count and prob.spec.kv_len is not None:
+        per_sm = PROGRAMS_PER_SM_WIDE_RAGGED
+    want = (per_sm * sm_count) // base
     s = max(1, min(want, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
     per = (tiles + s - 1) // s
     return (tiles + per - 1) // per
+
+
+def programs_per_sm(regs: int, shared: int, num_warps: int, *, regs_per_sm: int = 65536,
+                    shared_per_sm: int = 233472, threads_per_sm: int = 2048, max_programs: int = 32) -> int:
+    """How many programs of a kernel using ``regs`` registers per thread and ``shared`` bytes of shared
+    memory fit on one SM at once: registers are given out per warp in units of 256, and the driver keeps 1 KiB
+    of shared memory per program (the defaults are an H100/H200 SM's)."""
+    warp_regs = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = regs_per_sm // warp_regs // num_warps
+    by_shared = shared_per_sm // (shared + 1024)
+    by_threads = threads_per_sm // (32 * num_warps)
+    return max(1, min(by_regs, by_shared, by_threads, max_programs))
+
+
+def resident_programs(kernel, num_warps: int, device_index: int) -> int | None:
+    """:func:`programs_per_sm` of a compiled Triton kernel on a GPU, or None when this Triton does not say
+    what the kernel uses."""
+    try:
+        kernel._init_handles()  # loads the binary: its register count is known from then on
+        regs, shared = int(kernel.n_regs), int(kernel.metadata.shared)
+    except Exception:  # another Triton's CompiledKernel
+        return None
+    props = torch.cuda.get_device_properties(device_index)
+    return programs_per_sm(
+        regs, shared, num_warps, regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536) or 65536,
+        shared_per_sm=getattr(props, "shared_memory_per_multiprocessor", 0) or 233472,
+        threads_per_sm=props.max_threads_per_multi_processor)
 
 
 @functools.cache
@@ -158,28 +195,22 @@ def decode_forward(
         if lse is not None:
             lse.fill_(float("-inf"))
         return
-    interpret = not prob.q.is_cuda
-    if interpret:
-        cfg = config or INTERPRETER_CONFIG
-        n_split = splits or INTERPRETER_SPLITS
-    else:
-        cfg = config or default_config(prob.dtype, prob.D)
-        n_split = splits if splits is not None else num_splits(prob, cfg, _sm_count(prob.device.index or 0))
-    if n_split < 1:
-        raise ValueError(f"splits must be at least 1; got {n_split}")
-    if interpret:
-        _Plan(prob, cfg, n_split, paged, True).launch(prob, paged, out, lse)
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be at least 1; got {splits}")
+    if not prob.q.is_cuda:
+        _Plan(prob, config or INTERPRETER_CONFIG, splits or INTERPRETER_SPLITS, paged, True).launch(
+            prob, paged, out, lse)
         return
     with torch.cuda.device(prob.device):
-        gpu_plan(prob, cfg, n_split, paged).launch(prob, paged, out, lse)
+        gpu_plan(prob, config, splits, paged).launch(prob, paged, out, lse)
 
 
 def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None = None,
              paged: PagedKV | None = None) -> _Plan:
     """The plan of ``prob``'s call signature (attnlab.attention makes a new Problem per call): what the fused
-    forward's plans are keyed by, plus the decode config, the split count and the paged caches' layout."""
-    cfg = cfg or default_config(prob.dtype, prob.D)
-    n_split = n_split if n_split is not None else num_splits(prob, cfg, _sm_count(prob.device.index or 0))
+    forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
+    compiled kernel's occupancy) and the paged caches' layout."""
+    cfg = cfg or default_config(prob.dtype, prob.D, paged is not None)
     key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
         tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
@@ -197,9 +228,12 @@ class _Kernel:
     the JIT specializes the per-call arguments on) goes through Triton's JIT, later ones call the compiled
     kernel's launcher directly, as the fused forward's plans do (the launcher takes the constants too)."""
 
-    def __init__(self, fn, grid: tuple[int, int, int], constants: dict, num_warps: int, num_stages: int):
+    def __init__(self, fn, grid: tuple[int, int, int], constants: dict, num_warps: int, num_stages: int,
+                 maxnreg: int | None = None):
         self.fn, self.grid, self.constants = fn, grid, constants
         self.options = dict(num_warps=num_warps, num_stages=num_stages)
+        if maxnreg is not None:
+            self.options["maxnreg"] = maxnreg
         self.compiled: dict[tuple, object] = {}
         self._values: tuple | None = None
 
@@ -265,9 +299,10 @@ class _Plan:
     """The launches of one problem with one config, split count and cache: the split kernel and, with more
     than one split, the merge. The workspace is allocated per call (stream-ordered by torch's allocator)."""
 
-    def __init__(self, prob: Problem, cfg: DecodeConfig, n_split: int, paged: PagedKV | None, interpret: bool):
+    def __init__(self, prob: Problem, cfg: DecodeConfig, n_split: int | None, paged: PagedKV | None,
+                 interpret: bool):
         spec, q = prob.spec, prob.q
-        self.n_split, self.interpret, self.merge_rows = n_split, interpret, prob.B * prob.Hq * prob.Nq
+        self.interpret, self.merge_rows = interpret, prob.B * prob.Hq * prob.Nq
         if paged is None:
             k, v = prob.k, prob.v
             k_strides, v_strides, s_bt, nb, bs = k.stride(), v.stride(), 0, 1, 1
@@ -286,17 +321,46 @@ class _Plan:
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
         )
         self.block_d = _block_d(prob.D)
-        self.constants = dict(
-            BLOCK_M=block_m(prob, interpret), BLOCK_N=cfg.block_n, BLOCK_D=self.block_d,
-            EVEN_D=self.block_d == prob.D, HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
+        self.cfg = cfg
+        if n_split is None:  # one wave of as many programs as the compiled split kernel fits on the SMs
+            device = prob.device.index or 0
+            n_split = num_splits(prob, cfg, _sm_count(device), resident=self._resident(prob, paged, n_rt, device))
+        self.n_split = n_split
+        self.constants = self._constants(prob, paged, n_rt, n_split == 1)
+        self.grid = (n_split, prob.Hkv * n_rt, prob.B)
+        self.kernels: dict[bool, tuple[_Kernel, _Kernel]] = {}  # write_lse -> (split, merge)
+
+    def _constants(self, prob: Problem, paged: PagedKV | None, n_rt: int, final: bool) -> dict:
+        """The split kernel's constexpr arguments but WRITE_LSE."""
+        spec, bd = prob.spec, self.block_d
+        return dict(
+            BLOCK_M=block_m(prob, self.interpret), BLOCK_N=self.cfg.block_n, BLOCK_D=bd, EVEN_D=bd == prob.D,
+            HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
             BOTTOM_RIGHT=spec.align == "bottom_right", HAS_KV_LEN=spec.kv_len is not None,
             HAS_Q_LEN=spec.q_len is not None, HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
-            PAGED=paged is not None, FINAL=n_split == 1,
+            PAGED=paged is not None, FINAL=final,
             # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast first (exact)
-            UPCAST=interpret and prob.dtype != torch.float32, DOT_PRECISION="ieee",
+            UPCAST=self.interpret and prob.dtype != torch.float32, DOT_PRECISION="ieee",
         )
-        self.cfg, self.grid = cfg, (n_split, prob.Hkv * n_rt, prob.B)
-        self.kernels: dict[bool, tuple[_Kernel, _Kernel]] = {}  # write_lse -> (split, merge)
+
+    def _resident(self, prob: Problem, paged: PagedKV | None, n_rt: int, device: int) -> int | None:
+        """Programs per SM of the split kernel that stores split states (compiled, not launched, on the
+        first call's tensors), or None when that cannot be said (the split count then assumes
+        PROGRAMS_PER_SM)."""
+        cfg = self.cfg
+        f32 = torch.empty(4, dtype=torch.float32, device=prob.device)  # stands in for lse and the states
+        Hq, Nq, D = prob.Hq, prob.Nq, prob.D
+        o_strides = (Hq * Nq * D, Nq * D, D, 1) if prob.layout == "bhnd" else (Nq * Hq * D, D, Hq * D, 1)
+        args = (*_tensors(prob, paged), *self.fixed, prob.q, f32, f32, f32, f32, *o_strides, 0, 0, 0)
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.maxnreg is not None:
+            options["maxnreg"] = cfg.maxnreg
+        try:
+            kernel = _decode_split_kernel.warmup(*args, grid=(1, 1, 1), **options,
+                                                 **self._constants(prob, paged, n_rt, False), WRITE_LSE=False)
+        except Exception:  # a Triton without warmup: assume
+            return None
+        return resident_programs(kernel, cfg.num_warps, device)
 
     def _kernels(self, write_lse: bool) -> tuple[_Kernel, _Kernel]:
         got = self.kernels.get(write_lse)
@@ -306,7 +370,7 @@ class _Plan:
             if self.interpret:
                 split_fn, merge_fn = _interp._interpreted_fn(split_fn), _interp._interpreted_fn(merge_fn)
             split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), cfg.num_warps,
-                            cfg.num_stages)
+                            cfg.num_stages, cfg.maxnreg)
             merge = _Kernel(merge_fn, (self.merge_rows, 1, 1),
                             dict(BLOCK_S=min(64, _pow2_bucket(self.n_split)), BLOCK_D=self.block_d,
                                  WRITE_LSE=write_lse),

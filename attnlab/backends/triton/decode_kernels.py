@@ -220,28 +220,32 @@ if triton is not None:
         WsM, WsL, WsAcc, Out, Lse, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
     ):
-        """One program per (b, h, i): combine the S split states with the lse rule (module docstring)."""
+        """One program per (b, h, i) row: combine its S split states with the lse rule (module docstring),
+        BLOCK_S splits at a time with a running max, and write out and lse (0 and -inf when no split saw an
+        allowed key)."""
         row = tl.program_id(0).to(tl.int64)  # (b * Hq + h) * Nq + i
         i = row % Nq
         h = (row // Nq) % Hq
         b = row // (Nq * Hq)
+        base = row * S
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
-        base = row * S
         m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-        for s0 in range(0, S, BLOCK_S):  # m = max_s m_s
-            m = tl.maximum(m, tl.max(tl.load(WsM + base + s0 + offs_s, mask=s0 + offs_s < S,
-                                             other=float("-inf")), 0))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
         l = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for s0 in range(0, S, BLOCK_S):  # l = sum_s l_s w_s, acc = sum_s acc_s w_s, w_s = exp2(m_s - m)
+        for s0 in range(0, S, BLOCK_S):
             ok = s0 + offs_s < S
-            w = tl.math.exp2(tl.load(WsM + base + s0 + offs_s, mask=ok, other=float("-inf")) - m_safe)
-            l += tl.sum(tl.load(WsL + base + s0 + offs_s, mask=ok, other=0.0) * w, 0)
-            a_ptrs = WsAcc + (base + s0 + offs_s)[:, None] * D + offs_d[None, :]
-            a_s = tl.load(a_ptrs, mask=ok[:, None] & (offs_d < D)[None, :], other=0.0)
-            acc += tl.sum(a_s * w[:, None], 0)
+            m_s = tl.load(WsM + base + s0 + offs_s, mask=ok, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(m_s, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weights 0
+            w = tl.math.exp2(m_s - m_safe)  # w_s = exp2(m_s - m)
+            alpha = tl.math.exp2(m - m_safe)
+            l_s = tl.load(WsL + base + s0 + offs_s, mask=ok, other=0.0)
+            a_s = tl.load(WsAcc + (base + s0 + offs_s)[:, None] * D + offs_d[None, :],
+                          mask=ok[:, None] & (offs_d < D)[None, :], other=0.0)
+            l = l * alpha + tl.sum(l_s * w, 0)
+            acc = acc * alpha + tl.sum(a_s * w[:, None], 0)
+            m = m_new
         live = l != 0.0
         l_div = tl.where(live, l, 1.0)
         out = tl.where(live, acc / l_div, 0.0)
