@@ -1,5 +1,8 @@
 """Where decode time goes on one GPU: host profile of the repeated public call, GPU-only time (CUDA-graph
-replay) of attnlab and SDPA, a sweep of split counts and key tiles, and the paged caches. One call, stdout."""
+replay) of attnlab and SDPA, a sweep of split counts and key tiles, and the paged caches. One call, stdout.
+
+``--graph-only``: the CUDA-graph times of every decode-suite configuration without ragged lengths, no sweep
+and no profile (what notebook 10 reads from data/gpu_tests/nvidia-h200-decode-graph.txt)."""
 
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ def graph_us(fn, calls=20, reps=20):
     return best
 
 
-def profile_config(B: int, Hkv: int, Nk: int) -> None:
+def profile_config(B: int, Hkv: int, Nk: int, sweep: bool = True) -> None:
     q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     gb = 2 * k.numel() * 2 / 1e9
@@ -64,6 +67,8 @@ def profile_config(B: int, Hkv: int, Nk: int) -> None:
         kc, vc, bt = to_paged(k, v, bs)
         us = graph_us(lambda kc=kc, vc=vc, bt=bt: attnlab.attention(q, kc, vc, block_table=bt))
         print(label, f"attnlab paged{bs:<4d}", rate(us), flush=True)
+    if not sweep:
+        return
     prob = make_problem(q, k, v)
     out = torch.empty_like(q)
     default = td.num_splits(prob, td.default_config(prob.dtype, 128), td._sm_count(0))
@@ -91,6 +96,12 @@ def profile_config(B: int, Hkv: int, Nk: int) -> None:
 
 def main() -> int:
     torch.manual_seed(0)
+    if "--graph-only" in sys.argv:
+        print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+        for B, Hkv, Nk in [(16, 8, 4096), (8, 8, 8192), (8, 32, 8192), (1, 8, 32768), (8, 8, 32768),
+                           (1, 8, 131072), (1, 32, 131072)]:
+            profile_config(B, Hkv, Nk, sweep=False)
+        return 0
     for B, Hkv, Nk in [(1, 8, 32768), (8, 8, 8192), (16, 8, 4096), (8, 8, 32768)]:
         profile_config(B, Hkv, Nk)
     return 0

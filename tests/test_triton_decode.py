@@ -232,7 +232,7 @@ def test_num_splits_fills_the_gpu():
         for resident in (None, 3, 5):
             s = td.num_splits(p, cfg, sm_count=132, resident=resident)
             assert 1 <= s <= td.MAX_SPLITS and tiles // s >= td.MIN_TILES_PER_SPLIT
-            per_sm = resident or td.PROGRAMS_PER_SM
+            per_sm = min(resident or td.PROGRAMS_PER_SM, td.PROGRAMS_PER_SM)
             # one wave: at least one program per SM, never more than fit at once
             assert 132 <= B * Hkv * s <= per_sm * 132, (B, Hkv, resident, s)
         assert td.workspace_bytes(p, s) == B * Hq * s * (128 + 2) * 4

@@ -18,7 +18,8 @@ Packing, splitting and the program mapping
   band, the same bounds as :meth:`attnlab.masks.MaskSpec.key_range`) are cut into ``S`` nearly equal runs
   of whole key tiles, one per program; a split whose run is empty (a short ragged sequence) writes the
   empty state m = -inf, l = 0, acc = 0. The grid is ``(S, Hkv * row_tiles, B)``: the splits of one head
-  are neighbours in launch order. ``S`` follows from B, Hkv, Nk and the SM count (:func:`num_splits`).
+  are neighbours in launch order. ``S`` follows from B, Hkv, Nk, the SM count and how many programs of
+  the compiled kernel fit on an SM (one wave: :func:`num_splits`).
 * **Online softmax** per packed row, in base 2 as in the fused forward: ``m_i`` (running max of
   ``s = scale * log2(e) * q.k (+ log2(e) * bias)``), ``l_i`` (sum of ``exp2(s - m_i)``) and ``acc`` (sum of
   ``exp2(s - m_i) * v``), float32. Within a split, key tiles that every row sees in full run without any
