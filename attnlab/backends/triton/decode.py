@@ -397,7 +397,7 @@ class _Plan:
         go_split, go_merge = split.direct(key), merge.direct(key) if self.n_split > 1 else None
         if go_split is None or (self.n_split > 1 and go_merge is None):
             return None
-        shape = (prob.B, prob.Hq, prob.Nq, prob.D) if prob.layout == "bhnd" else (prob.B, prob.Nq, prob.Hq, prob.D)
+        empty_like, contiguous = torch.empty_like, torch.contiguous_format
         strides = (*out.stride(), *(lse.stride() if write_lse else (0, 0, 0)))
         lse_shape, dev, index, fixed = (prob.B, prob.Hq, prob.Nq), prob.device, prob.device.index, self.fixed
         merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
@@ -408,7 +408,7 @@ class _Plan:
         def call(q, k, v, kv_len, q_len, mask, block_table):
             if not _launch.FAST_LAUNCH:
                 return None  # every launch through the JIT: take the whole way
-            o = torch.empty(shape, dtype=q.dtype, device=dev)
+            o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
             l_arg = o if m is None else m
             stream = current_stream(index)

@@ -175,8 +175,8 @@ class _Plan:
         _, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
         rest = (*mid[3:], *out.stride(), *(lse.stride() if write_lse else (0, 0, 0)), *tail,
                 *(constants[n] for n in _constexpr_names()))
-        shape = (prob.B, prob.Hq, prob.Nq, prob.D) if prob.layout == "bhnd" else (prob.B, prob.Nq, prob.Hq, prob.D)
-        lse_shape, dtype, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.dtype, prob.device, self.device, self.grid
+        empty_like, contiguous = torch.empty_like, torch.contiguous_format
+        lse_shape, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.device, self.device, self.grid
         launcher, function, packed = kernel.run, kernel.function, kernel.packed_metadata
         current_stream, hooks = triton.runtime.driver.active.get_current_stream, triton.knobs.runtime
         switches = (_cfg._TF32, _cfg.AUTOTUNE)
@@ -184,7 +184,7 @@ class _Plan:
         def call(q, k, v, kv_len, q_len, mask, block_table):
             if (_cfg._TF32, _cfg.AUTOTUNE) != switches or not FAST_LAUNCH:
                 return None
-            o = torch.empty(shape, dtype=dtype, device=dev)
+            o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
             tensors = (q, k, v, o, o if m is None else m, q if kv_len is None else kv_len,
                        q if q_len is None else q_len, q if mask is None else mask)
