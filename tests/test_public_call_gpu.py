@@ -297,6 +297,9 @@ def test_decode_split_merge_never_synchronizes_and_replays_in_a_graph():
     with _sync_is_an_error():
         out = attnlab.attention(q, k, v, **kw)
     assert attnlab.check.compare(out, attnlab.reference(q, k, v, kv_len=lens)[0]).passed
+    from attnlab.backends.triton import decode as td
+
+    assert td.gpu_plan(make_problem(q, k, v, kv_len=lens)).n_split > 1  # the merge runs
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -58,9 +58,10 @@ def test_nq_and_gqa(Nq, heads):
     _run_case(case, splits=3)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5, 7, 25])
+@pytest.mark.parametrize("splits", [1, 2, 5, 7, 25, 70])
 def test_split_counts(splits):
-    """300 keys are 19 tiles of 16: uneven runs, and with 25 splits some splits own no tile at all."""
+    """300 keys are 19 tiles of 16: uneven runs, and with 25 splits some splits own no tile at all; 70
+    splits are merged 64 at a time (two chunks, the second mostly empty)."""
     case = Case("splits", B=2, Hq=4, Hkv=2, Nq=1, Nk=300, D=24, kv_len=(300, 123))
     _run_case(case, splits=splits)
 
@@ -245,6 +246,49 @@ def test_num_splits_fills_the_gpu():
     ragged = make_problem(torch.empty(16, 32, 1, 128), k, k, kv_len=[16384 - 100 * b for b in range(16)])
     assert td.num_splits(ragged, cfg, sm_count=132) == 4
     assert td.workspace_bytes(prob(1, 2, 2, 64), 1) == 0
+
+
+def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
+    """A GPU plan with no forced split count compiles its split kernel first (warmup, bound here to the
+    kernel's own signature: an argument list out of step with it fails) and fills one wave of what fits."""
+    import inspect
+    from types import SimpleNamespace
+
+    real = td._decode_split_kernel
+    params = inspect.signature(real.fn).parameters
+    constexprs = {p.name for p in real.params if p.is_constexpr}
+    seen = {}
+
+    class Compiled:
+        n_regs, metadata = 153, SimpleNamespace(shared=38912)
+
+        def _init_handles(self):
+            pass
+
+    class Stub:
+        params = real.params
+
+        def warmup(self, *args, grid, num_warps, num_stages, **constants):
+            bound = inspect.signature(real.fn).bind(*args, **constants)  # a TypeError when out of step
+            assert set(constants) == constexprs and len(args) == len(params) - len(constexprs)
+            assert bound.arguments["Out"] is bound.arguments["Q"]  # as a launch without lse
+            seen["warps"] = num_warps
+            return Compiled()
+
+    monkeypatch.setattr(td, "_decode_split_kernel", Stub())
+    monkeypatch.setattr(td, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(td.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
+        regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472, max_threads_per_multi_processor=2048))
+    q, k = torch.empty(1, 32, 1, 128), torch.empty(1, 8, 1, 1).expand(1, 8, 32768, 128)
+    prob = make_problem(q, k, k)
+    cfg = td.DecodeConfig(64)
+    plan = td._Plan(prob, cfg, None, None, interpret=False)
+    assert seen["warps"] == cfg.num_warps
+    assert plan.n_split == td.num_splits(prob, cfg, 132, resident=3) < td.num_splits(prob, cfg, 132)
+    assert prob.Hkv * plan.n_split <= 3 * 132  # one wave of 3 a SM (153 registers)
+    seen.clear()  # one split whatever fits: nothing compiled ahead
+    short = make_problem(q, k[:, :, :128], k[:, :, :128])
+    assert td._Plan(short, cfg, None, None, interpret=False).n_split == 1 and not seen
 
 
 def test_programs_per_sm_counts_registers_shared_memory_and_threads():

@@ -36,7 +36,8 @@ among them keeps the timed calls from reading a warm L2. For each competitor:
 2. only when the check passed: one more call on set 1 measures the peak extra memory
    (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before
    the call, minus the output's own bytes) and gives a first time estimate; warm-up calls follow when a
-   call is short (at least 25 ms of them, at most 500 calls, as ``triton.testing.do_bench`` warms up).
+   call is short (about 25 ms of them by the estimate, at most 500 calls; ``triton.testing.do_bench`` also
+   warms up by time).
 3. ``reps`` timed calls rotate over the sets, each between two CUDA events (``time.perf_counter`` on a
    CPU): ``reps = clamp(budget_ms / estimate, min_reps, max_reps)``. ``ms`` is the median. The calls are
    queued back to back, so a call whose host time exceeds its GPU time is timed at its host time.

@@ -33,15 +33,15 @@ def _timing(case: BenchCase, opts: Options) -> tuple[int, float, int]:
     return min(max_reps, opts.max_reps), budget, min(min_reps, opts.min_reps)
 
 
-#: Warm-up before the timed calls lasts at least this long (as triton.testing.do_bench's), at most
-#: MAX_WARMUP calls: a host that waited for the GPU (the memory call's synchronize) runs its first calls
-#: slower, which times a host-bound call's first tens of microseconds high.
+#: Warm-up before the timed calls lasts about this long by the first estimate (as triton.testing.do_bench
+#: warms up by time), at most MAX_WARMUP calls: a host that waited for the GPU (the memory call's
+#: synchronize) runs its first calls slower, which times a host-bound call high.
 WARMUP_MS, MAX_WARMUP = 25.0, 500
 
 
 def _reps_and_warmup(est_ms: float, max_reps: int, budget_ms: float, min_reps: int) -> tuple[int, int]:
     """Timed calls (the budget over the estimated call, clamped) and warm-up calls: none for calls over
-    20 ms, else at least 2 (5 below 2 ms) and enough for WARMUP_MS, at most MAX_WARMUP."""
+    20 ms, else at least 2 (5 below 2 ms) and enough for WARMUP_MS by the estimate, at most MAX_WARMUP."""
     reps = int(min(max_reps, max(min_reps, budget_ms // max(est_ms, 1e-3))))
     if est_ms > 20:
         return reps, 0

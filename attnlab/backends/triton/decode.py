@@ -31,8 +31,9 @@ MAX_SPLITS = 256
 MIN_TILES_PER_SPLIT = 4
 #: The most programs per SM the split count aims at, and what it assumes when the split kernel's occupancy
 #: is unknown (no compile yet: the notebooks' tables). Where more fit (bf16 D128 on the H200: 5), more and
-#: shorter splits were no faster: B1 Hkv8 Nk32k 43.9 us at S=74 (5 per SM) against 41.6 at S=64, equal at
-#: B8 Hkv8 Nk8k and B1 Hkv32 Nk128k (data/gpu_tests/nvidia-h200-decode-occupancy.txt, graph replay).
+#: shorter splits were no faster: B1 Hkv8 Nk32k 43.9 us at S=74 (5 per SM) against 41.0 for the same kernel
+#: at S=64 (data/gpu_tests/nvidia-h200-decode-occupancy.txt and -decode-graph.txt, graph replay); 69.2 us
+#: at B8 Hkv8 Nk8k with S=10 and with S=8.
 PROGRAMS_PER_SM = 4
 #: With ragged kv_len, when the (batch, kv head, row tile) programs alone already fill every SM (MHA at
 #: B >= 8): the host cannot see the lengths, and many short programs even the load out, so the split aims at
@@ -60,18 +61,20 @@ class DecodeConfig:
 INTERPRETER_CONFIG = DecodeConfig(16, 1, 1)
 
 
-def default_config(dtype: torch.dtype, D: int, paged: bool = False) -> DecodeConfig:
+def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 16) -> DecodeConfig:
     """The GPU config for a dtype and head dim. bf16 D128 on the H200: (64, 4, 2) within a few percent of the
     best on every shape swept (data/gpu_tests/nvidia-h200-decode-run1.txt and -decode-profile-2026-12-01.txt:
-    graph replay, where the GPU and not the host sets the time). A paged cache's kernel needs 150-153
-    registers a thread there, so 3 programs fit on an SM: capped at 128 (a few spills), 4 do, and the paged
-    cache runs at 0.94-0.99x the dense one instead of 0.72-0.94x (B8 Hkv32 Nk8k 246 us against 333;
-    data/gpu_tests/nvidia-h200-decode-occupancy.txt)."""
+    graph replay, where the GPU and not the host sets the time). A paged cache's kernel with 16 packed rows
+    (``rows``: BLOCK_M) needs 149-153 registers a thread there, so 3 programs fit on an SM: capped at 128 (a
+    few spills), 4 do, and the paged cache runs at 0.92-0.99x the dense one instead of 0.72-0.94x (B8 Hkv32
+    Nk8k 246 us against 333: data/gpu_tests/nvidia-h200-decode-occupancy.txt and -decode-graph.txt). Larger
+    row tiles were not measured capped, and ROCm's Triton has no such option: uncapped there."""
     block_d = _block_d(D)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2) if block_d <= 128 else DecodeConfig(16, 4, 2)
     if block_d <= 128:
-        return DecodeConfig(64, 4, 2, maxnreg=128 if paged else None)
+        cap = paged and rows <= 16 and torch.version.hip is None
+        return DecodeConfig(64, 4, 2, maxnreg=128 if cap else None)
     return DecodeConfig(32, 4, 2)
 
 
@@ -137,9 +140,20 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _state_rows(prob: Problem, splits: int) -> tuple[int, int]:
+    """(rows, padded): the split states' rows, (b, h, i, split), and that count rounded up to a multiple of 4,
+    so that l and acc, which follow m in one allocation, start 16-byte aligned like m (the compiled kernels
+    are specialized on their pointers' alignment)."""
+    rows = prob.B * prob.Hq * prob.Nq * splits
+    return rows, -(-rows // 4) * 4
+
+
 def workspace_bytes(prob: Problem, splits: int) -> int:
     """Extra device memory of the split states: m, l and acc (float32) per (b, h, i, split); 0 for one."""
-    return 0 if splits <= 1 else prob.B * prob.Hq * prob.Nq * splits * (prob.D + 2) * 4
+    if splits <= 1:
+        return 0
+    rows, padded = _state_rows(prob, splits)
+    return (2 * padded + rows * prob.D) * 4
 
 
 def decode_supported(prob: Problem) -> str | None:
@@ -210,7 +224,7 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
     """The plan of ``prob``'s call signature (attnlab.attention makes a new Problem per call): what the fused
     forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
     compiled kernel's occupancy) and the paged caches' layout."""
-    cfg = cfg or default_config(prob.dtype, prob.D, paged is not None)
+    cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob))
     key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
         tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
@@ -324,7 +338,11 @@ class _Plan:
         self.cfg = cfg
         if n_split is None:  # one wave of as many programs as the compiled split kernel fits on the SMs
             device = prob.device.index or 0
-            n_split = num_splits(prob, cfg, _sm_count(device), resident=self._resident(prob, paged, n_rt, device))
+            n_split = num_splits(prob, cfg, _sm_count(device))  # assuming PROGRAMS_PER_SM
+            if n_split > 1 and not (prob.B * prob.Hkv * n_rt >= _sm_count(device) and spec.kv_len is not None):
+                # fewer may fit (the occupancy only ever lowers the aim): compile first and look
+                n_split = num_splits(prob, cfg, _sm_count(device),
+                                     resident=self._resident(prob, paged, n_rt, device))
         self.n_split = n_split
         self.constants = self._constants(prob, paged, n_rt, n_split == 1)
         self.grid = (n_split, prob.Hkv * n_rt, prob.B)
@@ -345,20 +363,20 @@ class _Plan:
 
     def _resident(self, prob: Problem, paged: PagedKV | None, n_rt: int, device: int) -> int | None:
         """Programs per SM of the split kernel that stores split states (compiled, not launched, on the
-        first call's tensors), or None when that cannot be said (the split count then assumes
-        PROGRAMS_PER_SM)."""
+        first call's tensors, as a call without lse launches it, so that such a call finds it compiled), or
+        None when that cannot be said (the split count then assumes PROGRAMS_PER_SM)."""
         cfg = self.cfg
-        f32 = torch.empty(4, dtype=torch.float32, device=prob.device)  # stands in for lse and the states
+        f32 = torch.empty(4, dtype=torch.float32, device=prob.device)  # stands in for the split states
         Hq, Nq, D = prob.Hq, prob.Nq, prob.D
         o_strides = (Hq * Nq * D, Nq * D, D, 1) if prob.layout == "bhnd" else (Nq * Hq * D, D, Hq * D, 1)
-        args = (*_tensors(prob, paged), *self.fixed, prob.q, f32, f32, f32, f32, *o_strides, 0, 0, 0)
+        args = (*_tensors(prob, paged), *self.fixed, prob.q, prob.q, f32, f32, f32, *o_strides, 0, 0, 0)
         options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.maxnreg is not None:
             options["maxnreg"] = cfg.maxnreg
         try:
             kernel = _decode_split_kernel.warmup(*args, grid=(1, 1, 1), **options,
                                                  **self._constants(prob, paged, n_rt, False), WRITE_LSE=False)
-        except Exception:  # a Triton without warmup: assume
+        except Exception:  # a Triton whose warmup differs (tests bind these arguments to the signature)
             return None
         return resident_programs(kernel, cfg.num_warps, device)
 
@@ -382,9 +400,9 @@ class _Plan:
         """The split states m, l, acc (float32 views of one allocation); out stands in with one split."""
         if self.n_split == 1:
             return out, out, out
-        rows = self.merge_rows * self.n_split
-        ws = torch.empty(rows * (prob.D + 2), dtype=torch.float32, device=prob.device)
-        return ws[:rows], ws[rows:2 * rows], ws[2 * rows:]
+        rows, padded = _state_rows(prob, self.n_split)
+        ws = torch.empty(workspace_bytes(prob, self.n_split) // 4, dtype=torch.float32, device=prob.device)
+        return ws[:rows], ws[padded:padded + rows], ws[2 * padded:]
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """As the fused forward's :meth:`attnlab.backends.triton.launch._Plan.fast_call`: ``(q, k, v, kv_len,
@@ -402,8 +420,8 @@ class _Plan:
         lse_shape, dev, index, fixed = (prob.B, prob.Hq, prob.Nq), prob.device, prob.device.index, self.fixed
         merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
         current_stream = triton.runtime.driver.active.get_current_stream
-        rows = self.merge_rows * self.n_split
-        ws_numel = rows * (prob.D + 2)
+        _, padded = _state_rows(prob, self.n_split)
+        ws_numel = workspace_bytes(prob, self.n_split) // 4
 
         def call(q, k, v, kv_len, q_len, mask, block_table):
             if not _launch.FAST_LAUNCH:
@@ -421,7 +439,7 @@ class _Plan:
             # one allocation; the launchers take l's and acc's addresses as ints (no views to make)
             ws = torch.empty(ws_numel, dtype=torch.float32, device=dev)
             ws_m = ws.data_ptr()
-            states = (ws_m, ws_m + 4 * rows, ws_m + 8 * rows)
+            states = (ws_m, ws_m + 4 * padded, ws_m + 8 * padded)
             go_split(stream, tensors, (*fixed, *_launch.pointers((o, l_arg)), *states, *strides))
             go_merge(stream, (), (*states, *_launch.pointers((o, l_arg)), *strides, *merge_tail))
             return o, m
