@@ -95,8 +95,6 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
         return None
 
 
-
-
 class _Entry:
     """A fast call and how to make its lengths kernel-ready: None (absent), ``(B, value)`` for an int length
     (a new int32 tensor each call, on the call's stream), True for a GPU tensor passed as given (int32,
@@ -108,9 +106,8 @@ class _Entry:
     def __init__(self, fast: FastCall, device: int, kv: Any, ql: Any) -> None:
         self.fast, self.device, self.kv, self.ql = fast, device, kv, ql
 
-    def _lengths(self, how: Any, given: Any) -> torch.Tensor | None:
-        if how is None:
-            return None
+    def _lengths(self, how: Any, given: Any) -> torch.Tensor:
+        """Lengths given as ``given`` made kernel-ready by ``how`` (never None: the caller checks)."""
         if how is True:
             return given
         if type(how) is int:

@@ -6,65 +6,18 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 import warnings
 
 import torch
+from decode_profile import graph_us  # scripts/, beside this one
+from host_time import host_us
 
 import attnlab
 from attnlab import calls as _calls
 from attnlab.bench.competitors import competitors as all_competitors
-from attnlab.bench.runner import measure
+from attnlab.bench.runner import entered, measure
 from attnlab.bench.suites import BenchCase
 from attnlab.bench.truth import make_case_inputs
-
-
-def host_us(fn, n=200, rounds=5, record=False):
-    for _ in range(10):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(50_000_000)
-        if record:
-            with warnings.catch_warnings(record=True):
-                warnings.simplefilter("always")
-                t = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                dt = time.perf_counter() - t
-        else:
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            dt = time.perf_counter() - t
-        best = min(best, dt / n * 1e6)
-    torch.cuda.synchronize()
-    return best
-
-
-def graph_us(fn, n=20, replays=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / n)
-    return best
 
 
 def kernels(fn, n=20):
@@ -101,9 +54,8 @@ def harness(case: BenchCase, names):
     comps = {c.name: c for c in all_competitors(names)}
     preps = {n: comps[n].prepare(inp) for n in names}
     for n, p in preps.items():
-        ctx = p.context() if p.context else None
-        if ctx:
-            ctx.__enter__()
+        ctx = entered(p)  # as the harness enters it: once, around every call
+        ctx.__enter__()
         p.call(0)
         torch.cuda.synchronize()
         res = []
@@ -116,30 +68,18 @@ def harness(case: BenchCase, names):
         def call_rot(p=p, rot=rot):
             rot[0] = (rot[0] + 1) % inp.sets
             p.call(rot[0])
+        with warnings.catch_warnings(record=True):  # as the harness times its calls
+            warnings.simplefilter("always")
+            recorded = host_us(call_rot)
         print(f"{case.name} {n:15s} harness ms/host(us) x3: {' '.join(res)} | host plain {host_us(call0):.1f} "
-              f"rotating {host_us(call_rot):.1f} recorded {host_us(call_rot, record=True):.1f} | event loop "
+              f"rotating {host_us(call_rot):.1f} recorded {recorded:.1f} | event loop "
               f"median {event_loop(lambda r, p=p: p.call(r % inp.sets)):.1f} | graph {graph_us(call0):.1f} | "
               f"{kernels(call0)}", flush=True)
-        if ctx:
-            ctx.__exit__(None, None, None)
+        ctx.__exit__(None, None, None)
 
 
 def breakdown(q, k, v, **kw):
     """Host cost of each step of the repeated-call path."""
-    n = 2000
-    def t(fn):
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(100_000_000)
-        best = 1e9
-        for _ in range(3):
-            a = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter() - a) / n * 1e6)
-        torch.cuda.synchronize()
-        return best
     attnlab.attention(q, k, v, **kw)
     sig = lambda: _calls.signature(q, k, v, kw.get("kv_len"), None, None, kw.get("block_table"),
                                    kw.get("causal", False), None, None, None, "bhnd", "auto", False)
@@ -159,7 +99,7 @@ def breakdown(q, k, v, **kw):
         "q.stride()": q.stride,
         "q.shape": lambda: q.shape,
     }
-    return "  ".join(f"{name} {t(fn):.2f}" for name, fn in parts.items())
+    return "  ".join(f"{name} {host_us(fn):.2f}" for name, fn in parts.items())
 
 
 def main() -> int:

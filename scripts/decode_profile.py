@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnlab
 from attnlab.backends.triton import decode as td
-from attnlab.paged import to_paged
+from attnlab.paged import paged_kv, to_paged
 from attnlab.problem import make_problem
 
 
@@ -43,6 +43,22 @@ def graph_us(fn, calls=20, reps=20):
         torch.cuda.synchronize()
         best = min(best, a.elapsed_time(b) * 1e3 / calls)
     return best
+
+
+def decode_inputs(B: int, Hkv: int, Nk: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Seeded bf16 decode inputs: q [B, 32, 1, 128], k and v [B, Hkv, Nk, 128] (the other scripts' shapes)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+def paged_cache(prob, k: torch.Tensor, v: torch.Tensor, block_size: int):
+    """k and v as a validated paged cache of ``block_size`` keys per block (blocks shuffled), for
+    ``td.decode_forward(..., paged=...)``."""
+    kc, vc, bt = to_paged(k, v, block_size)
+    return paged_kv(kc, vc, bt, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk, dtype=prob.dtype, device=prob.device,
+                    block_size=None, kv_len=None)
 
 
 def profile_config(B: int, Hkv: int, Nk: int, sweep: bool = True) -> None:

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import importlib
 import sys
-import time
 
 import torch
 
 from attnlab.backends.triton import decode as td
-from attnlab.paged import paged_kv, to_paged
 from attnlab.problem import make_problem
 
 sys.path.insert(0, "scripts")
-from call_probe import graph_us
+from decode_profile import decode_inputs, graph_us, paged_cache
+from host_time import host_us
 
 
 def compiled_info() -> str:
@@ -39,9 +38,7 @@ def run_variant(name: str, configs=CONFIGS) -> None:
         mod = importlib.import_module(name)
         td._decode_split_kernel = mod._decode_split_kernel
     for B, Hkv, Nk in [(1, 8, 32768), (8, 8, 8192), (8, 32, 8192), (1, 32, 131072)]:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        q, k, v = decode_inputs(B, Hkv, Nk)
         prob = make_problem(q, k, v)
         ref = torch.empty_like(q)
         out = torch.empty_like(q)
@@ -49,9 +46,7 @@ def run_variant(name: str, configs=CONFIGS) -> None:
         td.decode_forward(prob, ref, None, splits=1)
         caches = {}
         for bs in (16, 64):
-            kc, vc, bt = to_paged(k, v, bs)
-            caches[bs] = paged_kv(kc, vc, bt, B=B, Hkv=Hkv, D=128, Nk=Nk, dtype=prob.dtype, device=prob.device,
-                                  block_size=None, kv_len=None)
+            caches[bs] = paged_cache(prob, k, v, bs)
         for cfg in configs:
             line = []
             for bs, pk in [(0, None), *caches.items()]:
@@ -99,29 +94,15 @@ def launch_cost() -> None:
     fast = plan.fast_call(prob, out, None)
     a = seen["a"]
     dev = torch.device("cuda", 0)
-    def t(fn, n=400):
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        best = 1e9
-        for _ in range(5):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(100_000_000)
-            s = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter() - s) / n * 1e6)
-        torch.cuda.synchronize()
-        return best
     td.decode_forward(prob, out, None, splits=2)
     td.decode_forward(prob, out, None, splits=2)
     fast2 = td.gpu_plan(prob, None, 2).fast_call(prob, out, None)
-    print(f"host us: fast call S=2 {t(lambda: fast2(q, k, k, None, None, None, None)):.2f}", flush=True)
-    fast_us = t(lambda: fast(q, k, k, None, None, None, None))
-    empty_us = t(lambda: torch.empty((1, 32, 1, 128), dtype=torch.bfloat16, device=dev))
-    print(f"host us: launcher {t(lambda: run(*a)):.2f} ({len(a)} args)  fast call {fast_us:.2f}  torch.empty "
-          f"{empty_us:.2f}  empty_like {t(lambda: torch.empty_like(q)):.2f}  q.new_empty "
-          f"{t(lambda: q.new_empty((1, 32, 1, 128))):.2f}", flush=True)
+    print(f"host us: fast call S=2 {host_us(lambda: fast2(q, k, k, None, None, None, None)):.2f}", flush=True)
+    fast_us = host_us(lambda: fast(q, k, k, None, None, None, None))
+    empty_us = host_us(lambda: torch.empty((1, 32, 1, 128), dtype=torch.bfloat16, device=dev))
+    print(f"host us: launcher {host_us(lambda: run(*a)):.2f} ({len(a)} args)  fast call {fast_us:.2f}  torch.empty "
+          f"{empty_us:.2f}  empty_like {host_us(lambda: torch.empty_like(q)):.2f}  q.new_empty "
+          f"{host_us(lambda: q.new_empty((1, 32, 1, 128))):.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,18 +16,15 @@ from triton.testing import do_bench
 from attnlab.backends.triton import backward as tb
 from attnlab.backends.triton import decode as td
 from attnlab.bench.suites import _seeded_lengths
-from attnlab.paged import paged_kv, to_paged
 from attnlab.problem import make_problem
 
 sys.path.insert(0, "scripts")
-from decode_profile import graph_us
+from decode_profile import decode_inputs, graph_us, paged_cache
 
 
 def decode_splits(B: int, Hkv: int, Nk: int, kv_len: bool) -> None:
     """GPU time of the dense decode by split count, the default first."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    q, k, v = decode_inputs(B, Hkv, Nk)
     lens = torch.tensor(_seeded_lengths(B, Nk // 4, Nk, seed=5), device="cuda", dtype=torch.int32) if kv_len else None
     prob = make_problem(q, k, v, kv_len=lens)
     out = torch.empty_like(q)
@@ -43,9 +40,7 @@ def decode_splits(B: int, Hkv: int, Nk: int, kv_len: bool) -> None:
 
 def paged_configs(B: int, Hkv: int, Nk: int) -> None:
     """GPU time of the paged decode (block sizes 16 and 64) by config, beside the dense cache, default S."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    q, k, v = decode_inputs(B, Hkv, Nk)
     prob = make_problem(q, k, v)
     out = torch.empty_like(q)
     ref = torch.empty_like(q)
@@ -53,9 +48,7 @@ def paged_configs(B: int, Hkv: int, Nk: int) -> None:
     dense = graph_us(lambda: td.decode_forward(prob, ref, None, config=base))
     print(f"paged B{B} Hkv{Hkv} Nk{Nk}: dense {base} {dense:.1f} us", flush=True)
     for bs in (16, 64):
-        kc, vc, bt = to_paged(k, v, bs)
-        pk = paged_kv(kc, vc, bt, B=B, Hkv=Hkv, D=128, Nk=Nk, dtype=prob.dtype, device=prob.device,
-                      block_size=None, kv_len=None)
+        pk = paged_cache(prob, k, v, bs)
         line = []
         for cfg in (td.DecodeConfig(64, 4, 2), td.DecodeConfig(64, 4, 3), td.DecodeConfig(64, 4, 4),
                     td.DecodeConfig(32, 4, 3), td.DecodeConfig(32, 4, 4), td.DecodeConfig(128, 8, 3)):

@@ -65,21 +65,27 @@ def test_gpu_lengths_out_of_range_are_clamped(backend):
     assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
+def _captured(call):
+    """``call`` warmed up twice on a side stream, then captured in a CUDA graph: (graph, its output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 def test_cuda_graph_capture_and_replay(backend):
     _available(backend)
     q, k, v = _inputs()
     lens = torch.tensor([150, 200], device="cuda", dtype=torch.int32)
     kw = dict(causal=True, kv_len=lens, backend=backend)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            attnlab.attention(q, k, v, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = attnlab.attention(q, k, v, **kw)
+    graph, out = _captured(lambda: attnlab.attention(q, k, v, **kw))
     q.copy_(torch.randn_like(q))
     lens.copy_(torch.tensor([33, 180], device="cuda"))
     graph.replay()
@@ -300,15 +306,7 @@ def test_decode_split_merge_never_synchronizes_and_replays_in_a_graph():
     from attnlab.backends.triton import decode as td
 
     assert td.gpu_plan(make_problem(q, k, v, kv_len=lens)).n_split > 1  # the merge runs
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            attnlab.attention(q, k, v, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = attnlab.attention(q, k, v, **kw)
+    graph, out = _captured(lambda: attnlab.attention(q, k, v, **kw))
     for seed in (1, 2):
         q.copy_(torch.randn(q.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
         lens.copy_(torch.tensor([77 * seed, 4096], device="cuda"))

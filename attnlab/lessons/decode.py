@@ -288,4 +288,3 @@ def parse_graph_profile(path: str | Path, *, Hq: int = 32, D: int = 128, itemsiz
             rows.append({"config": config_label(B, Hq, Hkv, Nk), "variant": m.group(4).replace("attnlab ", ""),
                          "us": us, "gbps": 2 * B * Hkv * Nk * D * itemsize / (us * 1e-6) / 1e9})
     return pd.DataFrame(rows) if rows else None
-

@@ -56,6 +56,11 @@ class DecodeConfig:
     #: a cap on registers per thread (Triton's ``maxnreg``), or None: more programs fit on an SM at once
     maxnreg: int | None = None
 
+    def options(self) -> dict:
+        """The compile options of the split kernel: warps, stages and, when set, the register cap."""
+        extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages, **extra)
+
 
 #: The interpreter's config: 16-key tiles, so short CPU sequences span several tiles per split.
 INTERPRETER_CONFIG = DecodeConfig(16, 1, 1)
@@ -242,12 +247,8 @@ class _Kernel:
     the JIT specializes the per-call arguments on) goes through Triton's JIT, later ones call the compiled
     kernel's launcher directly, as the fused forward's plans do (the launcher takes the constants too)."""
 
-    def __init__(self, fn, grid: tuple[int, int, int], constants: dict, num_warps: int, num_stages: int,
-                 maxnreg: int | None = None):
-        self.fn, self.grid, self.constants = fn, grid, constants
-        self.options = dict(num_warps=num_warps, num_stages=num_stages)
-        if maxnreg is not None:
-            self.options["maxnreg"] = maxnreg
+    def __init__(self, fn, grid: tuple[int, int, int], constants: dict, options: dict):
+        self.fn, self.grid, self.constants, self.options = fn, grid, constants, options
         self.compiled: dict[tuple, object] = {}
         self._values: tuple | None = None
 
@@ -338,11 +339,12 @@ class _Plan:
         self.cfg = cfg
         if n_split is None:  # one wave of as many programs as the compiled split kernel fits on the SMs
             device = prob.device.index or 0
-            n_split = num_splits(prob, cfg, _sm_count(device))  # assuming PROGRAMS_PER_SM
-            if n_split > 1 and not (prob.B * prob.Hkv * n_rt >= _sm_count(device) and spec.kv_len is not None):
-                # fewer may fit (the occupancy only ever lowers the aim): compile first and look
-                n_split = num_splits(prob, cfg, _sm_count(device),
-                                     resident=self._resident(prob, paged, n_rt, device))
+            sms = _sm_count(device)
+            n_split = num_splits(prob, cfg, sms)  # assuming PROGRAMS_PER_SM
+            # The occupancy only ever lowers the aim: compile first and look, unless even one program per SM
+            # gives the same count (one split, or the ragged rule, which ignores it).
+            if num_splits(prob, cfg, sms, resident=1) != n_split:
+                n_split = num_splits(prob, cfg, sms, resident=self._resident(prob, paged, n_rt, device))
         self.n_split = n_split
         self.constants = self._constants(prob, paged, n_rt, n_split == 1)
         self.grid = (n_split, prob.Hkv * n_rt, prob.B)
@@ -370,11 +372,8 @@ class _Plan:
         Hq, Nq, D = prob.Hq, prob.Nq, prob.D
         o_strides = (Hq * Nq * D, Nq * D, D, 1) if prob.layout == "bhnd" else (Nq * Hq * D, D, Hq * D, 1)
         args = (*_tensors(prob, paged), *self.fixed, prob.q, prob.q, f32, f32, f32, *o_strides, 0, 0, 0)
-        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if cfg.maxnreg is not None:
-            options["maxnreg"] = cfg.maxnreg
         try:
-            kernel = _decode_split_kernel.warmup(*args, grid=(1, 1, 1), **options,
+            kernel = _decode_split_kernel.warmup(*args, grid=(1, 1, 1), **cfg.options(),
                                                  **self._constants(prob, paged, n_rt, False), WRITE_LSE=False)
         except Exception:  # a Triton whose warmup differs (tests bind these arguments to the signature)
             return None
@@ -387,12 +386,11 @@ class _Plan:
             split_fn, merge_fn = _decode_split_kernel, _decode_merge_kernel
             if self.interpret:
                 split_fn, merge_fn = _interp._interpreted_fn(split_fn), _interp._interpreted_fn(merge_fn)
-            split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), cfg.num_warps,
-                            cfg.num_stages, cfg.maxnreg)
+            split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), cfg.options())
             merge = _Kernel(merge_fn, (self.merge_rows, 1, 1),
                             dict(BLOCK_S=min(64, _pow2_bucket(self.n_split)), BLOCK_D=self.block_d,
                                  WRITE_LSE=write_lse),
-                            4 if self.block_d >= 128 else 2, 1)
+                            dict(num_warps=4 if self.block_d >= 128 else 2, num_stages=1))
             got = self.kernels[write_lse] = (split, merge)
         return got
 
