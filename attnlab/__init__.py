@@ -5,9 +5,11 @@
     report = attnlab.check.compare(out, out64)
 """
 
-from attnlab import backends, check, masks
+from attnlab import backends, check, cpu_math, masks
 from attnlab.api import attention
 from attnlab.reference import reference
+
+cpu_math.settle_vml_dispatch()  # before any parallel CPU math: pytorch/pytorch#188792
 
 __version__ = "0.1.0"
 __all__ = ["attention", "backends", "check", "masks", "reference"]
