@@ -14,6 +14,7 @@ from attnlab.backends.triton import interpreter as _interp
 from attnlab.backends.triton import kernel as _kern
 from attnlab.backends.triton import launch as _launch
 from attnlab.backends.triton.configs import _block_d, _pow2_bucket
+from attnlab.backends.triton.driver_launch import direct_launch, idle_hooks
 from attnlab.backends.triton.kernel import triton
 from attnlab.calls import evict_oldest, tensor_key
 from attnlab.paged import PagedKV, paged_kv
@@ -258,25 +259,32 @@ class _Kernel:
             self._values = tuple(self.constants[p.name] for p in self.fn.params if p.is_constexpr)
         return self._values
 
-    def direct(self, key: tuple):
-        """``go(stream, tensors, args)``: the compiled kernel of ``key`` launched directly (None before it
-        exists)."""
+    def direct(self, key: tuple, head: int, mid: tuple, moving: int, tail: tuple):
+        """``go(stream, *values)``: the compiled kernel of ``key`` launched with the parameters
+        ``(*values[:head], *mid, *values[head:], *tail, *constants)``, where the ``head + moving`` values are
+        the addresses that change from call to call (ints) and the rest is fixed. Through the CUDA driver
+        directly where :func:`~attnlab.backends.triton.driver_launch.direct_launch` can, else through the
+        compiled kernel's launcher. None before the kernel exists."""
         kernel = self.compiled.get(key)
         if kernel is None or not _launch.FAST_LAUNCH:
             return None
         grid, constants = self.grid, self._constant_values()
         launcher, function, packed, hooks = kernel.run, kernel.function, kernel.packed_metadata, triton.knobs.runtime
+        changing = (*range(head), *range(head + len(mid), head + len(mid) + moving))
+        direct = direct_launch(kernel, grid, ((0,) * head + mid + (0,) * moving + tail + constants), changing)
 
-        def go(stream, tensors, args):
-            """Launch with ``tensors`` (the leading pointer arguments) and then ``args``."""
-            enter = hooks.launch_enter_hook
-            if enter is None:  # addresses as ints (see attnlab.backends.triton.launch.pointers)
-                meta, full = None, (*_launch.pointers(tensors), *args, *constants)
-            else:
-                full = (*tensors, *args, *constants)
-                meta = kernel.launch_metadata(grid, stream, *full)
-            launcher(*grid, stream, function, packed, meta, enter, hooks.launch_exit_hook, *full)
+        def go(stream, *values):
+            if idle_hooks(hooks):
+                if direct is not None and direct(stream, *values):
+                    return
+                launcher(*grid, stream, function, packed, None, None, None, *values[:head], *mid,
+                         *values[head:], *tail, *constants)
+            else:  # a hook sees every launch, as from the JIT
+                full = (*values[:head], *mid, *values[head:], *tail, *constants)
+                launcher(*grid, stream, function, packed, kernel.launch_metadata(grid, stream, *full),
+                         hooks.launch_enter_hook, hooks.launch_exit_hook, *full)
 
+        go.direct = direct  # (tests look)
         return go
 
     def launch(self, args: tuple, key: tuple, device: int) -> None:
@@ -410,13 +418,16 @@ class _Plan:
         split, merge = self._kernels(write_lse)
         lse_arg = lse if write_lse else out
         key = _launch.layout_key(out, lse_arg, *self._workspace(prob, out))
-        go_split, go_merge = split.direct(key), merge.direct(key) if self.n_split > 1 else None
+        strides = (*out.stride(), *(lse.stride() if write_lse else (0, 0, 0)))
+        merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
+        # split: (q, k, v, block table, kv_len, q_len, mask; fixed; out, lse, m, l, acc; strides), merge: (m, l,
+        # acc, out, lse; strides and sizes)
+        go_split = split.direct(key, 7, self.fixed, 5, strides)
+        go_merge = merge.direct(key, 5, (), 0, (*strides, *merge_tail)) if self.n_split > 1 else None
         if go_split is None or (self.n_split > 1 and go_merge is None):
             return None
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
-        strides = (*out.stride(), *(lse.stride() if write_lse else (0, 0, 0)))
-        lse_shape, dev, index, fixed = (prob.B, prob.Hq, prob.Nq), prob.device, prob.device.index, self.fixed
-        merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
+        lse_shape, dev, index = (prob.B, prob.Hq, prob.Nq), prob.device, prob.device.index
         current_stream = triton.runtime.driver.active.get_current_stream
         _, padded = _state_rows(prob, self.n_split)
         ws_numel = workspace_bytes(prob, self.n_split) // 4
@@ -426,22 +437,24 @@ class _Plan:
                 return None  # every launch through the JIT: take the whole way
             o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
-            l_arg = o if m is None else m
+            o_ptr = o.data_ptr()
+            l_ptr = o_ptr if m is None else m.data_ptr()
             stream = current_stream(index)
-            bt = q if block_table is None else block_table
-            tensors = (q, k, v, bt, q if kv_len is None else kv_len, q if q_len is None else q_len,
-                       q if mask is None else mask)
+            tensors = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr() if block_table is None else
+                       block_table.data_ptr(), q.data_ptr() if kv_len is None else kv_len.data_ptr(),
+                       q.data_ptr() if q_len is None else q_len.data_ptr(),
+                       q.data_ptr() if mask is None else mask.data_ptr())
             if go_merge is None:
-                go_split(stream, tensors, (*fixed, *_launch.pointers((o, l_arg, o, o, o)), *strides))
+                go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr)
                 return o, m
-            # one allocation; the launchers take l's and acc's addresses as ints (no views to make)
-            ws = torch.empty(ws_numel, dtype=torch.float32, device=dev)
-            ws_m = ws.data_ptr()
-            states = (ws_m, ws_m + 4 * padded, ws_m + 8 * padded)
-            go_split(stream, tensors, (*fixed, *_launch.pointers((o, l_arg)), *states, *strides))
-            go_merge(stream, (), (*states, *_launch.pointers((o, l_arg)), *strides, *merge_tail))
+            # one allocation for the split states m, l and acc
+            ws_m = torch.empty(ws_numel, dtype=torch.float32, device=dev).data_ptr()
+            ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
+            go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
+            go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
             return o, m
 
+        call.direct = (go_split.direct,) if go_merge is None else (go_split.direct, go_merge.direct)  # (tests look)
         return call
 
     def launch(self, prob: Problem, paged: PagedKV | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:

@@ -15,6 +15,7 @@ import torch
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton import kernel as _k
 from attnlab.backends.triton.configs import Config, _block_d, _key_axis, _qk_chunk, config_for
+from attnlab.backends.triton.driver_launch import direct_launch, idle_hooks
 from attnlab.backends.triton.interpreter import interpreter
 from attnlab.backends.triton.kernel import LOG2E, triton
 from attnlab.calls import evict_oldest
@@ -106,6 +107,10 @@ def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
 #: never; every launch then goes through ``kernel[grid](...)``).
 FAST_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_FAST_LAUNCH", "1") != "0"
 
+#: The kernel's pointer parameters, first in its signature: q, k, v, out, lse, kv_len, q_len and the mask or bias.
+N_TENSORS = 8
+
+
 class _Plan:
     """How one call signature is launched with one config: the compiled kernel of each out/lse layout seen so
     far, and the arguments that the signature fixes (sizes, strides, scalars, the constants).
@@ -180,6 +185,8 @@ class _Plan:
         launcher, function, packed = kernel.run, kernel.function, kernel.packed_metadata
         current_stream, hooks = triton.runtime.driver.active.get_current_stream, triton.knobs.runtime
         switches = (_cfg._TF32, _cfg.AUTOTUNE)
+        # the first N_TENSORS parameters are the call's tensors (placeholders stand in for absent ones)
+        direct = direct_launch(kernel, grid, (*([0] * N_TENSORS), *rest), range(N_TENSORS))
 
         def call(q, k, v, kv_len, q_len, mask, block_table):
             if (_cfg._TF32, _cfg.AUTOTUNE) != switches or not FAST_LAUNCH:
@@ -189,15 +196,19 @@ class _Plan:
             tensors = (q, k, v, o, o if m is None else m, q if kv_len is None else kv_len,
                        q if q_len is None else q_len, q if mask is None else mask)
             stream = current_stream(index)
-            enter = hooks.launch_enter_hook
-            if enter is None:  # addresses as ints: the launcher then skips a data_ptr call and a driver query each
-                meta, args = None, (*pointers(tensors), *rest)
+            if idle_hooks(hooks):  # addresses as ints: the launcher skips a data_ptr call and a driver query each
+                if direct is not None and direct(stream, *pointers(tensors)):
+                    return o, m
+                args = (*pointers(tensors), *rest)
+                launcher(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args)
             else:  # a hook sees the tensors, as from the JIT
                 args = (*tensors, *rest)
                 meta = kernel.launch_metadata(grid, stream, *args)
-            launcher(grid[0], grid[1], grid[2], stream, function, packed, meta, enter, hooks.launch_exit_hook, *args)
+                launcher(grid[0], grid[1], grid[2], stream, function, packed, meta, hooks.launch_enter_hook,
+                         hooks.launch_exit_hook, *args)
             return o, m
 
+        call.direct = (direct,)  # (tests look)
         return call
 
 

@@ -1,0 +1,156 @@
+"""Host cost of a Triton launch by argument count, of the allocations a call makes, and of the public call
+with its launches through the CUDA driver directly against Triton's launcher (``ab``: only that part), on the
+GPU it runs on: least of 5 rounds of 200 unsynchronized calls, the GPU kept busy."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+
+import torch
+import triton
+from host_time import host_us  # scripts/, beside this one
+
+import attnlab
+from attnlab.backends.triton import decode as td
+
+
+def _kernel_with(n: int):
+    """A one-program kernel with one pointer, ``n`` int arguments and one constexpr (written to a module
+    file: triton.jit reads a function's source)."""
+    names = [f"a{i}" for i in range(n)]
+    total = " + ".join(names) if names else "0"
+    src = ("import triton\nimport triton.language as tl\n\n@triton.jit\n"
+           f"def k(X, {''.join(a + ', ' for a in names)}C: tl.constexpr):\n"
+           f"    tl.store(X, {total} + C)\n")
+    path = os.path.join(tempfile.mkdtemp(), f"k{n}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(f"k{n}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.k
+
+
+def launcher_cost() -> None:
+    x = torch.zeros(1, dtype=torch.int64, device="cuda")
+    stream = triton.runtime.driver.active.get_current_stream(0)
+    hooks = triton.knobs.runtime
+    for n in (0, 8, 16, 32, 48, 64, 80):
+        fn = _kernel_with(n)
+        ints = tuple(range(3, 3 + n))  # not 1 and not multiples of 16 mostly: plain int parameters
+        kern = fn[(1, 1, 1)](x, *ints, C=7)
+        ptr = x.data_ptr()
+        full = (ptr, *ints, 7)
+        run, function, packed = kern.run, kern.function, kern.packed_metadata
+
+        def go(run=run, function=function, packed=packed, full=full):
+            run(1, 1, 1, stream, function, packed, None, None, hooks.launch_exit_hook, *full)
+
+        print(f"launcher {n:2d} int args: {host_us(go):6.2f} us", flush=True)
+
+
+def alloc_cost() -> None:
+    dev = torch.device("cuda", 0)
+    q = torch.randn(1, 32, 1, 128, device=dev, dtype=torch.bfloat16)
+    n = 32 * 64 * 130
+    rows = {
+        "torch.empty(n, dtype, device)": lambda: torch.empty(n, dtype=torch.float32, device=dev),
+        "torch.empty(n, dtype, device=str)": lambda: torch.empty(n, dtype=torch.float32, device="cuda"),
+        "q.new_empty(n, dtype)": lambda: q.new_empty(n, dtype=torch.float32),
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+        "torch.empty_like(q, contiguous)": lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
+        "torch.ops.aten.empty.memory_format": lambda: torch.ops.aten.empty.memory_format(
+            [n], dtype=torch.float32, device=dev),
+        "torch.cuda.current_device()": torch.cuda.current_device,
+        "current_stream(0)": lambda: triton.runtime.driver.active.get_current_stream(0),
+        "q.data_ptr()": q.data_ptr,
+    }
+    for name, fn in rows.items():
+        print(f"{name:40s} {host_us(fn):6.2f} us", flush=True)
+
+
+def decode_cost() -> None:
+    for B, Hkv, Nk in ((1, 8, 32768), (8, 8, 8192), (8, 32, 8192)):
+        torch.manual_seed(0)
+        q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        call = lambda q=q, k=k, v=v: attnlab.attention(q, k, v)
+        call()
+        call()
+        plan = next(p for p in td._PLANS.values() if p.grid[2] == B and p.grid[1] == Hkv)
+        t_call = host_us(call)
+        sdpa = lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        print(f"decode B{B} Hkv{Hkv} Nk{Nk} S={plan.n_split}: attention() {t_call:6.2f} us  "
+              f"F.sdpa {host_us(sdpa):6.2f} us", flush=True)
+
+
+def interleaved(fns: dict, rounds: int = 7, n: int = 200) -> dict:
+    """host_us of each function, the least over ``rounds`` rounds that visit every function in turn (so a
+    drifting host weighs on all of them alike)."""
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], host_us(fn, n=n, rounds=1))
+    return best
+
+
+def ab_calls(label: str, q, k, v, **kw) -> None:
+    """The same public call with its fast call launching through the driver directly and through Triton's
+    launcher, interleaved, beside F.sdpa on the same tensors."""
+    from attnlab import calls as _calls
+    from attnlab.backends.triton import driver_launch
+
+    entries = {}
+    for direct in (True, False):
+        driver_launch.DIRECT_LAUNCH = direct
+        _calls.clear()
+        attnlab.attention(q, k, v, **kw)
+        attnlab.attention(q, k, v, **kw)
+        (key, entry), = _calls._CALLS.items()
+        entries[direct] = entry
+        print(f"{label}: direct={direct} launchers {[d is not None for d in entry.fast.direct]}", flush=True)
+    driver_launch.DIRECT_LAUNCH = True
+    table = _calls._CALLS
+    gqa = q.shape[1] != k.shape[1]
+    causal = kw.get("causal", False)
+    fns = {
+        "attention() direct": lambda: (table.__setitem__(key, entries[True]), attnlab.attention(q, k, v, **kw)),
+        "attention() triton launcher": lambda: (table.__setitem__(key, entries[False]),
+                                                attnlab.attention(q, k, v, **kw)),
+        "F.sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                          enable_gqa=gqa),
+    }
+    for name, us in interleaved(fns).items():
+        print(f"{label}: {name:28s} {us:6.2f} us", flush=True)
+    table[key] = entries[True]
+    a = attnlab.attention(q, k, v, **kw)
+    table[key] = entries[False]
+    b = attnlab.attention(q, k, v, **kw)
+    print(f"{label}: direct == triton launcher: {torch.equal(a, b)}", flush=True)
+
+
+def ab_all() -> None:
+    torch.manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    for B, H, N, D, causal in ((1, 8, 128, 64, True), (4, 16, 512, 64, True), (2, 16, 256, 128, False)):
+        q, k, v = (torch.randn(B, H, N, D, **bf) for _ in range(3))
+        ab_calls(f"prefill B{B} H{H} N{N} D{D} causal={causal}", q, k, v, causal=causal)
+    for B, Hkv, Nk in ((1, 8, 32768), (8, 8, 8192), (8, 32, 8192), (1, 8, 131072)):
+        q = torch.randn(B, 32, 1, 128, **bf)
+        k, v = (torch.randn(B, Hkv, Nk, 128, **bf) for _ in range(2))
+        ab_calls(f"decode B{B} Hkv{Hkv} Nk{Nk}", q, k, v)
+        lens = torch.randint(Nk // 2, Nk + 1, (B,), device="cuda", dtype=torch.int32)
+        ab_calls(f"decode B{B} Hkv{Hkv} Nk{Nk} kv_len", q, k, v, kv_len=lens)
+
+
+if __name__ == "__main__":
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
+    if sys.argv[1:] != ["ab"]:
+        launcher_cost()
+        alloc_cost()
+        decode_cost()
+    ab_all()
