@@ -1,6 +1,6 @@
 """Host cost of a Triton launch by argument count, of the allocations a call makes, and of the public call
-with its launches through the CUDA driver directly against Triton's launcher (``ab``: only that part), on the
-GPU it runs on: least of 5 rounds of 200 unsynchronized calls, the GPU kept busy."""
+beside F.sdpa on the same tensors (``ab``: only that part), on the GPU it runs on: least of 5 rounds of 200
+unsynchronized calls, the GPU kept busy."""
 
 from __future__ import annotations
 
@@ -99,38 +99,16 @@ def interleaved(fns: dict, rounds: int = 7, n: int = 200) -> dict:
 
 
 def ab_calls(label: str, q, k, v, **kw) -> None:
-    """The same public call with its fast call launching through the driver directly and through Triton's
-    launcher, interleaved, beside F.sdpa on the same tensors."""
-    from attnlab import calls as _calls
-    from attnlab.backends.triton import driver_launch
-
-    entries = {}
-    for direct in (True, False):
-        driver_launch.DIRECT_LAUNCH = direct
-        _calls.clear()
-        attnlab.attention(q, k, v, **kw)
-        attnlab.attention(q, k, v, **kw)
-        (key, entry), = _calls._CALLS.items()
-        entries[direct] = entry
-        print(f"{label}: direct={direct} launchers {[d is not None for d in entry.fast.direct]}", flush=True)
-    driver_launch.DIRECT_LAUNCH = True
-    table = _calls._CALLS
+    """The public call beside F.sdpa on the same tensors, interleaved."""
     gqa = q.shape[1] != k.shape[1]
     causal = kw.get("causal", False)
     fns = {
-        "attention() direct": lambda: (table.__setitem__(key, entries[True]), attnlab.attention(q, k, v, **kw)),
-        "attention() triton launcher": lambda: (table.__setitem__(key, entries[False]),
-                                                attnlab.attention(q, k, v, **kw)),
+        "attention()": lambda: attnlab.attention(q, k, v, **kw),
         "F.sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                           enable_gqa=gqa),
     }
     for name, us in interleaved(fns).items():
         print(f"{label}: {name:28s} {us:6.2f} us", flush=True)
-    table[key] = entries[True]
-    a = attnlab.attention(q, k, v, **kw)
-    table[key] = entries[False]
-    b = attnlab.attention(q, k, v, **kw)
-    print(f"{label}: direct == triton launcher: {torch.equal(a, b)}", flush=True)
 
 
 def ab_all() -> None:

@@ -30,18 +30,6 @@ def _available(name):
         pytest.skip(f"{name}: {a!r}")
 
 
-def _assert_direct_launch(calls):
-    """The one fast call remembered launches its kernels through the driver directly (on a Triton whose
-    launcher that mirrors: attnlab.backends.triton.driver_launch), so the comparisons below test it."""
-    import triton
-
-    from attnlab.backends.triton.driver_launch import MIRRORED_TRITON
-
-    (entry,) = calls._CALLS.values()
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) in MIRRORED_TRITON:
-        assert all(d is not None for d in entry.fast.direct), entry.fast.direct
-
-
 @contextlib.contextmanager
 def _sync_is_an_error():
     torch.cuda.set_sync_debug_mode("error")
@@ -213,7 +201,6 @@ def test_repeated_calls_take_the_fast_path_and_agree(case, backend):
     calls.clear()
     attnlab.attention(q, k, v, **call_kw())  # the whole way: validates, plans, remembers the signature
     assert len(calls._CALLS) == 1, "a GPU Triton call should leave a fast call behind"
-    _assert_direct_launch(calls)
     for seed in (1, 2):
         q2, k2, v2 = _fresh(q, k, v, seed)
         kw2 = call_kw()
@@ -283,7 +270,6 @@ def test_repeated_decode_calls_take_the_fast_path_and_agree(kw, backend):
     calls.clear()
     attnlab.attention(*inputs(), **call_kw())
     assert len(calls._CALLS) == 1
-    _assert_direct_launch(calls)
     for _ in range(2):
         args, kw2 = inputs(), call_kw()
         with _sync_is_an_error():

@@ -536,3 +536,35 @@ def test_public_calls_reuse_one_plan_gpu(dtype, monkeypatch, untuned):
         assert torch.equal(got, want)
     assert len(tlaunch._PLANS) == 1
     assert len(jit_calls) == 1 + 4  # the first fast-path call, then every FAST_LAUNCH=False call
+
+
+def test_a_launch_with_no_hook_set_passes_no_hooks_and_no_metadata():
+    """run_compiled hands Triton's launcher None for the hooks and the metadata unless a hook is set (triton
+    3.6-3.9 hold hooks in a HookChain that is never None: testing for None passed them on every launch)."""
+    from types import SimpleNamespace
+
+    triton = pytest.importorskip("triton")
+    seen = []
+    kernel = SimpleNamespace(function=11, packed_metadata=(4, 1, 0), run=lambda *a: seen.append(a),
+                             launch_metadata=lambda grid, stream, *args: ("meta", grid, stream))
+    runtime = triton.knobs.runtime
+    assert tlaunch.idle_hooks(runtime)
+    tlaunch.run_compiled(kernel, (2, 3, 1), 99, (0x10, 5, 7))
+    assert seen.pop() == (2, 3, 1, 99, 11, (4, 1, 0), None, None, None, 0x10, 5, 7)
+
+    def hook(*args):
+        return None
+
+    chain = runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # a HookChain (triton >= 3.6)
+        chain.add(hook)
+        try:
+            assert not tlaunch.idle_hooks(runtime)
+            tlaunch.run_compiled(kernel, (2, 3, 1), 99, (0x10, 5, 7))
+            got = seen.pop()
+            assert got[6] == ("meta", (2, 3, 1), 99) and got[7] is chain and got[9:] == (0x10, 5, 7)
+        finally:
+            chain.remove(hook)
+    assert tlaunch.idle_hooks(runtime)
+    assert tlaunch.idle_hooks(SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    assert not tlaunch.idle_hooks(SimpleNamespace(launch_enter_hook=hook, launch_exit_hook=None))

@@ -14,7 +14,6 @@ from attnlab.backends.triton import interpreter as _interp
 from attnlab.backends.triton import kernel as _kern
 from attnlab.backends.triton import launch as _launch
 from attnlab.backends.triton.configs import _block_d, _pow2_bucket
-from attnlab.backends.triton.driver_launch import direct_launch, idle_hooks
 from attnlab.backends.triton.kernel import triton
 from attnlab.calls import evict_oldest, tensor_key
 from attnlab.paged import PagedKV, paged_kv
@@ -33,7 +32,7 @@ MIN_TILES_PER_SPLIT = 4
 #: The most programs per SM the split count aims at, and what it assumes when the split kernel's occupancy
 #: is unknown (no compile yet: the notebooks' tables). Where more fit (bf16 D128 on the H200: 5), more and
 #: shorter splits were no faster: B1 Hkv8 Nk32k 43.9 us at S=74 (5 per SM) against 41.0 for the same kernel
-#: at S=64 (data/gpu_tests/nvidia-h200-decode-occupancy.txt and -decode-graph.txt, graph replay); 69.2 us
+#: at S=64 (data/gpu_tests/nvidia-h200-decode-occupancy.txt and -decode-graph-5cb7f5f.txt, graph replay); 69.2 us
 #: at B8 Hkv8 Nk8k with S=10 and with S=8.
 PROGRAMS_PER_SM = 4
 #: With ragged kv_len, when the (batch, kv head, row tile) programs alone already fill every SM (MHA at
@@ -41,6 +40,8 @@ PROGRAMS_PER_SM = 4
 #: 16 programs per SM (B16 Hkv32 Nk16k: 634 us at S=1, 596-601 at S=4-6;
 #: data/gpu_tests/nvidia-h200-tune-sweep-189ca35.txt, graph replay, bf16 D128).
 PROGRAMS_PER_SM_WIDE_RAGGED = 16
+#: Columns of out per merge program (a row of D columns is merged by D / MERGE_BLOCK_D programs).
+MERGE_BLOCK_D = 32
 #: The interpreter's fixed split count when none is forced (so CPU runs exercise the merge).
 INTERPRETER_SPLITS = 3
 
@@ -73,7 +74,7 @@ def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 
     graph replay, where the GPU and not the host sets the time). A paged cache's kernel with 16 packed rows
     (``rows``: BLOCK_M) needs 149-153 registers a thread there, so 3 programs fit on an SM: capped at 128 (a
     few spills), 4 do, and the paged cache runs at 0.92-0.99x the dense one instead of 0.72-0.94x (B8 Hkv32
-    Nk8k 246 us against 333: data/gpu_tests/nvidia-h200-decode-occupancy.txt and -decode-graph.txt). Larger
+    Nk8k 246 us against 333: data/gpu_tests/nvidia-h200-decode-occupancy.txt and -decode-graph-5cb7f5f.txt). Larger
     row tiles were not measured capped, and ROCm's Triton has no such option: uncapped there."""
     block_d = _block_d(D)
     if dtype == torch.float32:
@@ -259,32 +260,19 @@ class _Kernel:
             self._values = tuple(self.constants[p.name] for p in self.fn.params if p.is_constexpr)
         return self._values
 
-    def direct(self, key: tuple, head: int, mid: tuple, moving: int, tail: tuple):
+    def direct(self, key: tuple, head: int, mid: tuple, tail: tuple):
         """``go(stream, *values)``: the compiled kernel of ``key`` launched with the parameters
-        ``(*values[:head], *mid, *values[head:], *tail, *constants)``, where the ``head + moving`` values are
-        the addresses that change from call to call (ints) and the rest is fixed. Through the CUDA driver
-        directly where :func:`~attnlab.backends.triton.driver_launch.direct_launch` can, else through the
-        compiled kernel's launcher. None before the kernel exists."""
+        ``(*values[:head], *mid, *values[head:], *tail, *constants)``, where ``values`` are the addresses that
+        change from call to call (ints) and the rest is fixed (:func:`attnlab.backends.triton.launch.run_compiled`).
+        None before the kernel exists."""
         kernel = self.compiled.get(key)
         if kernel is None or not _launch.FAST_LAUNCH:
             return None
-        grid, constants = self.grid, self._constant_values()
-        launcher, function, packed, hooks = kernel.run, kernel.function, kernel.packed_metadata, triton.knobs.runtime
-        changing = (*range(head), *range(head + len(mid), head + len(mid) + moving))
-        direct = direct_launch(kernel, grid, ((0,) * head + mid + (0,) * moving + tail + constants), changing)
+        grid, constants, run = self.grid, self._constant_values(), _launch.run_compiled
 
         def go(stream, *values):
-            if idle_hooks(hooks):
-                if direct is not None and direct(stream, *values):
-                    return
-                launcher(*grid, stream, function, packed, None, None, None, *values[:head], *mid,
-                         *values[head:], *tail, *constants)
-            else:  # a hook sees every launch, as from the JIT
-                full = (*values[:head], *mid, *values[head:], *tail, *constants)
-                launcher(*grid, stream, function, packed, kernel.launch_metadata(grid, stream, *full),
-                         hooks.launch_enter_hook, hooks.launch_exit_hook, *full)
+            run(kernel, grid, stream, (*values[:head], *mid, *values[head:], *tail, *constants))
 
-        go.direct = direct  # (tests look)
         return go
 
     def launch(self, args: tuple, key: tuple, device: int) -> None:
@@ -294,12 +282,7 @@ class _Kernel:
             if _launch.FAST_LAUNCH and _launch._fast_launch_supported(kernel):
                 self.compiled[key] = kernel
             return
-        full = (*args, *self._constant_values())
-        stream = _launch._current_stream(device)
-        hooks = triton.knobs.runtime
-        kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(self.grid, stream, *full), hooks.launch_enter_hook,
-                   hooks.launch_exit_hook, *full)
+        _launch.run_compiled(kernel, self.grid, _launch._current_stream(device), (*args, *self._constant_values()))
 
 
 def _explicit(prob: Problem) -> torch.Tensor | None:
@@ -395,10 +378,10 @@ class _Plan:
             if self.interpret:
                 split_fn, merge_fn = _interp._interpreted_fn(split_fn), _interp._interpreted_fn(merge_fn)
             split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), cfg.options())
-            merge = _Kernel(merge_fn, (self.merge_rows, 1, 1),
-                            dict(BLOCK_S=min(64, _pow2_bucket(self.n_split)), BLOCK_D=self.block_d,
-                                 WRITE_LSE=write_lse),
-                            dict(num_warps=4 if self.block_d >= 128 else 2, num_stages=1))
+            merge_d = min(MERGE_BLOCK_D, self.block_d)
+            merge = _Kernel(merge_fn, (self.merge_rows, self.block_d // merge_d, 1),
+                            dict(BLOCK_S=min(64, _pow2_bucket(self.n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse),
+                            dict(num_warps=2, num_stages=1))
             got = self.kernels[write_lse] = (split, merge)
         return got
 
@@ -422,8 +405,8 @@ class _Plan:
         merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
         # split: (q, k, v, block table, kv_len, q_len, mask; fixed; out, lse, m, l, acc; strides), merge: (m, l,
         # acc, out, lse; strides and sizes)
-        go_split = split.direct(key, 7, self.fixed, 5, strides)
-        go_merge = merge.direct(key, 5, (), 0, (*strides, *merge_tail)) if self.n_split > 1 else None
+        go_split = split.direct(key, 7, self.fixed, strides)
+        go_merge = merge.direct(key, 5, (), (*strides, *merge_tail)) if self.n_split > 1 else None
         if go_split is None or (self.n_split > 1 and go_merge is None):
             return None
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
@@ -454,7 +437,6 @@ class _Plan:
             go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
             return o, m
 
-        call.direct = (go_split.direct,) if go_merge is None else (go_split.direct, go_merge.direct)  # (tests look)
         return call
 
     def launch(self, prob: Problem, paged: PagedKV | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:

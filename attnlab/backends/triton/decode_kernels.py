@@ -27,8 +27,9 @@ Packing, splitting and the program mapping
 * **Merge.** Each split stores its unnormalized state (m, l, acc) in a float32 workspace, and a second
   kernel combines the S states of each (batch, query head, row) with the lse rule: ``m = max_s m_s``,
   ``l = sum_s l_s * exp2(m_s - m)``, ``out = sum_s acc_s * exp2(m_s - m) / l``, ``lse = (m + log2 l) * ln 2``;
-  l = 0 (no allowed key anywhere) gives out = 0 and lse = -inf. With S = 1 the split kernel normalizes and
-  writes out and lse itself, and no merge runs.
+  l = 0 (no allowed key anywhere) gives out = 0 and lse = -inf. The merge's programs are (row, block of
+  MERGE_BLOCK_D columns): B1 Hq32 has 32 rows, too few programs to read 1 MiB of states quickly. With
+  S = 1 the split kernel normalizes and writes out and lse itself, and no merge runs.
 * **Paged KV cache** (FlashAttention's ``flash_attn_with_kvcache`` convention): caches
   ``[num_blocks, block_size, Hkv, D]`` and an int32 ``block_table [B, max_blocks]``; logical key j of batch
   b is read at ``cache[block_table[b, j // block_size], j % block_size]``. Block ids are clamped to
@@ -221,16 +222,19 @@ if triton is not None:
         WsM, WsL, WsAcc, Out, Lse, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
     ):
-        """One program per (b, h, i) row: combine its S split states with the lse rule (module docstring),
-        BLOCK_S splits at a time with a running max, and write out and lse (0 and -inf when no split saw an
-        allowed key)."""
+        """One program per (b, h, i) row and BLOCK_D columns of it: combine the row's S split states with the
+        lse rule (module docstring), BLOCK_S splits at a time with a running max, and write those columns of
+        out (0 when no split saw an allowed key) and, from the first column block, lse (-inf then). Every
+        column block of a row computes the same m and l (S floats each: cheap), so a few rows with many
+        splits still spread over many programs."""
         row = tl.program_id(0).to(tl.int64)  # (b * Hq + h) * Nq + i
+        col = tl.program_id(1)
         i = row % Nq
         h = (row // Nq) % Hq
         b = row // (Nq * Hq)
         base = row * S
         offs_s = tl.arange(0, BLOCK_S)
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_d = col * BLOCK_D + tl.arange(0, BLOCK_D)
         m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
         l = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
         acc = tl.zeros([BLOCK_D], tl.float32)
@@ -253,5 +257,6 @@ if triton is not None:
         tl.store(Out + b * s_ob + h * s_oh + i * s_on + offs_d * s_od, out.to(Out.dtype.element_ty),
                  mask=offs_d < D)
         if WRITE_LSE:
-            tl.store(Lse + b * s_lb + h * s_lh + i * s_ln,
-                     tl.where(live, (m + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf")))
+            if col == 0:
+                tl.store(Lse + b * s_lb + h * s_lh + i * s_ln,
+                         tl.where(live, (m + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf")))

@@ -15,7 +15,6 @@ import torch
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton import kernel as _k
 from attnlab.backends.triton.configs import Config, _block_d, _key_axis, _qk_chunk, config_for
-from attnlab.backends.triton.driver_launch import direct_launch, idle_hooks
 from attnlab.backends.triton.interpreter import interpreter
 from attnlab.backends.triton.kernel import LOG2E, triton
 from attnlab.calls import evict_oldest
@@ -107,10 +106,6 @@ def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
 #: never; every launch then goes through ``kernel[grid](...)``).
 FAST_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_FAST_LAUNCH", "1") != "0"
 
-#: The kernel's pointer parameters, first in its signature: q, k, v, out, lse, kv_len, q_len and the mask or bias.
-N_TENSORS = 8
-
-
 class _Plan:
     """How one call signature is launched with one config: the compiled kernel of each out/lse layout seen so
     far, and the arguments that the signature fixes (sizes, strides, scalars, the constants).
@@ -157,13 +152,7 @@ class _Plan:
                explicit if explicit is not None else q, *mid_rest)
         # The launcher takes every parameter in signature order, the constants (which come last) too.
         args = (*_bind(head, mid, tail, out, lse), *constants)
-        grid = self.grid
-        stream = _current_stream(self.device)
-        hooks = triton.knobs.runtime
-        # As CompiledKernel's own launcher (``kernel[grid](*args)``) and the JIT call it, in triton 3.4 to 3.9.
-        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
-                   *args)
+        run_compiled(kernel, self.grid, _current_stream(self.device), args)
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """After a launch for ``prob`` into ``out`` and ``lse``: a function ``(q, k, v, kv_len, q_len, mask,
@@ -182,11 +171,8 @@ class _Plan:
                 *(constants[n] for n in _constexpr_names()))
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.device, self.device, self.grid
-        launcher, function, packed = kernel.run, kernel.function, kernel.packed_metadata
-        current_stream, hooks = triton.runtime.driver.active.get_current_stream, triton.knobs.runtime
+        current_stream = triton.runtime.driver.active.get_current_stream
         switches = (_cfg._TF32, _cfg.AUTOTUNE)
-        # the first N_TENSORS parameters are the call's tensors (placeholders stand in for absent ones)
-        direct = direct_launch(kernel, grid, (*([0] * N_TENSORS), *rest), range(N_TENSORS))
 
         def call(q, k, v, kv_len, q_len, mask, block_table):
             if (_cfg._TF32, _cfg.AUTOTUNE) != switches or not FAST_LAUNCH:
@@ -195,20 +181,9 @@ class _Plan:
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
             tensors = (q, k, v, o, o if m is None else m, q if kv_len is None else kv_len,
                        q if q_len is None else q_len, q if mask is None else mask)
-            stream = current_stream(index)
-            if idle_hooks(hooks):  # addresses as ints: the launcher skips a data_ptr call and a driver query each
-                if direct is not None and direct(stream, *pointers(tensors)):
-                    return o, m
-                args = (*pointers(tensors), *rest)
-                launcher(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args)
-            else:  # a hook sees the tensors, as from the JIT
-                args = (*tensors, *rest)
-                meta = kernel.launch_metadata(grid, stream, *args)
-                launcher(grid[0], grid[1], grid[2], stream, function, packed, meta, hooks.launch_enter_hook,
-                         hooks.launch_exit_hook, *args)
+            run_compiled(kernel, grid, current_stream(index), (*pointers(tensors), *rest))
             return o, m
 
-        call.direct = (direct,)  # (tests look)
         return call
 
 
@@ -224,6 +199,32 @@ def pointers(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     device pointer, about a microsecond per tensor on a slow host. A fast call's tensors were validated as
     CUDA tensors on the plan's device by their signature, so that question has been answered."""
     return tuple(t.data_ptr() for t in tensors)
+
+
+def run_compiled(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
+    """Launch ``kernel`` (what the JIT returned) on ``grid`` and ``stream`` with every parameter's value
+    ``args`` in signature order, constants too, as the JIT launches it (triton 3.4 to 3.9); pointers may be
+    tensors or their addresses as ints. Launch metadata is built and the hooks are called only when a hook
+    is set (:func:`idle_hooks`)."""
+    hooks = triton.knobs.runtime
+    if idle_hooks(hooks):
+        kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+    else:
+        kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, kernel.launch_metadata(grid, stream, *args),
+                   hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+
+
+def idle_hooks(runtime) -> bool:
+    """Whether no Triton launch hook is set in ``runtime`` (``triton.knobs.runtime``). Then a launch hands the
+    compiled launcher None for both hooks and no metadata, and a fast call int addresses: given tensors, the
+    hooks and launch metadata, it asks the driver about every pointer, builds the metadata and calls both
+    hooks, 5-12 us more per call on the H200's host (data/gpu_tests/nvidia-h200-direct-launch.txt and
+    -launch-cost.txt). Triton 3.6 to 3.9 keep the hooks in a HookChain, empty when none is set; older ones hold None."""
+    return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
+
+
+def _idle(hook) -> bool:
+    return hook is None or (type(getattr(hook, "calls", None)) is list and not hook.calls)
 
 
 def _current_stream(device: int):
