@@ -1,6 +1,6 @@
-"""Host cost of a Triton launch by argument count, of the allocations a call makes, and of the public call
-beside F.sdpa on the same tensors (``ab``: only that part), on the GPU it runs on: least of 5 rounds of 200
-unsynchronized calls, the GPU kept busy."""
+"""Host cost of a Triton launch (launch.run_compiled) by argument count, of the allocations a call makes, and
+of the public call beside F.sdpa on the same tensors (``ab``: only that part), on the GPU it runs on: least of 5
+rounds of 200 unsynchronized calls, the GPU kept busy."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import tempfile
 
 import torch
 import triton
-from host_time import host_us  # scripts/, beside this one
+from decode_profile import decode_inputs  # scripts/, beside this one
+from host_time import host_us
 
 import attnlab
-from attnlab.backends.triton import decode as td
+from attnlab.backends.triton.launch import run_compiled
 
 
 def _kernel_with(n: int):
@@ -37,17 +38,14 @@ def _kernel_with(n: int):
 def launcher_cost() -> None:
     x = torch.zeros(1, dtype=torch.int64, device="cuda")
     stream = triton.runtime.driver.active.get_current_stream(0)
-    hooks = triton.knobs.runtime
     for n in (0, 8, 16, 32, 48, 64, 80):
         fn = _kernel_with(n)
         ints = tuple(range(3, 3 + n))  # not 1 and not multiples of 16 mostly: plain int parameters
         kern = fn[(1, 1, 1)](x, *ints, C=7)
-        ptr = x.data_ptr()
-        full = (ptr, *ints, 7)
-        run, function, packed = kern.run, kern.function, kern.packed_metadata
+        full = (x.data_ptr(), *ints, 7)
 
-        def go(run=run, function=function, packed=packed, full=full):
-            run(1, 1, 1, stream, function, packed, None, None, hooks.launch_exit_hook, *full)
+        def go(kern=kern, full=full):
+            run_compiled(kern, (1, 1, 1), stream, full)
 
         print(f"launcher {n:2d} int args: {host_us(go):6.2f} us", flush=True)
 
@@ -70,22 +68,6 @@ def alloc_cost() -> None:
     }
     for name, fn in rows.items():
         print(f"{name:40s} {host_us(fn):6.2f} us", flush=True)
-
-
-def decode_cost() -> None:
-    for B, Hkv, Nk in ((1, 8, 32768), (8, 8, 8192), (8, 32, 8192)):
-        torch.manual_seed(0)
-        q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        call = lambda q=q, k=k, v=v: attnlab.attention(q, k, v)
-        call()
-        call()
-        plan = next(p for p in td._PLANS.values() if p.grid[2] == B and p.grid[1] == Hkv)
-        t_call = host_us(call)
-        sdpa = lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        print(f"decode B{B} Hkv{Hkv} Nk{Nk} S={plan.n_split}: attention() {t_call:6.2f} us  "
-              f"F.sdpa {host_us(sdpa):6.2f} us", flush=True)
 
 
 def interleaved(fns: dict, rounds: int = 7, n: int = 200) -> dict:
@@ -118,8 +100,7 @@ def ab_all() -> None:
         q, k, v = (torch.randn(B, H, N, D, **bf) for _ in range(3))
         ab_calls(f"prefill B{B} H{H} N{N} D{D} causal={causal}", q, k, v, causal=causal)
     for B, Hkv, Nk in ((1, 8, 32768), (8, 8, 8192), (8, 32, 8192), (1, 8, 131072)):
-        q = torch.randn(B, 32, 1, 128, **bf)
-        k, v = (torch.randn(B, Hkv, Nk, 128, **bf) for _ in range(2))
+        q, k, v = decode_inputs(B, Hkv, Nk)
         ab_calls(f"decode B{B} Hkv{Hkv} Nk{Nk}", q, k, v)
         lens = torch.randint(Nk // 2, Nk + 1, (B,), device="cuda", dtype=torch.int32)
         ab_calls(f"decode B{B} Hkv{Hkv} Nk{Nk} kv_len", q, k, v, kv_len=lens)
@@ -130,5 +111,4 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["ab"]:
         launcher_cost()
         alloc_cost()
-        decode_cost()
     ab_all()

@@ -411,7 +411,7 @@ class _Plan:
             return None
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index = (prob.B, prob.Hq, prob.Nq), prob.device, prob.device.index
-        current_stream = triton.runtime.driver.active.get_current_stream
+        current_stream, pointers = triton.runtime.driver.active.get_current_stream, _launch.pointers
         _, padded = _state_rows(prob, self.n_split)
         ws_numel = workspace_bytes(prob, self.n_split) // 4
 
@@ -420,18 +420,18 @@ class _Plan:
                 return None  # every launch through the JIT: take the whole way
             o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
-            o_ptr = o.data_ptr()
-            l_ptr = o_ptr if m is None else m.data_ptr()
             stream = current_stream(index)
-            tensors = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr() if block_table is None else
-                       block_table.data_ptr(), q.data_ptr() if kv_len is None else kv_len.data_ptr(),
-                       q.data_ptr() if q_len is None else q_len.data_ptr(),
-                       q.data_ptr() if mask is None else mask.data_ptr())
+            # (placeholders, never read, stand in for absent tensors)
+            *tensors, o_ptr, l_ptr = pointers((q, k, v, q if block_table is None else block_table,
+                                               q if kv_len is None else kv_len, q if q_len is None else q_len,
+                                               q if mask is None else mask, o, o if m is None else m))
             if go_merge is None:
                 go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr)
                 return o, m
-            # one allocation for the split states m, l and acc
-            ws_m = torch.empty(ws_numel, dtype=torch.float32, device=dev).data_ptr()
+            # one allocation for the split states m, l and acc, held (ws) until both launches are queued: freed
+            # earlier, another thread's allocation on this stream could take it first
+            ws = torch.empty(ws_numel, dtype=torch.float32, device=dev)
+            ws_m = ws.data_ptr()
             ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
             go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
             go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
