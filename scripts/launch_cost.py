@@ -1,6 +1,7 @@
-"""Host cost of a Triton launch (launch.run_compiled) by argument count, of the allocations a call makes, and
-of the public call beside F.sdpa on the same tensors (``ab``: only that part), on the GPU it runs on: least of 5
-rounds of 200 unsynchronized calls, the GPU kept busy."""
+"""Host cost of a Triton launch by argument count (through Triton's launcher object, launch.run_compiled, and
+through its C launch function, launch.launcher), of the allocations a call makes, and of the public call beside
+F.sdpa on the same tensors, with fast calls made with and without the direct C launch (``ab``: only that part),
+on the GPU it runs on: least of 5 rounds of 200 unsynchronized calls, the GPU kept busy."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from decode_profile import decode_inputs  # scripts/, beside this one
 from host_time import host_us
 
 import attnlab
-from attnlab.backends.triton.launch import run_compiled
+from attnlab import calls as _calls
+from attnlab.backends.triton import launch as _launch
+from attnlab.backends.triton.launch import launcher, run_compiled
 
 
 def _kernel_with(n: int):
@@ -47,7 +50,9 @@ def launcher_cost() -> None:
         def go(kern=kern, full=full):
             run_compiled(kern, (1, 1, 1), stream, full)
 
-        print(f"launcher {n:2d} int args: {host_us(go):6.2f} us", flush=True)
+        direct = launcher(kern)
+        print(f"launch {n:2d} int args: launcher object {host_us(go):6.2f} us, direct "
+              f"{host_us(lambda d=direct, f=full: d((1, 1, 1), stream, f)):6.2f} us", flush=True)
 
 
 def alloc_cost() -> None:
@@ -60,6 +65,10 @@ def alloc_cost() -> None:
         "q.new_empty(n, dtype)": lambda: q.new_empty(n, dtype=torch.float32),
         "torch.empty_like(q)": lambda: torch.empty_like(q),
         "torch.empty_like(q, contiguous)": lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
+        "torch.empty(q.shape, dtype, device)": lambda: torch.empty(q.shape, dtype=q.dtype, device=dev),
+        "q.new_empty(q.shape)": lambda: q.new_empty(q.shape),
+        "torch.cuda.is_current_stream_capturing()": torch.cuda.is_current_stream_capturing,
+        "torch._C._cuda_isCurrentStreamCapturing()": torch._C._cuda_isCurrentStreamCapturing,
         "torch.ops.aten.empty.memory_format": lambda: torch.ops.aten.empty.memory_format(
             [n], dtype=torch.float32, device=dev),
         "torch.cuda.current_device()": torch.cuda.current_device,
@@ -80,12 +89,34 @@ def interleaved(fns: dict, rounds: int = 7, n: int = 200) -> dict:
     return best
 
 
+def _entry(q, k, v, direct: bool, **kw):
+    """The fast call of ``attention(q, k, v, **kw)``'s signature, made with or without the direct C launch."""
+    _launch.DIRECT_LAUNCH = direct
+    _calls.clear()
+    attnlab.attention(q, k, v, **kw)  # the whole way, which makes the fast call
+    attnlab.attention(q, k, v, **kw)
+    key = next(iter(_calls._CALLS))
+    return key, _calls._CALLS[key]
+
+
 def ab_calls(label: str, q, k, v, **kw) -> None:
-    """The public call beside F.sdpa on the same tensors, interleaved."""
+    """The public call (fast calls made with and without the direct C launch) beside F.sdpa on the same
+    tensors, interleaved."""
     gqa = q.shape[1] != k.shape[1]
     causal = kw.get("causal", False)
+    key, via_object = _entry(q, k, v, False, **kw)
+    _, direct = _entry(q, k, v, True, **kw)
+    table = _calls._CALLS
+
+    def with_entry(entry):
+        def call():
+            table[key] = entry
+            return attnlab.attention(q, k, v, **kw)
+        return call
+
     fns = {
-        "attention()": lambda: attnlab.attention(q, k, v, **kw),
+        "attention() direct launch": with_entry(direct),
+        "attention() launcher object": with_entry(via_object),
         "F.sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                           enable_gqa=gqa),
     }

@@ -568,3 +568,62 @@ def test_a_launch_with_no_hook_set_passes_no_hooks_and_no_metadata():
     assert tlaunch.idle_hooks(runtime)
     assert tlaunch.idle_hooks(SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
     assert not tlaunch.idle_hooks(SimpleNamespace(launch_enter_hook=hook, launch_exit_hook=None))
+
+
+def _launcher_object(seen: list, **sizes):
+    """A CUDA launcher object of the installed Triton, made without compiling anything: its C launch function
+    records what it is handed."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    run = object.__new__(CudaLauncher)
+    attrs = dict(launch=lambda *a: seen.append(a), global_scratch_size=0, global_scratch_align=1,
+                 profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=True,
+                 num_ctas=1, gsan_enabled=False)
+    if tlaunch._triton_minor() >= (3, 7):  # one shared launcher, told each kernel's argument kinds
+        attrs.update(arg_annotations=("annotations",), kernel_signature=b"signature")
+    attrs.update(sizes)
+    for name, value in attrs.items():
+        setattr(run, name, value)
+    return run
+
+
+def test_the_direct_c_launch_passes_what_tritons_launcher_object_passes(monkeypatch):
+    """launch.launcher calls the C launch function with exactly the arguments the installed Triton's
+    CudaLauncher.__call__ hands it for a launch with no hooks (the real __call__ is run on the same object and
+    both recordings compared), falls back to that object while a hook is set, and is not used for a kernel
+    with a scratch buffer or a Triton whose interface it does not know."""
+    from types import SimpleNamespace
+
+    triton = pytest.importorskip("triton")
+    if tlaunch._triton_minor() is None or not (3, 5) <= tlaunch._triton_minor() <= (3, 9):
+        pytest.skip(f"triton {triton.__version__}: the direct launch is not used")
+    monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace())  # __call__ may look it up (no GPU here)
+    seen: list = []
+    run = _launcher_object(seen)
+    kernel = SimpleNamespace(function=11, packed_metadata=(4, 1, 0), run=run,
+                             launch_metadata=lambda grid, stream, *args: ("meta", grid, stream))
+    args = (0x10, 5, 7, 3.5)
+    tlaunch.run_compiled(kernel, (2, 3, 1), 99, args)  # through the launcher object's own __call__
+    want = seen.pop()
+    go = tlaunch.launcher(kernel)
+    assert tlaunch._c_launch(kernel) is not None
+    go((2, 3, 1), 99, args)
+    assert seen.pop() == want
+    chain = triton.knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # with a hook set, the launcher object is called and handed the hooks
+
+        def hook(*a):
+            return None
+
+        chain.add(hook)
+        try:
+            go((2, 3, 1), 99, args)
+        finally:
+            chain.remove(hook)
+        got = seen.pop()
+        assert got[:5] == want[:5] and any(a is chain for a in got)
+    assert not seen
+    assert tlaunch._c_launch(SimpleNamespace(function=11, packed_metadata=(4, 1, 0),
+                                             run=_launcher_object(seen, global_scratch_size=64))) is None
+    monkeypatch.setattr(triton, "__version__", "3.10.0")
+    assert tlaunch._c_launch(kernel) is None

@@ -263,15 +263,15 @@ class _Kernel:
     def direct(self, key: tuple, head: int, mid: tuple, tail: tuple):
         """``go(stream, *values)``: the compiled kernel of ``key`` launched with the parameters
         ``(*values[:head], *mid, *values[head:], *tail, *constants)``, where ``values`` are the addresses that
-        change from call to call (ints) and the rest is fixed (:func:`attnlab.backends.triton.launch.run_compiled`).
+        change from call to call (ints) and the rest is fixed (:func:`attnlab.backends.triton.launch.launcher`).
         None before the kernel exists."""
         kernel = self.compiled.get(key)
         if kernel is None or not _launch.FAST_LAUNCH:
             return None
-        grid, constants, run = self.grid, self._constant_values(), _launch.run_compiled
+        grid, constants, run = self.grid, self._constant_values(), _launch.launcher(kernel)
 
         def go(stream, *values):
-            run(kernel, grid, stream, (*values[:head], *mid, *values[head:], *tail, *constants))
+            run(grid, stream, (*values[:head], *mid, *values[head:], *tail, *constants))
 
         return go
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -105,6 +105,9 @@ def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
 #: Whether repeated GPU launches of one Problem skip Triton's JIT dispatch (ATTNLAB_TRITON_FAST_LAUNCH=0:
 #: never; every launch then goes through ``kernel[grid](...)``).
 FAST_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_FAST_LAUNCH", "1") != "0"
+#: Whether fast calls made from now on call the C launch function under Triton's launcher object directly
+#: (:func:`launcher`; ATTNLAB_TRITON_DIRECT_LAUNCH=0: never, every launch goes through that object).
+DIRECT_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_DIRECT_LAUNCH", "1") != "0"
 
 class _Plan:
     """How one call signature is launched with one config: the compiled kernel of each out/lse layout seen so
@@ -173,6 +176,7 @@ class _Plan:
         lse_shape, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.device, self.device, self.grid
         current_stream = triton.runtime.driver.active.get_current_stream
         switches = (_cfg._TF32, _cfg.AUTOTUNE)
+        go = launcher(kernel)
 
         def call(q, k, v, kv_len, q_len, mask, block_table):
             if (_cfg._TF32, _cfg.AUTOTUNE) != switches or not FAST_LAUNCH:
@@ -181,7 +185,7 @@ class _Plan:
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
             tensors = (q, k, v, o, o if m is None else m, q if kv_len is None else kv_len,
                        q if q_len is None else q_len, q if mask is None else mask)
-            run_compiled(kernel, grid, current_stream(index), (*pointers(tensors), *rest))
+            go(grid, current_stream(index), (*pointers(tensors), *rest))
             return o, m
 
         return call
@@ -212,6 +216,77 @@ def run_compiled(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -
     else:
         kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, kernel.launch_metadata(grid, stream, *args),
                    hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+
+
+def launcher(kernel) -> Callable[[tuple[int, int, int], int, tuple], None]:
+    """``go(grid, stream, args)``: :func:`run_compiled` for ``kernel``, faster when it can be.
+
+    While no launch hook is set, ``go`` calls the C function behind Triton's launcher object itself, with the
+    arguments that object's ``__call__`` would pass it (:func:`_c_launch`): that Python layer (two closures,
+    two scratch allocations of size 0, the arguments repacked) costs about as much as the C launch it wraps on
+    a slow host. Kernels with a scratch buffer, and launcher interfaces this module does not know, go through
+    :func:`run_compiled`, as every launch does once a hook is set."""
+    c_launch = _c_launch(kernel) if DIRECT_LAUNCH else None
+    runtime = triton.knobs.runtime
+
+    def go(grid: tuple[int, int, int], stream: int, args: tuple) -> None:
+        if c_launch is not None and idle_hooks(runtime):
+            c_launch(*grid, stream, args)
+        else:
+            run_compiled(kernel, grid, stream, args)
+
+    return go
+
+
+def _triton_minor() -> tuple[int, int] | None:
+    try:
+        major, minor = triton.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, ValueError):
+        return None
+
+
+def _c_launch(kernel) -> Callable[..., None] | None:
+    """``c(gx, gy, gz, stream, args)`` calling the C launch function of ``kernel``'s launcher object
+    (``kernel.run.launch``) with no hooks, no launch metadata and no scratch, as that object's ``__call__``
+    calls it, or None where that call is not known to be right:
+
+    * triton 3.5 and 3.6 compile a launcher per signature: ``launch(gx, gy, gz, stream, function,
+      cooperative, pdl, global_scratch, profile_scratch, kernel_metadata, launch_metadata, enter_hook,
+      exit_hook, *args)``;
+    * triton 3.7 to 3.9 share one launcher: ``launch(gx, gy, gz, stream, function, cooperative, pdl,
+      kernel_metadata, launch_metadata, enter_hook, exit_hook, global_scratch, profile_scratch,
+      arg_annotations, kernel_signature, args)``.
+
+    A kernel that needs a global or profile scratch buffer (its launcher allocates one per launch), or runs
+    under Triton's sanitizer, gets None."""
+    run = getattr(kernel, "run", None)
+    c = getattr(run, "launch", None)
+    version = _triton_minor()
+    try:
+        if c is None or version is None or run.global_scratch_size or run.profile_scratch_size:
+            return None
+        if getattr(run, "gsan_enabled", False):
+            return None
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+        function, meta = kernel.function, kernel.packed_metadata
+    except AttributeError:
+        return None
+    if (3, 7) <= version <= (3, 9) and hasattr(run, "arg_annotations") and hasattr(run, "kernel_signature"):
+        annotations, signature = run.arg_annotations, run.kernel_signature
+
+        def shared(gx, gy, gz, stream, args):
+            c(gx, gy, gz, stream, function, coop, pdl, meta, None, None, None, None, None, annotations, signature,
+              args)
+
+        return shared
+    if (3, 5) <= version <= (3, 6) and not hasattr(run, "arg_annotations"):
+
+        def per_signature(gx, gy, gz, stream, args):
+            c(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
+
+        return per_signature
+    return None
 
 
 def idle_hooks(runtime) -> bool:
