@@ -1,6 +1,7 @@
 """Host cost of a Triton launch by argument count (through Triton's launcher object, launch.run_compiled, and
 through its C launch function, launch.launcher), of the allocations a call makes, and of the public call beside
-F.sdpa on the same tensors, with fast calls made with and without the direct C launch (``ab``: only that part),
+F.sdpa on the same tensors, with fast calls made with and without the direct C launch and (decode) with the split
+states held per stream or allocated per call (``ab``: only that part),
 on the GPU it runs on: least of 5 rounds of 200 unsynchronized calls, the GPU kept busy."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from host_time import host_us
 
 import attnlab
 from attnlab import calls as _calls
+from attnlab.backends.triton import decode as _decode
 from attnlab.backends.triton import launch as _launch
 from attnlab.backends.triton.launch import launcher, run_compiled
 
@@ -108,20 +110,23 @@ def ab_calls(label: str, q, k, v, **kw) -> None:
     _, direct = _entry(q, k, v, True, **kw)
     table = _calls._CALLS
 
-    def with_entry(entry):
+    def with_entry(entry, hold=True):
         def call():
             table[key] = entry
+            _decode.HOLD_WORKSPACE = hold
             return attnlab.attention(q, k, v, **kw)
         return call
 
     fns = {
         "attention() direct launch": with_entry(direct),
         "attention() launcher object": with_entry(via_object),
+        "attention() direct, states per call": with_entry(direct, hold=False),
         "F.sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                           enable_gqa=gqa),
     }
     for name, us in interleaved(fns).items():
-        print(f"{label}: {name:28s} {us:6.2f} us", flush=True)
+        print(f"{label}: {name:36s} {us:6.2f} us", flush=True)
+    _decode.HOLD_WORKSPACE = True
 
 
 def ab_all() -> None:

@@ -332,3 +332,82 @@ def test_decode_on_two_streams_at_once():
     for i in range(2):
         for g in got[i]:
             torch.testing.assert_close(g, want[i], atol=0, rtol=0)
+
+
+def test_decode_threads_on_one_stream_agree():
+    """Threads queuing decode calls on one stream at once (the split states held for that stream are written
+    and read by each call's two launches, queued under a lock) agree with one call at a time."""
+    import threading
+
+    _available("triton")
+    inputs = [_decode_inputs(seed=s) for s in range(4)]
+    want = [attnlab.attention(*x, backend="triton-decode") for x in inputs]
+    got: list[list[torch.Tensor]] = [[] for _ in inputs]
+    torch.cuda.synchronize()
+
+    def work(i):
+        for _ in range(30):
+            got[i].append(attnlab.attention(*inputs[i], backend="triton-decode"))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    for i in range(len(inputs)):
+        assert len(got[i]) == 30
+        for g in got[i]:
+            torch.testing.assert_close(g, want[i], atol=0, rtol=0)
+
+
+def test_decode_split_states_are_held_grown_and_counted(monkeypatch):
+    """Fast decode calls keep their split states in one buffer per stream: it grows for a larger problem,
+    serves a smaller one, gives the same outputs as per-call allocation, and once released the next call's
+    peak memory counts it again (what the benchmark's memory column reads)."""
+    from attnlab.backends.triton import decode as td
+
+    _available("triton")
+    small, large = _decode_inputs(B=2, Nk=4096), _decode_inputs(B=8, Hq=16, Hkv=4, Nk=8192, seed=1)
+    need = {}
+    for name, x in (("small", small), ("large", large)):
+        plan = td.gpu_plan(make_problem(*x))
+        assert plan.n_split > 1, name
+        need[name] = td.workspace_bytes(make_problem(*x), plan.n_split)
+    assert need["large"] > need["small"]
+    monkeypatch.setattr(td, "HOLD_WORKSPACE", False)
+    from attnlab import calls
+
+    calls.clear()
+    want = {n: attnlab.attention(*x, backend="triton-decode") for n, x in (("small", small), ("large", large))}
+    monkeypatch.setattr(td, "HOLD_WORKSPACE", True)
+    calls.clear()
+    td.release_workspaces()
+    for x in (small, large):
+        attnlab.attention(*x, backend="triton-decode")  # the whole way: its fast call is made
+    torch.cuda.synchronize()
+    assert not td._HELD
+    key = (torch.cuda.current_device(), td._launch._current_stream(torch.cuda.current_device()))
+    most = 0
+    for n in ("small", "large", "small", "large", "small"):
+        got = attnlab.attention(*(small if n == "small" else large), backend="triton-decode")
+        torch.testing.assert_close(got, want[n], atol=0, rtol=0)
+        most = max(most, need[n])
+        assert td._HELD[key].numel() * 4 >= most
+        if n == "small" and most == need["small"]:
+            assert td._HELD[key].numel() * 4 < need["large"]  # sized for the first call, then grown
+    assert len(td._HELD) == 1
+    td.release_workspaces()
+    assert key not in td._HELD
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = attnlab.attention(*small, backend="triton-decode")
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - out.untyped_storage().nbytes()
+    assert extra >= need["small"]
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = attnlab.attention(*small, backend="triton-decode")
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before - out.untyped_storage().nbytes() < need["small"]

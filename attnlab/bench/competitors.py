@@ -47,6 +47,9 @@ class Prepared:
     #: a context every call of this competitor runs in, entered once around its checked and timed calls
     #: rather than in each (SDPA restricted to one kernel: ``sdpa_kernel``), so its cost is not timed
     context: Callable[[], contextlib.AbstractContextManager] | None = None
+    #: called just before the call whose peak memory is measured: hands back what earlier calls left held
+    #: for later ones (attnlab's decode split states), so that the peak counts it
+    cold: Callable[[], None] | None = None
 
 
 @dataclass
@@ -100,7 +103,16 @@ def _public_prepared(name: str, be, call: Callable[[int], torch.Tensor], notes: 
             return call(i)
 
     notes = [*notes, *([f"auto picked {be.name}"] if name == "auto" else [])]
-    return Prepared(call=call, check_call=check_call, setup_bytes=setup_bytes, notes=notes)
+    return Prepared(call=call, check_call=check_call, setup_bytes=setup_bytes, notes=notes, cold=release_held)
+
+
+def release_held() -> None:
+    """Release the split-state buffers attnlab's decode fast calls hold (nothing without triton)."""
+    try:
+        from attnlab.backends.triton.decode import release_workspaces
+    except ImportError:
+        return
+    release_workspaces()
 
 
 def _attnlab_competitor(name: str) -> Competitor:

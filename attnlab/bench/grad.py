@@ -159,7 +159,7 @@ def run_backward(comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options,
                     def call(i: int, outs=outs):
                         return torch.autograd.grad(outs[i], leaves[i], douts[i], retain_graph=True)
 
-                got, bad = measure(call, inp.sets, dev, timing, mnotes, prep.mark, prep.after_timing)
+                got, bad = measure(call, inp.sets, dev, timing, mnotes, prep.mark, prep.after_timing, prep.cold)
                 outs.clear()
             except Exception as e:
                 outs.clear()

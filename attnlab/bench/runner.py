@@ -116,12 +116,16 @@ HOST_NOT_HIDDEN = ("host-time calls outlasted the GPU sleep queued before them (
 
 def measure(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tuple[int, float, int],
             notes: list[str], mark: Callable[[], str | None] | None = None,
-            after: Callable[[], str | None] | None = None) -> tuple[dict[str, Any] | None, str | None]:
+            after: Callable[[], str | None] | None = None,
+            cold: Callable[[], None] | None = None) -> tuple[dict[str, Any] | None, str | None]:
     """Memory and a first estimate, warm-up, the timed calls, then the host time of a call: (the row's
-    timing columns, None), or (None, the reason) when the calls left the compiled path (flex)."""
+    timing columns, None), or (None, the reason) when the calls left the compiled path (flex). ``cold``
+    (:attr:`Prepared.cold`) runs just before the memory measurement."""
     max_reps, budget_ms, min_reps = timing
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        if cold is not None:
+            cold()
         est_ms, peak = measure_peak(call, 1 % sets, dev)
         reps, warm = _reps_and_warmup(est_ms, max_reps, budget_ms, min_reps)
         if warm:
@@ -196,7 +200,7 @@ def run_one(
         # 2. memory and a first estimate; 3. warm-up, the timed calls and the host time
         try:
             timed, bad = measure(prep.call, inp.sets, dev, (max_reps, budget_ms, min_reps), notes, prep.mark,
-                                 prep.after_timing)
+                                 prep.after_timing, prep.cold)
             if bad:
                 return _row(case, comp, opts, counts, status="fallback", passed=True, notes="; ".join([*notes, bad]),
                             **base)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -243,6 +244,44 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
 
 _PLANS: dict[tuple, _Plan] = {}  # decode plans by call signature (bounded like the fused forward's)
 
+#: Whether fast calls keep their split states in a buffer held per (device, stream) (:func:`held_workspace`)
+#: rather than allocating them on every call.
+HOLD_WORKSPACE = True
+#: The held split-state buffers, float32, by (device index, raw stream handle): each only grows, to the
+#: largest a fast call on that stream has needed; at most MAX_HELD streams (the oldest is dropped).
+_HELD: dict[tuple[int, int], torch.Tensor] = {}
+MAX_HELD = 16
+#: Held while a fast call queues the two launches that write and read a held buffer: two threads on one
+#: stream would otherwise interleave them (split A, split B, merge A reads B's states).
+_HELD_LOCK = threading.Lock()
+
+
+def held_workspace(device: int, stream: int, numel: int) -> torch.Tensor:
+    """The split-state buffer held for ``stream`` of GPU ``device``, of at least ``numel`` float32 (the
+    caller holds ``_HELD_LOCK``). Sound because a stream runs its kernels in order: a later call's split
+    kernel on this stream starts only after the earlier call's merge has read the states. Growing drops the
+    old buffer into torch's allocator, which reuses it only for work queued after on the same stream."""
+    ws = _HELD.get((device, stream))
+    if ws is None or ws.numel() < numel:
+        if ws is None:
+            evict_oldest(_HELD, MAX_HELD)
+        ws = _HELD[(device, stream)] = torch.empty(numel, dtype=torch.float32, device=torch.device("cuda", device))
+    return ws
+
+
+def release_workspaces() -> None:
+    """Hand the held split-state buffers back to torch's allocator (the next fast call on each stream
+    allocates one again). The benchmark calls this before it measures a call's peak memory, so that the
+    split states count in it."""
+    with _HELD_LOCK:
+        _HELD.clear()
+
+
+def _capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph (the private binding skips a Python layer)."""
+    check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    return bool(check()) if check is not None else torch.cuda.is_current_stream_capturing()
+
 
 class _Kernel:
     """One kernel on one grid with fixed constants: the first launch of each specialization (``key``: what
@@ -303,7 +342,8 @@ def _tensors(prob: Problem, paged: PagedKV | None) -> tuple:
 
 class _Plan:
     """The launches of one problem with one config, split count and cache: the split kernel and, with more
-    than one split, the merge. The workspace is allocated per call (stream-ordered by torch's allocator)."""
+    than one split, the merge. The split states are allocated per call on the whole way (stream-ordered by
+    torch's allocator); fast calls use the buffer held for their stream (:func:`held_workspace`)."""
 
     def __init__(self, prob: Problem, cfg: DecodeConfig, n_split: int | None, paged: PagedKV | None,
                  interpret: bool):
@@ -395,8 +435,9 @@ class _Plan:
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """As the fused forward's :meth:`attnlab.backends.triton.launch._Plan.fast_call`: ``(q, k, v, kv_len,
-        q_len, mask, block_table) -> (out, lse or None)``, allocating as :meth:`launch` does; with a paged cache
-        k and v are the caches."""
+        q_len, mask, block_table) -> (out, lse or None)``, allocating out and lse as :meth:`launch` does and
+        keeping the split states in the buffer held for the stream (a new one under graph capture, or with
+        HOLD_WORKSPACE off); with a paged cache k and v are the caches."""
         write_lse = lse is not None
         split, merge = self._kernels(write_lse)
         lse_arg = lse if write_lse else out
@@ -427,6 +468,13 @@ class _Plan:
                                                q if mask is None else mask, o, o if m is None else m))
             if go_merge is None:
                 go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr)
+                return o, m
+            if HOLD_WORKSPACE and not _capturing():  # (a graph gets its own states, from its private pool)
+                with _HELD_LOCK:
+                    ws_m = held_workspace(index, stream, ws_numel).data_ptr()
+                    ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
+                    go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
+                    go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
                 return o, m
             # one allocation for the split states m, l and acc, held (ws) until both launches are queued: freed
             # earlier, another thread's allocation on this stream could take it first
