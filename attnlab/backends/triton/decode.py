@@ -277,10 +277,8 @@ def release_workspaces() -> None:
         _HELD.clear()
 
 
-def _capturing() -> bool:
-    """Whether the current stream is capturing a CUDA graph (the private binding skips a Python layer)."""
-    check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-    return bool(check()) if check is not None else torch.cuda.is_current_stream_capturing()
+#: Whether the current stream is capturing a CUDA graph (the private binding skips a Python layer).
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 class _Kernel:
@@ -469,20 +467,18 @@ class _Plan:
             if go_merge is None:
                 go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr)
                 return o, m
-            if HOLD_WORKSPACE and not _capturing():  # (a graph gets its own states, from its private pool)
-                with _HELD_LOCK:
-                    ws_m = held_workspace(index, stream, ws_numel).data_ptr()
-                    ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
-                    go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
-                    go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
-                return o, m
-            # one allocation for the split states m, l and acc, held (ws) until both launches are queued: freed
-            # earlier, another thread's allocation on this stream could take it first
-            ws = torch.empty(ws_numel, dtype=torch.float32, device=dev)
-            ws_m = ws.data_ptr()
-            ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
-            go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
-            go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
+            # One allocation for the split states m, l and acc: the stream's held buffer (under the lock), or
+            # under graph capture (the graph's private pool) and with HOLD_WORKSPACE off a new one, kept (ws)
+            # until both launches are queued: freed earlier, another thread's allocation on this stream could
+            # take it first.
+            held = HOLD_WORKSPACE and not _capturing()
+            with _HELD_LOCK if held else contextlib.nullcontext():
+                ws = (held_workspace(index, stream, ws_numel) if held
+                      else torch.empty(ws_numel, dtype=torch.float32, device=dev))
+                ws_m = ws.data_ptr()
+                ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
+                go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
+                go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
             return o, m
 
         return call
