@@ -32,43 +32,44 @@ CONFIGS = [(16, 8, 4096), (8, 8, 8192), (8, 32, 8192), (1, 8, 32768), (8, 8, 327
            (1, 32, 131072)]
 
 
+def run_config(B: int, Hkv: int, Nk: int) -> None:
+    q, k, v = decode_inputs(B, Hkv, Nk)
+    gb = 2 * k.numel() * 2 / 1e9
+    label = f"B{B} Hkv{Hkv} Nk{Nk}"
+    ref = reference_forward(make_problem(q, k, v))[0]
+    ways = {}
+    for name, kind in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        def sd(kind=kind):
+            with sdpa_kernel(kind):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        ways[name] = sd
+    for in_split in (True, False):
+        def call(in_split=in_split):
+            td.MERGE_IN_SPLIT = in_split
+            return attnlab.attention(q, k, v, backend="triton-decode")
+        ways["merge-in-split" if in_split else "merge-kernel"] = call
+    for name, fn in ways.items():
+        try:
+            calls.clear()
+            rep = compare(fn(), ref, dtype=q.dtype)
+            extra = ""
+            if name.startswith("merge"):
+                plan = td.gpu_plan(make_problem(q, k, v))
+                split = plan.kernels[False][0].compiled
+                regs = next(iter(split.values())).n_regs if split else "?"
+                extra = f"{plan.n_split} | {regs}"
+            g, s, h = graph_us(fn), stream_us(fn), host_us(fn)
+            print(f"{label} | {name} | {g:.1f} | {gb / (g * 1e-6):.0f} | {s:.1f} | {h:.1f} | {extra} | "
+                  f"{'ok' if rep.passed else 'FAILED ' + str(rep)}", flush=True)
+        except RuntimeError as e:
+            print(f"{label} | {name} | failed: {str(e)[:100]}", flush=True)
+
+
 def main() -> int:
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     print("# config | way | graph us | GB/s | stream us | host us | splits | regs | checked", flush=True)
     for B, Hkv, Nk in CONFIGS:
-        q, k, v = decode_inputs(B, Hkv, Nk)
-        lens = None
-        gb = 2 * k.numel() * 2 / 1e9
-        label = f"B{B} Hkv{Hkv} Nk{Nk}"
-        ref = reference_forward(make_problem(q, k, v))[0]
-        ways = {}
-        for name, kind in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
-            def sd(kind=kind):
-                with sdpa_kernel(kind):
-                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            ways[name] = sd
-        for in_split in (True, False):
-            def call(in_split=in_split):
-                td.MERGE_IN_SPLIT = in_split
-                return attnlab.attention(q, k, v, kv_len=lens, backend="triton-decode")
-            ways["merge-in-split" if in_split else "merge-kernel"] = call
-        for name, fn in ways.items():
-            try:
-                calls.clear()
-                out = fn()
-                rep = compare(out, ref, dtype=q.dtype)
-                extra = ""
-                if name.startswith("merge"):
-                    plan = td.gpu_plan(make_problem(q, k, v))
-                    split = plan.kernels[False][0].compiled
-                    regs = next(iter(split.values())).n_regs if split else "?"
-                    extra = f"{plan.n_split} | {regs}"
-                g, s, h = graph_us(fn), stream_us(fn), host_us(fn)
-                print(f"{label} | {name} | {g:.1f} | {gb / (g * 1e-6):.0f} | {s:.1f} | {h:.1f} | {extra} | "
-                      f"{'ok' if rep.passed else 'FAILED ' + str(rep)}", flush=True)
-            except RuntimeError as e:
-                print(f"{label} | {name} | failed: {str(e)[:100]}", flush=True)
-        del q, k, v
+        run_config(B, Hkv, Nk)
         torch.cuda.empty_cache()
     td.MERGE_IN_SPLIT = True
     return 0

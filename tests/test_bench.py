@@ -490,7 +490,7 @@ def test_new_suites_are_as_the_issues_ask():
     kinds = {c.spec().kind for c in lat}
     assert {"dense", "causal", "kv_len", "causal+kv_len"} <= kinds
     ragged = [c for c in bench.padding_suite() if c.q_len is not None]
-    assert len(ragged) == 1 and ragged[0].q_len == ragged[0].kv_len and ragged[0].causal
+    assert len(ragged) == 2 and all(c.q_len == c.kv_len for c in ragged) and {c.causal for c in ragged} == {True, False}
     assert all(1024 <= x <= 4096 for x in ragged[0].q_len) and len(set(ragged[0].q_len)) > 1
     (alibi,) = bench.bias_suite()
     assert (alibi.B, alibi.Hq, alibi.Nq, alibi.D, alibi.causal) == (4, 16, 2048, 128, True)

@@ -8,7 +8,7 @@ Command line (``python -m attnlab bench``)::
     python -m attnlab bench --suite dense --estimate       # print the time estimate and exit (no GPU needed)
     python -m attnlab bench --suite dense --backends triton sdpa-flash --keep-others   # re-record two rivals
 
-Suites (:data:`SUITES`): ``dense``, ``padding`` (kv_len, and ragged ``q_len = kv_len`` causal),
+Suites (:data:`SUITES`): ``dense``, ``padding`` (kv_len, and ragged ``q_len = kv_len``, causal and not),
 ``prefill``, ``decode``, ``fp32``, ``memory``, ``latency`` (small host-bound problems), ``bias`` (an
 ALiBi-style bf16 bias [1, H, N, N]), ``backward`` (fwd, fwd+bwd, bwd: :mod:`~attnlab.bench.grad`),
 ``quick`` (``all`` = every suite but quick). A suite may name its own rivals (used when ``--backends`` is

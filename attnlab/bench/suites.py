@@ -123,7 +123,7 @@ def dense_suite(device: str = "cuda") -> list[BenchCase]:
 
 def padding_suite(device: str = "cuda") -> list[BenchCase]:
     """B8 H16 N4096 D128 bf16, kv_len seeded-uniform in [N/4, N], with and without (top-left) causal; and
-    ragged sequences, ``q_len = kv_len`` (other seeded lengths in [N/4, N]), causal."""
+    ragged sequences, ``q_len = kv_len`` (other seeded lengths in [N/4, N]), causal and not."""
     N = 4096
     kv = _seeded_lengths(8, N // 4, N, seed=6)
     ragged = _seeded_lengths(8, N // 4, N, seed=8)
@@ -131,9 +131,10 @@ def padding_suite(device: str = "cuda") -> list[BenchCase]:
         *(BenchCase("padding", f"bf16_b8_h16_n{N}_d128_kvlen{'_causal' if c else ''}", B=8, Hq=16, Nq=N, D=128,
                     kv_len=kv, causal=c)
           for c in (False, True)),
-        # a packed batch of ragged sequences: q_len = kv_len, causal
-        BenchCase("padding", f"bf16_b8_h16_n{N}_d128_ragged_causal", B=8, Hq=16, Nq=N, D=128, kv_len=ragged,
-                  q_len=ragged, causal=True),
+        # a packed batch of ragged sequences: q_len = kv_len, causal (a decoder) and not (an encoder)
+        *(BenchCase("padding", f"bf16_b8_h16_n{N}_d128_ragged{'_causal' if c else ''}", B=8, Hq=16, Nq=N, D=128,
+                    kv_len=ragged, q_len=ragged, causal=c)
+          for c in (True, False)),
     ]
 
 

@@ -146,8 +146,10 @@ def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float, read
         r_flex = speed_ratios(pad, "triton", "flex")
         parts = [f"{b} {_rng(speed_ratios(pad, 'triton', b), '{:.1f}')}x" for b in ("sdpa-cudnn", "sdpa-efficient")
                  if len(speed_ratios(pad, "triton", b))]
+        n_ragged = pad.loc[pad["case"].str.contains("ragged"), "case"].nunique()
         out.append(
-            f"* **Padding** ({len(r_flex)} cases, one ragged with `q_len = kv_len`; useful FLOPs): Triton "
+            f"* **Padding** ({len(r_flex)} cases, {n_ragged} of them ragged with `q_len = kv_len`; useful FLOPs): "
+            "Triton "
             f"{_rng(tflops_of(pad, 'triton'))} TFLOP/s, {_rng(r_flex, '{:.2f}')}x compiled FlexAttention "
             f"({_rng(tflops_of(pad, 'flex'))}); against SDPA fed a materialized mask: " + ", ".join(parts) + ".")
     pre = data.get("prefill")
