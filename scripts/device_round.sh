@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# One GPU call of a round: the launcher test on the GPU's Triton, the fast-path and decode GPU tests, the
-# merge A/B (scripts/merge_ab.py), then the latency and decode suites. Logs and a tarball of the suites
-# under $OUT.
+# One GPU call of this session's round: the launcher test on the GPU's Triton, the fast-path GPU tests, the
+# launch-cost and call probes, then the latency and decode suites. Logs and a tarball of the suites under $OUT.
 # Usage on the GPU machine: ATTNLAB_COMMIT=<sha> bash scripts/device_round.sh
 set -u
 export PYTHONPATH=.:scripts PYTHONUNBUFFERED=1
@@ -18,7 +17,8 @@ timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_public_ca
   > "$out/gpu-tests.txt" 2>&1
 echo "rc=$?" >> "$out/gpu-tests.txt"
 tail -3 "$out/gpu-tests.txt"
-timeout 200 python3 scripts/merge_ab.py > "$out/merge-ab.txt" 2>&1
+timeout 120 python3 scripts/launch_cost.py > "$out/launch-cost.txt" 2>&1
+timeout 150 python3 scripts/call_probe.py > "$out/call-probe.txt" 2>&1
 timeout 240 python3 -m attnlab bench --suite latency decode --no-progress --deadline-s 220 --out "$out/bench" \
   > "$out/bench.txt" 2>&1
 echo "bench rc=$?" >> "$out/bench.txt"

@@ -66,19 +66,6 @@ def test_split_counts(splits):
     _run_case(case, splits=splits)
 
 
-@pytest.mark.parametrize("in_split", [True, False], ids=["merge-in-split", "merge-kernel"])
-@pytest.mark.parametrize(("Nq", "heads", "splits"), [(1, (4, 1), 5), (5, (8, 2), 3), (16, (3, 1), 70)])
-def test_both_merges(in_split, Nq, heads, splits, monkeypatch):
-    """The split kernel's own merge (the last split of a column to take its ticket merges) and the merge
-    kernel give the reference's out and lse: ragged and empty sequences, several row tiles, splits with no
-    keys. out and lse start as NaN, so rows that no merge writes fail."""
-    monkeypatch.setattr(td, "MERGE_IN_SPLIT", in_split)
-    Hq, Hkv = heads
-    case = Case("merge", B=3, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=83, D=20, causal=True, align="bottom_right",
-                kv_len=(83, 0, 31))
-    _run_case(case, splits=splits)
-
-
 def test_ragged_kv_len_with_zero_and_full():
     case = Case("ragged", B=4, Hq=4, Hkv=1, Nq=2, Nk=77, D=24, causal=True, align="bottom_right",
                 kv_len=(0, 77, 1, 33))

@@ -41,12 +41,11 @@ PROGRAMS_PER_SM = 4
 #: 16 programs per SM (B16 Hkv32 Nk16k: 634 us at S=1, 596-601 at S=4-6;
 #: data/gpu_tests/nvidia-h200-tune-sweep-189ca35.txt, graph replay, bf16 D128).
 PROGRAMS_PER_SM_WIDE_RAGGED = 16
-#: Whether the split kernel merges the split states itself (the last split of each column to finish: one
-#: launch a call) rather than a second, merge kernel (:mod:`~.decode_kernels`, "Merge").
-MERGE_IN_SPLIT = True
-#: Splits the in-kernel merge combines at a time (registers: MERGE_S x BLOCK_D float32 a program).
-MERGE_S = 32
-#: Columns of out per merge-kernel program (a row of D columns is merged by D / MERGE_BLOCK_D programs).
+#: Columns of out per merge program (a row of D columns is merged by D / MERGE_BLOCK_D programs). A second
+#: kernel merges: the split kernel merging its own states (the last split of each column to take a ticket
+#: merges the column's rows: one launch a call, 5-15 us less host time) was 6-11 us slower on the GPU at
+#: B16 Hkv8 Nk4k, B8 Hkv8 Nk8k, B1 Hkv8 Nk32k and B1 Hkv8 Nk131k, and slower back to back too (B1 Hkv8
+#: Nk32k 51.7 against 41.9 us a call: data/gpu_tests/nvidia-h200-merge-ab-87c02c2.txt).
 MERGE_BLOCK_D = 32
 #: The interpreter's fixed split count when none is forced (so CPU runs exercise the merge).
 INTERPRETER_SPLITS = 3
@@ -162,17 +161,11 @@ def _state_rows(prob: Problem, splits: int) -> tuple[int, int]:
 
 
 def workspace_bytes(prob: Problem, splits: int) -> int:
-    """Extra device memory of the split states: m, l and acc (float32) per (b, h, i, split); 0 for one.
-    The in-kernel merge's tickets (one int32 per program column) are counted by :func:`ticket_count`."""
+    """Extra device memory of the split states: m, l and acc (float32) per (b, h, i, split); 0 for one."""
     if splits <= 1:
         return 0
     rows, padded = _state_rows(prob, splits)
     return (2 * padded + rows * prob.D) * 4
-
-
-def ticket_count(prob: Problem, interpret: bool = False) -> int:
-    """The in-kernel merge's int32 tickets: one per program column, (batch entry, kv head, row tile)."""
-    return prob.B * prob.Hkv * row_tiles(prob, interpret)
 
 
 def decode_supported(prob: Problem) -> str | None:
@@ -242,9 +235,9 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
              paged: PagedKV | None = None) -> _Plan:
     """The plan of ``prob``'s call signature (attnlab.attention makes a new Problem per call): what the fused
     forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
-    compiled kernel's occupancy), where the states merge and the paged caches' layout."""
+    compiled kernel's occupancy) and the paged caches' layout."""
     cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob))
-    key = (_launch._signature(prob), cfg, n_split, MERGE_IN_SPLIT, None if paged is None else tuple(
+    key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
         tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
     if plan is None:
@@ -255,38 +248,31 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
 
 _PLANS: dict[tuple, _Plan] = {}  # decode plans by call signature (bounded like the fused forward's)
 
-#: Whether fast calls keep their split states (and tickets) in buffers held per (device, stream)
-#: (:func:`held_workspace`) rather than allocating them on every call.
+#: Whether fast calls keep their split states in a buffer held per (device, stream) (:func:`held_workspace`)
+#: rather than allocating them on every call.
 HOLD_WORKSPACE = True
-#: The held buffers by (device index, raw stream handle): (float32 split states, int32 tickets, all 0
-#: between launches); each only grows, to the largest a fast call on that stream has needed; at most
-#: MAX_HELD streams (the oldest is dropped).
-_HELD: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+#: The held split-state buffers, float32, by (device index, raw stream handle): each only grows, to the
+#: largest a fast call on that stream has needed; at most MAX_HELD streams (the oldest is dropped).
+_HELD: dict[tuple[int, int], torch.Tensor] = {}
 MAX_HELD = 16
-#: Guards _HELD's entries only. With the merge kernel, a fast call also holds it while it queues its two
-#: launches (two threads on one stream would otherwise interleave them: split A, split B, merge A reads B's
-#: states), and it then takes it only if free: a launch hook that itself calls attention (the lock is not
-#: reentrant) or another thread's call gets states of its own instead of waiting.
+#: Held while a fast call queues the two launches that write and read a held buffer: two threads on one
+#: stream would otherwise interleave them (split A, split B, merge A reads B's states). Taken only if free:
+#: a call that finds it taken (another thread's, or a launch hook's that itself calls attention: the lock
+#: is not reentrant) allocates states of its own instead of waiting.
 _HELD_LOCK = threading.Lock()
 
 
-def held_workspace(device: int, stream: int, numel: int, tickets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split-state buffer (at least ``numel`` float32) and the zeroed tickets (at least ``tickets``
-    int32) held for ``stream`` of GPU ``device``; the caller holds ``_HELD_LOCK``. Sound because a stream runs
-    its kernels in order: a later call's split kernel on this stream starts only after the earlier call's
-    merge has read the states, and every launch leaves its tickets 0 again. Growing drops the old buffer into
-    torch's allocator, which reuses it only for work queued after on the same stream."""
-    key = (device, stream)
-    ws, tk = _HELD.get(key) or (None, None)
-    if ws is None:
-        evict_oldest(_HELD, MAX_HELD)
-    dev = torch.device("cuda", device)
+def held_workspace(device: int, stream: int, numel: int) -> torch.Tensor:
+    """The split-state buffer held for ``stream`` of GPU ``device``, of at least ``numel`` float32 (the
+    caller holds ``_HELD_LOCK``). Sound because a stream runs its kernels in order: a later call's split
+    kernel on this stream starts only after the earlier call's merge has read the states. Growing drops the
+    old buffer into torch's allocator, which reuses it only for work queued after on the same stream."""
+    ws = _HELD.get((device, stream))
     if ws is None or ws.numel() < numel:
-        ws = torch.empty(numel, dtype=torch.float32, device=dev)
-    if tk is None or tk.numel() < tickets:
-        tk = torch.zeros(max(tickets, 1), dtype=torch.int32, device=dev)
-    _HELD[key] = (ws, tk)
-    return ws, tk
+        if ws is None:
+            evict_oldest(_HELD, MAX_HELD)
+        ws = _HELD[(device, stream)] = torch.empty(numel, dtype=torch.float32, device=torch.device("cuda", device))
+    return ws
 
 
 def release_workspaces() -> None:
@@ -367,7 +353,6 @@ class _Plan:
                  interpret: bool):
         spec, q = prob.spec, prob.q
         self.interpret, self.merge_rows = interpret, prob.B * prob.Hq * prob.Nq
-        self.merge_here = MERGE_IN_SPLIT
         if paged is None:
             k, v = prob.k, prob.v
             k_strides, v_strides, s_bt, nb, bs = k.stride(), v.stride(), 0, 1, 1
@@ -408,7 +393,7 @@ class _Plan:
             HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
             BOTTOM_RIGHT=spec.align == "bottom_right", HAS_KV_LEN=spec.kv_len is not None,
             HAS_Q_LEN=spec.q_len is not None, HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
-            PAGED=paged is not None, FINAL=final, MERGE_HERE=self.merge_here and not final, MERGE_S=MERGE_S,
+            PAGED=paged is not None, FINAL=final,
             # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast first (exact)
             UPCAST=self.interpret and prob.dtype != torch.float32, DOT_PRECISION="ieee",
         )
@@ -421,8 +406,7 @@ class _Plan:
         f32 = torch.empty(4, dtype=torch.float32, device=prob.device)  # stands in for the split states
         Hq, Nq, D = prob.Hq, prob.Nq, prob.D
         o_strides = (Hq * Nq * D, Nq * D, D, 1) if prob.layout == "bhnd" else (Nq * Hq * D, D, Hq * D, 1)
-        tickets = torch.zeros(4, dtype=torch.int32, device=prob.device)
-        args = (*_tensors(prob, paged), *self.fixed, prob.q, prob.q, f32, f32, f32, tickets, *o_strides, 0, 0, 0)
+        args = (*_tensors(prob, paged), *self.fixed, prob.q, prob.q, f32, f32, f32, *o_strides, 0, 0, 0)
         try:
             kernel = _decode_split_kernel.warmup(*args, grid=(1, 1, 1), **cfg.options(),
                                                  **self._constants(prob, paged, n_rt, False), WRITE_LSE=False)
@@ -446,40 +430,35 @@ class _Plan:
         return got
 
     def _workspace(self, prob: Problem, out: torch.Tensor) -> tuple:
-        """The split states m, l, acc (float32 views of one allocation) and the in-kernel merge's tickets
-        (int32 zeros); out stands in for what a launch does not use."""
+        """The split states m, l, acc (float32 views of one allocation); out stands in with one split."""
         if self.n_split == 1:
-            return out, out, out, out
+            return out, out, out
         rows, padded = _state_rows(prob, self.n_split)
         ws = torch.empty(workspace_bytes(prob, self.n_split) // 4, dtype=torch.float32, device=prob.device)
-        tickets = (torch.zeros(ticket_count(prob, self.interpret), dtype=torch.int32, device=prob.device)
-                   if self.merge_here else out)
-        return ws[:rows], ws[padded:padded + rows], ws[2 * padded:], tickets
+        return ws[:rows], ws[padded:padded + rows], ws[2 * padded:]
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """As the fused forward's :meth:`attnlab.backends.triton.launch._Plan.fast_call`: ``(q, k, v, kv_len,
         q_len, mask, block_table) -> (out, lse or None)``, allocating out and lse as :meth:`launch` does and
-        keeping the split states in the buffers held for the stream (new ones under graph capture, with
-        HOLD_WORKSPACE off, or while the held ones are busy); with a paged cache k and v are the caches."""
+        keeping the split states in the buffer held for the stream (a new one under graph capture, with
+        HOLD_WORKSPACE off, or while that buffer's lock is taken); with a paged cache k and v are the caches."""
         write_lse = lse is not None
         split, merge = self._kernels(write_lse)
         lse_arg = lse if write_lse else out
         key = _launch.layout_key(out, lse_arg, *self._workspace(prob, out))
         strides = (*out.stride(), *(lse.stride() if write_lse else (0, 0, 0)))
         merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
-        # split: (q, k, v, block table, kv_len, q_len, mask; fixed; out, lse, m, l, acc, tickets; strides),
-        # merge: (m, l, acc, out, lse; strides and sizes)
+        # split: (q, k, v, block table, kv_len, q_len, mask; fixed; out, lse, m, l, acc; strides), merge: (m, l,
+        # acc, out, lse; strides and sizes)
         go_split = split.direct(key, 7, self.fixed, strides)
-        merge_kernel = self.n_split > 1 and not self.merge_here  # a second launch reads the states
-        go_merge = merge.direct(key, 5, (), (*strides, *merge_tail)) if merge_kernel else None
-        if go_split is None or (merge_kernel and go_merge is None):
+        go_merge = merge.direct(key, 5, (), (*strides, *merge_tail)) if self.n_split > 1 else None
+        if go_split is None or (self.n_split > 1 and go_merge is None):
             return None
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index = (prob.B, prob.Hq, prob.Nq), prob.device, prob.device.index
         current_stream, pointers = triton.runtime.driver.active.get_current_stream, _launch.pointers
         _, padded = _state_rows(prob, self.n_split)
         ws_numel = workspace_bytes(prob, self.n_split) // 4
-        n_tickets = ticket_count(prob) if self.merge_here else 0
         lock = _HELD_LOCK
 
         def call(q, k, v, kv_len, q_len, mask, block_table):
@@ -492,28 +471,21 @@ class _Plan:
             *tensors, o_ptr, l_ptr = pointers((q, k, v, q if block_table is None else block_table,
                                                q if kv_len is None else kv_len, q if q_len is None else q_len,
                                                q if mask is None else mask, o, o if m is None else m))
-            if self.n_split == 1:
-                go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr, o_ptr)
+            if go_merge is None:
+                go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr)
                 return o, m
-            # The split states (m, l and acc in one allocation) and tickets: the stream's held ones, or under
-            # graph capture (the graph's private pool), with HOLD_WORKSPACE off or the lock taken new ones;
-            # referenced (ws, tk) until the launches are queued: freed earlier, another thread's allocation
-            # on this stream could take them first.
+            # One allocation for the split states m, l and acc: the stream's held buffer (under the lock, if
+            # free), or under graph capture (the graph's private pool), with HOLD_WORKSPACE off or the lock
+            # taken a new one, kept (ws) until both launches are queued: freed earlier, another thread's
+            # allocation on this stream could take it first.
             held = HOLD_WORKSPACE and not _capturing() and lock.acquire(blocking=False)
             try:
-                if held:
-                    ws, tk = held_workspace(index, stream, ws_numel, n_tickets)
-                    if go_merge is None:  # one launch: stream order alone keeps calls apart
-                        lock.release()
-                        held = False
-                else:
-                    ws = torch.empty(ws_numel, dtype=torch.float32, device=dev)
-                    tk = torch.zeros(n_tickets, dtype=torch.int32, device=dev) if n_tickets else o
+                ws = (held_workspace(index, stream, ws_numel) if held
+                      else torch.empty(ws_numel, dtype=torch.float32, device=dev))
                 ws_m = ws.data_ptr()
                 ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
-                go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc, tk.data_ptr())
-                if go_merge is not None:
-                    go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
+                go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
+                go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
             finally:
                 if held:
                     lock.release()
@@ -527,12 +499,12 @@ class _Plan:
         split, merge = self._kernels(lse is not None)
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
         l_strides = lse.stride() if lse is not None else (0, 0, 0)
-        ws_m, ws_l, ws_acc, tickets = self._workspace(prob, out)
-        per_call = (out, lse_arg, ws_m, ws_l, ws_acc, tickets, *out.stride(), *l_strides)
-        key = _launch.layout_key(out, lse_arg, ws_m, ws_l, ws_acc, tickets)
+        ws_m, ws_l, ws_acc = self._workspace(prob, out)
+        per_call = (out, lse_arg, ws_m, ws_l, ws_acc, *out.stride(), *l_strides)
+        key = _launch.layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
         device = prob.device.index or 0
         with _interp.interpreter(_decode_merge_kernel) if self.interpret else contextlib.nullcontext():
             split.launch((*_tensors(prob, paged), *self.fixed, *per_call), key, device)
-            if S > 1 and not self.merge_here:
+            if S > 1:
                 merge.launch((ws_m, ws_l, ws_acc, out, lse_arg, *out.stride(), *l_strides, prob.Hq, prob.Nq,
                               prob.D, S), key, device)

@@ -24,15 +24,12 @@ Packing, splitting and the program mapping
   ``s = scale * log2(e) * q.k (+ log2(e) * bias)``), ``l_i`` (sum of ``exp2(s - m_i)``) and ``acc`` (sum of
   ``exp2(s - m_i) * v``), float32. Within a split, key tiles that every row sees in full run without any
   predicate; the partial tiles at the ends of the band and the length pay for the masks.
-* **Merge.** Each split stores its unnormalized state (m, l, acc) in a float32 workspace, and the S states
-  of each (batch, query head, row) are combined with the lse rule: ``m = max_s m_s``,
+* **Merge.** Each split stores its unnormalized state (m, l, acc) in a float32 workspace, and a second
+  kernel combines the S states of each (batch, query head, row) with the lse rule: ``m = max_s m_s``,
   ``l = sum_s l_s * exp2(m_s - m)``, ``out = sum_s acc_s * exp2(m_s - m) / l``, ``lse = (m + log2 l) * ln 2``;
-  l = 0 (no allowed key anywhere) gives out = 0 and lse = -inf. Two ways, one rule (:func:`_merge_row`):
-  with ``MERGE_HERE`` the split kernel merges itself: each program takes a ticket from a per-column int32
-  counter after its stores, and the one that draws S - 1 (the last to finish its column) merges the
-  column's rows and resets the counter to 0 for the next launch; otherwise a second kernel merges, one
-  program per (row, block of MERGE_BLOCK_D columns). With S = 1 the split kernel normalizes and writes out
-  and lse itself, and nothing merges.
+  l = 0 (no allowed key anywhere) gives out = 0 and lse = -inf. The merge's programs are (row, block of
+  MERGE_BLOCK_D columns): B1 Hq32 has 32 rows, too few programs to read 1 MiB of states quickly. With
+  S = 1 the split kernel normalizes and writes out and lse itself, and no merge runs.
 * **Paged KV cache** (FlashAttention's ``flash_attn_with_kvcache`` convention): caches
   ``[num_blocks, block_size, Hkv, D]`` and an int32 ``block_table [B, max_blocks]``; logical key j of batch
   b is read at ``cache[block_table[b, j // block_size], j % block_size]``. Block ids are clamped to
@@ -123,12 +120,12 @@ if triton is not None:
         s_vb, s_vh, s_vn, s_vd,
         s_btb, s_eb, s_eh, s_ei, s_ej,
         Hq, Nq, Nk, D, group, row_tiles, num_blocks, block_size, qk_scale, win_left, win_right,
-        Out, Lse, WsM, WsL, WsAcc, Tickets, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
+        Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-        PAGED: tl.constexpr, FINAL: tl.constexpr, MERGE_HERE: tl.constexpr, MERGE_S: tl.constexpr,
-        WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PAGED: tl.constexpr, FINAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         # ---- which program: split, (kv head, row tile), batch entry ------------------------------------
         split = tl.program_id(0)
@@ -204,21 +201,6 @@ if triton is not None:
             tl.store(WsM + idx, tl.where(live_row, m_i, float("-inf")), mask=row_ok)
             tl.store(WsL + idx, tl.where(live_row, l_i, 0.0), mask=row_ok)
             tl.store(WsAcc + idx[:, None] * D + offs_d[None, :], tl.where(live_row[:, None], acc, 0.0), mask=d_ok)
-            if MERGE_HERE:
-                # The last of the S splits of this (batch, kv head, row tile) to store its states merges
-                # them all: a ticket counter per program column, taken after every thread's stores
-                # (the barrier, then an acquire-release atomic), and reset for the next launch.
-                tl.debug_barrier()
-                column = b * tl.num_programs(1) + tl.program_id(1)
-                ticket = tl.atomic_add(Tickets + column, 1, sem="acq_rel")
-                if ticket == S - 1:
-                    tl.store(Tickets + column, 0)
-                    for r in range(tl.minimum(group * Nq - r0, BLOCK_M)):
-                        p = r0 + r  # packed row: query head kvh * group + p // Nq, row p % Nq
-                        h = (kvh * group + p // Nq).to(tl.int64)
-                        i = (p % Nq).to(tl.int64)
-                        _merge_row(WsM, WsL, WsAcc, Out, Lse, (b64 * Hq + h) * Nq + i, b64, h, i, zero, offs_d,
-                                   D, S, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, MERGE_S, BLOCK_D, WRITE_LSE)
 
     @triton.jit
     def _store_final(Out, Lse, b64, heads, rows, offs_d, row_ok, live_row, m_i, l_i, acc, D,
@@ -236,28 +218,36 @@ if triton is not None:
             tl.store(Lse + b64 * s_lb + heads * s_lh + rows.to(tl.int64) * s_ln, lse, mask=row_ok)
 
     @triton.jit
-    def _merge_row(WsM, WsL, WsAcc, Out, Lse, row, b, h, i, col, offs_d, D, S,
-                   s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                   WRITE_LSE: tl.constexpr):
-        """Combine the S split states of (b, h, i) row ``row`` with the lse rule (module docstring), BLOCK_S
-        splits at a time with a running max, and write columns ``offs_d`` of out (0 when no split saw an
-        allowed key) and, from column block ``col`` 0, lse (-inf then). The states are read through L2 only
-        (``.cg``): other SMs wrote them during this kernel when the split kernel merges."""
+    def _decode_merge_kernel(
+        WsM, WsL, WsAcc, Out, Lse, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+    ):
+        """One program per (b, h, i) row and BLOCK_D columns of it: combine the row's S split states with the
+        lse rule (module docstring), BLOCK_S splits at a time with a running max, and write those columns of
+        out (0 when no split saw an allowed key) and, from the first column block, lse (-inf then). Every
+        column block of a row computes the same m and l (S floats each: cheap), so a few rows with many
+        splits still spread over many programs."""
+        row = tl.program_id(0).to(tl.int64)  # (b * Hq + h) * Nq + i
+        col = tl.program_id(1)
+        i = row % Nq
+        h = (row // Nq) % Hq
+        b = row // (Nq * Hq)
         base = row * S
         offs_s = tl.arange(0, BLOCK_S)
+        offs_d = col * BLOCK_D + tl.arange(0, BLOCK_D)
         m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
         l = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
         acc = tl.zeros([BLOCK_D], tl.float32)
         for s0 in range(0, S, BLOCK_S):
             ok = s0 + offs_s < S
-            m_s = tl.load(WsM + base + s0 + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            m_s = tl.load(WsM + base + s0 + offs_s, mask=ok, other=float("-inf"))
             m_new = tl.maximum(m, tl.max(m_s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weights 0
             w = tl.math.exp2(m_s - m_safe)  # w_s = exp2(m_s - m)
             alpha = tl.math.exp2(m - m_safe)
-            l_s = tl.load(WsL + base + s0 + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
+            l_s = tl.load(WsL + base + s0 + offs_s, mask=ok, other=0.0)
             a_s = tl.load(WsAcc + (base + s0 + offs_s)[:, None] * D + offs_d[None, :],
-                          mask=ok[:, None] & (offs_d < D)[None, :], other=0.0, cache_modifier=".cg")
+                          mask=ok[:, None] & (offs_d < D)[None, :], other=0.0)
             l = l * alpha + tl.sum(l_s * w, 0)
             acc = acc * alpha + tl.sum(a_s * w[:, None], 0)
             m = m_new
@@ -270,17 +260,3 @@ if triton is not None:
             if col == 0:
                 tl.store(Lse + b * s_lb + h * s_lh + i * s_ln,
                          tl.where(live, (m + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf")))
-
-    @triton.jit
-    def _decode_merge_kernel(
-        WsM, WsL, WsAcc, Out, Lse, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
-        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
-    ):
-        """One program per (b, h, i) row and BLOCK_D columns of it (:func:`_merge_row`). Every column block of
-        a row computes the same m and l (S floats each: cheap), so a few rows with many splits still spread
-        over many programs."""
-        row = tl.program_id(0).to(tl.int64)  # (b * Hq + h) * Nq + i
-        col = tl.program_id(1)
-        offs_d = col * BLOCK_D + tl.arange(0, BLOCK_D)
-        _merge_row(WsM, WsL, WsAcc, Out, Lse, row, row // (Nq * Hq), (row // Nq) % Hq, row % Nq, col, offs_d, D, S,
-                   s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, BLOCK_S, BLOCK_D, WRITE_LSE)
