@@ -623,7 +623,8 @@ def test_the_direct_c_launch_passes_what_tritons_launcher_object_passes(monkeypa
         got = seen.pop()
         assert got[:5] == want[:5] and any(a is chain for a in got)
     assert not seen
-    assert tlaunch._c_launch(SimpleNamespace(function=11, packed_metadata=(4, 1, 0),
-                                             run=_launcher_object(seen, global_scratch_size=64))) is None
+    for odd in (dict(global_scratch_size=64), dict(profile_scratch_size=64), dict(gsan_enabled=True)):
+        kernel_odd = SimpleNamespace(function=11, packed_metadata=(4, 1, 0), run=_launcher_object(seen, **odd))
+        assert tlaunch._c_launch(kernel_odd) is None, odd  # the launcher object allocates the scratch
     monkeypatch.setattr(triton, "__version__", "3.10.0")
     assert tlaunch._c_launch(kernel) is None
