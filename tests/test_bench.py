@@ -150,36 +150,55 @@ def _right(inp):
 
 
 def _cpu_opts(**kw):
-    return bench.Options(device="cpu", max_reps=5, min_reps=2, budget_ms=5.0, run_id="test", gpu="cpu", **kw)
+    return bench.Options(**{**dict(device="cpu", max_reps=5, min_reps=2, budget_ms=5.0, run_id="test", gpu="cpu"),
+                            **kw})
 
 
 CASE = bench.BenchCase("t", "gate", B=2, Hq=2, Nq=24, D=16, dtype="bfloat16", causal=True, kv_len=(24, 9))
 
 
-def test_a_competitors_context_is_entered_once_around_all_its_calls():
-    """Prepared.context (SDPA's sdpa_kernel) wraps the checked and the timed calls, entered once: its cost is
-    not part of any timed call."""
+def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_context():
+    """The forward competitors of a case are checked, measured and warmed up one after another, then their
+    timed calls run in alternating rounds (a b a b ...), then their host times: a drift over the case's run
+    falls on both. Prepared.context (SDPA's sdpa_kernel) is entered around every stretch of a competitor's
+    calls and never around another's; its cost is in no timed call."""
     events = []
 
-    @contextlib.contextmanager
-    def ctx():
-        events.append("enter")
-        yield
-        events.append("exit")
+    def competitor(name):
+        @contextlib.contextmanager
+        def ctx():
+            events.append((name, "enter"))
+            yield
+            events.append((name, "exit"))
 
-    def prep(inp):
-        good = _right(inp)
+        def prep(inp):
+            good = _right(inp)
 
-        def call(i):
-            events.append("call")
-            return good(i)
+            def call(i):
+                events.append((name, "call"))
+                return good(i)
 
-        return bench.Prepared(call=call, context=ctx)
+            return bench.Prepared(call=call, context=ctx)
 
-    rows = bench.run_case(CASE, [bench.Competitor("ctx", "test", prep)], _cpu_opts())
-    assert rows[0]["status"] == "ok"
-    assert events[0] == "enter" and events[-1] == "exit" and events.count("enter") == 1
-    assert events.count("call") > 2  # the checked call, warm-up and timed calls, all inside
+        return bench.Competitor(name, "test", prep)
+
+    rows = bench.run_case(CASE, [competitor("a"), competitor("b")], _cpu_opts(rounds=3, max_reps=6, min_reps=6))
+    assert [(r["backend"], r["status"], r["reps"]) for r in rows] == [("a", "ok", 6), ("b", "ok", 6)]
+    inside = None
+    for name, what in events:
+        if what == "enter":
+            assert inside is None
+            inside = name
+        elif what == "exit":
+            assert inside == name
+            inside = None
+        else:
+            assert inside == name  # every call inside its own competitor's context
+    stretches = [name for name, what in events if what == "enter"]
+    # a: the check, memory and warm-up, round 1; b the same; rounds 2 and 3 alternating; the host times
+    assert stretches == ["a"] * 3 + ["b"] * 3 + ["a", "b"] * 3
+    one = bench.run_case(CASE, [competitor("c")], _cpu_opts(rounds=1, max_reps=6, min_reps=6))
+    assert one[0]["reps"] == 6
 
 
 def test_gate_wrong_output_is_failed_and_untimed():

@@ -1,4 +1,7 @@
-"""Running one competitor on one case: check first, then memory, then timing; every failure is a row."""
+"""Running the competitors of one case: each is checked first, then its memory measured and warmed up; then
+their timed calls run in interleaved rounds (A B C, A B C, ...), so that a drift of the host or the GPU over
+the case's run (another process, a clock change) falls on every competitor alike rather than on whichever
+ran at the time; then each one's host time. Every failure is a row."""
 
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ class Options:
     seed: int = 0
     deadline: float | None = None  #: time.time() after which no new measurement starts
     max_call_s: float = 2.5  #: skip a competitor whose smaller cases predict a longer call (see main)
+    rounds: int = 5  #: interleaved rounds the timed calls of a case's forward competitors are cut into
     run_id: str = ""
     gpu: str = ""
 
@@ -114,16 +118,40 @@ HOST_NOT_HIDDEN = ("host-time calls outlasted the GPU sleep queued before them (
                    "over 1 ms of host time a call)")
 
 
+#: Untimed calls at the start of each interleaved round after the first (the other competitors ran since).
+ROUND_WARMUP = 3
+
+
 def measure(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tuple[int, float, int],
             notes: list[str], mark: Callable[[], str | None] | None = None,
             after: Callable[[], str | None] | None = None,
             cold: Callable[[], None] | None = None) -> tuple[dict[str, Any] | None, str | None]:
     """Memory and a first estimate, warm-up, the timed calls, then the host time of a call: (the row's
     timing columns, None), or (None, the reason) when the calls left the compiled path (flex). ``cold``
-    (:attr:`Prepared.cold`) runs just before the memory measurement."""
+    (:attr:`Prepared.cold`) runs just before the memory measurement. :func:`measure_steps` in one go."""
+    return _drain(measure_steps(call, sets, dev, timing, notes, mark, after, cold))
+
+
+def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tuple[int, float, int],
+                  notes: list[str], mark: Callable[[], str | None] | None = None,
+                  after: Callable[[], str | None] | None = None, cold: Callable[[], None] | None = None,
+                  rounds: int = 1, context: Callable[[], contextlib.AbstractContextManager] | None = None):
+    """:func:`measure` as a generator that yields between ``rounds`` rounds of its timed calls (each round
+    after the first starts with ROUND_WARMUP untimed calls), so that a caller can run other competitors'
+    rounds in between; it returns (with StopIteration) what :func:`measure` returns. Each stretch runs in
+    ``context()`` (the competitor's: e.g. SDPA restricted to one kernel), entered anew after every yield."""
     max_reps, budget_ms, min_reps = timing
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    enter = context or contextlib.nullcontext
+    caught: list = []
+
+    @contextlib.contextmanager
+    def stretch():
+        with enter(), warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            yield
+        caught.extend(got)
+
+    with stretch():
         if cold is not None:
             cold()
         est_ms, peak = measure_peak(call, 1 % sets, dev)
@@ -134,9 +162,23 @@ def measure(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tu
             changed = mark()
             if changed:
                 notes.append(changed)
-        times = time_calls(call, sets, reps, dev, start=2 + warm)
-        host_us, busy = measure_host(call, sets, host_calls(est_ms), dev, start=2 + warm + reps)
-    bad = after() if after is not None else None
+    times: list[float] = []
+    rounds = max(1, min(rounds, reps))
+    at = 2 + warm
+    for r in range(rounds):
+        n = reps * (r + 1) // rounds - reps * r // rounds
+        if r:
+            yield
+        with stretch():
+            if r:
+                time_calls(call, sets, min(warm, ROUND_WARMUP), dev, start=at)
+            times += time_calls(call, sets, n, dev, start=at)
+        at += n
+    if rounds > 1:
+        yield
+    with stretch():
+        host_us, busy = measure_host(call, sets, host_calls(est_ms), dev, start=at)
+        bad = after() if after is not None else None
     eager = _eager_fallbacks(caught)
     if bad or eager:
         return None, bad or eager[0]
@@ -146,6 +188,29 @@ def measure(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tu
         notes.append(HOST_NOT_HIDDEN)
     return {"ms": _median(times), "ms_min": min(times), "ms_iqr": _quantile(times, 0.75) - _quantile(times, 0.25),
             "reps": len(times), "peak_extra_mib": peak, "host_us": host_us}, None
+
+
+def _drain(steps):
+    """Run a generator to its end and return what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def interleave(steps: Sequence) -> list:
+    """Run generators round-robin, one step each in turn, to their ends: what each returned, in order."""
+    results: list = [None] * len(steps)
+    live = list(range(len(steps)))
+    while live:
+        for i in list(live):
+            try:
+                next(steps[i])
+            except StopIteration as done:
+                results[i] = done.value
+                live.remove(i)
+    return results
 
 
 def rates(counts: dict[str, Any], ms: float) -> dict[str, Any]:
@@ -167,6 +232,15 @@ def run_one(
     budget_ms: float, min_reps: int,
 ) -> dict[str, Any]:
     """Check, then (only if it passed) measure memory and time one competitor on one case: one CSV row."""
+    return _drain(run_one_steps(comp, inp, truth, opts, counts, max_reps, budget_ms, min_reps, rounds=1))
+
+
+def run_one_steps(
+    comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options, counts: dict[str, Any], max_reps: int,
+    budget_ms: float, min_reps: int, rounds: int = 1,
+):
+    """:func:`run_one` as a generator that yields between its ``rounds`` rounds of timed calls
+    (:func:`measure_steps`) and returns the row."""
     from attnlab.check import compare
 
     case, dev = inp.case, inp.device
@@ -174,7 +248,7 @@ def run_one(
     prep, why = prepare(comp, inp, dev)
     if prep is None:
         return _row(case, comp, opts, counts, **why, **base)
-    with entered(prep):  # e.g. SDPA restricted to one kernel: entered once, not per timed call
+    with entered(prep):  # e.g. SDPA restricted to one kernel: entered per stretch of calls, not per call
         notes = list(prep.notes)
         # 1. the checked call (set 0); for attnlab backends the output is poisoned first (every element written)
         try:
@@ -197,17 +271,18 @@ def run_one(
         if not rep.passed:
             notes.append(repr(rep))
             return _row(case, comp, opts, counts, status="failed", passed=False, notes="; ".join(notes), **base)
-        # 2. memory and a first estimate; 3. warm-up, the timed calls and the host time
-        try:
-            timed, bad = measure(prep.call, inp.sets, dev, (max_reps, budget_ms, min_reps), notes, prep.mark,
-                                 prep.after_timing, prep.cold)
-            if bad:
-                return _row(case, comp, opts, counts, status="fallback", passed=True, notes="; ".join([*notes, bad]),
-                            **base)
-        except Exception as e:
-            return _failure_row(case, comp, opts, counts, e, dev, "timed calls", base, notes, passed=True)
-        return _row(case, comp, opts, counts, status="ok", passed=True, **timed, **rates(counts, timed["ms"]),
-                    notes="; ".join(notes), **base)
+    # 2. memory and a first estimate; 3. warm-up, the timed calls (in rounds) and the host time
+    try:
+        timed, bad = yield from measure_steps(prep.call, inp.sets, dev, (max_reps, budget_ms, min_reps), notes,
+                                              prep.mark, prep.after_timing, prep.cold, rounds=rounds,
+                                              context=lambda: entered(prep))
+        if bad:
+            return _row(case, comp, opts, counts, status="fallback", passed=True, notes="; ".join([*notes, bad]),
+                        **base)
+    except Exception as e:
+        return _failure_row(case, comp, opts, counts, e, dev, "timed calls", base, notes, passed=True)
+    return _row(case, comp, opts, counts, status="ok", passed=True, **timed, **rates(counts, timed["ms"]),
+                notes="; ".join(notes), **base)
 
 
 def failure(comp: Competitor, case: BenchCase, e: BaseException, dev: torch.device, where: str,
@@ -305,6 +380,7 @@ def run_case(
                 for r in _rows(case, comp, opts, counts, status=status, notes=f"inputs/reference: {_short(e)}"):
                     emit(r)
             return rows
+        forward = []  # the forward competitors' runs, their timed calls interleaved in rounds
         for comp in todo:
             if opts.deadline is not None and time.time() > opts.deadline:
                 for r in _rows(case, comp, opts, counts, status="skipped", notes="deadline reached"):
@@ -316,7 +392,10 @@ def run_case(
                 for r in run_backward(comp, inp, truth, opts, counts, (max_reps, budget, min_reps)):
                     emit(r)
             else:
-                emit(run_one(comp, inp, truth, opts, counts, max_reps, budget, min_reps))
-        del inp, truth
+                forward.append(run_one_steps(comp, inp, truth, opts, counts, max_reps, budget, min_reps,
+                                             rounds=opts.rounds))
+        for row in interleave(forward):
+            emit(row)
+        del inp, truth, forward
     _free(dev)
     return rows
