@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One GPU call that re-records benchmark suites and, optionally, runs GPU tests first; logs and a tarball of
+# the suites under $OUT. Usage on the GPU machine:
+#   ATTNLAB_COMMIT=<sha> bash scripts/record_round.sh "<suites>" <bench deadline s> [pytest args...]
+set -u
+export PYTHONPATH=.:scripts PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/attnlab-out}
+suites=$1 deadline=$2
+shift 2
+mkdir -p "$out"
+{
+  echo "commit ${ATTNLAB_COMMIT:-unknown}"; date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  python3 -c "import torch, triton, cupy; print('torch', torch.__version__, 'triton', triton.__version__, 'cupy', cupy.__version__)"
+} > "$out/log.txt" 2>&1
+if [ $# -gt 0 ]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$@" > "$out/gpu-tests.txt" 2>&1
+  echo "rc=$?" >> "$out/gpu-tests.txt"
+  tail -4 "$out/gpu-tests.txt"
+fi
+# shellcheck disable=SC2086
+python3 -m attnlab bench --suite $suites --no-progress --deadline-s "$deadline" --out "$out/bench" > "$out/bench.txt" 2>&1
+echo "bench rc=$?" >> "$out/bench.txt"
+tail -40 "$out/bench.txt"
+tar czf "$out/bench.tgz" -C "$out" bench && rm -r "$out/bench"
