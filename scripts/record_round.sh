@@ -14,7 +14,7 @@ mkdir -p "$out"
   python3 -c "import torch, triton, cupy; print('torch', torch.__version__, 'triton', triton.__version__, 'cupy', cupy.__version__)"
 } > "$out/log.txt" 2>&1
 if [ $# -gt 0 ]; then
-  python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$@" > "$out/gpu-tests.txt" 2>&1
+  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$@" > "$out/gpu-tests.txt" 2>&1
   echo "rc=$?" >> "$out/gpu-tests.txt"
   tail -4 "$out/gpu-tests.txt"
 fi
