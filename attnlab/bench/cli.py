@@ -20,7 +20,7 @@ import torch
 
 from attnlab.bench.competitors import competitors
 from attnlab.bench.results import _read_rows, device_name, environment, gpu_slug, ratios, write_csv
-from attnlab.bench.runner import INTERLEAVE_MAX_MS, ROUND_WARMUP, ContextLost, Options, _rows, case_counts, run_case
+from attnlab.bench.runner import ROUND_WARMUP, ContextLost, Options, _rows, case_counts, run_case
 from attnlab.bench.suites import BACKWARD_MODES, SUITES, BenchCase, recorded_suites, row_keys
 from attnlab.bench.timing import (
     DEFAULT_BUDGET_MS,
@@ -208,10 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                 "recompile limit raised, fail_on_recompile_limit_hit",
         "timing": "median of CUDA-event-timed calls rotating over input sets >= 4x L2, after a checked call, "
                   "a memory call and >= 25 ms of warm-up; a case's forward competitors' timed calls run in "
-                  f"{opts.rounds} interleaved rounds (a b c, a b c, ...; {ROUND_WARMUP} untimed calls open each "
-                  f"later round; one round for calls estimated above {INTERLEAVE_MAX_MS} ms); attnlab rows time the "
-                  "public call attnlab.attention(...) (path 'public'), <backend>-kernel rows backend.forward on a "
-                  "Problem validated once (path 'kernel')",
+                  f"{opts.rounds} interleaved rounds (a b c, a b c, ...; {ROUND_WARMUP} untimed calls open each later "
+                  "round); attnlab rows time the public call "
+                  "attnlab.attention(...) (path 'public'), <backend>-kernel rows backend.forward on a Problem "
+                  "validated once (path 'kernel')",
         "host_us": f"{HOST_SLEEP_CYCLES} GPU cycles of sleep queued, then up to 10 calls back to back unsynchronized; "
                    "host wall time / calls",
     })

@@ -120,10 +120,6 @@ HOST_NOT_HIDDEN = ("host-time calls outlasted the GPU sleep queued before them (
 
 #: Untimed calls at the start of each interleaved round after the first (the other competitors ran since).
 ROUND_WARMUP = 3
-#: Calls estimated longer than this (ms) are timed in one round: they are bound by the GPU, not by a shared
-#: host, and after another competitor's calls a long compute-bound kernel reads its clocks' recovery instead
-#: (dense N16k D128 at 039b068, interleaved: IQR 0.10-0.23 ms against 0.03-0.07 run whole).
-INTERLEAVE_MAX_MS = 1.0
 
 
 def measure(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tuple[int, float, int],
@@ -141,10 +137,9 @@ def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timi
                   after: Callable[[], str | None] | None = None, cold: Callable[[], None] | None = None,
                   rounds: int = 1, context: Callable[[], contextlib.AbstractContextManager] | None = None):
     """:func:`measure` as a generator that yields between ``rounds`` rounds of its timed calls (each round
-    after the first starts with ROUND_WARMUP untimed calls; one round for a call estimated above
-    INTERLEAVE_MAX_MS), so that a caller can run other competitors' rounds in between; it returns (with
-    StopIteration) what :func:`measure` returns. Each stretch runs in ``context()`` (the competitor's: e.g.
-    SDPA restricted to one kernel), entered anew after every yield."""
+    after the first starts with ROUND_WARMUP untimed calls), so that a caller can run other competitors'
+    rounds in between; it returns (with StopIteration) what :func:`measure` returns. Each stretch runs in
+    ``context()`` (the competitor's: e.g. SDPA restricted to one kernel), entered anew after every yield."""
     max_reps, budget_ms, min_reps = timing
     enter = context or contextlib.nullcontext
     caught: list = []
@@ -168,7 +163,7 @@ def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timi
             if changed:
                 notes.append(changed)
     times: list[float] = []
-    rounds = 1 if est_ms > INTERLEAVE_MAX_MS else max(1, min(rounds, reps))
+    rounds = max(1, min(rounds, reps))
     at = 2 + warm
     for r in range(rounds):
         n = reps * (r + 1) // rounds - reps * r // rounds
