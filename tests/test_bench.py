@@ -162,7 +162,7 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
     timed calls run in alternating rounds (a b a b ...), then their host times: a drift over the case's run
     falls on both. Prepared.context (SDPA's sdpa_kernel) is entered around every stretch of a competitor's
     calls and never around another's; its cost is in no timed call."""
-    events = []
+    events, used, sets = [], {}, {}
 
     def competitor(name):
         @contextlib.contextmanager
@@ -173,9 +173,11 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
 
         def prep(inp):
             good = _right(inp)
+            sets[name] = inp.sets
 
             def call(i):
                 events.append((name, "call"))
+                used.setdefault(name, []).append(i)
                 return good(i)
 
             return bench.Prepared(call=call, context=ctx)
@@ -197,6 +199,10 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
     stretches = [name for name, what in events if what == "enter"]
     # a: the check, memory and warm-up, round 1; b the same; rounds 2 and 3 alternating; the host times
     assert stretches == ["a"] * 3 + ["b"] * 3 + ["a", "b"] * 3
+    for name in ("a", "b"):  # after the checked (set 0) and memory (set 1) calls, each call takes the next set
+        seq = used[name][2:]
+        assert len(seq) > 6 + 2 * bench.runner.ROUND_WARMUP
+        assert all(y == (x + 1) % sets[name] for x, y in zip(seq, seq[1:])), seq
     one = bench.run_case(CASE, [competitor("c")], _cpu_opts(rounds=1, max_reps=6, min_reps=6))
     assert one[0]["reps"] == 6
 
@@ -306,6 +312,14 @@ def test_status_rows_for_exceptions():
     assert rows[0]["status"] == "skipped" and rows[0]["notes"] == "excluded"
     rows = bench.run_case(CASE, comps[:1], _cpu_opts(deadline=0.0))
     assert rows[0]["status"] == "skipped" and "deadline" in rows[0]["notes"]
+
+    def slow(inp):  # its setup runs past the deadline: the competitor after it does not start
+        time.sleep(0.3)
+        return bench.Prepared(call=_right(inp))
+
+    comps = [bench.Competitor("slow", "test", slow), bench.Competitor("late", "test", slow)]
+    rows = {r["backend"]: r for r in bench.run_case(CASE, comps, _cpu_opts(deadline=time.time() + 0.2))}
+    assert rows["slow"]["status"] == "ok" and rows["late"]["status"] == "skipped"
 
 
 def test_sdpa_competitors_on_cpu():

@@ -413,20 +413,34 @@ def test_decode_split_states_are_held_grown_and_counted(monkeypatch):
     assert torch.cuda.max_memory_allocated() - before - out.untyped_storage().nbytes() < need["small"]
 
 
-def test_decode_call_while_the_held_states_are_busy():
+def test_decode_call_while_the_held_states_are_busy(monkeypatch):
     """A decode call made while the held split states' lock is taken (by a launch hook that itself calls
-    attention, or another thread mid-call) does not wait for it: it gets states of its own, and the same out."""
+    attention, or another thread mid-call) does not wait for it: it gets states of its own (the held ones
+    are not touched), and the same out."""
+    import threading
+
     from attnlab import calls
     from attnlab.backends.triton import decode as td
 
     _available("triton")
     x = _decode_inputs(seed=3)
     calls.clear()
-    want = attnlab.attention(*x, backend="triton-decode")
-    attnlab.attention(*x, backend="triton-decode")  # the fast call from here on
+    want = attnlab.attention(*x, backend="triton-decode")  # the whole way, which makes the fast call
+    held = []
+    real = td.held_workspace
+    monkeypatch.setattr(td, "held_workspace", lambda *a: held.append(a) or real(*a))
+    attnlab.attention(*x, backend="triton-decode")
+    assert len(held) == 1  # the fast call, through the held states
+    got: list[torch.Tensor] = []
     assert td._HELD_LOCK.acquire(timeout=5)
     try:
-        got = attnlab.attention(*x, backend="triton-decode")
+        t = threading.Thread(target=lambda: got.append(attnlab.attention(*x, backend="triton-decode")))
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive(), "the call waited for the held states' lock"
     finally:
         td._HELD_LOCK.release()
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    t.join()
+    torch.cuda.synchronize()
+    assert len(held) == 1  # states of its own, not the held ones
+    torch.testing.assert_close(got[0], want, atol=0, rtol=0)

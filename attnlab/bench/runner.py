@@ -169,11 +169,10 @@ def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timi
         n = reps * (r + 1) // rounds - reps * r // rounds
         if r:
             yield
+        k = min(warm, ROUND_WARMUP) if r else 0  # queued with the timed calls: the GPU is busy when they start
         with stretch():
-            if r:
-                time_calls(call, sets, min(warm, ROUND_WARMUP), dev, start=at)
-            times += time_calls(call, sets, n, dev, start=at)
-        at += n
+            times += time_calls(call, sets, k + n, dev, start=at)[k:]
+        at += k + n
     if rounds > 1:
         yield
     with stretch():
@@ -199,8 +198,9 @@ def _drain(steps):
             return done.value
 
 
-def interleave(steps: Sequence) -> list:
-    """Run generators round-robin, one step each in turn, to their ends: what each returned, in order."""
+def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None) -> list:
+    """Run generators round-robin, one step each in turn, to their ends: what each returned, in order;
+    ``on_done`` gets each result as its generator ends (so that it is kept if a later step raises)."""
     results: list = [None] * len(steps)
     live = list(range(len(steps)))
     while live:
@@ -210,6 +210,8 @@ def interleave(steps: Sequence) -> list:
             except StopIteration as done:
                 results[i] = done.value
                 live.remove(i)
+                if on_done is not None:
+                    on_done(done.value)
     return results
 
 
@@ -244,6 +246,8 @@ def run_one_steps(
     from attnlab.check import compare
 
     case, dev = inp.case, inp.device
+    if opts.deadline is not None and time.time() > opts.deadline:  # checked as this competitor starts
+        return _row(case, comp, opts, counts, status="skipped", notes="deadline reached")
     base = {"sets": inp.sets, "check_scope": truth.scope}
     prep, why = prepare(comp, inp, dev)
     if prep is None:
@@ -380,7 +384,10 @@ def run_case(
                 for r in _rows(case, comp, opts, counts, status=status, notes=f"inputs/reference: {_short(e)}"):
                     emit(r)
             return rows
-        forward = []  # the forward competitors' runs, their timed calls interleaved in rounds
+        # The forward competitors' runs, their timed calls interleaved in rounds: each one's prepared state
+        # (inputs in another layout, masks, compiled functions) lives until its run ends, so a case holds all
+        # of them at once; rows are emitted as each run ends.
+        forward = []
         for comp in todo:
             if opts.deadline is not None and time.time() > opts.deadline:
                 for r in _rows(case, comp, opts, counts, status="skipped", notes="deadline reached"):
@@ -394,8 +401,7 @@ def run_case(
             else:
                 forward.append(run_one_steps(comp, inp, truth, opts, counts, max_reps, budget, min_reps,
                                              rounds=opts.rounds))
-        for row in interleave(forward):
-            emit(row)
+        interleave(forward, on_done=emit)
         del inp, truth, forward
     _free(dev)
     return rows
