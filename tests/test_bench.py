@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import itertools
 import json
 import math
 import time
@@ -202,7 +203,7 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
     for name in ("a", "b"):  # after the checked (set 0) and memory (set 1) calls, each call takes the next set
         seq = used[name][2:]
         assert len(seq) > 6 + 2 * bench.runner.ROUND_WARMUP
-        assert all(y == (x + 1) % sets[name] for x, y in zip(seq, seq[1:])), seq
+        assert all(y == (x + 1) % sets[name] for x, y in itertools.pairwise(seq)), seq
     one = bench.run_case(CASE, [competitor("c")], _cpu_opts(rounds=1, max_reps=6, min_reps=6))
     assert one[0]["reps"] == 6
 
