@@ -278,9 +278,9 @@ def held_workspace(device: int, stream: int, numel: int) -> torch.Tensor:
 def release_workspaces() -> None:
     """Hand the held split-state buffers back to torch's allocator (the next fast call on each stream
     allocates one again). The benchmark calls this before it measures a call's peak memory, so that the
-    split states count in it."""
-    with _HELD_LOCK:
-        _HELD.clear()
+    split states count in it. Without the lock (a hook may call it during a fast call): a call that already
+    has its buffer holds a reference to it until its launches are queued."""
+    _HELD.clear()
 
 
 #: Whether the current stream is capturing a CUDA graph (the private binding skips a Python layer).
