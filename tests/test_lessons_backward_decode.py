@@ -152,3 +152,21 @@ def test_parse_graph_profile(tmp_path):
     df = dl.parse_graph_profile(log)
     assert list(df["variant"]) == ["sdpa-cudnn", "paged16"]
     assert df["gbps"].iloc[0] == pytest.approx(2 * 8 * 32768 * 128 * 2 / 37e-6 / 1e9)
+
+
+def test_parse_merge_ab_and_its_story(tmp_path):
+    assert dl.parse_merge_ab(tmp_path / "missing.txt") is None
+    log = tmp_path / "ab.txt"
+    log.write_text("# config | way | graph us | GB/s | stream us | host us | splits | regs | checked\n"
+                   "B1 Hkv8 Nk32768 | sdpa-cudnn | 37.7 | 3560 | 44.5 | 45.3 |  | ok\n"
+                   "B1 Hkv8 Nk32768 | merge-in-split | 50.1 | 2678 | 51.7 | 20.3 | 64 | 96 | ok\n"
+                   "B1 Hkv8 Nk32768 | merge-kernel | 39.5 | 3397 | 41.9 | 35.6 | 64 | 96 | ok\n"
+                   "B16 Hkv8 Nk4096 | merge-in-split | 75.6 | 3553 | 76.4 | 19.4 | 4 | 96 | ok\n"
+                   "B16 Hkv8 Nk4096 | merge-kernel | 69.4 | 3871 | 72.1 | 25.5 | 4 | 96 | ok\n"
+                   "B16 Hkv8 Nk4096 | sdpa-flash | failed: no kernel\n")
+    ab = dl.parse_merge_ab(log)
+    assert list(ab["way"]) == ["sdpa-cudnn", "merge-in-split", "merge-kernel", "merge-in-split", "merge-kernel"]
+    assert ab["config"].iloc[0] == "B1 Hq32 Hkv8 Nk32k" and ab["host_us"].iloc[1] == 20.3
+    story = dl.merge_ab_story(ab)
+    assert "saves 6-15 us of host time" in story and "costs 6.2-10.6 us of GPU time" in story
+    assert "most at B1 Hq32 Hkv8 Nk32k (50.1 against 39.5 us)" in story and "+4.3 to +9.8 us" in story

@@ -288,3 +288,40 @@ def parse_graph_profile(path: str | Path, *, Hq: int = 32, D: int = 128, itemsiz
             rows.append({"config": config_label(B, Hq, Hkv, Nk), "variant": m.group(4).replace("attnlab ", ""),
                          "us": us, "gbps": 2 * B * Hkv * Nk * D * itemsize / (us * 1e-6) / 1e9})
     return pd.DataFrame(rows) if rows else None
+
+
+_AB_ROW = re.compile(r"^B(\d+) Hkv(\d+) Nk(\d+) \| (merge-in-split|merge-kernel|sdpa-\S+) \| ([\d.]+) \| (\d+) \| "
+                     r"([\d.]+) \| ([\d.]+) \|")
+
+
+def parse_merge_ab(path: str | Path, *, Hq: int = 32) -> pd.DataFrame | None:
+    """The rows of a merge A/B log (data/gpu_tests/nvidia-h200-merge-ab-87c02c2.txt): the split states merged
+    by the split kernel itself (``merge-in-split``: one launch a call) or by a second kernel (``merge-kernel``),
+    beside SDPA, per config: ``graph_us`` (CUDA-graph replay: the GPU alone), ``gbps`` of K/V read,
+    ``stream_us`` (back-to-back calls: host and GPU overlapped) and ``host_us`` (the host alone). None if the
+    file is missing."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    rows = []
+    for line in path.read_text().splitlines():
+        if m := _AB_ROW.match(line):
+            B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
+            rows.append({"config": config_label(B, Hq, Hkv, Nk), "way": m.group(4), "graph_us": float(m.group(5)),
+                         "gbps": float(m.group(6)), "stream_us": float(m.group(7)), "host_us": float(m.group(8))})
+    return pd.DataFrame(rows) if rows else None
+
+
+def merge_ab_story(ab: pd.DataFrame) -> str:
+    """What the A/B says, from its numbers: the host time one launch saves and the GPU time it costs."""
+    wide = ab.pivot(index="config", columns="way", values=["graph_us", "stream_us", "host_us"])
+    host = wide["host_us"]["merge-kernel"] - wide["host_us"]["merge-in-split"]
+    gpu = wide["graph_us"]["merge-in-split"] - wide["graph_us"]["merge-kernel"]
+    stream = wide["stream_us"]["merge-in-split"] - wide["stream_us"]["merge-kernel"]
+    worst = gpu.idxmax()
+    return (f"Merging in the split kernel saves {host.min():.0f}-{host.max():.0f} us of host time a call (one launch "
+            f"instead of two) but costs {gpu.min():.1f}-{gpu.max():.1f} us of GPU time, most at {worst} "
+            f"({wide['graph_us']['merge-in-split'][worst]:.1f} against {wide['graph_us']['merge-kernel'][worst]:.1f} "
+            f"us): the merge then runs at the end of the kernel, one program per column after its last split. "
+            f"Back to back, host and GPU overlapped, it is {stream.min():+.1f} to {stream.max():+.1f} us a "
+            f"call against the merge kernel, so the decode path keeps the second kernel.")
