@@ -129,7 +129,7 @@ def measure(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tu
     """Memory and a first estimate, warm-up, the timed calls, then the host time of a call: (the row's
     timing columns, None), or (None, the reason) when the calls left the compiled path (flex). ``cold``
     (:attr:`Prepared.cold`) runs just before the memory measurement. :func:`measure_steps` in one go."""
-    return _drain(measure_steps(call, sets, dev, timing, notes, mark, after, cold))
+    return interleave([measure_steps(call, sets, dev, timing, notes, mark, after, cold)])[0]
 
 
 def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tuple[int, float, int],
@@ -189,15 +189,6 @@ def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timi
             "reps": len(times), "peak_extra_mib": peak, "host_us": host_us}, None
 
 
-def _drain(steps):
-    """Run a generator to its end and return what it returns."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-
-
 def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None) -> list:
     """Run generators round-robin, one step each in turn, to their ends: what each returned, in order;
     ``on_done`` gets each result as its generator ends (so that it is kept if a later step raises)."""
@@ -234,7 +225,7 @@ def run_one(
     budget_ms: float, min_reps: int,
 ) -> dict[str, Any]:
     """Check, then (only if it passed) measure memory and time one competitor on one case: one CSV row."""
-    return _drain(run_one_steps(comp, inp, truth, opts, counts, max_reps, budget_ms, min_reps, rounds=1))
+    return interleave([run_one_steps(comp, inp, truth, opts, counts, max_reps, budget_ms, min_reps)])[0]
 
 
 def run_one_steps(
@@ -387,20 +378,20 @@ def run_case(
         # The forward competitors' runs, their timed calls interleaved in rounds: each one's prepared state
         # (inputs in another layout, masks, compiled functions) lives until its run ends, so a case holds all
         # of them at once; rows are emitted as each run ends.
+        # (A forward run checks the deadline itself, as it starts.)
         forward = []
         for comp in todo:
-            if opts.deadline is not None and time.time() > opts.deadline:
+            if not case.backward:
+                forward.append(run_one_steps(comp, inp, truth, opts, counts, max_reps, budget, min_reps,
+                                             rounds=opts.rounds))
+            elif opts.deadline is not None and time.time() > opts.deadline:
                 for r in _rows(case, comp, opts, counts, status="skipped", notes="deadline reached"):
                     emit(r)
-                continue
-            if case.backward:
+            else:
                 from attnlab.bench.grad import run_backward
 
                 for r in run_backward(comp, inp, truth, opts, counts, (max_reps, budget, min_reps)):
                     emit(r)
-            else:
-                forward.append(run_one_steps(comp, inp, truth, opts, counts, max_reps, budget, min_reps,
-                                             rounds=opts.rounds))
         interleave(forward, on_done=emit)
         del inp, truth, forward
     _free(dev)

@@ -277,16 +277,22 @@ _GRAPH_ROW = re.compile(r"^B(\d+) Hkv(\d+) Nk(\d+) (sdpa-\S+|attnlab \S+)\s+([\d
 def parse_graph_profile(path: str | Path, *, Hq: int = 32, D: int = 128, itemsize: int = 2) -> pd.DataFrame | None:
     """The GPU-only decode times of a scripts/decode_profile.py log (CUDA-graph replay, so no host time in
     them): config, variant, us, and GB/s of K/V read recomputed from the shape. None if the file is missing."""
+    def row(m: re.Match) -> dict:
+        B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
+        us = float(m.group(5))
+        return {"config": config_label(B, Hq, Hkv, Nk), "variant": m.group(4).replace("attnlab ", ""), "us": us,
+                "gbps": 2 * B * Hkv * Nk * D * itemsize / (us * 1e-6) / 1e9}
+
+    return _matched_rows(path, _GRAPH_ROW, row)
+
+
+def _matched_rows(path: str | Path, pattern: re.Pattern, row) -> pd.DataFrame | None:
+    """``row(match)`` of every line of the log at ``path`` that ``pattern`` matches, as a frame; None if the file
+    is missing or no line matches."""
     path = Path(path)
     if not path.is_file():
         return None
-    rows = []
-    for line in path.read_text().splitlines():
-        if m := _GRAPH_ROW.match(line):
-            B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
-            us = float(m.group(5))
-            rows.append({"config": config_label(B, Hq, Hkv, Nk), "variant": m.group(4).replace("attnlab ", ""),
-                         "us": us, "gbps": 2 * B * Hkv * Nk * D * itemsize / (us * 1e-6) / 1e9})
+    rows = [row(m) for line in path.read_text().splitlines() if (m := pattern.match(line))]
     return pd.DataFrame(rows) if rows else None
 
 
@@ -300,16 +306,12 @@ def parse_merge_ab(path: str | Path, *, Hq: int = 32) -> pd.DataFrame | None:
     beside SDPA, per config: ``graph_us`` (CUDA-graph replay: the GPU alone), ``gbps`` of K/V read,
     ``stream_us`` (back-to-back calls: host and GPU overlapped) and ``host_us`` (the host alone). None if the
     file is missing."""
-    path = Path(path)
-    if not path.is_file():
-        return None
-    rows = []
-    for line in path.read_text().splitlines():
-        if m := _AB_ROW.match(line):
-            B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
-            rows.append({"config": config_label(B, Hq, Hkv, Nk), "way": m.group(4), "graph_us": float(m.group(5)),
-                         "gbps": float(m.group(6)), "stream_us": float(m.group(7)), "host_us": float(m.group(8))})
-    return pd.DataFrame(rows) if rows else None
+    def row(m: re.Match) -> dict:
+        B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
+        return {"config": config_label(B, Hq, Hkv, Nk), "way": m.group(4), "graph_us": float(m.group(5)),
+                "gbps": float(m.group(6)), "stream_us": float(m.group(7)), "host_us": float(m.group(8))}
+
+    return _matched_rows(path, _AB_ROW, row)
 
 
 def merge_ab_story(ab: pd.DataFrame) -> str:
