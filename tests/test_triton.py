@@ -440,6 +440,7 @@ def test_autotune_times_direct_launches_and_keeps_the_median_best(monkeypatch):
 
     def fake_do_bench(fn, warmup, rep, return_mode):
         assert return_mode == "median"
+        assert (warmup, rep) == (tconfigs.TUNE_WARMUP_MS, tconfigs.TUNE_REP_MS)
         for _ in range(3):
             fn()
         return ms_of_block_m[fake.calls[-1][3][block_m_at]]

@@ -272,18 +272,19 @@ def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
             bound = inspect.signature(real.fn).bind(*args, **constants)  # a TypeError when out of step
             assert set(constants) == constexprs and len(args) == len(params) - len(constexprs)
             assert bound.arguments["Out"] is bound.arguments["Q"]  # as a launch without lse
-            seen["warps"] = num_warps
+            seen["warps"], seen["pdl"] = num_warps, constants["PDL"]
             return Compiled()
 
     monkeypatch.setattr(td, "_decode_split_kernel", Stub())
     monkeypatch.setattr(td, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(td, "_has_pdl", lambda device: True)
     monkeypatch.setattr(td.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
         regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472, max_threads_per_multi_processor=2048))
     q, k = torch.empty(1, 32, 1, 128), torch.empty(1, 8, 1, 1).expand(1, 8, 32768, 128)
     prob = make_problem(q, k, k)
     cfg = td.DecodeConfig(64)
     plan = td._Plan(prob, cfg, None, None, interpret=False)
-    assert seen["warps"] == cfg.num_warps
+    assert seen["warps"] == cfg.num_warps and seen["pdl"] is True  # the kernel that stores split states
     assert plan.n_split == td.num_splits(prob, cfg, 132, resident=3) < td.num_splits(prob, cfg, 132)
     assert prob.Hkv * plan.n_split <= 3 * 132  # one wave of 3 a SM (153 registers)
     seen.clear()  # one split whatever fits: nothing compiled ahead
@@ -345,3 +346,40 @@ def test_half_bias_is_made_float32_before_log2e(dtype):
     ref = reference_forward(prob)[0]
     err = (out.double() - ref).abs().max().item()
     assert err <= 2 * torch.finfo(dtype).eps * ref.abs().max().item() + 1e-3, err
+
+
+@pytest.mark.gpu
+def test_merge_by_dependent_launch_matches_a_plain_launch_gpu(monkeypatch):
+    """The merge launched by programmatic dependent launch (waiting on the GPU for the split kernel) writes
+    what a plain second launch writes, bit for bit, on every one of many back-to-back public calls (a merge
+    that read states before the split kernel had stored them would differ), and under CUDA-graph capture."""
+    case = Case("pdl", B=3, Hq=16, Hkv=4, Nq=2, Nk=9000, D=128, causal=True, align="bottom_right",
+                kv_len=(9000, 4100, 0))
+    q, k, v, kw = make_inputs(case, dtype=BF16, device="cuda", seed=7)
+    kw["kv_len"] = torch.as_tensor(kw["kv_len"], dtype=torch.int32, device="cuda")
+    runs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(td, "PDL", pdl)
+        td._PLANS.clear()
+        attnlab.calls.clear()
+        outs = [attnlab.attention(q, k, v, backend="triton-decode", return_lse=True, **kw) for _ in range(20)]
+        plan = next(iter(td._PLANS.values()))
+        assert plan.n_split > 1 and plan.pdl is (pdl and td._has_pdl(0))
+        runs[pdl] = outs
+    want_out, want_lse = runs[False][0]
+    _check(make_problem(q, k, v, **kw), want_out, want_lse)
+    for out, lse in runs[False] + runs[True]:
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        attnlab.attention(q, k, v, backend="triton-decode", **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        got = attnlab.attention(q, k, v, backend="triton-decode", **kw)
+    for _ in range(3):
+        got.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want_out)

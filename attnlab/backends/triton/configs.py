@@ -156,6 +156,13 @@ def _autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Con
     return fastest(candidates(prob.dtype, _block_d(prob.D)), launch, f"dtype={prob.dtype}, D={prob.D}")
 
 
+#: How long autotune warms up and times each candidate (ms, ``do_bench``'s warmup and rep). With 5 and 20
+#: (about 16 timed calls of a 1.2 ms kernel), bf16 and fp16 B4 H16 N4096 D128 and N16384 D128 causal were
+#: tuned to (64, 64, 4, 3) three times in three, where 300 ms each measured (128, 64, 8, 3) 1.5-4.5% faster
+#: (H200: data/gpu_tests/nvidia-h200-dense-candidates.txt). 100 ms costs about 0.4 s more per new tune key.
+TUNE_WARMUP_MS, TUNE_REP_MS = 25, 100
+
+
 def fastest(configs: list, launch, what: str):
     """The config among ``configs`` whose ``launch(cfg)`` takes the least median GPU time (``do_bench`` clears
     the L2 before each call); a config that does not fit the GPU (shared memory, registers) is skipped."""
@@ -164,7 +171,7 @@ def fastest(configs: list, launch, what: str):
     best, best_ms = None, math.inf
     for cfg in configs:
         try:
-            ms = do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20, return_mode="median")
+            ms = do_bench(lambda cfg=cfg: launch(cfg), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
         except Exception as err:
             if "OutOfResources" in type(err).__name__ or "out of resource" in str(err).lower():
                 continue

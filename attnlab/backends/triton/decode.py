@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from attnlab.paged import PagedKV, paged_kv
 from attnlab.problem import Problem
 
 if triton is not None:
-    from attnlab.backends.triton.decode_kernels import _decode_merge_kernel, _decode_split_kernel
+    from attnlab.backends.triton.decode_kernels import PDL_AVAILABLE, _decode_merge_kernel, _decode_split_kernel
 
 #: The decode path is for at most this many query rows (larger Nq is a prefill: the fused forward).
 MAX_DECODE_NQ = 16
@@ -49,6 +50,10 @@ PROGRAMS_PER_SM_WIDE_RAGGED = 16
 MERGE_BLOCK_D = 32
 #: The interpreter's fixed split count when none is forced (so CPU runs exercise the merge).
 INTERPRETER_SPLITS = 3
+#: Whether plans made from now on launch the merge by programmatic dependent launch on GPUs that have it
+#: (compute capability 9.0 and newer, CUDA): the split kernel lets the merge launch at once and the merge waits
+#: for it on the GPU, so no launch gap separates them (ATTNLAB_DECODE_PDL=0: a plain second launch).
+PDL: bool = os.environ.get("ATTNLAB_DECODE_PDL", "1") != "0"
 
 # ---------------------------------------------------------------------------------------------------
 # Host side: configs, the split count, the paged cache, launches
@@ -150,6 +155,14 @@ def resident_programs(kernel, num_warps: int, device_index: int) -> int | None:
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    """Whether GPU ``device_index`` runs programmatic dependent launches (an NVIDIA GPU of compute capability
+    9.0 or newer) and this Triton can ask for them."""
+    return (triton is not None and PDL_AVAILABLE and torch.version.hip is None
+            and torch.cuda.get_device_capability(device_index)[0] >= 9)
 
 
 def _state_rows(prob: Problem, splits: int) -> tuple[int, int]:
@@ -372,6 +385,7 @@ class _Plan:
         )
         self.block_d = _block_d(prob.D)
         self.cfg = cfg
+        self.pdl = PDL and not interpret and _has_pdl(prob.device.index or 0)
         if n_split is None:  # one wave of as many programs as the compiled split kernel fits on the SMs
             device = prob.device.index or 0
             sms = _sm_count(device)
@@ -395,7 +409,7 @@ class _Plan:
             HAS_Q_LEN=spec.q_len is not None, HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
             PAGED=paged is not None, FINAL=final,
             # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast first (exact)
-            UPCAST=self.interpret and prob.dtype != torch.float32, DOT_PRECISION="ieee",
+            UPCAST=self.interpret and prob.dtype != torch.float32, DOT_PRECISION="ieee", PDL=self.pdl and not final,
         )
 
     def _resident(self, prob: Problem, paged: PagedKV | None, n_rt: int, device: int) -> int | None:
@@ -424,8 +438,9 @@ class _Plan:
             split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), cfg.options())
             merge_d = min(MERGE_BLOCK_D, self.block_d)
             merge = _Kernel(merge_fn, (self.merge_rows, self.block_d // merge_d, 1),
-                            dict(BLOCK_S=min(64, _pow2_bucket(self.n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse),
-                            dict(num_warps=2, num_stages=1))
+                            dict(BLOCK_S=min(64, _pow2_bucket(self.n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse,
+                                 PDL=self.pdl),
+                            dict(num_warps=2, num_stages=1, **({"launch_pdl": True} if self.pdl else {})))
             got = self.kernels[write_lse] = (split, merge)
         return got
 

@@ -30,6 +30,10 @@ Packing, splitting and the program mapping
   l = 0 (no allowed key anywhere) gives out = 0 and lse = -inf. The merge's programs are (row, block of
   MERGE_BLOCK_D columns): B1 Hq32 has 32 rows, too few programs to read 1 MiB of states quickly. With
   S = 1 the split kernel normalizes and writes out and lse itself, and no merge runs.
+* **Programmatic dependent launch** (``PDL``, Hopper and newer): each split program tells the GPU at its start
+  that the merge may launch, and the merge, launched with ``launch_pdl``, waits (``gdc_wait``) until the split
+  kernel has finished and its stores are visible. The merge's programs then take the SM slots the split
+  kernel's last programs leave idle instead of starting after a launch gap.
 * **Paged KV cache** (FlashAttention's ``flash_attn_with_kvcache`` convention): caches
   ``[num_blocks, block_size, Hkv, D]`` and an int32 ``block_table [B, max_blocks]``; logical key j of batch
   b is read at ``cache[block_table[b, j // block_size], j % block_size]``. Block ids are clamped to
@@ -44,6 +48,12 @@ triton 3.4 to 3.9 and run through Triton's interpreter on CPU tensors (``attnlab
 from __future__ import annotations
 
 from attnlab.backends.triton.kernel import tl, triton
+
+try:  # grid dependency control (programmatic dependent launch): triton 3.4 and newer, NVIDIA GPUs
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no triton, or one without it: PDL_AVAILABLE is False and the PDL branches never compile
+    gdc_launch_dependents = gdc_wait = None
+PDL_AVAILABLE = gdc_wait is not None
 
 # ---------------------------------------------------------------------------------------------------
 # The kernels
@@ -125,8 +135,10 @@ if triton is not None:
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         PAGED: tl.constexpr, FINAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # the merge may launch now: it waits for this whole kernel before it reads a state
+            gdc_launch_dependents()
         # ---- which program: split, (kv head, row tile), batch entry ------------------------------------
         split = tl.program_id(0)
         S = tl.num_programs(0)
@@ -220,13 +232,16 @@ if triton is not None:
     @triton.jit
     def _decode_merge_kernel(
         WsM, WsL, WsAcc, Out, Lse, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
-        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr,
     ):
         """One program per (b, h, i) row and BLOCK_D columns of it: combine the row's S split states with the
         lse rule (module docstring), BLOCK_S splits at a time with a running max, and write those columns of
         out (0 when no split saw an allowed key) and, from the first column block, lse (-inf then). Every
         column block of a row computes the same m and l (S floats each: cheap), so a few rows with many
-        splits still spread over many programs."""
+        splits still spread over many programs. With PDL it is launched before the split kernel ends, and
+        waits for that kernel first."""
+        if PDL:
+            gdc_wait()
         row = tl.program_id(0).to(tl.int64)  # (b * Hq + h) * Nq + i
         col = tl.program_id(1)
         i = row % Nq
