@@ -158,7 +158,10 @@ def _paged_from_dense(k: torch.Tensor, v: torch.Tensor, block_size: int, kv_len:
 
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_paged_matches_dense(block_size, dtype):
+@pytest.mark.parametrize("ahead", [True, False], ids=["blocks_ahead", "blocks_in_tile"])
+def test_paged_matches_dense(block_size, dtype, ahead, monkeypatch):
+    """Paged (block ids read one tile ahead, or each tile's own first) is the dense result bit for bit."""
+    monkeypatch.setattr(td, "BLOCKS_AHEAD", ahead)
     Nk = 4 * 64
     kv_len = [Nk, 100, 0]
     case = Case("paged", B=3, Hq=4, Hkv=2, Nq=2, Nk=Nk, D=24, causal=True, align="bottom_right",

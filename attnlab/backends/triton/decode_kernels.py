@@ -62,16 +62,18 @@ if triton is not None:
     from attnlab.backends.triton import tiles
 
     @triton.jit
-    def _key_offsets(Bt, keys, Lk, num_blocks, block_size, s_kn, s_kblk, s_vn, s_vblk,
-                     PAGED: tl.constexpr, PARTIAL: tl.constexpr):
+    def _block_ids(Bt, t, offs_n, Lk, num_blocks, block_size, BLOCK_N: tl.constexpr):
+        """The cache block of each key of key tile ``t`` (int64, [BLOCK_N]), read from the block table row
+        ``Bt``: ids clamped to [0, num_blocks), and no entry at or past Lk read (0 there)."""
+        keys = t * BLOCK_N + offs_n
+        blk = tl.load(Bt + keys // block_size, mask=keys < Lk, other=0)
+        return tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+
+    @triton.jit
+    def _key_offsets(blk, keys, block_size, s_kn, s_kblk, s_vn, s_vblk, PAGED: tl.constexpr):
         """int64 offsets of ``keys``' rows in K and V: dense, key * key stride (the batch is in the base
-        pointer); paged, through the block table row ``Bt`` (ids clamped; entries past Lk never read)."""
+        pointer); paged, through their blocks ``blk`` (:func:`_block_ids`)."""
         if PAGED:
-            if PARTIAL:
-                blk = tl.load(Bt + keys // block_size, mask=keys < Lk, other=0)
-            else:
-                blk = tl.load(Bt + keys // block_size)
-            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
             slot = (keys % block_size).to(tl.int64)
             return blk * s_kblk + slot * s_kn, blk * s_vblk + slot * s_vn
         else:
@@ -103,16 +105,16 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _tile(m_i, l_i, acc, q, t, k_base, v_base, Bt, e_rows, rows, row_ok, offs_n, offs_d,
-              Lk, Nk, D, off, win_left, win_right, qk_scale, num_blocks, block_size,
+    def _tile(m_i, l_i, acc, q, t, blk, k_base, v_base, e_rows, rows, row_ok, offs_n, offs_d,
+              Lk, Nk, D, off, win_left, win_right, qk_scale, block_size,
               s_kn, s_kblk, s_kd, s_vn, s_vblk, s_vd, s_ej,
               BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
               HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """Key tile ``t`` of the split: load K and V (dense or through the block table), score, update."""
+        """Key tile ``t`` of the split: load K and V (dense, or paged through the tile's blocks ``blk``),
+        score, update."""
         keys = t * BLOCK_N + offs_n
-        k_off, v_off = _key_offsets(Bt, keys, Lk, num_blocks, block_size, s_kn, s_kblk, s_vn, s_vblk,
-                                    PAGED, PARTIAL)
+        k_off, v_off = _key_offsets(blk, keys, block_size, s_kn, s_kblk, s_vn, s_vblk, PAGED)
         k = tiles.load_tile(k_base + k_off[:, None] + offs_d[None, :] * s_kd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
                        UPCAST)
         v = tiles.load_tile(v_base + v_off[:, None] + offs_d[None, :] * s_vd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
@@ -135,7 +137,7 @@ if triton is not None:
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         PAGED: tl.constexpr, FINAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
     ):
         if PDL:  # the merge may launch now: it waits for this whole kernel before it reads a state
             gdc_launch_dependents()
@@ -191,16 +193,31 @@ if triton is not None:
         e_rows = Explicit + b64 * s_eb + heads * s_eh + rows.to(tl.int64) * s_ei
 
         m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 1)
+        # Paged with BLOCKS_AHEAD: the block ids of the next tile are read one tile ahead, so that the K and V
+        # loads of a tile do not wait for its block-table read; without, each tile reads its own first. (Dense:
+        # blk is an unused placeholder.)
+        if PAGED and BLOCKS_AHEAD:
+            blk = _block_ids(Bt, zero + s_lo, offs_n, Lk, num_blocks, block_size, BLOCK_N)
+        else:
+            blk = offs_n.to(tl.int64)
         for phase in tl.static_range(3):
             t_begin, t_end = tiles.phase_range(phase, s_lo, a, c, s_hi)
             for t in range(t_begin, t_end):
+                if PAGED and BLOCKS_AHEAD:
+                    blk_next = _block_ids(Bt, zero + t + 1, offs_n, Lk, num_blocks, block_size, BLOCK_N)
+                elif PAGED:
+                    blk = _block_ids(Bt, zero + t, offs_n, Lk, num_blocks, block_size, BLOCK_N)
+                    blk_next = blk
+                else:
+                    blk_next = blk
                 m_i, l_i, acc = _tile(
-                    m_i, l_i, acc, q, zero + t, k_base, v_base, Bt, e_rows, rows, row_ok, offs_n, offs_d,
-                    Lk, Nk, D, off, win_left, win_right, qk_scale, num_blocks, block_size,
+                    m_i, l_i, acc, q, zero + t, blk, k_base, v_base, e_rows, rows, row_ok, offs_n, offs_d,
+                    Lk, Nk, D, off, win_left, win_right, qk_scale, block_size,
                     s_kn, s_kb, s_kd, s_vn, s_vb, s_vd, s_ej,
                     BLOCK_N, phase != 1, EVEN_D, PAGED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, UPCAST,
                     DOT_PRECISION,
                 )
+                blk = blk_next
 
         # ---- epilogue: padding rows hold the empty state; one split normalizes, several store states ---
         ws_row = (b64 * Hq + heads) * Nq + rows  # (b, h, i) of each packed row
