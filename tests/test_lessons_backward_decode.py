@@ -170,3 +170,22 @@ def test_parse_merge_ab_and_its_story(tmp_path):
     story = dl.merge_ab_story(ab)
     assert "saves 6-15 us of host time" in story and "costs 6.2-10.6 us of GPU time" in story
     assert "most at B1 Hq32 Hkv8 Nk32k (50.1 against 39.5 us)" in story and "+4.3 to +9.8 us" in story
+
+
+def test_parse_pdl_ab_and_its_story(tmp_path):
+    assert dl.parse_pdl_ab(tmp_path / "missing.txt") is None
+    log = tmp_path / "pdl.txt"
+    log.write_text("# NVIDIA H200 torch 2.11.0+cu130\n"
+                   "B16 Hkv8 Nk4096: cudnn graph   64.0 events   67.0 ( 4005 GB/s) | pdl=0 graph   69.1 events   74.4 "
+                   "( 3610 GB/s) | pdl=1 graph   68.9 events   72.2 ( 3718 GB/s) | bitwise equal True\n"
+                   "B8 Hkv8 Nk8192 paged16 pdl=1: graph   74.4 events   77.1 | equal to dense True\n"
+                   "B1 Hkv8 Nk32768: cudnn graph   38.1 events   57.1 ( 2349 GB/s) | pdl=0 graph   39.3 events   52.0 "
+                   "( 2580 GB/s) | pdl=1 graph   38.6 events   54.0 ( 2488 GB/s) | bitwise equal True\n")
+    ab = dl.parse_pdl_ab(log)
+    assert list(ab["way"]) == ["cudnn", "pdl=0", "pdl=1"] * 2  # the paged line is not an A/B row
+    assert ab["config"].iloc[3] == "B1 Hq32 Hkv8 Nk32k" and ab["events_us"].iloc[5] == 54.0
+    story = dl.pdl_ab_story(ab)
+    assert "GPU time of a call by -0.7 to -0.2 us" in story and "event-timed call by -2.2 to +2.0 us" in story
+    assert "across the 2 configs" in story and "equal bit for bit" in story
+    log.write_text(log.read_text().replace("bitwise equal True\nB8", "bitwise equal False\nB8", 1))
+    assert "NOT equal" in dl.pdl_ab_story(dl.parse_pdl_ab(log))

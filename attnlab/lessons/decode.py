@@ -314,6 +314,37 @@ def parse_merge_ab(path: str | Path, *, Hq: int = 32) -> pd.DataFrame | None:
     return _matched_rows(path, _AB_ROW, row)
 
 
+_PDL_ROW = re.compile(r"^B(\d+) Hkv(\d+) Nk(\d+): (.*) \| bitwise equal (True|False)$")
+_PDL_PART = re.compile(r"(cudnn|pdl=[01]) graph +([\d.]+) events +([\d.]+)")
+
+
+def parse_pdl_ab(path: str | Path, *, Hq: int = 32) -> pd.DataFrame | None:
+    """The rows of a PDL A/B log (data/gpu_tests/nvidia-h200-decode-pdl-ab.txt): per config and way (``cudnn``,
+    ``pdl=0``: the merge as a plain second launch, ``pdl=1``: by programmatic dependent launch), ``graph_us``
+    (CUDA-graph replay) and ``events_us`` (event-timed public calls back to back), and whether both launches'
+    outputs were equal bit for bit. None if the file is missing."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    rows = []
+    for m in filter(None, map(_PDL_ROW.match, path.read_text().splitlines())):
+        B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
+        rows += [{"config": config_label(B, Hq, Hkv, Nk), "way": way, "graph_us": float(g), "events_us": float(e),
+                  "equal": m.group(5) == "True"} for way, g, e in _PDL_PART.findall(m.group(4))]
+    return pd.DataFrame(rows) if rows else None
+
+
+def pdl_ab_story(ab: pd.DataFrame) -> str:
+    """What the PDL A/B says, from its numbers: GPU time and event-timed call time saved, outputs equal."""
+    wide = ab.pivot(index="config", columns="way", values=["graph_us", "events_us"])
+    graph = wide["graph_us"]["pdl=0"] - wide["graph_us"]["pdl=1"]
+    events = wide["events_us"]["pdl=0"] - wide["events_us"]["pdl=1"]
+    equal = "equal bit for bit" if ab["equal"].all() else "NOT equal"
+    return (f"Launched by programmatic dependent launch, the merge changes the GPU time of a call by "
+            f"{-graph.max():+.1f} to {-graph.min():+.1f} us and an event-timed call by {-events.max():+.1f} to "
+            f"{-events.min():+.1f} us across the {len(graph)} configs; the outputs of both launches are {equal}.")
+
+
 def merge_ab_story(ab: pd.DataFrame) -> str:
     """What the A/B says, from its numbers: the host time one launch saves and the GPU time it costs."""
     wide = ab.pivot(index="config", columns="way", values=["graph_us", "stream_us", "host_us"])
