@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 import gc
-import statistics
 import sys
 import time
 
 import torch
-from decode_profile import graph_us  # scripts/, beside this one
+from call_probe import loop  # scripts/, beside this one
+from decode_profile import graph_us
 
 from attnlab.bench.competitors import competitors as all_competitors
 from attnlab.bench.runner import entered
@@ -31,20 +31,6 @@ def _cb(phase, info):
     else:
         _stats["n"][info["generation"]] += 1
         _stats["t"] += time.perf_counter() - _stats["t0"]
-
-
-def loop(call, sets: int, reps: int) -> tuple[float, float]:
-    """(median event us, host wall us per iteration) of ``reps`` event-timed calls."""
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for r in range(reps):
-        ev[r][0].record()
-        call(r % sets)
-        ev[r][1].record()
-    wall = (time.perf_counter() - t0) / reps * 1e6
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev), wall
 
 
 def main() -> int:
