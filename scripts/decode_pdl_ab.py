@@ -9,11 +9,11 @@ Usage on the GPU machine: ``PYTHONPATH=.:scripts python3 scripts/decode_pdl_ab.p
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+from call_probe import loop
 from decode_profile import decode_inputs, graph_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -24,17 +24,11 @@ from attnlab.paged import to_paged
 
 
 def events(fn, sets: int = 2, reps: int = 300) -> float:
-    """Median us of ``reps`` event-timed calls queued back to back, rotating over ``sets`` input sets."""
+    """Median us of ``reps`` event-timed calls queued back to back, rotating over ``sets`` input sets, after 20
+    untimed ones (call_probe's loop)."""
     for i in range(20):
         fn(i % sets)
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    torch.cuda.synchronize()
-    for r in range(reps):
-        ev[r][0].record()
-        fn(r % sets)
-        ev[r][1].record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+    return loop(fn, sets, reps)[0]
 
 
 def main() -> int:

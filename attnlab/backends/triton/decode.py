@@ -54,9 +54,6 @@ INTERPRETER_SPLITS = 3
 #: (compute capability 9.0 and newer, CUDA): the split kernel lets the merge launch at once and the merge waits
 #: for it on the GPU, so no launch gap separates them (ATTNLAB_DECODE_PDL=0: a plain second launch).
 PDL: bool = os.environ.get("ATTNLAB_DECODE_PDL", "1") != "0"
-#: Whether plans made from now on read a paged cache's block ids one key tile ahead of its K and V loads
-#: (ATTNLAB_DECODE_BLOCKS_AHEAD=0: each tile reads its own block ids first, then its K and V).
-BLOCKS_AHEAD: bool = os.environ.get("ATTNLAB_DECODE_BLOCKS_AHEAD", "1") != "0"
 
 # ---------------------------------------------------------------------------------------------------
 # Host side: configs, the split count, the paged cache, launches
@@ -280,8 +277,9 @@ _HELD_LOCK = threading.Lock()
 
 def held_workspace(device: int, stream: int, numel: int) -> torch.Tensor:
     """The split-state buffer held for ``stream`` of GPU ``device``, of at least ``numel`` float32 (the
-    caller holds ``_HELD_LOCK``). Sound because a stream runs its kernels in order: a later call's split
-    kernel on this stream starts only after the earlier call's merge has read the states. Growing drops the
+    caller holds ``_HELD_LOCK``). Sound because a later call's split kernel on this stream starts only after
+    the earlier call's merge has read the states: only the merge is a programmatic dependent launch (it may
+    start before the split kernel it follows ends), the split kernel is an ordinary launch. Growing drops the
     old buffer into torch's allocator, which reuses it only for work queued after on the same stream."""
     ws = _HELD.get((device, stream))
     if ws is None or ws.numel() < numel:
@@ -413,7 +411,6 @@ class _Plan:
             PAGED=paged is not None, FINAL=final,
             # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast first (exact)
             UPCAST=self.interpret and prob.dtype != torch.float32, DOT_PRECISION="ieee", PDL=self.pdl and not final,
-            BLOCKS_AHEAD=paged is not None and BLOCKS_AHEAD,
         )
 
     def _resident(self, prob: Problem, paged: PagedKV | None, n_rt: int, device: int) -> int | None:

@@ -32,8 +32,10 @@ Packing, splitting and the program mapping
   S = 1 the split kernel normalizes and writes out and lse itself, and no merge runs.
 * **Programmatic dependent launch** (``PDL``, Hopper and newer): each split program tells the GPU at its start
   that the merge may launch, and the merge, launched with ``launch_pdl``, waits (``gdc_wait``) until the split
-  kernel has finished and its stores are visible. The merge's programs then take the SM slots the split
-  kernel's last programs leave idle instead of starting after a launch gap.
+  kernel has finished and its stores are visible. The merge is then launched while the split kernel's last
+  programs still run (its programs wait in the slots they leave idle) instead of after a launch gap. Only the
+  merge is a dependent launch: the next call's split kernel still starts after this merge has finished, so
+  the split states a stream reuses are never overwritten while read.
 * **Paged KV cache** (FlashAttention's ``flash_attn_with_kvcache`` convention): caches
   ``[num_blocks, block_size, Hkv, D]`` and an int32 ``block_table [B, max_blocks]``; logical key j of batch
   b is read at ``cache[block_table[b, j // block_size], j % block_size]``. Block ids are clamped to
@@ -137,7 +139,7 @@ if triton is not None:
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         PAGED: tl.constexpr, FINAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # the merge may launch now: it waits for this whole kernel before it reads a state
             gdc_launch_dependents()
@@ -193,23 +195,17 @@ if triton is not None:
         e_rows = Explicit + b64 * s_eb + heads * s_eh + rows.to(tl.int64) * s_ei
 
         m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 1)
-        # Paged with BLOCKS_AHEAD: the block ids of the next tile are read one tile ahead, so that the K and V
-        # loads of a tile do not wait for its block-table read; without, each tile reads its own first. (Dense:
-        # blk is an unused placeholder.)
-        if PAGED and BLOCKS_AHEAD:
+        # Paged: the block ids of the next tile are read one tile ahead, so that the K and V loads of a tile
+        # never wait for its block-table read. (Dense: blk is an unused placeholder.)
+        if PAGED:
             blk = _block_ids(Bt, zero + s_lo, offs_n, Lk, num_blocks, block_size, BLOCK_N)
         else:
             blk = offs_n.to(tl.int64)
         for phase in tl.static_range(3):
             t_begin, t_end = tiles.phase_range(phase, s_lo, a, c, s_hi)
             for t in range(t_begin, t_end):
-                if PAGED and BLOCKS_AHEAD:
+                if PAGED:
                     blk_next = _block_ids(Bt, zero + t + 1, offs_n, Lk, num_blocks, block_size, BLOCK_N)
-                elif PAGED:
-                    blk = _block_ids(Bt, zero + t, offs_n, Lk, num_blocks, block_size, BLOCK_N)
-                    blk_next = blk
-                else:
-                    blk_next = blk
                 m_i, l_i, acc = _tile(
                     m_i, l_i, acc, q, zero + t, blk, k_base, v_base, e_rows, rows, row_ok, offs_n, offs_d,
                     Lk, Nk, D, off, win_left, win_right, qk_scale, block_size,
@@ -217,7 +213,8 @@ if triton is not None:
                     BLOCK_N, phase != 1, EVEN_D, PAGED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, UPCAST,
                     DOT_PRECISION,
                 )
-                blk = blk_next
+                if PAGED:
+                    blk = blk_next
 
         # ---- epilogue: padding rows hold the empty state; one split normalizes, several store states ---
         ws_row = (b64 * Hq + heads) * Nq + rows  # (b, h, i) of each packed row
