@@ -25,20 +25,19 @@ def sweep(B: int, Hkv: int, Nk: int) -> None:
     prob = make_problem(q, k, v)
     ref, out = torch.empty_like(q), torch.empty_like(q)
     td._PLANS.clear()
-    td.decode_forward(prob, ref, None, heads=False)
-    default = graph_us(lambda: td.decode_forward(prob, out, None, heads=False))
-    print(f"B{B} Hkv{Hkv} Nk{Nk} default S={td.gpu_plan(prob, heads=False).n_split}: {default:.1f} us "
+    td.decode_forward(prob, ref, None)
+    default = graph_us(lambda: td.decode_forward(prob, out, None))
+    print(f"B{B} Hkv{Hkv} Nk{Nk} default S={td.gpu_plan(prob).n_split}: {default:.1f} us "
           f"{gb / default / 1e-3:.2f} TB/s", flush=True)
     for cfg in CONFIGS:
         cells = []
-        for S in (1, 2, 4, 8):
+        for S in (1, 2, 4, 8, 16, 32, 64):
             if S > 1 and B * Hkv * S > 4 * 132:
                 continue
             try:
-                td.decode_forward(prob, out, None, config=cfg, splits=S, heads=False)
+                td.decode_forward(prob, out, None, config=cfg, splits=S)
                 err = (out.float() - ref.float()).abs().max().item()
-                us = graph_us(lambda cfg=cfg, S=S: td.decode_forward(prob, out, None, config=cfg, splits=S,
-                                                                     heads=False))
+                us = graph_us(lambda cfg=cfg, S=S: td.decode_forward(prob, out, None, config=cfg, splits=S))
                 cells.append(f"S{S} {us:.1f}{'' if err < 1e-2 else ' BAD'}")
             except Exception as e:
                 cells.append(f"S{S} {type(e).__name__}")

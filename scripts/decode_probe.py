@@ -1,5 +1,5 @@
 """Decode on one GPU, per decode-suite configuration: GPU time by CUDA-graph replay (host excluded) of SDPA's
-cuDNN and flash kernels, attnlab's public call, head tiles forced on and off, the paged caches and a
+cuDNN and flash kernels, attnlab's public call, the paged caches and a
 contiguous cache in the [B, Nk, Hkv, D] layout (the layout a paged block holds), a few split-kernel configs;
 and the kernels torch.profiler sees per call with their GPU times. Every timed variant's output is compared
 with the one-split packed output of the same input first. One call, stdout.
@@ -54,7 +54,7 @@ def probe(case, quick: bool) -> None:
     prob = make_problem(q, k, v, **kw)
     ref = torch.empty_like(q)
     td._PLANS.clear()
-    td.decode_forward(prob, ref, None, splits=1, heads=False)
+    td.decode_forward(prob, ref, None, splits=1)
     label = f"{case.name:36s}"
 
     def line(name, fn, out=None):
@@ -84,14 +84,10 @@ def probe(case, quick: bool) -> None:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         line("sdpa-cudnn (bool mask)", sd)
     line("attnlab auto", lambda: attnlab.attention(q, k, v, **kw))
-    plan = next(p for key, p in td._PLANS.items() if key[1:] == (None, None, None, None))
-    print(label, f"auto plan: heads={plan.heads} S={plan.n_split} cfg={plan.cfg} grid={plan.grid}",
+    plan = next(p for key, p in td._PLANS.items() if key[1:] == (None, None, None))
+    print(label, f"auto plan: S={plan.n_split} cfg={plan.cfg} grid={plan.grid}",
           "| kernels:", kernels(lambda: attnlab.attention(q, k, v, **kw)), flush=True)
     out = torch.empty_like(q)
-    for heads in (False, True):
-        line(f"heads={heads}", lambda h=heads: td.decode_forward(prob, out, None, heads=h), out)
-        plan = td.gpu_plan(prob, None, None, None, heads)
-        print(label, f"   heads={heads}: S={plan.n_split} grid={plan.grid}", flush=True)
     kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))  # [B, Nk, Hkv, D] underneath
     line("attnlab auto, k/v bnhd", lambda: attnlab.attention(q, kt, vt, **kw))
     for bs in (16, 64):

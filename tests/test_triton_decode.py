@@ -15,7 +15,6 @@ import attnlab
 from attnlab.backends.triton import decode as td
 from attnlab.cases import Case, make_inputs
 from attnlab.check import _lse_atol, compare
-from attnlab.paged import to_paged
 from attnlab.problem import make_problem
 from attnlab.reference import reference_forward
 
@@ -57,30 +56,6 @@ def test_nq_and_gqa(Nq, heads):
     case = Case("decode", B=2, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=77, D=24, causal=True, align="bottom_right",
                 kv_len=(77, 40))
     _run_case(case, splits=3)
-
-
-@pytest.mark.parametrize("Nq", [1, 3, 16])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_head_tiles_match_packed_rows(Nq, splits):
-    """Head tiles (one program per query head: tile_rows = Nq of BLOCK_M's 16 rows) pass the checker and give
-    the packed program's out and lse bit for bit (each row's sums run over the same keys in the same order)."""
-    case = Case("heads", B=2, Hq=8, Hkv=2, Nq=Nq, Nk=77, D=24, causal=True, align="bottom_right", kv_len=(77, 40))
-    prob, out, lse = _run_case(case, splits=splits, heads=True)
-    packed, packed_lse = torch.empty_like(out), torch.empty_like(lse)
-    td.decode_forward(prob, packed, packed_lse, splits=splits, heads=False)
-    assert torch.equal(out, packed) and torch.equal(lse, packed_lse)
-
-
-def test_head_tiles_paged():
-    Nk, block_size = 80, 16
-    case = Case("heads_paged", B=2, Hq=8, Hkv=2, Nq=2, Nk=Nk, D=24, causal=True, align="bottom_right",
-                kv_len=(80, 37))
-    q, k, v, kw = make_inputs(case, dtype=BF16, device="cpu", seed=6)
-    k_cache, v_cache, table = _paged_from_dense(k, v, block_size, [80, 37], seed=2)
-    prob = make_problem(q, k, v, **kw)
-    out, lse = torch.empty_like(q), torch.empty(2, 8, 2)
-    td.decode_forward(prob, out, lse, k_cache=k_cache, v_cache=v_cache, block_table=table, splits=1, heads=True)
-    _check(prob, out, lse)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5, 7, 25, 70])
@@ -274,24 +249,6 @@ def test_num_splits_fills_the_gpu():
     assert td.workspace_bytes(prob(1, 2, 2, 64), 1) == 0
 
 
-def test_head_tiles_only_where_the_query_heads_fill_the_gpu():
-    """Head tiles where one program per query head fills a wave unsplit while the packed groups would split
-    (B16 Hq32 Hkv8: 512 heads, 128 groups); packed where the heads would still need a split (B8), without
-    GQA, and where the packed groups need no split either."""
-    def prob(B, Hq, Hkv, Nk, Nq=1):
-        k = torch.empty(1, 1, 1, 1).expand(B, Hkv, Nk, 128)  # shapes only
-        return make_problem(torch.empty(B, Hq, Nq, 128), k, k)
-
-    cfg = td.DecodeConfig(64)
-    assert td.head_tiles(prob(16, 32, 8, 4096), cfg, 132)
-    assert td.num_splits(prob(16, 32, 8, 4096), cfg, 132, heads=True) == 1
-    assert td.row_tiles(prob(16, 32, 8, 4096), heads=True) == 4 and td.tile_rows(prob(16, 32, 8, 4096), heads=True) == 1
-    assert not td.head_tiles(prob(8, 32, 8, 8192), cfg, 132)
-    assert not td.head_tiles(prob(16, 32, 32, 4096), cfg, 132)  # MHA: a head is a group
-    assert not td.head_tiles(prob(64, 32, 8, 4096), cfg, 132)  # the groups alone fill the GPU
-    assert td.head_tiles(prob(16, 32, 8, 4096, Nq=4), cfg, 132)
-
-
 def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
     """A GPU plan with no forced split count compiles its split kernel first (warmup, bound here to the
     kernel's own signature: an argument list out of step with it fails) and fills one wave of what fits."""
@@ -390,29 +347,6 @@ def test_half_bias_is_made_float32_before_log2e(dtype):
     ref = reference_forward(prob)[0]
     err = (out.double() - ref).abs().max().item()
     assert err <= 2 * torch.finfo(dtype).eps * ref.abs().max().item() + 1e-3, err
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("Nq", [1, 4])
-def test_head_tiles_chosen_for_many_heads_gpu(Nq):
-    """B16 Hq32 Hkv8 Nk4k (no ragged lengths: with them the split rule aims at more, shorter programs): the
-    public call's plan gives each query head its own unsplit program, and its out
-    and lse pass the checker and equal the packed, one-split program's bit for bit (dense and paged)."""
-    case = Case("heads", B=16, Hq=32, Hkv=8, Nq=Nq, Nk=4096, D=128, causal=True, align="bottom_right")
-    q, k, v, kw = make_inputs(case, dtype=BF16, device="cuda", seed=4)
-    td._PLANS.clear()
-    attnlab.calls.clear()
-    out, lse = attnlab.attention(q, k, v, backend="triton-decode", return_lse=True, **kw)
-    plan = next(iter(td._PLANS.values()))
-    assert plan.heads and plan.n_split == 1 and plan.grid == (1, 32, 16)
-    prob = make_problem(q, k, v, **kw)
-    _check(prob, out, lse)
-    packed, packed_lse = torch.empty_like(out), torch.empty_like(lse)
-    td.decode_forward(prob, packed, packed_lse, splits=1, heads=False)
-    assert torch.equal(out, packed) and torch.equal(lse, packed_lse)
-    kc, vc, bt = to_paged(k, v, 64)
-    paged_out = attnlab.attention(q, kc, vc, block_table=bt, backend="triton-decode", **kw)
-    assert torch.equal(paged_out, out)
 
 
 @pytest.mark.gpu

@@ -95,37 +95,19 @@ def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 
     return DecodeConfig(32, 4, 2)
 
 
-def block_m(prob: Problem, interpret: bool = False, heads: bool = False) -> int:
-    """Rows of a program's Q tile: its packed rows (group * Nq, or Nq with head tiles) rounded up to a power of
-    two, at least 16 (tl.dot's minimum), at most MAX_BLOCK_M (16 in the interpreter, so CPU tests also run
-    several row tiles)."""
-    rows = prob.Nq if heads else prob.group * prob.Nq
-    return 16 if interpret else min(MAX_BLOCK_M, max(16, _pow2_bucket(rows)))
+def block_m(prob: Problem, interpret: bool = False) -> int:
+    """Packed rows per program: group * Nq rounded up to a power of two, at least 16 (tl.dot's minimum),
+    at most MAX_BLOCK_M (16 in the interpreter, so CPU tests also run several row tiles)."""
+    return 16 if interpret else min(MAX_BLOCK_M, max(16, _pow2_bucket(prob.group * prob.Nq)))
 
 
-def tile_rows(prob: Problem, interpret: bool = False, heads: bool = False) -> int:
-    """Packed rows per program: BLOCK_M, or with head tiles one query head's Nq rows."""
-    return prob.Nq if heads else block_m(prob, interpret)
-
-
-def row_tiles(prob: Problem, interpret: bool = False, heads: bool = False) -> int:
-    """Programs per (batch entry, kv head, split): the packed rows over :func:`tile_rows`."""
-    rows = tile_rows(prob, interpret, heads)
-    return (prob.group * prob.Nq + rows - 1) // rows
-
-
-def head_tiles(prob: Problem, cfg: DecodeConfig, sm_count: int) -> bool:
-    """Whether each query head gets its own program (head tiles) rather than sharing its GQA group's: when
-    one program per query head already fills a wave with one split each, while the packed groups would need a
-    key split. No merge runs then and no split states are written; a group's programs are neighbours in
-    launch order and read the same K/V at about the same time, so HBM serves it about once and L2 the rest."""
-    if prob.group == 1 or prob.Hq > 65535:  # (the grid's second axis holds Hkv * row tiles)
-        return False
-    return num_splits(prob, cfg, sm_count, heads=True) == 1 < num_splits(prob, cfg, sm_count)
+def row_tiles(prob: Problem, interpret: bool = False) -> int:
+    bm = block_m(prob, interpret)
+    return (prob.group * prob.Nq + bm - 1) // bm
 
 
 def num_splits(prob: Problem, cfg: DecodeConfig, sm_count: int, interpret: bool = False,
-               resident: int | None = None, heads: bool = False) -> int:
+               resident: int | None = None) -> int:
     """How many splits each (batch entry, kv head, row tile) gets: as many programs as run on the SMs at
     once (one wave: ``resident`` programs per SM, :func:`resident_programs`, at most PROGRAMS_PER_SM), and no
     more, since a second, partial wave leaves most SMs idle at the end; each split at least
@@ -133,7 +115,7 @@ def num_splits(prob: Problem, cfg: DecodeConfig, sm_count: int, interpret: bool 
     and the SMs already full, PROGRAMS_PER_SM_WIDE_RAGGED per SM. A host-side choice: device lengths are not
     read back."""
     tiles = max(1, (prob.Nk + cfg.block_n - 1) // cfg.block_n)
-    base = max(1, prob.B * prob.Hkv * row_tiles(prob, interpret, heads))
+    base = max(1, prob.B * prob.Hkv * row_tiles(prob, interpret))
     per_sm = min(resident, PROGRAMS_PER_SM) if resident else PROGRAMS_PER_SM
     if base >= sm_count and prob.spec.kv_len is not None:
         per_sm = PROGRAMS_PER_SM_WIDE_RAGGED
@@ -227,7 +209,6 @@ def decode_forward(
     splits: int | None = None,
     config: DecodeConfig | None = None,
     paged: PagedKV | None = None,
-    heads: bool | None = None,
 ) -> None:
     """Split-KV decode of ``prob`` into ``out`` ([B, Hq, Nq, D] view, q's dtype) and ``lse`` ([B, Hq, Nq]
     float32, or None), writing every element (the backend contract of :meth:`attnlab.backends.Backend.forward`).
@@ -238,8 +219,7 @@ def decode_forward(
     ``block_size`` is optional (it is the caches' second dim). ``splits`` forces the split count (default:
     :func:`num_splits`; a fixed INTERPRETER_SPLITS on CPU); ``config`` the GPU tile config. ``paged``: a cache
     :func:`attnlab.paged.paged_kv` has already validated (the backend's ``forward_paged`` passes it), in place
-    of the three tensors. ``heads`` forces head tiles on or off (default: :func:`head_tiles` on a GPU; off in
-    the interpreter).
+    of the three tensors.
 
     GPU calls of one signature share a launch plan (:func:`gpu_plan`), launched without Triton's JIT dispatch.
     """
@@ -257,28 +237,25 @@ def decode_forward(
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be at least 1; got {splits}")
     if not prob.q.is_cuda:
-        _Plan(prob, config or INTERPRETER_CONFIG, splits or INTERPRETER_SPLITS, paged, True, bool(heads)).launch(
+        _Plan(prob, config or INTERPRETER_CONFIG, splits or INTERPRETER_SPLITS, paged, True).launch(
             prob, paged, out, lse)
         return
     with torch.cuda.device(prob.device):
-        gpu_plan(prob, config, splits, paged, heads).launch(prob, paged, out, lse)
+        gpu_plan(prob, config, splits, paged).launch(prob, paged, out, lse)
 
 
 def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None = None,
-             paged: PagedKV | None = None, heads: bool | None = None) -> _Plan:
+             paged: PagedKV | None = None) -> _Plan:
     """The plan of ``prob``'s call signature (attnlab.attention makes a new Problem per call): what the fused
     forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
-    compiled kernel's occupancy), head tiles (None: :func:`head_tiles`) and the paged caches' layout."""
-    key = (_launch._signature(prob), cfg, n_split, heads, None if paged is None else tuple(
+    compiled kernel's occupancy) and the paged caches' layout."""
+    cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob))
+    key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
         tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
     if plan is None:
         evict_oldest(_PLANS, _launch.MAX_PLANS)
-        if heads is None:
-            heads = head_tiles(prob, cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob)),
-                               _sm_count(prob.device.index or 0))
-        cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob, heads=heads))
-        plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False, heads)
+        plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False)
     return plan
 
 
@@ -387,9 +364,9 @@ class _Plan:
     torch's allocator); fast calls use the buffer held for their stream (:func:`held_workspace`)."""
 
     def __init__(self, prob: Problem, cfg: DecodeConfig, n_split: int | None, paged: PagedKV | None,
-                 interpret: bool, heads: bool = False):
+                 interpret: bool):
         spec, q = prob.spec, prob.q
-        self.interpret, self.heads, self.merge_rows = interpret, heads, prob.B * prob.Hq * prob.Nq
+        self.interpret, self.merge_rows = interpret, prob.B * prob.Hq * prob.Nq
         if paged is None:
             k, v = prob.k, prob.v
             k_strides, v_strides, s_bt, nb, bs = k.stride(), v.stride(), 0, 1, 1
@@ -400,12 +377,11 @@ class _Plan:
             k_strides, v_strides = (k0, k2, k1, k3), (v0, v2, v1, v3)
             s_bt, nb, bs = bt.stride(0), paged.num_blocks, paged.block_size
         e_strides = (0, 0, 0, 0) if _explicit(prob) is None else _explicit(prob).stride()
-        n_rt = row_tiles(prob, interpret, heads)
+        n_rt = row_tiles(prob, interpret)
         # Everything but the seven tensors, which change from call to call (see _tensors).
         self.fixed = (
             *q.stride(), *k_strides, *v_strides, s_bt, *e_strides,
-            prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, tile_rows(prob, interpret, heads), nb, bs,
-            prob.scale * _kern.LOG2E,
+            prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, bs, prob.scale * _kern.LOG2E,
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
         )
         self.block_d = _block_d(prob.D)
@@ -414,12 +390,11 @@ class _Plan:
         if n_split is None:  # one wave of as many programs as the compiled split kernel fits on the SMs
             device = prob.device.index or 0
             sms = _sm_count(device)
-            n_split = num_splits(prob, cfg, sms, heads=heads)  # assuming PROGRAMS_PER_SM
+            n_split = num_splits(prob, cfg, sms)  # assuming PROGRAMS_PER_SM
             # The occupancy only ever lowers the aim: compile first and look, unless even one program per SM
             # gives the same count (one split, or the ragged rule, which ignores it).
-            if num_splits(prob, cfg, sms, resident=1, heads=heads) != n_split:
-                n_split = num_splits(prob, cfg, sms, resident=self._resident(prob, paged, n_rt, device),
-                                     heads=heads)
+            if num_splits(prob, cfg, sms, resident=1) != n_split:
+                n_split = num_splits(prob, cfg, sms, resident=self._resident(prob, paged, n_rt, device))
         self.n_split = n_split
         self.constants = self._constants(prob, paged, n_rt, n_split == 1)
         self.grid = (n_split, prob.Hkv * n_rt, prob.B)
@@ -429,8 +404,7 @@ class _Plan:
         """The split kernel's constexpr arguments but WRITE_LSE."""
         spec, bd = prob.spec, self.block_d
         return dict(
-            BLOCK_M=block_m(prob, self.interpret, self.heads), BLOCK_N=self.cfg.block_n, BLOCK_D=bd,
-            EVEN_D=bd == prob.D,
+            BLOCK_M=block_m(prob, self.interpret), BLOCK_N=self.cfg.block_n, BLOCK_D=bd, EVEN_D=bd == prob.D,
             HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
             BOTTOM_RIGHT=spec.align == "bottom_right", HAS_KV_LEN=spec.kv_len is not None,
             HAS_Q_LEN=spec.q_len is not None, HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,

@@ -12,12 +12,8 @@ Packing, splitting and the program mapping
 * **GQA packing.** The ``group = Hq // Hkv`` query heads of one kv head and the Nq query rows are packed
   into the M dimension of one tile: packed row ``r = g * Nq + i`` is query head ``kvh * group + g``, row
   ``i``. One program therefore multiplies a [BLOCK_M, D] Q tile by each K tile it loads, and K/V bytes are
-  read once per kv head. BLOCK_M is a power of two >= 16 (tl.dot's minimum); the packed rows are cut into
-  ``row_tiles`` row tiles of ``tile_rows`` rows each (<= BLOCK_M; the tile's other rows are masked), each its
-  own program. ``tile_rows = BLOCK_M`` packs a whole group where it fits; ``tile_rows = Nq`` gives each query
-  head its own program (head tiles: the host picks them when those programs alone fill the GPU, so that no
-  key split and no merge is needed; the group's programs are neighbours in launch order and read the same K/V
-  at about the same time, from L2 after the first).
+  read once per kv head. BLOCK_M is a power of two >= 16 (tl.dot's minimum; rows past ``group * Nq`` are
+  masked); more packed rows than BLOCK_M are cut into row tiles (``row_tiles``), each its own program.
 * **Split-KV.** The keys a kv head's rows may see (``[lo, hi)`` from kv_len, q_len and the causal/window
   band, the same bounds as :meth:`attnlab.masks.MaskSpec.key_range`) are cut into ``S`` nearly equal runs
   of whole key tiles, one per program; a split whose run is empty (a short ragged sequence) writes the
@@ -137,7 +133,7 @@ if triton is not None:
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
         s_btb, s_eb, s_eh, s_ei, s_ej,
-        Hq, Nq, Nk, D, group, row_tiles, tile_rows, num_blocks, block_size, qk_scale, win_left, win_right,
+        Hq, Nq, Nk, D, group, row_tiles, num_blocks, block_size, qk_scale, win_left, win_right,
         Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
@@ -151,7 +147,7 @@ if triton is not None:
         split = tl.program_id(0)
         S = tl.num_programs(0)
         kvh = tl.program_id(1) // row_tiles
-        r0 = (tl.program_id(1) % row_tiles) * tile_rows
+        r0 = (tl.program_id(1) % row_tiles) * BLOCK_M
         b = tl.program_id(2)
         zero = split * 0  # an int32 scalar tensor: keeps every bound a tensor
 
@@ -160,7 +156,7 @@ if triton is not None:
 
         # ---- packed rows: r = g * Nq + i is query head kvh * group + g, row i ---------------------------
         offs_m = r0 + tl.arange(0, BLOCK_M)
-        row_ok = (tl.arange(0, BLOCK_M) < tile_rows) & (offs_m < group * Nq)
+        row_ok = offs_m < group * Nq
         rows = offs_m % Nq
         heads = (kvh * group + offs_m // Nq).to(tl.int64)
         live_row = row_ok & (rows < Lq)
