@@ -249,6 +249,29 @@ def test_num_splits_fills_the_gpu():
     assert td.workspace_bytes(prob(1, 2, 2, 64), 1) == 0
 
 
+def test_deep_config_aims_at_one_program_per_sm():
+    """The contiguous cache's bf16/fp16 D128 config keeps two 128-key K/V tiles in flight and one program per
+    SM: one split per (batch, kv head) where those fill the SMs, no merge; the other cases keep (64, 4, 2)."""
+    def prob(B, Hq, Hkv, Nk, **kw):
+        k = torch.empty(1, 1, 1, 1).expand(B, Hkv, Nk, 128)  # shapes only
+        return make_problem(torch.empty(B, Hq, 1, 128), k, k, **kw)
+
+    deep = td.default_config(BF16, 128)
+    assert deep == td.DEEP_CONFIG == td.default_config(F16, 128) and deep.per_sm == 1
+    for B, Hkv, Nk, want in [(16, 8, 4096, 1), (8, 8, 8192, 2), (1, 8, 32768, 16), (1, 32, 131072, 4),
+                             (8, 32, 8192, 1)]:
+        assert td.num_splits(prob(B, 32, Hkv, Nk), deep, 132) == want
+        assert td.num_splits(prob(B, 32, Hkv, Nk), deep, 132, resident=3) == want  # per_sm caps what fits
+    shallow = td.DecodeConfig(64, 4, 2)
+    assert td.default_config(BF16, 128, paged=True) == td.DecodeConfig(64, 4, 2, maxnreg=128)
+    assert td.default_config(BF16, 128, rows=32) == shallow
+    assert td.default_config(BF16, 128, wide_ragged=True) == shallow
+    assert td.default_config(BF16, 128, deep_fits=False) == shallow
+    assert td.default_config(BF16, 64) == shallow
+    ragged = prob(16, 32, 32, 16384, kv_len=[16384 - 100 * b for b in range(16)])
+    assert td.wide_ragged(ragged, 132) and not td.wide_ragged(prob(16, 32, 32, 16384), 132)
+
+
 def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
     """A GPU plan with no forced split count compiles its split kernel first (warmup, bound here to the
     kernel's own signature: an argument list out of step with it fails) and fills one wave of what fits."""

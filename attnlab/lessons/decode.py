@@ -86,7 +86,7 @@ def occupancy(configs: pd.DataFrame, sms: int = 132) -> pd.DataFrame:
     for r in configs.itertuples():
         dt = getattr(torch, str(r.dtype).replace("torch.", ""))
         prob = shape_problem(r.B, r.Hq, r.Hkv, r.Nq, r.Nk, r.D, dt)
-        cfg = dec.default_config(dt, r.D)
+        cfg = dec.default_config(dt, r.D, rows=dec.block_m(prob), wide_ragged=dec.wide_ragged(prob, sms))
         rt = dec.row_tiles(prob)
         s = dec.num_splits(prob, cfg, sms)
         rows.append({"config": config_label(r.B, r.Hq, r.Hkv, r.Nk, r.Nq), "block_m": dec.block_m(prob),

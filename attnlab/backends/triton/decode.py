@@ -67,6 +67,8 @@ class DecodeConfig:
     num_stages: int = 2
     #: a cap on registers per thread (Triton's ``maxnreg``), or None: more programs fit on an SM at once
     maxnreg: int | None = None
+    #: the programs per SM the split count aims at, or None: as many as fit, at most PROGRAMS_PER_SM
+    per_sm: int | None = None
 
     def options(self) -> dict:
         """The compile options of the split kernel: warps, stages and, when set, the register cap."""
@@ -78,17 +80,35 @@ class DecodeConfig:
 INTERPRETER_CONFIG = DecodeConfig(16, 1, 1)
 
 
-def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 16) -> DecodeConfig:
-    """The GPU config for a dtype and head dim. bf16 D128 on the H200: (64, 4, 2) within a few percent of the
-    best on every shape swept (data/gpu_tests/nvidia-h200-decode-run1.txt and -decode-profile-2026-12-01.txt:
-    graph replay, where the GPU and not the host sets the time). A paged cache's kernel with 16 packed rows
-    (``rows``: BLOCK_M) needs 149-153 registers a thread there, so 3 programs fit on an SM: capped at 128 (a
+#: The config of the contiguous cache, half types, D 128 and at most 16 packed rows: 128-key tiles, three stages
+#: (two K/V tiles, 128 KiB, in flight while one is used), one program per SM. On the H200 (bf16, graph replay)
+#: it was as fast as or faster than (64, 4, 2) at up to 4 programs per SM on every decode-suite configuration
+#: but the ragged MHA one: B16 Hq32 Hkv8 Nk4k 65.5 against 67.5 us (one split, no merge), B1 Hkv8 Nk32k
+#: 37.6 against 37.8, B8 Hkv8 Nk8k 66.5 against 67.3, B1 Hkv32 Nk131k 468.4 against 469.6; B16 Hkv32 Nk16k
+#: ragged 695.5 against 660.4 (data/gpu_tests/nvidia-h200-decode-deep-sweep-2.txt).
+DEEP_CONFIG = DecodeConfig(128, 4, 3, per_sm=1)
+#: Shared memory a block of DEEP_CONFIG's split kernel needs (136 KiB compiled for sm_90 with triton 3.6): GPUs
+#: that give a block less (consumer GPUs: about 100 KiB) run (64, 4, 2).
+DEEP_SHARED_BYTES = 144 * 1024
+
+
+def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 16,
+                   wide_ragged: bool = False, deep_fits: bool = True) -> DecodeConfig:
+    """The GPU config for a dtype and head dim. bf16 D128 on the H200, a contiguous cache: DEEP_CONFIG, but
+    (64, 4, 2) at up to 4 programs per SM with ragged lengths when the (batch, kv head, row tile) programs
+    alone fill the SMs (``wide_ragged``: many short splits even the load out there; :func:`num_splits`), with
+    more than 16 packed rows (``rows``: BLOCK_M; not measured deep) and for the paged cache, whose kernel was
+    1.4-1.9x slower at one program per SM (its K/V loads gather rows block by block), and where a block cannot
+    have DEEP_SHARED_BYTES of shared memory (``deep_fits``). A paged cache's kernel
+    with 16 packed rows needs 149-153 registers a thread there, so 3 programs fit on an SM: capped at 128 (a
     few spills), 4 do, and the paged cache runs at 0.92-0.99x the dense one instead of 0.72-0.94x (B8 Hkv32
     Nk8k 246 us against 333: data/gpu_tests/nvidia-h200-decode-occupancy.txt and -decode-graph-5cb7f5f.txt). Larger
     row tiles were not measured capped, and ROCm's Triton has no such option: uncapped there."""
     block_d = _block_d(D)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2) if block_d <= 128 else DecodeConfig(16, 4, 2)
+    if block_d == 128 and not paged and rows <= 16 and not wide_ragged and deep_fits:
+        return DEEP_CONFIG
     if block_d <= 128:
         cap = paged and rows <= 16 and torch.version.hip is None
         return DecodeConfig(64, 4, 2, maxnreg=128 if cap else None)
@@ -109,20 +129,27 @@ def row_tiles(prob: Problem, interpret: bool = False) -> int:
 def num_splits(prob: Problem, cfg: DecodeConfig, sm_count: int, interpret: bool = False,
                resident: int | None = None) -> int:
     """How many splits each (batch entry, kv head, row tile) gets: as many programs as run on the SMs at
-    once (one wave: ``resident`` programs per SM, :func:`resident_programs`, at most PROGRAMS_PER_SM), and no
+    once (one wave: ``resident`` programs per SM, :func:`resident_programs`, at most the config's ``per_sm`` or
+    PROGRAMS_PER_SM), and no
     more, since a second, partial wave leaves most SMs idle at the end; each split at least
     MIN_TILES_PER_SPLIT key tiles; then evened out so that the tiles divide nearly equally. With ragged kv_len
     and the SMs already full, PROGRAMS_PER_SM_WIDE_RAGGED per SM. A host-side choice: device lengths are not
     read back."""
     tiles = max(1, (prob.Nk + cfg.block_n - 1) // cfg.block_n)
     base = max(1, prob.B * prob.Hkv * row_tiles(prob, interpret))
-    per_sm = min(resident, PROGRAMS_PER_SM) if resident else PROGRAMS_PER_SM
-    if base >= sm_count and prob.spec.kv_len is not None:
+    per_sm = min(resident or PROGRAMS_PER_SM, cfg.per_sm or PROGRAMS_PER_SM)
+    if wide_ragged(prob, sm_count, interpret):
         per_sm = PROGRAMS_PER_SM_WIDE_RAGGED
     want = (per_sm * sm_count) // base
     s = max(1, min(want, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
     per = (tiles + s - 1) // s
     return (tiles + per - 1) // per
+
+
+def wide_ragged(prob: Problem, sm_count: int, interpret: bool = False) -> bool:
+    """Ragged kv_len while the (batch entry, kv head, row tile) programs alone fill the SMs (:func:`num_splits`
+    then aims at PROGRAMS_PER_SM_WIDE_RAGGED per SM)."""
+    return prob.spec.kv_len is not None and prob.B * prob.Hkv * row_tiles(prob, interpret) >= sm_count
 
 
 def programs_per_sm(regs: int, shared: int, num_warps: int, *, regs_per_sm: int = 65536,
@@ -155,6 +182,13 @@ def resident_programs(kernel, num_warps: int, device_index: int) -> int | None:
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _deep_fits(device_index: int) -> bool:
+    """Whether a block on GPU ``device_index`` may use DEEP_SHARED_BYTES of shared memory."""
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", 0) >= DEEP_SHARED_BYTES
 
 
 @functools.cache
@@ -249,7 +283,9 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
     """The plan of ``prob``'s call signature (attnlab.attention makes a new Problem per call): what the fused
     forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
     compiled kernel's occupancy) and the paged caches' layout."""
-    cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob))
+    device = prob.device.index or 0
+    cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob),
+                                wide_ragged(prob, _sm_count(device)), _deep_fits(device))
     key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
         tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
