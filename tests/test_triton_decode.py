@@ -251,7 +251,8 @@ def test_num_splits_fills_the_gpu():
 
 def test_deep_config_aims_at_one_program_per_sm():
     """The contiguous cache's bf16/fp16 D128 config keeps two 128-key K/V tiles in flight and one program per
-    SM: one split per (batch, kv head) where those fill the SMs, no merge; the other cases keep (64, 4, 2)."""
+    SM: one split per (batch, kv head) where those fill the SMs, no merge; the other cases (kv_len, paged,
+    more rows, D64, too little shared memory) keep (64, 4, 2)."""
     def prob(B, Hq, Hkv, Nk, **kw):
         k = torch.empty(1, 1, 1, 1).expand(B, Hkv, Nk, 128)  # shapes only
         return make_problem(torch.empty(B, Hq, 1, 128), k, k, **kw)
@@ -265,7 +266,7 @@ def test_deep_config_aims_at_one_program_per_sm():
     shallow = td.DecodeConfig(64, 4, 2)
     assert td.default_config(BF16, 128, paged=True) == td.DecodeConfig(64, 4, 2, maxnreg=128)
     assert td.default_config(BF16, 128, rows=32) == shallow
-    assert td.default_config(BF16, 128, wide_ragged=True) == shallow
+    assert td.default_config(BF16, 128, ragged=True) == shallow
     assert td.default_config(BF16, 128, deep_fits=False) == shallow
     assert td.default_config(BF16, 64) == shallow
     ragged = prob(16, 32, 32, 16384, kv_len=[16384 - 100 * b for b in range(16)])

@@ -81,16 +81,18 @@ def occupancy(configs: pd.DataFrame, sms: int = 132) -> pd.DataFrame:
     """Programs launched per configuration: the fused forward (one per query head and batch entry: a few
     query rows fit one of its row tiles), the decode path packed without a split (one per kv head, batch
     entry and row tile) and with the split count :func:`attnlab.backends.triton.decode.num_splits` picks
-    for ``sms`` SMs."""
+    for ``sms`` SMs with the config the decode path takes for equal lengths (no kv_len) and a contiguous
+    cache (``kernel``: key tile and pipeline stages)."""
     rows = []
     for r in configs.itertuples():
         dt = getattr(torch, str(r.dtype).replace("torch.", ""))
         prob = shape_problem(r.B, r.Hq, r.Hkv, r.Nq, r.Nk, r.D, dt)
-        cfg = dec.default_config(dt, r.D, rows=dec.block_m(prob), wide_ragged=dec.wide_ragged(prob, sms))
+        cfg = dec.default_config(dt, r.D, rows=dec.block_m(prob))
         rt = dec.row_tiles(prob)
         s = dec.num_splits(prob, cfg, sms)
         rows.append({"config": config_label(r.B, r.Hq, r.Hkv, r.Nk, r.Nq), "block_m": dec.block_m(prob),
-                     "row_tiles": rt, "splits": s, "fused forward": r.B * r.Hq,
+                     "kernel": f"{cfg.block_n} keys, {cfg.num_stages} stages", "row_tiles": rt, "splits": s,
+                     "fused forward": r.B * r.Hq,
                      "packed, no split": r.B * r.Hkv * rt, "packed + split": r.B * r.Hkv * rt * s,
                      "keys per split": math.ceil(r.Nk / s),
                      "workspace_bytes": dec.workspace_bytes(prob, s)})
@@ -358,3 +360,55 @@ def merge_ab_story(ab: pd.DataFrame) -> str:
             f"us): the merge then runs at the end of the kernel, one program per column after its last split. "
             f"Back to back, host and GPU overlapped, it is {stream.min():+.1f} to {stream.max():+.1f} us a "
             f"call against the merge kernel, so the decode path keeps the second kernel.")
+
+
+# ---- pipeline depth against the split count ----------------------------------------------------------------
+_DEEP_CASE = re.compile(r"^bf16_b(\d+)_hq(\d+)_hkv(\d+)_nk(\d+)_d\d+(_kvlen)?\s+(.*)$")
+_DEEP_CELL = re.compile(r"^(?:default S=(\d+)|cudnn|(\d+)/(\d+)/(\d+) S(\d+)(?: p(\d+))?) ([\d.]+)( BAD| DIFFERS)?$")
+
+
+def parse_deep_sweep(path: str | Path) -> pd.DataFrame | None:
+    """The cells of a scripts/decode_deep_sweep.py log (data/gpu_tests/nvidia-h200-decode-deep-sweep-2.txt):
+    per config (``ragged``: seeded kv_len), ``variant`` (``default``, ``cudnn`` or ``block_n/warps/stages``),
+    split count ``S`` (None for cuDNN), ``paged`` block size (0: the contiguous cache), ``us`` (CUDA-graph
+    replay) and ``ok`` (the output agreed). None if the file is missing."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    rows = []
+    for m in filter(None, map(_DEEP_CASE.match, path.read_text().splitlines())):
+        B, Hq, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3, 4))
+        label = config_label(B, Hq, Hkv, Nk) + (" ragged" if m.group(5) else "")
+        for cell in m.group(6).split(" | "):
+            c = _DEEP_CELL.match(cell.strip())
+            if c is None:
+                continue
+            if c.group(1):
+                variant, S = "default", int(c.group(1))
+            elif c.group(2):
+                variant, S = f"{c.group(2)}/{c.group(3)}/{c.group(4)}", int(c.group(5))
+            else:
+                variant, S = "cudnn", None
+            rows.append({"config": label, "variant": variant, "S": S, "paged": int(c.group(6) or 0),
+                         "us": float(c.group(7)), "ok": c.group(8) is None})
+    return pd.DataFrame(rows) if rows else None
+
+
+def deep_sweep_table(sweep: pd.DataFrame, variants: Iterable[str] = ("128/4/3", "64/4/4")) -> pd.DataFrame:
+    """Per config (contiguous cache): the default's and cuDNN's us, and each of ``variants`` at its fewest
+    splits (about one program per SM), with its split count and its time over cuDNN's."""
+    dense = sweep[sweep["paged"] == 0]
+    out = []
+    for config, g in dense.groupby("config", sort=False):
+        row = {"config": config}
+        d = g[g["variant"] == "default"].iloc[0]
+        row["default S"], row["default us"] = int(d["S"]), d["us"]
+        cudnn = g[g["variant"] == "cudnn"]["us"].iloc[0]
+        row["cudnn us"] = cudnn
+        for v in variants:
+            rows = g[g["variant"] == v]
+            if len(rows):
+                r = rows.loc[rows["S"].idxmin()]
+                row[f"{v} S"], row[f"{v} us"], row[f"{v} / cudnn"] = int(r["S"]), r["us"], r["us"] / cudnn
+        out.append(row)
+    return pd.DataFrame(out).set_index("config")

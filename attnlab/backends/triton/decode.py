@@ -83,9 +83,10 @@ INTERPRETER_CONFIG = DecodeConfig(16, 1, 1)
 #: The config of the contiguous cache, half types, D 128 and at most 16 packed rows: 128-key tiles, three stages
 #: (two K/V tiles, 128 KiB, in flight while one is used), one program per SM. On the H200 (bf16, graph replay)
 #: it was as fast as or faster than (64, 4, 2) at up to 4 programs per SM on every decode-suite configuration
-#: but the ragged MHA one: B16 Hq32 Hkv8 Nk4k 65.5 against 67.5 us (one split, no merge), B1 Hkv8 Nk32k
-#: 37.6 against 37.8, B8 Hkv8 Nk8k 66.5 against 67.3, B1 Hkv32 Nk131k 468.4 against 469.6; B16 Hkv32 Nk16k
-#: ragged 695.5 against 660.4 (data/gpu_tests/nvidia-h200-decode-deep-sweep-2.txt).
+#: without ragged lengths: B16 Hq32 Hkv8 Nk4k 65.5 against 67.5 us (one split, no merge), B1 Hkv8 Nk32k 37.6
+#: against 37.8, B8 Hkv8 Nk8k 66.5 against 67.3, B1 Hkv32 Nk131k 468.4 against 469.6; but slower with ragged
+#: lengths, where few long programs leave SMs idle once the short sequences are done: B8 Hkv8 Nk32k 207.6
+#: against 200.9, B16 Hkv32 Nk16k 695.5 against 660.4 (data/gpu_tests/nvidia-h200-decode-deep-sweep-2.txt).
 DEEP_CONFIG = DecodeConfig(128, 4, 3, per_sm=1)
 #: Shared memory a block of DEEP_CONFIG's split kernel needs (136 KiB compiled for sm_90 with triton 3.6): GPUs
 #: that give a block less (consumer GPUs: about 100 KiB) run (64, 4, 2).
@@ -93,11 +94,11 @@ DEEP_SHARED_BYTES = 144 * 1024
 
 
 def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 16,
-                   wide_ragged: bool = False, deep_fits: bool = True) -> DecodeConfig:
+                   ragged: bool = False, deep_fits: bool = True) -> DecodeConfig:
     """The GPU config for a dtype and head dim. bf16 D128 on the H200, a contiguous cache: DEEP_CONFIG, but
-    (64, 4, 2) at up to 4 programs per SM with ragged lengths when the (batch, kv head, row tile) programs
-    alone fill the SMs (``wide_ragged``: many short splits even the load out there; :func:`num_splits`), with
-    more than 16 packed rows (``rows``: BLOCK_M; not measured deep) and for the paged cache, whose kernel was
+    (64, 4, 2) at up to 4 programs per SM with kv_len (``ragged``: the host cannot see whether the lengths are
+    equal, and with ragged ones more, shorter splits even the load out; :func:`num_splits`), with more than 16
+    packed rows (``rows``: BLOCK_M; not measured deep) and for the paged cache, whose kernel was
     1.4-1.9x slower at one program per SM (its K/V loads gather rows block by block), and where a block cannot
     have DEEP_SHARED_BYTES of shared memory (``deep_fits``). A paged cache's kernel
     with 16 packed rows needs 149-153 registers a thread there, so 3 programs fit on an SM: capped at 128 (a
@@ -107,7 +108,7 @@ def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 
     block_d = _block_d(D)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2) if block_d <= 128 else DecodeConfig(16, 4, 2)
-    if block_d == 128 and not paged and rows <= 16 and not wide_ragged and deep_fits:
+    if block_d == 128 and not paged and rows <= 16 and not ragged and deep_fits:
         return DEEP_CONFIG
     if block_d <= 128:
         cap = paged and rows <= 16 and torch.version.hip is None
@@ -284,8 +285,8 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
     forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
     compiled kernel's occupancy) and the paged caches' layout."""
     device = prob.device.index or 0
-    cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob),
-                                wide_ragged(prob, _sm_count(device)), _deep_fits(device))
+    cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob), prob.spec.kv_len is not None,
+                                _deep_fits(device))
     key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
         tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
