@@ -189,3 +189,25 @@ def test_parse_pdl_ab_and_its_story(tmp_path):
     assert "across the 2 configs" in story and "equal bit for bit" in story
     log.write_text(log.read_text().replace("bitwise equal True\nB8", "bitwise equal False\nB8", 1))
     assert "NOT equal" in dl.pdl_ab_story(dl.parse_pdl_ab(log))
+
+
+def test_parse_deep_sweep_and_its_table(tmp_path):
+    assert dl.parse_deep_sweep(tmp_path / "missing.txt") is None
+    log = tmp_path / "deep.txt"
+    log.write_text("# a header line\n"
+                   "bf16_b16_hq32_hkv8_nk4096_d128       default S=4 67.5 | cudnn 62.6 | 128/4/3 S1 65.5 | "
+                   "128/4/3 S1 p16 92.1 | 128/4/3 S2 71.6 | 64/4/4 S1 64.2 BAD\n"
+                   "bf16_b8_hq32_hkv8_nk32768_d128_kvlen default S=6 200.9 | cudnn 245.9 | 128/4/3 S2 207.6 | "
+                   "128/4/3 S4 201.4 | 64/4/4 S2 KeyError: x\n")
+    sweep = dl.parse_deep_sweep(log)
+    assert len(sweep) == 10  # the failed cell is skipped
+    first = sweep[sweep["config"] == "B16 Hq32 Hkv8 Nk4k"]
+    assert list(first["variant"]) == ["default", "cudnn", "128/4/3", "128/4/3", "128/4/3", "64/4/4"]
+    assert list(first["paged"]) == [0, 0, 0, 16, 0, 0] and list(first["ok"]) == [True] * 5 + [False]
+    assert set(sweep["config"]) == {"B16 Hq32 Hkv8 Nk4k", "B8 Hq32 Hkv8 Nk32k ragged"}
+    table = dl.deep_sweep_table(sweep)
+    row = table.loc["B16 Hq32 Hkv8 Nk4k"]
+    assert row["default S"] == 4 and row["128/4/3 S"] == 1 and row["128/4/3 us"] == 65.5  # fewest splits, dense
+    assert row["128/4/3 / cudnn"] == pytest.approx(65.5 / 62.6)
+    assert table.loc["B8 Hq32 Hkv8 Nk32k ragged", "128/4/3 us"] == 207.6
+    assert pd.isna(table.loc["B8 Hq32 Hkv8 Nk32k ragged", "64/4/4 us"])
