@@ -211,3 +211,12 @@ def test_parse_deep_sweep_and_its_table(tmp_path):
     assert row["128/4/3 / cudnn"] == pytest.approx(65.5 / 62.6)
     assert table.loc["B8 Hq32 Hkv8 Nk32k ragged", "128/4/3 us"] == 207.6
     assert pd.isna(table.loc["B8 Hq32 Hkv8 Nk32k ragged", "64/4/4 us"])
+
+
+def test_deep_paged_ratio(tmp_path):
+    log = tmp_path / "deep.txt"
+    log.write_text("bf16_b16_hq32_hkv8_nk4096_d128       default S=4 67.5 | cudnn 62.6 | 128/4/3 S1 65.5 | "
+                   "128/4/3 S1 p16 92.1 | 128/4/3 S1 p64 88.6 | 128/4/3 S2 71.6\n")
+    ratio = dl.deep_paged_ratio(dl.parse_deep_sweep(log))
+    assert ratio[("B16 Hq32 Hkv8 Nk4k", 16)] == pytest.approx(92.1 / 65.5)
+    assert ratio[("B16 Hq32 Hkv8 Nk4k", 64)] == pytest.approx(88.6 / 65.5) and len(ratio) == 2

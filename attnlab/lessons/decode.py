@@ -412,3 +412,15 @@ def deep_sweep_table(sweep: pd.DataFrame, variants: Iterable[str] = ("128/4/3", 
                 row[f"{v} S"], row[f"{v} us"], row[f"{v} / cudnn"] = int(r["S"]), r["us"], r["us"] / cudnn
         out.append(row)
     return pd.DataFrame(out).set_index("config")
+
+
+def deep_paged_ratio(sweep: pd.DataFrame, variant: str = "128/4/3") -> pd.Series:
+    """The paged caches' us over the contiguous cache's for ``variant`` at the same split count, per config
+    and block size (the sweep measured paged caches at the fewest splits only)."""
+    g = sweep[sweep["variant"] == variant]
+    dense = g[g["paged"] == 0].set_index(["config", "S"])["us"]
+    dense = dense[~dense.index.duplicated()]  # (two aims can give one split count: the first measurement)
+    paged = g[g["paged"] > 0]
+    return pd.Series([r.us / dense[(r.config, r.S)] for r in paged.itertuples()],
+                     index=pd.MultiIndex.from_frame(paged[["config", "paged"]]), name=f"{variant} paged / dense",
+                     dtype=float)
