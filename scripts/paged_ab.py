@@ -1,10 +1,11 @@
-"""The paged cache's block-table reads, A/B on one GPU: a split-kernel variant module (``git show
-REV:attnlab/backends/triton/decode_kernels.py > scripts/_decode_kernels_REV.py``) against the working tree's
-kernel, each with its paged configs, beside the dense cache, per decode-suite configuration and block size.
+"""The paged cache against the contiguous one on one GPU, per decode-suite configuration and block size: the
+working tree's kernel with its paged config, uncapped and with deeper pipelines, and optionally a split-kernel
+variant module (``git show REV:attnlab/backends/triton/decode_kernels.py > scripts/_decode_kernels_REV.py``, of
+the same signature) with the paged config.
 GPU us by CUDA-graph replay, the sides alternated twice (best of each); err: max |paged out - dense out|
 (none printed: bit for bit).
 
-Usage: ``PYTHONPATH=.:scripts python3 scripts/paged_ab.py MODULE``."""
+Usage: ``PYTHONPATH=.:scripts python3 scripts/paged_ab.py [MODULE]``."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ from attnlab.problem import make_problem
 CURRENT = td._decode_split_kernel
 
 
-def variants(module: str) -> list[tuple[str, object, td.DecodeConfig]]:
-    """The tree's paged config, and the variant module's kernel with deeper pipelines at 1 to 3 programs per
-    SM (block_n/warps/stages, the programs per SM the split count aims at)."""
-    other = importlib.import_module(module)._decode_split_kernel
-    tag = module.rsplit("_", 1)[-1]
-    return [("tree 64/4/2/cap128", CURRENT, td.default_config(torch.bfloat16, 128, paged=True)),
-            (f"{tag} 128/4/5 1/SM", other, td.DecodeConfig(128, 4, 5, per_sm=1)),
-            (f"{tag} 64/4/5 2/SM", other, td.DecodeConfig(64, 4, 5, per_sm=2)),
-            (f"{tag} 64/4/5 3/SM", other, td.DecodeConfig(64, 4, 5, per_sm=3))]
+def variants(module: str | None) -> list[tuple[str, object, td.DecodeConfig]]:
+    """The tree's paged config, uncapped, and deeper pipelines at one and two programs per SM
+    (block_n/warps/stages); with a variant module, its kernel with the tree's paged config too."""
+    sides = [("tree default", CURRENT, td.default_config(torch.bfloat16, 128, paged=True)),
+             ("tree 64/4/2 uncapped", CURRENT, td.DecodeConfig(64, 4, 2)),
+             ("tree 128/4/3 1/SM", CURRENT, td.DEEP_CONFIG),
+             ("tree 64/4/4 2/SM", CURRENT, td.DecodeConfig(64, 4, 4, per_sm=2))]
+    if module:
+        other = importlib.import_module(module)._decode_split_kernel
+        sides.append((f"{module.rsplit('_', 1)[-1]} default", other, sides[0][2]))
+    return sides
 
 
 def run(case, sides) -> None:
@@ -70,7 +73,7 @@ def run(case, sides) -> None:
 
 def main() -> int:
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
-    sides = variants(sys.argv[1])
+    sides = variants(sys.argv[1] if len(sys.argv) > 1 else None)
     for case in decode_suite("cuda"):
         run(case, sides)
         torch.cuda.empty_cache()

@@ -179,6 +179,20 @@ def test_paged_matches_dense(block_size, dtype):
     assert torch.equal(out, dense_out) and torch.equal(lse, dense_lse)  # same keys, same order, same sums
 
 
+@pytest.mark.parametrize("block_size, Nk", [(48, 240), (1, 40)])
+def test_paged_block_sizes_not_powers_of_two(block_size, Nk):
+    """The block size is a compile-time constant of the kernel: any size divides keys into blocks right."""
+    kv_len = [Nk, Nk // 3]
+    case = Case("paged_odd", B=2, Hq=4, Hkv=2, Nq=1, Nk=Nk, D=16, kv_len=tuple(kv_len))
+    q, k, v, kw = make_inputs(case, dtype=F32, device="cpu", seed=9)
+    k_cache, v_cache, table = _paged_from_dense(k, v, block_size, kv_len, seed=3)
+    prob = make_problem(q, k, v, **kw)
+    dense, out = torch.empty_like(q), torch.empty_like(q)
+    td.decode_forward(prob, dense, None, splits=2)
+    td.decode_forward(prob, out, None, k_cache=k_cache, v_cache=v_cache, block_table=table, splits=2)
+    assert torch.equal(out, dense)
+
+
 def test_paged_with_masks_and_gqa_rows():
     Nk, block_size = 80, 16
     case = Case("paged_masks", B=2, Hq=8, Hkv=2, Nq=3, Nk=Nk, D=24, mask="bias_b1qk", kv_len=(80, 37))

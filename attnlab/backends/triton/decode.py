@@ -100,11 +100,11 @@ def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 
     equal, and with ragged ones more, shorter splits even the load out; :func:`num_splits`), with more than 16
     packed rows (``rows``: BLOCK_M; not measured deep) and for the paged cache, whose kernel was
     1.4-1.9x slower at one program per SM (its K/V loads gather rows block by block), and where a block cannot
-    have DEEP_SHARED_BYTES of shared memory (``deep_fits``). A paged cache's kernel
-    with 16 packed rows needs 149-153 registers a thread there, so 3 programs fit on an SM: capped at 128 (a
-    few spills), 4 do, and the paged cache runs at 0.92-0.99x the dense one instead of 0.72-0.94x (B8 Hkv32
-    Nk8k 246 us against 333: data/gpu_tests/nvidia-h200-decode-occupancy.txt and -decode-graph-5cb7f5f.txt). Larger
-    row tiles were not measured capped, and ROCm's Triton has no such option: uncapped there."""
+    have DEEP_SHARED_BYTES of shared memory (``deep_fits``). A paged cache's kernel with 16 packed rows is
+    capped at 128 registers a thread, so that 4 programs fit on an SM: with the block size a run-time value it
+    needed 149-153 (3 fit; 333 us against 246 capped at B8 Hkv32 Nk8k: data/gpu_tests/nvidia-h200-decode-occupancy.txt);
+    with the block size a compile-time constant ptxas gives it 124 for sm_90 (triton 3.6) and the cap binds no
+    more. Larger row tiles were not measured capped, and ROCm's Triton has no such option: uncapped there."""
     block_d = _block_d(D)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2) if block_d <= 128 else DecodeConfig(16, 4, 2)
@@ -406,19 +406,19 @@ class _Plan:
         self.interpret, self.merge_rows = interpret, prob.B * prob.Hq * prob.Nq
         if paged is None:
             k, v = prob.k, prob.v
-            k_strides, v_strides, s_bt, nb, bs = k.stride(), v.stride(), 0, 1, 1
+            k_strides, v_strides, s_bt, nb = k.stride(), v.stride(), 0, 1
         else:
             k, v, bt = paged.k_cache, paged.v_cache, paged.block_table
             # caches [block, slot, head, d], passed as (block, head, slot, d): the dense argument order
             (k0, k1, k2, k3), (v0, v1, v2, v3) = k.stride(), v.stride()
             k_strides, v_strides = (k0, k2, k1, k3), (v0, v2, v1, v3)
-            s_bt, nb, bs = bt.stride(0), paged.num_blocks, paged.block_size
+            s_bt, nb = bt.stride(0), paged.num_blocks
         e_strides = (0, 0, 0, 0) if _explicit(prob) is None else _explicit(prob).stride()
         n_rt = row_tiles(prob, interpret)
         # Everything but the seven tensors, which change from call to call (see _tensors).
         self.fixed = (
             *q.stride(), *k_strides, *v_strides, s_bt, *e_strides,
-            prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, bs, prob.scale * _kern.LOG2E,
+            prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, prob.scale * _kern.LOG2E,
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
         )
         self.block_d = _block_d(prob.D)
@@ -442,6 +442,7 @@ class _Plan:
         spec, bd = prob.spec, self.block_d
         return dict(
             BLOCK_M=block_m(prob, self.interpret), BLOCK_N=self.cfg.block_n, BLOCK_D=bd, EVEN_D=bd == prob.D,
+            BLOCK_SIZE=1 if paged is None else paged.block_size,
             HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
             BOTTOM_RIGHT=spec.align == "bottom_right", HAS_KV_LEN=spec.kv_len is not None,
             HAS_Q_LEN=spec.q_len is not None, HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,

@@ -38,7 +38,9 @@ Packing, splitting and the program mapping
   the split states a stream reuses are never overwritten while read.
 * **Paged KV cache** (FlashAttention's ``flash_attn_with_kvcache`` convention): caches
   ``[num_blocks, block_size, Hkv, D]`` and an int32 ``block_table [B, max_blocks]``; logical key j of batch
-  b is read at ``cache[block_table[b, j // block_size], j % block_size]``. Block ids are clamped to
+  b is read at ``cache[block_table[b, j // block_size], j % block_size]``. The block size is a compile-time
+  constant (``BLOCK_SIZE``; 1 for a dense cache): the key-to-block arithmetic is then shifts and masks, not
+  integer divisions. Block ids are clamped to
   ``[0, num_blocks)`` and no block-table entry at or past kv_len is read, so a bad table never reads out of
   bounds.
 
@@ -64,19 +66,19 @@ if triton is not None:
     from attnlab.backends.triton import tiles
 
     @triton.jit
-    def _block_ids(Bt, t, offs_n, Lk, num_blocks, block_size, BLOCK_N: tl.constexpr):
+    def _block_ids(Bt, t, offs_n, Lk, num_blocks, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
         """The cache block of each key of key tile ``t`` (int64, [BLOCK_N]), read from the block table row
         ``Bt``: ids clamped to [0, num_blocks), and no entry at or past Lk read (0 there)."""
         keys = t * BLOCK_N + offs_n
-        blk = tl.load(Bt + keys // block_size, mask=keys < Lk, other=0)
+        blk = tl.load(Bt + keys // BLOCK_SIZE, mask=keys < Lk, other=0)
         return tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
 
     @triton.jit
-    def _key_offsets(blk, keys, block_size, s_kn, s_kblk, s_vn, s_vblk, PAGED: tl.constexpr):
+    def _key_offsets(blk, keys, s_kn, s_kblk, s_vn, s_vblk, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr):
         """int64 offsets of ``keys``' rows in K and V: dense, key * key stride (the batch is in the base
         pointer); paged, through their blocks ``blk`` (:func:`_block_ids`)."""
         if PAGED:
-            slot = (keys % block_size).to(tl.int64)
+            slot = (keys % BLOCK_SIZE).to(tl.int64)
             return blk * s_kblk + slot * s_kn, blk * s_vblk + slot * s_vn
         else:
             kk = keys.to(tl.int64)
@@ -108,15 +110,16 @@ if triton is not None:
 
     @triton.jit
     def _tile(m_i, l_i, acc, q, t, blk, k_base, v_base, e_rows, rows, row_ok, offs_n, offs_d,
-              Lk, Nk, D, off, win_left, win_right, qk_scale, block_size,
+              Lk, Nk, D, off, win_left, win_right, qk_scale,
               s_kn, s_kblk, s_kd, s_vn, s_vblk, s_vd, s_ej,
-              BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
+              PAGED: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
               HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """Key tile ``t`` of the split: load K and V (dense, or paged through the tile's blocks ``blk``),
         score, update."""
         keys = t * BLOCK_N + offs_n
-        k_off, v_off = _key_offsets(blk, keys, block_size, s_kn, s_kblk, s_vn, s_vblk, PAGED)
+        k_off, v_off = _key_offsets(blk, keys, s_kn, s_kblk, s_vn, s_vblk, BLOCK_SIZE, PAGED)
         k = tiles.load_tile(k_base + k_off[:, None] + offs_d[None, :] * s_kd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
                        UPCAST)
         v = tiles.load_tile(v_base + v_off[:, None] + offs_d[None, :] * s_vd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
@@ -133,10 +136,10 @@ if triton is not None:
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
         s_btb, s_eb, s_eh, s_ei, s_ej,
-        Hq, Nq, Nk, D, group, row_tiles, num_blocks, block_size, qk_scale, win_left, win_right,
+        Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right,
         Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         PAGED: tl.constexpr, FINAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -198,20 +201,20 @@ if triton is not None:
         # Paged: the block ids of the next tile are read one tile ahead, so that the K and V loads of a tile
         # never wait for its block-table read. (Dense: blk is an unused placeholder.)
         if PAGED:
-            blk = _block_ids(Bt, zero + s_lo, offs_n, Lk, num_blocks, block_size, BLOCK_N)
+            blk = _block_ids(Bt, zero + s_lo, offs_n, Lk, num_blocks, BLOCK_SIZE, BLOCK_N)
         else:
             blk = offs_n.to(tl.int64)
         for phase in tl.static_range(3):
             t_begin, t_end = tiles.phase_range(phase, s_lo, a, c, s_hi)
             for t in range(t_begin, t_end):
                 if PAGED:
-                    blk_next = _block_ids(Bt, zero + t + 1, offs_n, Lk, num_blocks, block_size, BLOCK_N)
+                    blk_next = _block_ids(Bt, zero + t + 1, offs_n, Lk, num_blocks, BLOCK_SIZE, BLOCK_N)
                 m_i, l_i, acc = _tile(
                     m_i, l_i, acc, q, zero + t, blk, k_base, v_base, e_rows, rows, row_ok, offs_n, offs_d,
-                    Lk, Nk, D, off, win_left, win_right, qk_scale, block_size,
+                    Lk, Nk, D, off, win_left, win_right, qk_scale,
                     s_kn, s_kb, s_kd, s_vn, s_vb, s_vd, s_ej,
-                    BLOCK_N, phase != 1, EVEN_D, PAGED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, UPCAST,
-                    DOT_PRECISION,
+                    BLOCK_N, BLOCK_SIZE, phase != 1, EVEN_D, PAGED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                    UPCAST, DOT_PRECISION,
                 )
                 if PAGED:
                     blk = blk_next
