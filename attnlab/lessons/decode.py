@@ -87,10 +87,11 @@ def occupancy(configs: pd.DataFrame, sms: int = 132) -> pd.DataFrame:
     for r in configs.itertuples():
         dt = getattr(torch, str(r.dtype).replace("torch.", ""))
         prob = shape_problem(r.B, r.Hq, r.Hkv, r.Nq, r.Nk, r.D, dt)
-        cfg = dec.default_config(dt, r.D, rows=dec.block_m(prob))
+        bm = dec.block_m(prob)
+        cfg = dec.default_config(dt, r.D, rows=bm)
         rt = dec.row_tiles(prob)
         s = dec.num_splits(prob, cfg, sms)
-        rows.append({"config": config_label(r.B, r.Hq, r.Hkv, r.Nk, r.Nq), "block_m": dec.block_m(prob),
+        rows.append({"config": config_label(r.B, r.Hq, r.Hkv, r.Nk, r.Nq), "block_m": bm,
                      "kernel": f"{cfg.block_n} keys, {cfg.num_stages} stages", "row_tiles": rt, "splits": s,
                      "fused forward": r.B * r.Hq,
                      "packed, no split": r.B * r.Hkv * rt, "packed + split": r.B * r.Hkv * rt * s,

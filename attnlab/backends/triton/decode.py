@@ -98,8 +98,9 @@ def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 
     """The GPU config for a dtype and head dim. bf16 D128 on the H200, a contiguous cache: DEEP_CONFIG, but
     (64, 4, 2) at up to 4 programs per SM with kv_len (``ragged``: the host cannot see whether the lengths are
     equal, and with ragged ones more, shorter splits even the load out; :func:`num_splits`), with more than 16
-    packed rows (``rows``: BLOCK_M; not measured deep) and for the paged cache, whose kernel was
-    1.4-1.9x slower at one program per SM (its K/V loads gather rows block by block), and where a block cannot
+    packed rows (``rows``: BLOCK_M; not measured deep) and for the paged cache, whose kernel was slower at one
+    program per SM (1.03-1.18x the contiguous cache's time against 1.01-1.07x: its K/V loads gather rows block
+    by block; data/gpu_tests/nvidia-h200-paged-ab-27fec02.txt), and where a block cannot
     have DEEP_SHARED_BYTES of shared memory (``deep_fits``). A paged cache's kernel with 16 packed rows is
     capped at 128 registers a thread, so that 4 programs fit on an SM: with the block size a run-time value it
     needed 149-153 (3 fit; 333 us against 246 capped at B8 Hkv32 Nk8k: data/gpu_tests/nvidia-h200-decode-occupancy.txt);
@@ -131,8 +132,7 @@ def num_splits(prob: Problem, cfg: DecodeConfig, sm_count: int, interpret: bool 
                resident: int | None = None) -> int:
     """How many splits each (batch entry, kv head, row tile) gets: as many programs as run on the SMs at
     once (one wave: ``resident`` programs per SM, :func:`resident_programs`, at most the config's ``per_sm`` or
-    PROGRAMS_PER_SM), and no
-    more, since a second, partial wave leaves most SMs idle at the end; each split at least
+    PROGRAMS_PER_SM), and no more, since a second, partial wave leaves most SMs idle at the end; each split at least
     MIN_TILES_PER_SPLIT key tiles; then evened out so that the tiles divide nearly equally. With ragged kv_len
     and the SMs already full, PROGRAMS_PER_SM_WIDE_RAGGED per SM. A host-side choice: device lengths are not
     read back."""
@@ -283,15 +283,15 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
              paged: PagedKV | None = None) -> _Plan:
     """The plan of ``prob``'s call signature (attnlab.attention makes a new Problem per call): what the fused
     forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
-    compiled kernel's occupancy) and the paged caches' layout."""
-    device = prob.device.index or 0
-    cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob), prob.spec.kv_len is not None,
-                                _deep_fits(device))
+    compiled kernel's occupancy) and the paged caches' layout. The default config (``cfg`` None) follows from
+    the signature alone, so it is chosen only when the plan is made."""
     key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
         tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
     if plan is None:
         evict_oldest(_PLANS, _launch.MAX_PLANS)
+        cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob),
+                                    prob.spec.kv_len is not None, _deep_fits(prob.device.index or 0))
         plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False)
     return plan
 
