@@ -223,6 +223,72 @@ def test_paged_validation():
 
 
 # ------------------------------------------------------------------------------------------------------
+# Flat splits: one run of tiles per program across (batch entry, kv head, row tile) units
+# ------------------------------------------------------------------------------------------------------
+FLAT_CASES = [
+    Case("flat_gqa", B=2, Hq=4, Hkv=2, Nq=1, Nk=300, D=24),
+    Case("flat_speculative", B=3, Hq=8, Hkv=2, Nq=3, Nk=77, D=24, causal=True, align="bottom_right"),
+    Case("flat_row_tiles", B=2, Hq=32, Hkv=2, Nq=2, Nk=45, D=24, window=(7, None), align="bottom_right"),
+    Case("flat_causal_tl", B=1, Hq=4, Hkv=1, Nq=2, Nk=50, D=24, causal=True, align="top_left"),
+    Case("flat_no_key_anywhere", B=2, Hq=4, Hkv=2, Nq=1, Nk=30, D=24, window=(None, -1), align="top_left"),
+    Case("flat_bias", B=2, Hq=6, Hkv=2, Nq=3, Nk=77, D=24, mask="bias_full"),
+    Case("flat_bool_false_row", B=2, Hq=4, Hkv=2, Nq=4, Nk=77, D=24, mask="bool_full"),
+]
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7, 40])
+@pytest.mark.parametrize("case", FLAT_CASES, ids=lambda c: c.name)
+def test_flat_splits(case, programs):
+    """Fewer programs than units (a run spans several), about as many (runs end mid-unit) and more (a unit
+    over many runs, up to ceil(P / units) + 1 of them); a window that leaves no key writes 0 and -inf."""
+    q, k, v, kw = make_inputs(case, dtype=F32, device="cpu", seed=1)
+    prob = make_problem(q, k, v, **kw)
+    out = torch.full((prob.B, prob.Hq, prob.Nq, prob.D), float("nan"))
+    lse = torch.full((prob.B, prob.Hq, prob.Nq), float("nan"))
+    td.decode_forward(prob, out, lse, programs=programs)
+    _check(prob, out, lse)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_flat_splits_half_and_no_lse(dtype):
+    case = Case("flat_half", B=3, Hq=8, Hkv=2, Nq=1, Nk=200, D=40)
+    q, k, v, kw = make_inputs(case, dtype=dtype, device="cpu", seed=2)
+    prob = make_problem(q, k, v, **kw)
+    out, lse = torch.empty_like(q), torch.empty(3, 8, 1)
+    td.decode_forward(prob, out, lse, programs=5)
+    _check(prob, out, lse)
+    again = torch.empty_like(q)
+    td.decode_forward(prob, again, None, programs=5)  # without lse: the same out
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("block_size", [16, 48])
+def test_flat_splits_paged_matches_dense(block_size):
+    case = Case("flat_paged", B=3, Hq=8, Hkv=2, Nq=2, Nk=96, D=24, causal=True, align="bottom_right")
+    q, k, v, kw = make_inputs(case, dtype=F32, device="cpu", seed=4)
+    prob = make_problem(q, k, v, **kw)
+    k_cache, v_cache, table = _paged_from_dense(k, v, block_size, [96] * 3, seed=2)
+    for programs in (2, 13):
+        dense, out = torch.empty_like(q), torch.empty_like(q)
+        td.decode_forward(prob, dense, None, programs=programs)
+        td.decode_forward(prob, out, None, k_cache=k_cache, v_cache=v_cache, block_table=table,
+                          programs=programs)
+        assert torch.equal(out, dense)
+
+
+def test_flat_splits_refuse_lengths():
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 40, 16)
+    out = torch.empty_like(q)
+    for lengths in ({"kv_len": [40, 7]}, {"q_len": [1, 0]}):
+        prob = make_problem(q, k, k, **lengths)
+        assert not td.flat_supported(prob)
+        with pytest.raises(ValueError, match="kv_len or q_len"):
+            td.decode_forward(prob, out, None, programs=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        td.decode_forward(make_problem(q, k, k), out, None, programs=0)
+
+
+# ------------------------------------------------------------------------------------------------------
 # Host-side choices
 # ------------------------------------------------------------------------------------------------------
 def test_supported_and_lse_optional():
