@@ -21,9 +21,9 @@ from attnlab.problem import make_problem
 
 #: (config, programs per SM)
 FLAT = [(td.DEEP_CONFIG, 1), (td.DecodeConfig(64, 4, 2), 2), (td.DecodeConfig(64, 4, 2), 4),
-        (td.DecodeConfig(64, 4, 3), 2), (td.DecodeConfig(64, 4, 4), 2)]
+        (td.DecodeConfig(64, 4, 3), 2)]
 #: paged runs: (config, programs per SM)
-PAGED = [(td.DEEP_CONFIG, 1), (td.DecodeConfig(64, 4, 2, maxnreg=128), 4), (td.DecodeConfig(64, 4, 3), 2)]
+PAGED = [(td.DEEP_CONFIG, 1), (td.DecodeConfig(64, 4, 2, maxnreg=128), 4)]
 
 
 def probe(case, sms: int) -> None:
