@@ -48,10 +48,6 @@ PROGRAMS_PER_SM_WIDE_RAGGED = 16
 #: B16 Hkv8 Nk4k, B8 Hkv8 Nk8k, B1 Hkv8 Nk32k and B1 Hkv8 Nk131k, and slower back to back too (B1 Hkv8
 #: Nk32k 51.7 against 41.9 us a call: data/gpu_tests/nvidia-h200-merge-ab-87c02c2.txt).
 MERGE_BLOCK_D = 32
-#: Whether GPU plans made from now on cut the keys into flat splits where they can (:func:`flat_supported`):
-#: one 1-D grid of as many programs as run at once, each a nearly equal run of the tiles of all (batch
-#: entry, kv head, row tile) units laid end to end (ATTNLAB_DECODE_FLAT=0: the (split, unit) grid always).
-FLAT: bool = os.environ.get("ATTNLAB_DECODE_FLAT", "0") != "0"
 #: The interpreter's fixed split count when none is forced (so CPU runs exercise the merge).
 INTERPRETER_SPLITS = 3
 #: Whether plans made from now on launch the merge by programmatic dependent launch on GPUs that have it
@@ -204,12 +200,6 @@ def _has_pdl(device_index: int) -> bool:
             and torch.cuda.get_device_capability(device_index)[0] >= 9)
 
 
-def flat_supported(prob: Problem) -> bool:
-    """Whether flat splits can run ``prob``: every sequence sees the same keys (no kv_len or q_len), so that
-    each unit has the same number of key tiles."""
-    return prob.spec.kv_len is None and prob.spec.q_len is None
-
-
 def _state_rows(prob: Problem, splits: int) -> tuple[int, int]:
     """(rows, padded): the split states' rows, (b, h, i, split), and that count rounded up to a multiple of 4,
     so that l and acc, which follow m in one allocation, start 16-byte aligned like m (the compiled kernels
@@ -218,13 +208,12 @@ def _state_rows(prob: Problem, splits: int) -> tuple[int, int]:
     return rows, -(-rows // 4) * 4
 
 
-def workspace_bytes(prob: Problem, splits: int, units: int = 0) -> int:
-    """Extra device memory of the split states: m, l and acc (float32) per (b, h, i, split), and with flat
-    splits a run count per unit (``units``); 0 for one split."""
+def workspace_bytes(prob: Problem, splits: int) -> int:
+    """Extra device memory of the split states: m, l and acc (float32) per (b, h, i, split); 0 for one."""
     if splits <= 1:
         return 0
     rows, padded = _state_rows(prob, splits)
-    return (2 * padded + rows * prob.D + units) * 4
+    return (2 * padded + rows * prob.D) * 4
 
 
 def decode_supported(prob: Problem) -> str | None:
@@ -255,7 +244,6 @@ def decode_forward(
     splits: int | None = None,
     config: DecodeConfig | None = None,
     paged: PagedKV | None = None,
-    programs: int | None = None,
 ) -> None:
     """Split-KV decode of ``prob`` into ``out`` ([B, Hq, Nq, D] view, q's dtype) and ``lse`` ([B, Hq, Nq]
     float32, or None), writing every element (the backend contract of :meth:`attnlab.backends.Backend.forward`).
@@ -266,8 +254,7 @@ def decode_forward(
     ``block_size`` is optional (it is the caches' second dim). ``splits`` forces the split count (default:
     :func:`num_splits`; a fixed INTERPRETER_SPLITS on CPU); ``config`` the GPU tile config. ``paged``: a cache
     :func:`attnlab.paged.paged_kv` has already validated (the backend's ``forward_paged`` passes it), in place
-    of the three tensors. ``programs``: flat splits over that many programs (no kv_len or q_len; ``splits``
-    then does not apply).
+    of the three tensors.
 
     GPU calls of one signature share a launch plan (:func:`gpu_plan`), launched without Triton's JIT dispatch.
     """
@@ -285,27 +272,27 @@ def decode_forward(
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be at least 1; got {splits}")
     if not prob.q.is_cuda:
-        _Plan(prob, config or INTERPRETER_CONFIG, None if programs else splits or INTERPRETER_SPLITS, paged, True,
-              programs).launch(prob, paged, out, lse)
+        _Plan(prob, config or INTERPRETER_CONFIG, splits or INTERPRETER_SPLITS, paged, True).launch(
+            prob, paged, out, lse)
         return
     with torch.cuda.device(prob.device):
-        gpu_plan(prob, config, splits, paged, programs).launch(prob, paged, out, lse)
+        gpu_plan(prob, config, splits, paged).launch(prob, paged, out, lse)
 
 
 def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None = None,
-             paged: PagedKV | None = None, programs: int | None = None) -> _Plan:
+             paged: PagedKV | None = None) -> _Plan:
     """The plan of ``prob``'s call signature (attnlab.attention makes a new Problem per call): what the fused
     forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
     compiled kernel's occupancy) and the paged caches' layout. The default config (``cfg`` None) follows from
     the signature alone, so it is chosen only when the plan is made."""
-    key = (_launch._signature(prob), cfg, n_split, programs, FLAT, None if paged is None else tuple(
+    key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
         tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
     if plan is None:
         evict_oldest(_PLANS, _launch.MAX_PLANS)
         cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob),
                                     prob.spec.kv_len is not None, _deep_fits(prob.device.index or 0))
-        plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False, programs)
+        plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False)
     return plan
 
 
@@ -414,26 +401,29 @@ class _Plan:
     torch's allocator); fast calls use the buffer held for their stream (:func:`held_workspace`)."""
 
     def __init__(self, prob: Problem, cfg: DecodeConfig, n_split: int | None, paged: PagedKV | None,
-                 interpret: bool, programs: int | None = None):
+                 interpret: bool):
+        spec, q = prob.spec, prob.q
         self.interpret, self.merge_rows = interpret, prob.B * prob.Hq * prob.Nq
+        if paged is None:
+            k, v = prob.k, prob.v
+            k_strides, v_strides, s_bt, nb = k.stride(), v.stride(), 0, 1
+        else:
+            k, v, bt = paged.k_cache, paged.v_cache, paged.block_table
+            # caches [block, slot, head, d], passed as (block, head, slot, d): the dense argument order
+            (k0, k1, k2, k3), (v0, v1, v2, v3) = k.stride(), v.stride()
+            k_strides, v_strides = (k0, k2, k1, k3), (v0, v2, v1, v3)
+            s_bt, nb = bt.stride(0), paged.num_blocks
+        e_strides = (0, 0, 0, 0) if _explicit(prob) is None else _explicit(prob).stride()
         n_rt = row_tiles(prob, interpret)
-        self.n_rt, self.block_m = n_rt, block_m(prob, interpret)
-        self.units = prob.B * prob.Hkv * n_rt  # (batch entry, kv head, row tile)
+        # Everything but the seven tensors, which change from call to call (see _tensors).
+        self.fixed = (
+            *q.stride(), *k_strides, *v_strides, s_bt, *e_strides,
+            prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, prob.scale * _kern.LOG2E,
+            spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
+        )
         self.block_d = _block_d(prob.D)
         self.cfg = cfg
         self.pdl = PDL and not interpret and _has_pdl(prob.device.index or 0)
-        if programs is None and n_split is None and not interpret and flat_supported(prob) and FLAT:
-            device = prob.device.index or 0
-            resident = self._resident(prob, paged, n_rt, device, flat=True) or PROGRAMS_PER_SM
-            programs = min(resident, cfg.per_sm or PROGRAMS_PER_SM) * _sm_count(device)
-        self.flat = programs is not None
-        if self.flat:
-            if not flat_supported(prob):
-                raise ValueError("flat splits need every sequence to see the same keys: no kv_len or q_len")
-            if programs < 1:
-                raise ValueError(f"programs must be at least 1; got {programs}")
-            # a unit's runs: at most ceil(P / units) + 1 (slots a row); the merge reads how many it has
-            n_split = -(-programs // self.units) + 1
         if n_split is None:  # one wave of as many programs as the compiled split kernel fits on the SMs
             device = prob.device.index or 0
             sms = _sm_count(device)
@@ -443,32 +433,11 @@ class _Plan:
             if num_splits(prob, cfg, sms, resident=1) != n_split:
                 n_split = num_splits(prob, cfg, sms, resident=self._resident(prob, paged, n_rt, device))
         self.n_split = n_split
-        self.fixed = self._fixed(prob, paged, n_rt, n_split)
-        self.constants = self._constants(prob, paged, n_rt, n_split == 1 and not self.flat, self.flat)
-        self.grid = (programs, 1, 1) if self.flat else (n_split, prob.Hkv * n_rt, prob.B)
-        self.ws_counts = self.units if self.flat else 0
+        self.constants = self._constants(prob, paged, n_rt, n_split == 1)
+        self.grid = (n_split, prob.Hkv * n_rt, prob.B)
         self.kernels: dict[bool, tuple[_Kernel, _Kernel]] = {}  # write_lse -> (split, merge)
 
-    def _fixed(self, prob: Problem, paged: PagedKV | None, n_rt: int, slots: int) -> tuple:
-        """The split kernel's arguments but the seven tensors and the outputs (they change from call to call,
-        see _tensors) and those after the outputs: strides, sizes and scalars."""
-        spec, q = prob.spec, prob.q
-        if paged is None:
-            k_strides, v_strides, s_bt, nb = prob.k.stride(), prob.v.stride(), 0, 1
-        else:
-            # caches [block, slot, head, d], passed as (block, head, slot, d): the dense argument order
-            (k0, k1, k2, k3), (v0, v1, v2, v3) = paged.k_cache.stride(), paged.v_cache.stride()
-            k_strides, v_strides = (k0, k2, k1, k3), (v0, v2, v1, v3)
-            s_bt, nb = paged.block_table.stride(0), paged.num_blocks
-        e_strides = (0, 0, 0, 0) if _explicit(prob) is None else _explicit(prob).stride()
-        return (
-            *q.stride(), *k_strides, *v_strides, s_bt, *e_strides,
-            prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, prob.scale * _kern.LOG2E,
-            spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
-            self.units, slots,
-        )
-
-    def _constants(self, prob: Problem, paged: PagedKV | None, n_rt: int, final: bool, flat: bool) -> dict:
+    def _constants(self, prob: Problem, paged: PagedKV | None, n_rt: int, final: bool) -> dict:
         """The split kernel's constexpr arguments but WRITE_LSE."""
         spec, bd = prob.spec, self.block_d
         return dict(
@@ -477,13 +446,12 @@ class _Plan:
             HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
             BOTTOM_RIGHT=spec.align == "bottom_right", HAS_KV_LEN=spec.kv_len is not None,
             HAS_Q_LEN=spec.q_len is not None, HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
-            PAGED=paged is not None, FINAL=final, FLAT=flat,
+            PAGED=paged is not None, FINAL=final,
             # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast first (exact)
             UPCAST=self.interpret and prob.dtype != torch.float32, DOT_PRECISION="ieee", PDL=self.pdl and not final,
         )
 
-    def _resident(self, prob: Problem, paged: PagedKV | None, n_rt: int, device: int,
-                  flat: bool = False) -> int | None:
+    def _resident(self, prob: Problem, paged: PagedKV | None, n_rt: int, device: int) -> int | None:
         """Programs per SM of the split kernel that stores split states (compiled, not launched, on the
         first call's tensors, as a call without lse launches it, so that such a call finds it compiled), or
         None when that cannot be said (the split count then assumes PROGRAMS_PER_SM)."""
@@ -491,12 +459,10 @@ class _Plan:
         f32 = torch.empty(4, dtype=torch.float32, device=prob.device)  # stands in for the split states
         Hq, Nq, D = prob.Hq, prob.Nq, prob.D
         o_strides = (Hq * Nq * D, Nq * D, D, 1) if prob.layout == "bhnd" else (Nq * Hq * D, D, Hq * D, 1)
-        fixed = self._fixed(prob, paged, n_rt, 2)
-        args = (*_tensors(prob, paged), *fixed, prob.q, prob.q, f32, f32, f32, f32, *o_strides, 0, 0, 0)
+        args = (*_tensors(prob, paged), *self.fixed, prob.q, prob.q, f32, f32, f32, *o_strides, 0, 0, 0)
         try:
-            constants = self._constants(prob, paged, n_rt, False, flat)
-            kernel = _decode_split_kernel.warmup(*args, grid=(1, 1, 1), **cfg.options(), **constants,
-                                                 WRITE_LSE=False)
+            kernel = _decode_split_kernel.warmup(*args, grid=(1, 1, 1), **cfg.options(),
+                                                 **self._constants(prob, paged, n_rt, False), WRITE_LSE=False)
         except Exception:  # a Triton whose warmup differs (tests bind these arguments to the signature)
             return None
         return resident_programs(kernel, cfg.num_warps, device)
@@ -512,25 +478,18 @@ class _Plan:
             merge_d = min(MERGE_BLOCK_D, self.block_d)
             merge = _Kernel(merge_fn, (self.merge_rows, self.block_d // merge_d, 1),
                             dict(BLOCK_S=min(64, _pow2_bucket(self.n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse,
-                                 FLAT=self.flat, PDL=self.pdl),
+                                 PDL=self.pdl),
                             dict(num_warps=2, num_stages=1, **({"launch_pdl": True} if self.pdl else {})))
             got = self.kernels[write_lse] = (split, merge)
         return got
 
     def _workspace(self, prob: Problem, out: torch.Tensor) -> tuple:
-        """The split states m, l, acc and the flat splits' run counts (float32 views of one allocation); out
-        stands in with one split (and for the counts without flat splits)."""
+        """The split states m, l, acc (float32 views of one allocation); out stands in with one split."""
         if self.n_split == 1:
-            return out, out, out, out
+            return out, out, out
         rows, padded = _state_rows(prob, self.n_split)
-        ws = torch.empty(workspace_bytes(prob, self.n_split, self.ws_counts) // 4, dtype=torch.float32,
-                         device=prob.device)
-        acc_end = 2 * padded + rows * prob.D
-        return ws[:rows], ws[padded:padded + rows], ws[2 * padded:acc_end], ws[acc_end:] if self.flat else out
-
-    def _merge_tail(self, prob: Problem) -> tuple:
-        """The merge's arguments after out's and lse's strides."""
-        return prob.Hq, prob.Nq, prob.D, self.n_split, prob.group, self.n_rt, self.block_m
+        ws = torch.empty(workspace_bytes(prob, self.n_split) // 4, dtype=torch.float32, device=prob.device)
+        return ws[:rows], ws[padded:padded + rows], ws[2 * padded:]
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """As the fused forward's :meth:`attnlab.backends.triton.launch._Plan.fast_call`: ``(q, k, v, kv_len,
@@ -542,20 +501,18 @@ class _Plan:
         lse_arg = lse if write_lse else out
         key = _launch.layout_key(out, lse_arg, *self._workspace(prob, out))
         strides = (*out.stride(), *(lse.stride() if write_lse else (0, 0, 0)))
-        merge_tail = self._merge_tail(prob)
-        # split: (q, k, v, block table, kv_len, q_len, mask; fixed; out, lse, m, l, acc, counts; strides),
-        # merge: (m, l, acc, counts, out, lse; strides and sizes)
+        merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
+        # split: (q, k, v, block table, kv_len, q_len, mask; fixed; out, lse, m, l, acc; strides), merge: (m, l,
+        # acc, out, lse; strides and sizes)
         go_split = split.direct(key, 7, self.fixed, strides)
-        go_merge = merge.direct(key, 6, (), (*strides, *merge_tail)) if self.n_split > 1 else None
+        go_merge = merge.direct(key, 5, (), (*strides, *merge_tail)) if self.n_split > 1 else None
         if go_split is None or (self.n_split > 1 and go_merge is None):
             return None
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index = (prob.B, prob.Hq, prob.Nq), prob.device, prob.device.index
         current_stream, pointers = triton.runtime.driver.active.get_current_stream, _launch.pointers
         _, padded = _state_rows(prob, self.n_split)
-        ws_numel = workspace_bytes(prob, self.n_split, self.ws_counts) // 4
-        cnt_off = 4 * (2 * padded + _state_rows(prob, self.n_split)[0] * prob.D)
-        flat = self.flat
+        ws_numel = workspace_bytes(prob, self.n_split) // 4
         lock = _HELD_LOCK
 
         def call(q, k, v, kv_len, q_len, mask, block_table):
@@ -569,7 +526,7 @@ class _Plan:
                                                q if kv_len is None else kv_len, q if q_len is None else q_len,
                                                q if mask is None else mask, o, o if m is None else m))
             if go_merge is None:
-                go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr, o_ptr)
+                go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr)
                 return o, m
             # One allocation for the split states m, l and acc: the stream's held buffer (under the lock, if
             # free), or under graph capture (the graph's private pool), with HOLD_WORKSPACE off or the lock
@@ -581,9 +538,8 @@ class _Plan:
                       else torch.empty(ws_numel, dtype=torch.float32, device=dev))
                 ws_m = ws.data_ptr()
                 ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
-                ws_cnt = ws_m + cnt_off if flat else o_ptr
-                go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc, ws_cnt)
-                go_merge(stream, ws_m, ws_l, ws_acc, ws_cnt, o_ptr, l_ptr)
+                go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
+                go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
             finally:
                 if held:
                     lock.release()
@@ -597,12 +553,12 @@ class _Plan:
         split, merge = self._kernels(lse is not None)
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
         l_strides = lse.stride() if lse is not None else (0, 0, 0)
-        ws_m, ws_l, ws_acc, ws_cnt = self._workspace(prob, out)
-        per_call = (out, lse_arg, ws_m, ws_l, ws_acc, ws_cnt, *out.stride(), *l_strides)
-        key = _launch.layout_key(out, lse_arg, ws_m, ws_l, ws_acc, ws_cnt)
+        ws_m, ws_l, ws_acc = self._workspace(prob, out)
+        per_call = (out, lse_arg, ws_m, ws_l, ws_acc, *out.stride(), *l_strides)
+        key = _launch.layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
         device = prob.device.index or 0
         with _interp.interpreter(_decode_merge_kernel) if self.interpret else contextlib.nullcontext():
             split.launch((*_tensors(prob, paged), *self.fixed, *per_call), key, device)
             if S > 1:
-                merge.launch((ws_m, ws_l, ws_acc, ws_cnt, out, lse_arg, *out.stride(), *l_strides,
-                              *self._merge_tail(prob)), key, device)
+                merge.launch((ws_m, ws_l, ws_acc, out, lse_arg, *out.stride(), *l_strides, prob.Hq, prob.Nq,
+                              prob.D, S), key, device)

@@ -20,13 +20,6 @@ Packing, splitting and the program mapping
   empty state m = -inf, l = 0, acc = 0. The grid is ``(S, Hkv * row_tiles, B)``: the splits of one head
   are neighbours in launch order. ``S`` follows from B, Hkv, Nk, the SM count and how many programs of
   the compiled kernel fit on an SM (one wave: :func:`num_splits`).
-* **Flat splits** (no kv_len or q_len: every unit, a (batch entry, kv head, row tile), has the same T key
-  tiles). The grid is 1-D, P programs, and the ``units * T`` tiles laid end to end are cut into P nearly
-  equal runs, so that every SM gets the same work when B * Hkv does not divide by the SM count (the (split,
-  unit) grid's B * Hkv * S programs use 128 of an H200's 132 SMs at the decode suite's shapes). A run may
-  end one unit and start the next; each unit's runs store their states in slots 0, 1, ... of its rows, a
-  unit inside one run is written out whole, and the program of slot 0 records the unit's run count for
-  the merge.
 * **Online softmax** per packed row, in base 2 as in the fused forward: ``m_i`` (running max of
   ``s = scale * log2(e) * q.k (+ log2(e) * bias)``), ``l_i`` (sum of ``exp2(s - m_i)``) and ``acc`` (sum of
   ``exp2(s - m_i) * v``), float32. Within a split, key tiles that every row sees in full run without any
@@ -143,122 +136,26 @@ if triton is not None:
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
         s_btb, s_eb, s_eh, s_ei, s_ej,
-        Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right, units, slots,
-        Out, Lse, WsM, WsL, WsAcc, WsCount, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
+        Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right,
+        Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-        PAGED: tl.constexpr, FINAL: tl.constexpr, FLAT: tl.constexpr, WRITE_LSE: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        PAGED: tl.constexpr, FINAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # the merge may launch now: it waits for this whole kernel before it reads a state
             gdc_launch_dependents()
-        zero = tl.program_id(0) * 0  # an int32 scalar tensor: keeps every bound a tensor
-        if FLAT:
-            tl.static_assert(not (HAS_KV_LEN or HAS_Q_LEN), "flat splits need the same keys for every unit")
-            _flat_runs(Q, K, V, BlockTable, KvLen, QLen, Explicit, zero,
-                       s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                       s_btb, s_eb, s_eh, s_ei, s_ej,
-                       Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right, units, slots,
-                       Out, Lse, WsM, WsL, WsAcc, WsCount, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
-                       BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, BLOCK_SIZE, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
-                       HAS_MASK, HAS_BIAS, PAGED, WRITE_LSE, UPCAST, DOT_PRECISION)
-        else:
-            # ---- which program: split, (kv head, row tile), batch entry; this split's run of key tiles --
-            split = tl.program_id(0)
-            S = tl.num_programs(0)
-            b = tl.program_id(2)
-            Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
-            t_lo, f_lo, f_hi, t_hi = tiles.key_tiles(zero, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
-                                                     HAS_LEFT, HAS_RIGHT)
-            n_tiles = t_hi - t_lo
-            s_lo = t_lo + (n_tiles * split) // S  # nearly equal runs of whole tiles
-            s_hi = t_lo + (n_tiles * (split + 1)) // S
-            _run(Q, K, V, BlockTable, Explicit, b, tl.program_id(1), s_lo, s_hi, f_lo, f_hi, Lk, Lq, off,
-                 split, S, FINAL,
-                 s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                 s_btb, s_eb, s_eh, s_ei, s_ej,
-                 Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right,
-                 Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
-                 BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, BLOCK_SIZE, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
-                 PAGED, FINAL, WRITE_LSE, UPCAST, DOT_PRECISION)
+        # ---- which program: split, (kv head, row tile), batch entry ------------------------------------
+        split = tl.program_id(0)
+        S = tl.num_programs(0)
+        kvh = tl.program_id(1) // row_tiles
+        r0 = (tl.program_id(1) % row_tiles) * BLOCK_M
+        b = tl.program_id(2)
+        zero = split * 0  # an int32 scalar tensor: keeps every bound a tensor
 
-    @triton.jit
-    def _flat_runs(Q, K, V, BlockTable, KvLen, QLen, Explicit, zero,
-                   s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                   s_btb, s_eb, s_eh, s_ei, s_ej,
-                   Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right, units, slots,
-                   Out, Lse, WsM, WsL, WsAcc, WsCount, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   BOTTOM_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   PAGED: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """Flat splits: the ``units`` (batch entry, kv head, row tile) of T key tiles each, laid end to end,
-        are ``units * T`` tiles, cut into nearly equal runs, one per program (the P of a 1-D grid), so that
-        every SM gets the same work whatever B and Hkv are. A run may end one unit and start the next: it
-        stores one state per unit it touches, in slot ``p - first`` of that unit, ``first`` being the program
-        whose run starts the unit; a unit inside one run is written whole (out and lse). The program of slot
-        0 records the unit's run count in WsCount for the merge. Every unit sees the same keys (no lengths),
-        so T is one number."""
-        p = tl.program_id(0).to(tl.int64)
-        P = tl.num_programs(0)
-        Lk, Lq, off = tiles.lengths(KvLen, QLen, 0, zero, Nq, Nk, False, False, BOTTOM_RIGHT)
-        t_lo, f_lo, f_hi, t_hi = tiles.key_tiles(zero, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
-                                                 HAS_LEFT, HAS_RIGHT)
-        T = (t_hi - t_lo).to(tl.int64)
-        W = T * units  # tiles in all
-        Pe = tl.minimum(W, P)  # programs with work: each run at least one tile
-        cols = (Hq // group) * row_tiles  # units per batch entry
-        if T == 0:  # no unit sees a key: each writes its empty output
-            for u in range(p, units, P):
-                _run(Q, K, V, BlockTable, Explicit, (u // cols).to(tl.int32), (u % cols).to(tl.int32),
-                     t_lo, t_lo, f_lo, f_hi, Lk, Lq, off, zero, slots, True,
-                     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                     s_btb, s_eb, s_eh, s_ei, s_ej,
-                     Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right,
-                     Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
-                     BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, BLOCK_SIZE, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
-                     PAGED, False, WRITE_LSE, UPCAST, DOT_PRECISION)
-                tl.store(WsCount + u, 1.0)
-        elif p < Pe:
-            g_lo = (p * W) // Pe  # this program's tiles [g_lo, g_hi) of all
-            g_hi = ((p + 1) * W) // Pe
-            for u in range(g_lo // T, (g_hi - 1) // T + 1):
-                base = u * T
-                first = ((base + 1) * Pe - 1) // W  # the programs whose runs hold the unit's first and last tile
-                last = ((base + T) * Pe - 1) // W
-                s_lo = (tl.maximum(g_lo, base) - base).to(tl.int32) + t_lo
-                s_hi = (tl.minimum(g_hi, base + T) - base).to(tl.int32) + t_lo
-                _run(Q, K, V, BlockTable, Explicit, (u // cols).to(tl.int32), (u % cols).to(tl.int32),
-                     s_lo, s_hi, f_lo, f_hi, Lk, Lq, off, (p - first).to(tl.int32), slots, first == last,
-                     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                     s_btb, s_eb, s_eh, s_ei, s_ej,
-                     Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right,
-                     Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
-                     BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, BLOCK_SIZE, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
-                     PAGED, False, WRITE_LSE, UPCAST, DOT_PRECISION)
-                if p == first:
-                    tl.store(WsCount + u, (last - first + 1).to(tl.float32))
-
-    @triton.jit
-    def _run(Q, K, V, BlockTable, Explicit, b, col, s_lo, s_hi, f_lo, f_hi, Lk, Lq, off, slot, S, final_now,
-             s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-             s_btb, s_eb, s_eh, s_ei, s_ej,
-             Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right,
-             Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-             BLOCK_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
-             HAS_BIAS: tl.constexpr, PAGED: tl.constexpr, FINAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-             UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """Key tiles [s_lo, s_hi) of unit (batch entry ``b``, column ``col`` = kv head * row_tiles + row tile):
-        the packed Q tile, the three-phase loop ([f_lo, f_hi): the tiles every row sees whole), and the
-        epilogue: out and lse when ``FINAL`` (or, without it, ``final_now``), else the state in ``slot`` of
-        ``S`` per row."""
-        zero = s_lo * 0
-        kvh = col // row_tiles
-        r0 = (col % row_tiles) * BLOCK_M
-        a = tl.minimum(tl.maximum(f_lo, s_lo), s_hi)  # [s_lo, a) partial, [a, c) full, [c, s_hi) partial
-        c = tl.minimum(tl.maximum(f_hi, a), s_hi)
+        # ---- lengths (clamped: a device length is never trusted for addressing) and the diagonal -------
+        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
 
         # ---- packed rows: r = g * Nq + i is query head kvh * group + g, row i ---------------------------
         offs_m = r0 + tl.arange(0, BLOCK_M)
@@ -266,6 +163,21 @@ if triton is not None:
         rows = offs_m % Nq
         heads = (kvh * group + offs_m // Nq).to(tl.int64)
         live_row = row_ok & (rows < Lq)
+        i_last = tl.minimum(Lq, Nq) - 1  # the last live row of any packed head (-1: none)
+
+        # ---- keys [lo, hi) some row may see, [full_lo, full_hi) every row sees; this split's tiles ------
+        lo, hi, full_lo, full_hi = tiles.key_range(zero, zero, i_last, Lk, off, win_left, win_right, HAS_LEFT,
+                                                   HAS_RIGHT)
+        hi = tl.where(i_last >= 0, tl.maximum(hi, lo), lo)
+        t_lo = lo // BLOCK_N
+        t_hi = tl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
+        n_tiles = t_hi - t_lo
+        s_lo = t_lo + (n_tiles * split) // S  # nearly equal runs of whole tiles
+        s_hi = t_lo + (n_tiles * (split + 1)) // S
+        f_lo = (tl.maximum(full_lo, 0) + BLOCK_N - 1) // BLOCK_N
+        f_hi = tl.maximum(full_hi, 0) // BLOCK_N
+        a = tl.minimum(tl.maximum(f_lo, s_lo), s_hi)  # [s_lo, a) partial, [a, c) full, [c, s_hi) partial
+        c = tl.minimum(tl.maximum(f_hi, a), s_hi)
 
         # ---- the packed Q tile, loaded once -------------------------------------------------------------
         offs_n = tl.arange(0, BLOCK_N)
@@ -289,7 +201,7 @@ if triton is not None:
         # Paged: the block ids of the next tile are read one tile ahead, so that the K and V loads of a tile
         # never wait for its block-table read. (Dense: blk is an unused placeholder.)
         if PAGED:
-            blk = _block_ids(Bt, s_lo, offs_n, Lk, num_blocks, BLOCK_SIZE, BLOCK_N)
+            blk = _block_ids(Bt, zero + s_lo, offs_n, Lk, num_blocks, BLOCK_SIZE, BLOCK_N)
         else:
             blk = offs_n.to(tl.int64)
         for phase in tl.static_range(3):
@@ -307,19 +219,17 @@ if triton is not None:
                 if PAGED:
                     blk = blk_next
 
-        # ---- epilogue: padding rows hold the empty state; a whole run normalizes, a part stores its state --
+        # ---- epilogue: padding rows hold the empty state; one split normalizes, several store states ---
+        ws_row = (b64 * Hq + heads) * Nq + rows  # (b, h, i) of each packed row
+        d_ok = row_ok[:, None] & (offs_d < D)[None, :]
         if FINAL:
             _store_final(Out, Lse, b64, heads, rows, offs_d, row_ok, live_row, m_i, l_i, acc, D,
                          s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, WRITE_LSE)
-        elif final_now:
-            _store_final(Out, Lse, b64, heads, rows, offs_d, row_ok, live_row, m_i, l_i, acc, D,
-                         s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, WRITE_LSE)
         else:
-            idx = ((b64 * Hq + heads) * Nq + rows) * S + slot  # (b, h, i) of each packed row, then the slot
+            idx = ws_row * S + split
             tl.store(WsM + idx, tl.where(live_row, m_i, float("-inf")), mask=row_ok)
             tl.store(WsL + idx, tl.where(live_row, l_i, 0.0), mask=row_ok)
-            tl.store(WsAcc + idx[:, None] * D + offs_d[None, :], tl.where(live_row[:, None], acc, 0.0),
-                     mask=row_ok[:, None] & (offs_d < D)[None, :])
+            tl.store(WsAcc + idx[:, None] * D + offs_d[None, :], tl.where(live_row[:, None], acc, 0.0), mask=d_ok)
 
     @triton.jit
     def _store_final(Out, Lse, b64, heads, rows, offs_d, row_ok, live_row, m_i, l_i, acc, D,
@@ -338,18 +248,15 @@ if triton is not None:
 
     @triton.jit
     def _decode_merge_kernel(
-        WsM, WsL, WsAcc, WsCount, Out, Lse, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
-        group, row_tiles, rows_per_tile,
-        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, FLAT: tl.constexpr,
-        PDL: tl.constexpr,
+        WsM, WsL, WsAcc, Out, Lse, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr,
     ):
-        """One program per (b, h, i) row and BLOCK_D columns of it: combine the row's split states (S slots a
-        row; flat splits: as many as WsCount says its unit has, and none when the split kernel wrote the row
-        whole) with the lse rule (module docstring), BLOCK_S at a time with a running max, and write those
-        columns of out (0 when no split saw an allowed key) and, from the first column block, lse (-inf
-        then). Every column block of a row computes the same m and l (a few floats each: cheap), so a few rows
-        with many splits still spread over many programs. With PDL it is launched before the split kernel
-        ends, and waits for that kernel first."""
+        """One program per (b, h, i) row and BLOCK_D columns of it: combine the row's S split states with the
+        lse rule (module docstring), BLOCK_S splits at a time with a running max, and write those columns of
+        out (0 when no split saw an allowed key) and, from the first column block, lse (-inf then). Every
+        column block of a row computes the same m and l (S floats each: cheap), so a few rows with many
+        splits still spread over many programs. With PDL it is launched before the split kernel ends, and
+        waits for that kernel first."""
         if PDL:
             gdc_wait()
         row = tl.program_id(0).to(tl.int64)  # (b * Hq + h) * Nq + i
@@ -357,37 +264,31 @@ if triton is not None:
         i = row % Nq
         h = (row // Nq) % Hq
         b = row // (Nq * Hq)
-        if FLAT:  # the row's unit: (batch entry, kv head, row tile of its packed row (h % group) * Nq + i)
-            unit = (b * (Hq // group) + h // group) * row_tiles + ((h % group) * Nq + i) // rows_per_tile
-            n = tl.load(WsCount + unit).to(tl.int32)
-        else:
-            n = S + 0 * col
-        if n > 1:
-            base = row * S
-            offs_s = tl.arange(0, BLOCK_S)
-            offs_d = col * BLOCK_D + tl.arange(0, BLOCK_D)
-            m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-            l = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-            acc = tl.zeros([BLOCK_D], tl.float32)
-            for s0 in range(0, n, BLOCK_S):
-                ok = s0 + offs_s < n
-                m_s = tl.load(WsM + base + s0 + offs_s, mask=ok, other=float("-inf"))
-                m_new = tl.maximum(m, tl.max(m_s, 0))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weights 0
-                w = tl.math.exp2(m_s - m_safe)  # w_s = exp2(m_s - m)
-                alpha = tl.math.exp2(m - m_safe)
-                l_s = tl.load(WsL + base + s0 + offs_s, mask=ok, other=0.0)
-                a_s = tl.load(WsAcc + (base + s0 + offs_s)[:, None] * D + offs_d[None, :],
-                              mask=ok[:, None] & (offs_d < D)[None, :], other=0.0)
-                l = l * alpha + tl.sum(l_s * w, 0)
-                acc = acc * alpha + tl.sum(a_s * w[:, None], 0)
-                m = m_new
-            live = l != 0.0
-            l_div = tl.where(live, l, 1.0)
-            out = tl.where(live, acc / l_div, 0.0)
-            tl.store(Out + b * s_ob + h * s_oh + i * s_on + offs_d * s_od, out.to(Out.dtype.element_ty),
-                     mask=offs_d < D)
-            if WRITE_LSE:
-                if col == 0:
-                    tl.store(Lse + b * s_lb + h * s_lh + i * s_ln,
-                             tl.where(live, (m + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf")))
+        base = row * S
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = col * BLOCK_D + tl.arange(0, BLOCK_D)
+        m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+        l = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            ok = s0 + offs_s < S
+            m_s = tl.load(WsM + base + s0 + offs_s, mask=ok, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(m_s, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weights 0
+            w = tl.math.exp2(m_s - m_safe)  # w_s = exp2(m_s - m)
+            alpha = tl.math.exp2(m - m_safe)
+            l_s = tl.load(WsL + base + s0 + offs_s, mask=ok, other=0.0)
+            a_s = tl.load(WsAcc + (base + s0 + offs_s)[:, None] * D + offs_d[None, :],
+                          mask=ok[:, None] & (offs_d < D)[None, :], other=0.0)
+            l = l * alpha + tl.sum(l_s * w, 0)
+            acc = acc * alpha + tl.sum(a_s * w[:, None], 0)
+            m = m_new
+        live = l != 0.0
+        l_div = tl.where(live, l, 1.0)
+        out = tl.where(live, acc / l_div, 0.0)
+        tl.store(Out + b * s_ob + h * s_oh + i * s_on + offs_d * s_od, out.to(Out.dtype.element_ty),
+                 mask=offs_d < D)
+        if WRITE_LSE:
+            if col == 0:
+                tl.store(Lse + b * s_lb + h * s_lh + i * s_ln,
+                         tl.where(live, (m + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf")))
