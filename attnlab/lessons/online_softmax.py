@@ -78,8 +78,9 @@ def trace(s: torch.Tensor, v: torch.Tensor, block: int = 1) -> pd.DataFrame:
     """A step-by-step trace of one row: after each block of ``block`` keys, the state and its output.
 
     ``s`` is [N] and ``v`` is [N, D] (D small, for printing). One row per step with the keys seen, the
-    block's max, ``m``, ``alpha`` (the rescale factor), ``l``, ``acc`` (as a list) and the current
-    ``out = acc / l``. The last row's ``out`` equals the softmax of the whole row times v.
+    block's max, ``m``, ``alpha`` (the rescale factor), ``l``, ``acc`` and the current ``out = acc / l``,
+    a float column per component (``acc[0]``, ...: a list of floats in a cell prints differently across
+    pandas versions). The last row's ``out`` equals the softmax of the whole row times v.
     """
     s, v = s.to(torch.float64), v.to(torch.float64)
     st = State.empty(v.shape[-1])
@@ -95,8 +96,8 @@ def trace(s: torch.Tensor, v: torch.Tensor, block: int = 1) -> pd.DataFrame:
             "m": float(st.m),
             "alpha": float(_safe_alpha(m_old, st.m)),
             "l": float(st.l),
-            "acc": [round(float(x), 4) for x in st.acc],
-            "out": [round(float(x), 4) for x in out],
+            **{f"acc[{d}]": float(x) for d, x in enumerate(st.acc)},
+            **{f"out[{d}]": float(x) for d, x in enumerate(out)},
         })
     return pd.DataFrame(rows)
 

@@ -175,7 +175,7 @@ def online_trace(s: torch.Tensor, trace: pd.DataFrame, *, component: int = 0) ->
     ax.plot(x, trace["l"], marker="o", label="l (sum of exp, relative to m)")
     ax.set_ylabel("l (dimensionless)")
     ax2 = ax.twinx()
-    ax2.plot(x, [o[component] for o in trace["out"]], marker="s", color="#2c7a4b",
+    ax2.plot(x, trace[f"out[{component}]"], marker="s", color="#2c7a4b",
              label=f"out[{component}] = acc/l so far")
     ax2.set_ylabel(f"out[{component}] (value units)")
     ax2.grid(False)
