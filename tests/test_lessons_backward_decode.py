@@ -220,3 +220,27 @@ def test_deep_paged_ratio(tmp_path):
     ratio = dl.deep_paged_ratio(dl.parse_deep_sweep(log))
     assert ratio[("B16 Hq32 Hkv8 Nk4k", 16)] == pytest.approx(92.1 / 65.5)
     assert ratio[("B16 Hq32 Hkv8 Nk4k", 64)] == pytest.approx(88.6 / 65.5) and len(ratio) == 2
+
+
+def test_parse_read_ceiling_and_its_table(tmp_path):
+    assert dl.parse_read_ceiling(tmp_path / "missing.txt") is None
+    log = tmp_path / "ceiling.txt"
+    log.write_text("# header\n# NVIDIA H200\n"
+                   "B1 Hkv8 Nk32k (128 MiB), TB/s: torch.sum 3.52\n"
+                   "    8192/8/3 P128 46.5us 2.88\n"
+                   "    4096/4/4 P528 37.4us 3.59\n"
+                   "    4096/4/4 P1056 30.0us 4.47 BAD\n"
+                   "B16 Hkv8 Nk4k (256 MiB), TB/s: torch.sum 3.85\n"
+                   "    8192/8/3 P264 67.8us 3.96\n")
+    reads = dl.parse_read_ceiling(log)
+    assert len(reads) == 6 and list(reads["ok"]) == [True, True, True, False, True, True]
+    assert reads["us"].iloc[0] == pytest.approx(128 * 2**20 / 3.52e6)
+    assert set(reads["config"]) == {"B1 Hq32 Hkv8 Nk32k", "B16 Hq32 Hkv8 Nk4k"}
+    graph = tmp_path / "graph.txt"
+    graph.write_text("B1 Hkv8 Nk32768 sdpa-cudnn             38.1 us   3520 GB/s\n"
+                     "B1 Hkv8 Nk32768 attnlab auto          38.4 us   3494 GB/s\n")
+    table = dl.ceiling_table(dl.parse_graph_profile(graph), reads)
+    assert list(table.index) == ["B1 Hq32 Hkv8 Nk32k"]  # the other config has no graph time
+    row = table.loc["B1 Hq32 Hkv8 Nk32k"]
+    assert row["fastest read"] == "stream 4096/4/4 P528" and row["read us"] == 37.4  # the BAD read is not counted
+    assert row["x read"] == pytest.approx(38.4 / 37.4) and row["K/V MiB"] == 128 and row["cudnn us"] == 38.1

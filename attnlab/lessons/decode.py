@@ -289,6 +289,49 @@ def parse_graph_profile(path: str | Path, *, Hq: int = 32, D: int = 128, itemsiz
     return _matched_rows(path, _GRAPH_ROW, row)
 
 
+_CEILING_SIZE = re.compile(r"^B(\d+) Hkv(\d+) Nk(\d+)k \((\d+) MiB\), TB/s: torch\.sum ([\d.]+)")
+_CEILING_ROW = re.compile(r"^\s+(\d+/\d+/\d+) P(\d+) ([\d.]+)us ([\d.]+)( BAD)?$")
+
+
+def parse_read_ceiling(path: str | Path, *, Hq: int = 32) -> pd.DataFrame | None:
+    """The reads of a scripts/read_ceiling.py log (data/gpu_tests/nvidia-h200-read-ceiling.txt): per config,
+    ``bytes`` (the K/V bytes of that decode shape), ``reader`` (``torch.sum`` or ``stream
+    chunk/warps/stages P<programs>``), ``us`` (CUDA-graph replay), ``tbps`` and ``ok`` (the sum agreed with
+    float64). None if the file is missing."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    rows, config, nbytes = [], None, 0
+    for line in path.read_text().splitlines():
+        if m := _CEILING_SIZE.match(line):
+            B, Hkv, Nk = int(m.group(1)), int(m.group(2)), int(m.group(3)) * 1024
+            config, nbytes, tbps = config_label(B, Hq, Hkv, Nk), int(m.group(4)) * 2**20, float(m.group(5))
+            rows.append({"config": config, "bytes": nbytes, "reader": "torch.sum", "us": nbytes / tbps / 1e6,
+                         "tbps": tbps, "ok": True})
+        elif (m := _CEILING_ROW.match(line)) and config is not None:
+            rows.append({"config": config, "bytes": nbytes, "reader": f"stream {m.group(1)} P{m.group(2)}",
+                         "us": float(m.group(3)), "tbps": float(m.group(4)), "ok": m.group(5) is None})
+    return pd.DataFrame(rows) if rows else None
+
+
+def ceiling_table(graph: pd.DataFrame, reads: pd.DataFrame) -> pd.DataFrame:
+    """Per config in both logs: the fastest correct pure read of its K/V bytes (:func:`parse_read_ceiling`)
+    against attnlab's decode and SDPA's cuDNN kernel on those bytes (:func:`parse_graph_profile`), all GPU time
+    alone; ``x read`` is the decode's time over the read's."""
+    best = reads[reads["ok"]].sort_values("us").groupby("config", sort=False).head(1).set_index("config")
+    g = graph.pivot_table(index="config", columns="variant", values="us", sort=False)
+    rows = []
+    for config, r in best.iterrows():
+        if config not in g.index:
+            continue
+        auto, cudnn = g.loc[config, "auto"], g.loc[config].get("sdpa-cudnn", float("nan"))
+        rows.append({"config": config, "K/V MiB": r["bytes"] / 2**20, "fastest read": r["reader"],
+                     "read us": r["us"], "read TB/s": r["tbps"],
+                     "attnlab us": auto, "attnlab TB/s": r["tbps"] * r["us"] / auto, "cudnn us": cudnn,
+                     "x read": auto / r["us"]})
+    return pd.DataFrame(rows).set_index("config")
+
+
 def _matched_rows(path: str | Path, pattern: re.Pattern, row) -> pd.DataFrame | None:
     """``row(match)`` of every line of the log at ``path`` that ``pattern`` matches, as a frame; None if the file
     is missing or no line matches."""
