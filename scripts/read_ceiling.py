@@ -2,7 +2,8 @@
 and a plain Triton stream (each of P programs sums one contiguous run of BLOCK-element chunks into a float32
 vector, as a decode program streams its keys; several loads in flight) at several program counts and
 configs, on buffers the size of the K/V caches of three decode configurations. GPU us by CUDA-graph replay
-(no host in the way): the ceiling that a decode kernel reading those bytes once can approach.
+(no host in the way): what a decode kernel that reads those bytes once can be held against (a plain stream,
+not a proven limit: attnlab's decode and cuDNN's beat it on the larger caches).
 
 Usage: ``PYTHONPATH=.:scripts python3 scripts/read_ceiling.py``."""
 
