@@ -12,12 +12,11 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from decode_profile import graph_us, paged_cache
+from decode_profile import case_inputs, graph_us, paged_cache
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnlab.backends.triton import decode as td
 from attnlab.bench.suites import decode_suite
-from attnlab.problem import make_problem
 
 #: (config, programs per SM aimed at)
 CANDIDATES = [(td.DecodeConfig(128, 4, 3), 1), (td.DecodeConfig(128, 4, 3), 2), (td.DecodeConfig(128, 4, 4), 1),
@@ -27,11 +26,7 @@ PAGED = [td.DecodeConfig(128, 4, 3), td.DecodeConfig(64, 4, 4)]
 
 def sweep(case, sms: int) -> None:
     B, Hkv, Nk = case.B, case.Hkv, case.Nk
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, case.Hq, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    kv_len = None if case.kv_len is None else torch.tensor(case.kv_len, device="cuda", dtype=torch.int32)
-    prob = make_problem(q, k, v, **({} if kv_len is None else {"kv_len": kv_len}))
+    prob, q, k, v, kv_len = case_inputs(case)
     ref, out = torch.empty_like(q), torch.empty_like(q)
     td._PLANS.clear()
     td.decode_forward(prob, ref, None)

@@ -13,14 +13,13 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from decode_profile import graph_us  # scripts/, beside this one
+from decode_profile import case_inputs, graph_us  # scripts/, beside this one
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnlab
 from attnlab.backends.triton import decode as td
 from attnlab.bench.suites import decode_suite
 from attnlab.paged import to_paged
-from attnlab.problem import make_problem
 
 SWEEP = [td.DecodeConfig(64, 4, 3), td.DecodeConfig(32, 4, 3), td.DecodeConfig(128, 4, 2),
          td.DecodeConfig(64, 8, 2)]
@@ -44,14 +43,10 @@ def kernels(fn, calls: int = 10) -> str:
 
 
 def probe(case, quick: bool) -> None:
-    B, Hq, Hkv, Nk, D = case.B, case.Hq, case.Hkv, case.Nk, case.D
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    kv_len = None if case.kv_len is None else torch.tensor(case.kv_len, device="cuda", dtype=torch.int32)
+    B, Hkv, Nk, D = case.B, case.Hkv, case.Nk, case.D
+    prob, q, k, v, kv_len = case_inputs(case)
     kw = {} if kv_len is None else {"kv_len": kv_len}
     gb = (2 * B * Hkv * D * 2 * (Nk if case.kv_len is None else sum(case.kv_len) / B)) / 1e9
-    prob = make_problem(q, k, v, **kw)
     ref = torch.empty_like(q)
     td._PLANS.clear()
     td.decode_forward(prob, ref, None, splits=1)

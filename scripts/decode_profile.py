@@ -53,6 +53,17 @@ def decode_inputs(B: int, Hkv: int, Nk: int, seed: int = 0) -> tuple[torch.Tenso
     return q, k, v
 
 
+def case_inputs(case) -> tuple:
+    """A decode-suite case's seeded bf16 inputs and problem: (prob, q, k, v, kv_len), q [B, Hq, 1, D], k and v
+    [B, Hkv, Nk, D], kv_len an int32 GPU tensor or None (the same draws, in the same order, as decode_inputs)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(case.B, case.Hq, 1, case.D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(case.B, case.Hkv, case.Nk, case.D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    kv_len = None if case.kv_len is None else torch.tensor(case.kv_len, device="cuda", dtype=torch.int32)
+    return make_problem(q, k, v, **({} if kv_len is None else {"kv_len": kv_len})), q, k, v, kv_len
+
+
 def paged_cache(prob, k: torch.Tensor, v: torch.Tensor, block_size: int):
     """k and v as a validated paged cache of ``block_size`` keys per block (blocks shuffled), for
     ``td.decode_forward(..., paged=...)``."""

@@ -13,11 +13,10 @@ import importlib
 import sys
 
 import torch
-from decode_profile import graph_us, paged_cache
+from decode_profile import case_inputs, graph_us, paged_cache
 
 from attnlab.backends.triton import decode as td
 from attnlab.bench.suites import decode_suite
-from attnlab.problem import make_problem
 
 CURRENT = td._decode_split_kernel
 
@@ -36,12 +35,7 @@ def variants(module: str | None) -> list[tuple[str, object, td.DecodeConfig]]:
 
 
 def run(case, sides) -> None:
-    B, Hkv, Nk = case.B, case.Hkv, case.Nk
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, case.Hq, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    kw = {} if case.kv_len is None else {"kv_len": torch.tensor(case.kv_len, device="cuda", dtype=torch.int32)}
-    prob = make_problem(q, k, v, **kw)
+    prob, q, k, v, _ = case_inputs(case)
     dense, out = torch.empty_like(q), torch.empty_like(q)
     td._decode_split_kernel = CURRENT
     td._PLANS.clear()

@@ -258,14 +258,20 @@ _CONFIG = re.compile(r"^-- (B\d+ Hq\d+ Hkv\d+ Nk\d+)")
 _ROW = re.compile(r"^   (\S.*?)\s{2,}([\d.]+) us\s+(\d+) GB/s")
 
 
+def _log_lines(path: str | Path) -> list[str] | None:
+    """The lines of the GPU log at ``path``, or None if there is no such file (the data is not recorded)."""
+    path = Path(path)
+    return path.read_text().splitlines() if path.is_file() else None
+
+
 def parse_decode_log(path: str | Path) -> pd.DataFrame | None:
     """The top-level timing rows (3-space indent: not the sweeps) of a raw decode GPU log such as
     data/gpu_tests/nvidia-h200-decode-run2.txt: config, variant, us, GB/s. None if the file is missing."""
-    path = Path(path)
-    if not path.is_file():
+    lines = _log_lines(path)
+    if lines is None:
         return None
     rows, config = [], None
-    for line in path.read_text().splitlines():
+    for line in lines:
         if m := _CONFIG.match(line):
             config = m.group(1)
         elif config and (m := _ROW.match(line)):
@@ -298,11 +304,11 @@ def parse_read_ceiling(path: str | Path, *, Hq: int = 32) -> pd.DataFrame | None
     ``bytes`` (the K/V bytes of that decode shape), ``reader`` (``torch.sum`` or ``stream
     chunk/warps/stages P<programs>``), ``us`` (CUDA-graph replay), ``tbps`` and ``ok`` (the sum agreed with
     float64). None if the file is missing."""
-    path = Path(path)
-    if not path.is_file():
+    lines = _log_lines(path)
+    if lines is None:
         return None
     rows, config, nbytes = [], None, 0
-    for line in path.read_text().splitlines():
+    for line in lines:
         if m := _CEILING_SIZE.match(line):
             B, Hkv, Nk = int(m.group(1)), int(m.group(2)), int(m.group(3)) * 1024
             config, nbytes, tbps = config_label(B, Hq, Hkv, Nk), int(m.group(4)) * 2**20, float(m.group(5))
@@ -327,7 +333,7 @@ def ceiling_table(graph: pd.DataFrame, reads: pd.DataFrame) -> pd.DataFrame:
         auto, cudnn = g.loc[config, "auto"], g.loc[config].get("sdpa-cudnn", float("nan"))
         rows.append({"config": config, "K/V MiB": r["bytes"] / 2**20, "fastest read": r["reader"],
                      "read us": r["us"], "read TB/s": r["tbps"],
-                     "attnlab us": auto, "attnlab TB/s": r["tbps"] * r["us"] / auto, "cudnn us": cudnn,
+                     "attnlab us": auto, "attnlab TB/s": r["bytes"] / auto / 1e6, "cudnn us": cudnn,
                      "x read": auto / r["us"]})
     return pd.DataFrame(rows).set_index("config")
 
@@ -335,10 +341,10 @@ def ceiling_table(graph: pd.DataFrame, reads: pd.DataFrame) -> pd.DataFrame:
 def _matched_rows(path: str | Path, pattern: re.Pattern, row) -> pd.DataFrame | None:
     """``row(match)`` of every line of the log at ``path`` that ``pattern`` matches, as a frame; None if the file
     is missing or no line matches."""
-    path = Path(path)
-    if not path.is_file():
+    lines = _log_lines(path)
+    if lines is None:
         return None
-    rows = [row(m) for line in path.read_text().splitlines() if (m := pattern.match(line))]
+    rows = [row(m) for line in lines if (m := pattern.match(line))]
     return pd.DataFrame(rows) if rows else None
 
 
@@ -369,11 +375,11 @@ def parse_pdl_ab(path: str | Path, *, Hq: int = 32) -> pd.DataFrame | None:
     ``pdl=0``: the merge as a plain second launch, ``pdl=1``: by programmatic dependent launch), ``graph_us``
     (CUDA-graph replay) and ``events_us`` (event-timed public calls back to back), and whether both launches'
     outputs were equal bit for bit. None if the file is missing."""
-    path = Path(path)
-    if not path.is_file():
+    lines = _log_lines(path)
+    if lines is None:
         return None
     rows = []
-    for m in filter(None, map(_PDL_ROW.match, path.read_text().splitlines())):
+    for m in filter(None, map(_PDL_ROW.match, lines)):
         B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
         rows += [{"config": config_label(B, Hq, Hkv, Nk), "way": way, "graph_us": float(g), "events_us": float(e),
                   "equal": m.group(5) == "True"} for way, g, e in _PDL_PART.findall(m.group(4))]
@@ -416,11 +422,11 @@ def parse_deep_sweep(path: str | Path) -> pd.DataFrame | None:
     per config (``ragged``: seeded kv_len), ``variant`` (``default``, ``cudnn`` or ``block_n/warps/stages``),
     split count ``S`` (None for cuDNN), ``paged`` block size (0: the contiguous cache), ``us`` (CUDA-graph
     replay) and ``ok`` (the output agreed). None if the file is missing."""
-    path = Path(path)
-    if not path.is_file():
+    lines = _log_lines(path)
+    if lines is None:
         return None
     rows = []
-    for m in filter(None, map(_DEEP_CASE.match, path.read_text().splitlines())):
+    for m in filter(None, map(_DEEP_CASE.match, lines)):
         B, Hq, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3, 4))
         label = config_label(B, Hq, Hkv, Nk) + (" ragged" if m.group(5) else "")
         for cell in m.group(6).split(" | "):
