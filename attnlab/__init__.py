@@ -8,8 +8,9 @@
 from attnlab import backends, check, cpu_math, masks
 from attnlab.api import attention
 from attnlab.reference import reference
+from attnlab.tuning import tune
 
 cpu_math.settle_vml_dispatch()  # before any parallel CPU math: pytorch/pytorch#188792
 
 __version__ = "0.1.0"
-__all__ = ["attention", "backends", "check", "masks", "reference"]
+__all__ = ["attention", "backends", "check", "masks", "reference", "tune"]

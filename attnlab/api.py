@@ -185,6 +185,10 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, ri
             out.fill_(float("nan"))
             if lse is not None:
                 lse.fill_(float("nan"))
+        if needs_grad and be.kernel_backward and prob.q.is_cuda and _triton_backward_available():
+            from attnlab.backends.triton.backward import compile_ahead
+
+            compile_ahead(prob, out_bhnd, lse)  # the backward's kernels compile while the forward runs
         with torch.no_grad():  # the op's outputs carry no history of their own; autograd goes through the op
             if paged is not None:
                 be.forward_paged(prob, paged, out_bhnd, lse)

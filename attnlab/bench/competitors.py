@@ -344,16 +344,51 @@ def _flex_competitor() -> Competitor:
     return Competitor("flex", "torch", prepare)
 
 
+#: The Triton competitors that compare where the configs come from: the shipped table, as a new user's first run
+#: has it, and ``attnlab.tune()``'s choice on the case's own inputs (tuned while the case is set up, untimed).
+CONFIG_SOURCES = ("triton-table", "triton-tuned")
+
+
+def _config_source_competitor(name: str) -> Competitor:
+    """``triton-table``: the public call with ``backend="triton"`` inside ``configs.shipped_only()``;
+    ``triton-tuned``: the public call after ``attnlab.tune`` on input set 0 (the backward too for a backward
+    case). Both through :func:`attnlab.attention`, so they can be interleaved in one run."""
+
+    def prepare(inp: CaseInputs) -> Prepared:
+        from attnlab.api import attention
+        from attnlab.backends.triton import configs
+        from attnlab.tuning import tune
+
+        be, _ = _attnlab_backend("triton", inp)
+        if inp.device.type != "cuda":
+            raise Unsupported("configs are tuned for GPU launches only")
+        qs, ks, vs, kw = inp.qs, inp.ks, inp.vs, inp.kw
+        notes = []
+        if name == "triton-tuned":
+            chosen = tune(qs[0], ks[0], vs[0], backward=qs[0].requires_grad, **kw)
+            notes.append("tuned " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
+
+        def call(i: int) -> torch.Tensor:
+            return attention(qs[i], ks[i], vs[i], backend="triton", **kw)
+
+        prep = _public_prepared("triton", be, call, notes)
+        if name == "triton-table":
+            prep.context = configs.shipped_only
+        return prep
+
+    return Competitor(name, "attnlab", prepare)
+
+
 def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
     """The competitors by name (default: every attnlab backend docs/contract.md lists or the registry holds,
     except ``reference``; then ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``, ``flex``).
-    Also by name only: ``auto``, ``reference``, ``<backend>-kernel`` (:func:`_kernel_competitor`) and
-    ``<backend>-paged<block size>`` (:func:`_paged_competitor`)."""
+    Also by name only: ``auto``, ``reference``, :data:`CONFIG_SOURCES`, ``<backend>-kernel``
+    (:func:`_kernel_competitor`) and ``<backend>-paged<block size>`` (:func:`_paged_competitor`)."""
     from attnlab import backends as _b
 
     attn = list(DESIGN_BACKENDS) + [n for n in _b.registry() if n not in DESIGN_BACKENDS and n != "reference"]
     public = [*attn, "reference", "auto"]
-    known = [*public, *(n + KERNEL_SUFFIX for n in attn), *SDPA_KINDS, "flex"]
+    known = [*public, *(n + KERNEL_SUFFIX for n in attn), *SDPA_KINDS, "flex", *CONFIG_SOURCES]
     names = [*attn, *SDPA_KINDS, "flex"] if names is None else list(names)
     out = []
     for n in names:
@@ -361,6 +396,8 @@ def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
             out.append(_sdpa_competitor(n))
         elif n == "flex":
             out.append(_flex_competitor())
+        elif n in CONFIG_SOURCES:
+            out.append(_config_source_competitor(n))
         elif n in public or n in _b.registry():
             out.append(_attnlab_competitor(n))
         elif PAGED_INFIX in n and n.split(PAGED_INFIX)[0] in public and n.split(PAGED_INFIX)[1].isdigit():

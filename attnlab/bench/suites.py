@@ -4,6 +4,7 @@ overrides) adds a suite to the command line, to ``all`` and to the notebooks tha
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,6 +250,17 @@ def backward_suite(device: str = "cuda") -> list[BenchCase]:
     return cases
 
 
+def tuning_suite(device: str = "cuda") -> list[BenchCase]:
+    """The shipped table against ``attnlab.tune()``: the dense suite, shapes outside the table (N 777 and 3001,
+    D 96) and the backward suite's cases, renamed into this suite."""
+    if str(device).startswith("cpu"):
+        return [BenchCase("tuning", "bf16_b1_h2_n40_d16_causal", B=1, Hq=2, Nq=40, D=16, causal=True)]
+    extra = [BenchCase("tuning", f"bf16_b4_h16_n{n}_d{d}_{'causal' if c else 'full'}", B=4, Hq=16, Nq=n, D=d,
+                       causal=c) for n, d in ((777, 64), (3001, 128), (2048, 96), (3001, 96)) for c in (False, True)]
+    moved = [dataclasses.replace(c, suite="tuning") for c in (*dense_suite(device), *backward_suite(device))]
+    return moved + extra
+
+
 @dataclass(frozen=True)
 class Suite:
     """One benchmark suite, as data: one entry of :data:`SUITES` adds it to ``--suite``, to ``all`` (when
@@ -291,6 +303,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("backward", backward_suite, all_rank=8, timing=(10, 50.0, 3), backends=BACKWARD_BACKENDS,
           deadline_s=300.0),
     Suite("quick", quick_suite),
+    Suite("tuning", tuning_suite, timing=(10, 50.0, 3), backends=("triton-table", "triton-tuned", "sdpa-cudnn")),
 )}
 
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from attnlab.backends.triton import tune_cache
+from attnlab.backends.triton import configs, tune_cache, tuned_table
 from attnlab.backends.triton.configs import _block_d, _pow2_bucket, fastest
 from attnlab.backends.triton.interpreter import _interpreted_fn, interpreter
 from attnlab.backends.triton.kernel import LOG2E
@@ -53,9 +54,13 @@ INTERPRETER_CONFIG = BwdConfig(16, 16, 1, 1)
 #: Rows per program of the preprocess (GPU; the interpreter uses INTERPRETER_CONFIG.block_m).
 PREPROCESS_BLOCK_M = 64
 
-#: Whether GPU launches autotune (ATTNLAB_TRITON_BWD_AUTOTUNE=0: always the first candidate).
-AUTOTUNE: bool = os.environ.get("ATTNLAB_TRITON_BWD_AUTOTUNE", "1") != "0"
+#: Whether a GPU launch of a problem not tuned before times the candidates first (ATTNLAB_AUTOTUNE=1); by default
+#: the configs come from the shipped table (:mod:`.tuned_table`) and tuning happens only when asked (:func:`tune`).
+AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
+#: Config pairs tuned in this process or found in the persistent cache, by tune key.
 _tuned: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
+#: Config pairs taken from the shipped table or the heuristic defaults, by tune key.
+_picked: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
 
 
 def dkdv_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
@@ -144,43 +149,111 @@ def _scalars(prob: Problem) -> list:
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0]
 
 
-def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool) -> None:
+def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool) -> tuple:
+    """(kernel, grid, arguments, keywords) of the preprocess."""
     block_m = INTERPRETER_CONFIG.block_m if interpret else PREPROCESS_BLOCK_M
     spec = prob.spec
-    kernel = _interpreted_fn(_bwd_preprocess) if interpret else _bwd_preprocess
     grid = (triton.cdiv(prob.Nq, block_m), prob.Hq, prob.B)
-    kernel[grid](
-        out, dout, lse, delta, lse2, spec.q_len if spec.q_len is not None else lse,
-        *out.stride(), *dout.stride(), *lse.stride(), prob.Hq, prob.Nq, prob.D,
-        BLOCK_M=block_m, BLOCK_D=_block_d(prob.D), HAS_Q_LEN=spec.q_len is not None,
-        num_warps=1 if interpret else 4,
-    )
+    args = (out, dout, lse, delta, lse2, spec.q_len if spec.q_len is not None else lse,
+            *out.stride(), *dout.stride(), *lse.stride(), prob.Hq, prob.Nq, prob.D)
+    kw = dict(BLOCK_M=block_m, BLOCK_D=_block_d(prob.D), HAS_Q_LEN=spec.q_len is not None,
+              num_warps=1 if interpret else 4)
+    return _bwd_preprocess, grid, args, kw
+
+
+def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool) -> tuple:
+    """(kernel, grid, arguments, keywords) of the dK/dV kernel with ``cfg``."""
+    ptrs, e_strides, mask_constants = _mask_arguments(prob)
+    grid = (triton.cdiv(prob.Nk, cfg.block_n), prob.Hkv, prob.B)
+    args = (prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, *ptrs,
+            *prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+            *e_strides, *_scalars(prob))
+    kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _bwd_dkdv_kernel, grid, args, kw
+
+
+def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> tuple:
+    """(kernel, grid, arguments, keywords) of the dQ kernel with ``cfg``."""
+    ptrs, e_strides, mask_constants = _mask_arguments(prob)
+    grid = (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
+    args = (prob.q, prob.k, prob.v, dout, lse2, delta, dq, *ptrs,
+            *prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *dout.stride(), *dq.stride(),
+            *e_strides, *_scalars(prob))
+    kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _bwd_dq_kernel, grid, args, kw
+
+
+def _go(launch: tuple, interpret: bool) -> None:
+    kernel, grid, args, kw = launch
+    (_interpreted_fn(kernel) if interpret else kernel)[grid](*args, **kw)
+
+
+def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool) -> None:
+    _go(_preprocess_launch(prob, out, lse, dout, delta, lse2, interpret), interpret)
 
 
 def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool) -> None:
-    ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    kernel = _interpreted_fn(_bwd_dkdv_kernel) if interpret else _bwd_dkdv_kernel
-    grid = (triton.cdiv(prob.Nk, cfg.block_n), prob.Hkv, prob.B)
-    kernel[grid](
-        prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, *ptrs,
-        *prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-        *e_strides, *_scalars(prob),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    _go(_dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret), interpret)
 
 
 def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> None:
-    ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    kernel = _interpreted_fn(_bwd_dq_kernel) if interpret else _bwd_dq_kernel
-    grid = (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
-    kernel[grid](
-        prob.q, prob.k, prob.v, dout, lse2, delta, dq, *ptrs,
-        *prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *dout.stride(), *dq.stride(),
-        *e_strides, *_scalars(prob),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    _go(_dq_launch(prob, dout, delta, lse2, dq, cfg, interpret), interpret)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compiling ahead: the backward's kernels compile in the background while the forward runs
+# ---------------------------------------------------------------------------------------------------
+_compiler: ThreadPoolExecutor | None = None
+#: Background compiles by :func:`_ahead_key`: the backward waits for them rather than compiling again.
+_ahead: dict[tuple, list[Future]] = {}
+MAX_AHEAD = 64
+
+
+def _ahead_key(prob: Problem, out: torch.Tensor) -> tuple:
+    spec = prob.spec
+    return (tune_key(prob), prob.q.stride(), prob.k.stride(), prob.v.stride(), out.stride(), spec.kind,
+            spec.align, spec.explicit is not None and (spec.explicit.dtype, spec.explicit.stride()))
+
+
+def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Start compiling the three backward kernels of ``prob`` in background threads (Triton's compiler releases
+    the GIL), for an upstream gradient laid out like ``out``, so that a first backward finds them compiled: a
+    forward that will be differentiated calls this before its own launch. Nothing happens on CPU tensors, while
+    tuning on every call (``AUTOTUNE``), or when this layout was compiled ahead already; a guess that misses the
+    real call's layout only costs the background work."""
+    global _compiler
+    if triton is None or not prob.q.is_cuda or AUTOTUNE or not configs.COMPILE_AHEAD:
+        return
+    key = _ahead_key(prob, out)
+    if key in _ahead:
+        return
+    if len(_ahead) >= MAX_AHEAD:
+        _ahead.pop(next(iter(_ahead)))
+    if _compiler is None:
+        _compiler = ThreadPoolExecutor(max_workers=3, thread_name_prefix="attnlab-compile")
+    kv_cfg, q_cfg = configs_for(prob, *[None] * 6)  # no tuning here: the table's configs or the defaults
+    delta = torch.empty_like(lse)
+    dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
+    launches = (_preprocess_launch(prob, out, lse, out, delta, delta, False),
+                _dkdv_launch(prob, out, delta, delta, dk, dv, kv_cfg, False),
+                _dq_launch(prob, out, delta, delta, dq, q_cfg, False))
+    device = prob.device
+
+    def warm(launch: tuple) -> None:
+        kernel, grid, args, kw = launch
+        with torch.cuda.device(device):
+            kernel.warmup(*args, grid=grid, **kw)
+
+    _ahead[key] = [_compiler.submit(warm, launch) for launch in launches]
+
+
+def _wait_ahead(prob: Problem, out: torch.Tensor) -> None:
+    """Wait for the background compiles of ``prob``'s backward, if any (their errors are the real launch's)."""
+    for f in _ahead.get(_ahead_key(prob, out), ()):
+        with contextlib.suppress(Exception):
+            f.result()
 
 
 def _fastest(configs: list[BwdConfig], launch) -> BwdConfig:
@@ -189,24 +262,63 @@ def _fastest(configs: list[BwdConfig], launch) -> BwdConfig:
 
 
 def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig, BwdConfig]:
-    """(dK/dV config, dQ config) of a GPU launch: tuned once per :func:`tune_key`, or the defaults.
-    Tuning overwrites dq, dk, dv (each launch writes every element; the final launch comes after)."""
+    """(dK/dV config, dQ config) of a GPU launch, without tuning unless ``AUTOTUNE`` is set: tuned before (in
+    this process, or on disk), else the shipped table's, else the defaults (each space's first candidate). With
+    ``AUTOTUNE`` a key tuned nowhere yet is tuned now, which overwrites dq, dk, dv (the final launch comes after)."""
+    key = tune_key(prob)
     block_d = _block_d(prob.D)
     kv_space, q_space = dkdv_candidates(prob.dtype, block_d), dq_candidates(prob.dtype, block_d)
-    if not AUTOTUNE:
-        return kv_space[0], q_space[0]
-    key = tune_key(prob)
+    if configs.SHIPPED_ONLY:
+        return _shipped_configs(prob, key, kv_space, q_space)
     got = _tuned.get(key)
-    if got is None:
-        got = _stored_configs(prob, key, kv_space, q_space)
-        if got is None:
-            got = (
-                _fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False)),
-                _fastest(q_space, lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False)),
-            )
-            tune_cache.store("bwd", prob.device.index, key[1:], [dataclasses.asdict(c) for c in got])
+    if got is not None:
+        return got
+    if not AUTOTUNE and (got := _picked.get(key)) is not None:
+        return got
+    got = _stored_configs(prob, key, kv_space, q_space)
+    if got is None and AUTOTUNE:
+        got = _tune(prob, dout, delta, lse2, dq, dk, dv, key)
+    if got is not None:
         _tuned[key] = got
+        return got
+    got = _picked[key] = _shipped_configs(prob, key, kv_space, q_space)
     return got
+
+
+def _tune(prob: Problem, dout, delta, lse2, dq, dk, dv, key: tuple) -> tuple[BwdConfig, BwdConfig]:
+    block_d = _block_d(prob.D)
+    kv_space, q_space = dkdv_candidates(prob.dtype, block_d), dq_candidates(prob.dtype, block_d)
+    got = (
+        _fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False)),
+        _fastest(q_space, lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False)),
+    )
+    tune_cache.store("bwd", prob.device.index, key[1:], [dataclasses.asdict(c) for c in got])
+    return got
+
+
+def tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> tuple[BwdConfig, BwdConfig]:
+    """Tune ``prob``'s backward key now, given the forward's out and lse (a random upstream gradient, scratch
+    gradients); keep the winners in this process and on disk, and return them."""
+    dout = torch.randn_like(out)
+    delta = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
+    lse2 = torch.empty_like(delta)
+    _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
+    dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
+    key = tune_key(prob)
+    got = _tuned[key] = _tune(prob, dout, delta, lse2, dq, dk, dv, key)
+    return got
+
+
+def _shipped_configs(prob: Problem, key: tuple, kv_space: list[BwdConfig],
+                     q_space: list[BwdConfig]) -> tuple[BwdConfig, BwdConfig]:
+    """The shipped table's (dK/dV, dQ) configs for ``key`` on this GPU's family if both are still candidates,
+    else the heuristic defaults (each space's first candidate)."""
+    got = tuned_table.lookup("bwd", tuned_table.gpu_family(prob.device), key[1:])
+    with contextlib.suppress(TypeError, ValueError):
+        kv, q = (BwdConfig(**c) for c in got)
+        if kv in kv_space and q in q_space:
+            return kv, q
+    return kv_space[0], q_space[0]
 
 
 def _stored_configs(prob: Problem, key: tuple, kv_space: list[BwdConfig],
@@ -255,6 +367,8 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
     _check("lse", lse, (B, Hq, Nq), prob)
     if dout.dtype != prob.dtype:
         dout = dout.to(prob.dtype)
+    if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum(): one layout, so one compiled variant
+        dout = dout.contiguous()
     if lse.dtype != torch.float32:
         lse = lse.float()
     dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
@@ -274,6 +388,7 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
             _launch_dq(prob, dout, delta, lse2, dq, INTERPRETER_CONFIG, True)
         return dq, dk, dv
     same = torch.cuda.current_device() == prob.q.get_device()
+    _wait_ahead(prob, out)
     with contextlib.nullcontext() if same else torch.cuda.device(prob.device):
         _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
         _minus_dlse(delta, dlse)

@@ -10,11 +10,12 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from attnlab.backends.triton import tune_cache
+from attnlab.backends.triton import tune_cache, tuned_table
 from attnlab.problem import Problem
 
 
@@ -50,11 +51,20 @@ class Config:
 #: candidates do (the option is ignored for float16/bfloat16).
 INTERPRETER_CONFIG = Config(16, 16, 1, 1, keys_major=True, rows_outer=True)
 
-#: Whether GPU launches autotune (set False, or ATTNLAB_TRITON_AUTOTUNE=0, to use the first candidate).
-AUTOTUNE: bool = os.environ.get("ATTNLAB_TRITON_AUTOTUNE", "1") != "0"
+#: Whether a GPU launch of a problem not tuned before times the candidates first (ATTNLAB_AUTOTUNE=1); by default
+#: it takes its config from the shipped table (:mod:`.tuned_table`), and tunes only when asked (:func:`tune`).
+AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
 
 _TF32 = False
+#: Whether a forward that will be differentiated starts compiling the backward's kernels in the background
+#: (ATTNLAB_COMPILE_AHEAD=0: not; each kernel then compiles when it is first launched).
+COMPILE_AHEAD: bool = os.environ.get("ATTNLAB_COMPILE_AHEAD", "1") != "0"
+#: Whether launches ignore the configs tuned on this machine and take the shipped table's (:func:`shipped_only`).
+SHIPPED_ONLY = False
+#: Configs tuned in this process or found in the persistent cache, by tune key.
 _tuned: dict[tuple, Config] = {}
+#: Configs taken from the shipped table or the heuristic default, by tune key.
+_picked: dict[tuple, Config] = {}
 
 
 @contextlib.contextmanager
@@ -71,6 +81,18 @@ def allow_tf32() -> Iterator[None]:
         yield
     finally:
         _TF32 = old
+
+
+@contextlib.contextmanager
+def shipped_only() -> Iterator[None]:
+    """Inside this block GPU launches ignore configs tuned on this machine (in this process or on disk) and use
+    the shipped table's, as a new user's first run does: the benchmark times both side by side this way."""
+    global SHIPPED_ONLY
+    old, SHIPPED_ONLY = SHIPPED_ONLY, True
+    try:
+        yield
+    finally:
+        SHIPPED_ONLY = old
 
 
 def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
@@ -166,17 +188,28 @@ TUNE_WARMUP_MS, TUNE_REP_MS = 5, 20
 
 def fastest(configs: list, launch, what: str):
     """The config among ``configs`` whose ``launch(cfg)`` takes the least median GPU time (``do_bench`` clears
-    the L2 before each call); a config that does not fit the GPU (shared memory, registers) is skipped."""
+    the L2 before each call); a config that does not fit the GPU (shared memory, registers) is skipped. Every
+    candidate is compiled (and launched once) first, in parallel threads: Triton's compiler releases the GIL."""
     from triton.testing import do_bench
 
-    best, best_ms = None, math.inf
-    for cfg in configs:
+    device, stream = torch.cuda.current_device(), torch.cuda.current_stream()
+
+    def fits(cfg) -> bool:
         try:
-            ms = do_bench(lambda cfg=cfg: launch(cfg), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                launch(cfg)
         except Exception as err:
             if "OutOfResources" in type(err).__name__ or "out of resource" in str(err).lower():
-                continue
+                return False
             raise
+        return True
+
+    with ThreadPoolExecutor(max_workers=min(len(configs), os.cpu_count() or 1)) as pool:
+        fitting = [cfg for cfg, ok in zip(configs, pool.map(fits, configs)) if ok]
+    torch.cuda.synchronize()
+    best, best_ms = None, math.inf
+    for cfg in fitting:
+        ms = do_bench(lambda cfg=cfg: launch(cfg), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
         if ms < best_ms:
             best, best_ms = cfg, ms
     if best is None:
@@ -185,19 +218,52 @@ def fastest(configs: list, launch, what: str):
 
 
 def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
-    """The config a GPU launch uses: tuned once per :func:`tune_key` (and kept on disk, :mod:`.tune_cache`:
-    a later process takes it from there), or the default candidate."""
-    if not AUTOTUNE:
-        return candidates(prob.dtype, _block_d(prob.D))[0]
+    """The config a GPU launch uses, without tuning unless ``AUTOTUNE`` is set: one tuned before (in this
+    process, or kept on disk by :mod:`.tune_cache`), else the shipped table's (:mod:`.tuned_table`), else the
+    heuristic default (the first candidate). With ``AUTOTUNE``, a key tuned nowhere yet is tuned now."""
     key = tune_key(prob)
+    if SHIPPED_ONLY:
+        return _shipped_config(prob, key, candidates(prob.dtype, _block_d(prob.D)))
     cfg = _tuned.get(key)
-    if cfg is None:
-        cfg = _stored_config(prob, key, candidates(prob.dtype, _block_d(prob.D)))
-        if cfg is None:
-            cfg = _autotune(prob, out, lse)
-            tune_cache.store("fwd", prob.device.index, key[1:], dataclasses.asdict(cfg))
+    if cfg is not None:
+        return cfg
+    if not AUTOTUNE and (cfg := _picked.get(key)) is not None:
+        return cfg
+    space = candidates(prob.dtype, _block_d(prob.D))
+    cfg = _stored_config(prob, key, space)
+    if cfg is None and AUTOTUNE:
+        cfg = _tune(prob, out, lse, key)
+    if cfg is not None:
         _tuned[key] = cfg
+        return cfg
+    cfg = _picked[key] = _shipped_config(prob, key, space)
     return cfg
+
+
+def tune(prob: Problem) -> Config:
+    """Tune ``prob``'s key now (into scratch outputs), keep the winner in this process and on disk, return it."""
+    out = torch.empty(prob.B, prob.Hq, prob.Nq, prob.D, dtype=prob.dtype, device=prob.device)
+    lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
+    key = tune_key(prob)
+    cfg = _tuned[key] = _tune(prob, out, lse, key)
+    return cfg
+
+
+def _tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, key: tuple) -> Config:
+    cfg = _autotune(prob, out, lse)
+    tune_cache.store("fwd", prob.device.index, key[1:], dataclasses.asdict(cfg))
+    return cfg
+
+
+def _shipped_config(prob: Problem, key: tuple, space: list[Config]) -> Config:
+    """The shipped table's config for ``key`` on this GPU's family if it is still one of the candidates, else
+    the heuristic default (the first candidate)."""
+    got = tuned_table.lookup("fwd", tuned_table.gpu_family(prob.device), key[1:])
+    with contextlib.suppress(TypeError, ValueError):
+        cfg = Config(**got) if isinstance(got, dict) else None
+        if cfg in space:
+            return cfg
+    return space[0]
 
 
 def _stored_config(prob: Problem, key: tuple, space: list[Config]) -> Config | None:

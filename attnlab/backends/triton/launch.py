@@ -175,11 +175,11 @@ class _Plan:
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.device, self.device, self.grid
         current_stream = triton.runtime.driver.active.get_current_stream
-        switches = (_cfg._TF32, _cfg.AUTOTUNE)
+        switches = (_cfg._TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY)
         go = launcher(kernel)
 
         def call(q, k, v, kv_len, q_len, mask, block_table):
-            if (_cfg._TF32, _cfg.AUTOTUNE) != switches or not FAST_LAUNCH:
+            if (_cfg._TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY) != switches or not FAST_LAUNCH:
                 return None
             o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
@@ -342,13 +342,18 @@ def _signature(prob: Problem) -> tuple:
         spec.left, spec.right, spec.align, spec.mask is not None, spec.bias is not None,
         None if e is None else (e.dtype, e.stride()),
         _aligned(q), _aligned(k), _aligned(v), _aligned(e), _aligned(spec.kv_len), _aligned(spec.q_len),
-        _cfg._TF32, _cfg.AUTOTUNE,
+        _cfg._TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY,
     )
 
 
+def forget_plans() -> None:
+    """Drop every plan (after tuning: a plan keeps the config it was made with)."""
+    _PLANS.clear()
+
+
 def _plan(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
-    """The plan of ``prob``'s call signature for the current TF32 and autotune settings (tunes on first use,
-    see config_for)."""
+    """The plan of ``prob``'s call signature for the current TF32 and autotune settings (its config from
+    config_for)."""
     key = _signature(prob)
     plan = _PLANS.get(key)
     if plan is None:
