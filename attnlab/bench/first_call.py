@@ -117,12 +117,29 @@ def _call_and_check(prob: FirstCallProblem, case: BenchCase, competitor: str, de
     if prep is None:
         return {"status": why["status"], "notes": why["notes"]}
     _sync(dev)
+    profile_to = os.environ.get("ATTNLAB_FIRST_CALL_PROFILE")  # a file: the timed call's cProfile, as text
+    profiler = None
+    if profile_to:
+        import cProfile
+
+        profiler = cProfile.Profile()
     with entered(prep):
         t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         out = prep.call(0)
         grads = torch.autograd.grad(out, leaves, inp.douts[0]) if leaves is not None else None
         _sync(dev)
         seconds = time.perf_counter() - t0
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+        with open(profile_to, "a") as f:
+            f.write(f"==== {case.name} {competitor} {seconds:.3f} s\n{text.getvalue()}\n")
     truth = make_truth(inp)
     got = out.detach()
     if prep.zero_rows is not None and bool(prep.zero_rows.any()):
