@@ -123,6 +123,7 @@ def _call_and_check(prob: FirstCallProblem, case: BenchCase, competitor: str, de
         import cProfile
 
         profiler = cProfile.Profile()
+        _trace_first_import("sympy", profile_to)
     with entered(prep):
         t0 = time.perf_counter()
         if profiler is not None:
@@ -152,6 +153,24 @@ def _call_and_check(prob: FirstCallProblem, case: BenchCase, competitor: str, de
         notes.append(gnote)
     return {"status": "ok" if passed else "failed", "passed": passed, "max_abs_err": rep.max_abs,
             "first_call_s": seconds, "notes": "; ".join(notes)}
+
+
+def _trace_first_import(module: str, path: str) -> None:
+    """Append to ``path`` the stack that first imports ``module`` (profiling: who pays for it)."""
+    import builtins
+    import traceback
+
+    real = builtins.__import__
+
+    def spy(name, *args, **kwargs):
+        if name.split(".")[0] == module and module not in sys.modules:
+            builtins.__import__ = real
+            with open(path, "a") as f:
+                f.write(f"==== first import of {module}\n{''.join(traceback.format_stack(limit=25))}\n")
+        return real(name, *args, **kwargs)
+
+    if module not in sys.modules:
+        builtins.__import__ = spy
 
 
 def child(problem: str, competitor: str, device: str) -> list[dict[str, Any]]:

@@ -192,11 +192,20 @@ def fastest(configs: list, launch, what: str):
     candidate is compiled (and launched once) first, in parallel threads: Triton's compiler releases the GIL."""
     from triton.testing import do_bench
 
-    device, stream = torch.cuda.current_device(), torch.cuda.current_stream()
+    gpu = torch.cuda.is_available()
+    device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if gpu else (None, None)
+
+    def on_callers_stream() -> contextlib.AbstractContextManager:
+        if not gpu:
+            return contextlib.nullcontext()
+        both = contextlib.ExitStack()
+        both.enter_context(torch.cuda.device(device))
+        both.enter_context(torch.cuda.stream(stream))
+        return both
 
     def fits(cfg) -> bool:
         try:
-            with torch.cuda.device(device), torch.cuda.stream(stream):
+            with on_callers_stream():
                 launch(cfg)
         except Exception as err:
             if "OutOfResources" in type(err).__name__ or "out of resource" in str(err).lower():
@@ -206,7 +215,8 @@ def fastest(configs: list, launch, what: str):
 
     with ThreadPoolExecutor(max_workers=min(len(configs), os.cpu_count() or 1)) as pool:
         fitting = [cfg for cfg, ok in zip(configs, pool.map(fits, configs)) if ok]
-    torch.cuda.synchronize()
+    if gpu:
+        torch.cuda.synchronize()
     best, best_ms = None, math.inf
     for cfg in fitting:
         ms = do_bench(lambda cfg=cfg: launch(cfg), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
