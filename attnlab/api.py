@@ -25,6 +25,7 @@ import torch
 from attnlab import backends as _backends
 from attnlab import calls as _calls
 from attnlab.backward import sum_to_shape, textbook_backward
+from attnlab.masks import plain_int
 from attnlab.paged import gather_paged, paged_kv, paged_placeholders
 from attnlab.problem import make_problem
 
@@ -83,6 +84,8 @@ def attention(
     query rows on a GPU) reads the caches in place; other backends, and calls that need gradients, gather
     them to dense k and v first.
     """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
     needs_grad = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
         or getattr(v, "requires_grad", False) or getattr(mask, "requires_grad", False)
@@ -141,10 +144,13 @@ def _lengths_arg(value: Any) -> Any:
         return value
     if isinstance(value, bool):
         raise TypeError("lengths must be an int, a sequence of ints or an integer tensor of shape [B]; got a bool")
+    value = plain_int(value)
     if isinstance(value, int):
         return torch.tensor(value, dtype=torch.int64)
-    if isinstance(value, Sequence) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        return torch.tensor(list(value), dtype=torch.int64)
+    if isinstance(value, Sequence):
+        value = [plain_int(x) for x in value]
+    if isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return torch.tensor(value, dtype=torch.int64)
     raise TypeError(
         f"lengths must be an int, a sequence of ints or an integer tensor of shape [B]; got {value!r}"
     )

@@ -238,11 +238,16 @@ def verify(
                 base = attention(q, k, v, backend="torch", **kw)
             for b in backends:
                 row = {"backend": b, **case.describe(), "dtype": str(dt).replace("torch.", ""), "seed": case_seed}
+                why = _not_taken(b, q, k, v, kw)
+                if why is not None:  # a backend that does not take this problem: skipped, not failed
+                    row.update(status="skipped", passed=None, error=why)
+                    rows.append(row)
+                    continue
                 t0 = time.perf_counter()
                 try:
                     out, lse = attention(q, k, v, backend=b, return_lse=True, **kw)
                 except Exception as e:  # recorded, not raised: the table shows every failure
-                    row.update(passed=False, error=f"{type(e).__name__}: {e}")
+                    row.update(status="error", passed=False, error=f"{type(e).__name__}: {e}")
                     rows.append(row)
                     continue
                 rep = compare(out, ref, dtype=dt, base=base)
@@ -251,6 +256,7 @@ def verify(
                     max_abs=rep.max_abs, rel_l2=rep.rel_l2, base_max_abs=rep.base_max_abs,
                     abs_rel_ok=rep.abs_rel_passed, baseline_ok=rep.baseline_passed, lse_max_abs=lrep.max_abs,
                     nan=rep.nan_count, passed=bool(rep.passed and lrep.passed), error="",
+                    status="ok" if rep.passed and lrep.passed else "failed",
                     seconds=time.perf_counter() - t0,
                 )
                 rows.append(row)
@@ -264,12 +270,34 @@ def _lse_atol(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-4)
 
 
+def _not_taken(name: str, q, k, v, kw) -> str | None:
+    """Why backend ``name`` does not take this problem (its ``unsupported`` reason), or None. ``auto`` takes
+    every problem."""
+    from attnlab import backends as _backends
+    from attnlab.problem import make_problem
+
+    if name == "auto":
+        return None
+    return _backends.registry()[name].unsupported(make_problem(q, k, v, **kw))
+
+
+def all_passed(df) -> bool:
+    """Whether no row of a :func:`verify` table failed or raised (skipped rows, which a backend does not take,
+    do not count against it)."""
+    return bool((df["status"] != "failed").all() and (df["status"] != "error").all()) if len(df) else True
+
+
 def summarize(df) -> str:
-    """One line per backend: passed / total, and the failing cases."""
+    """One line per backend: passed / checked, the skipped count (with the first reason), and the failing cases."""
     lines = []
     for b, g in df.groupby("backend", sort=False):
-        bad = g[~g["passed"].astype(bool)]
-        lines.append(f"{b}: {len(g) - len(bad)}/{len(g)} passed")
+        skipped = g[g["status"] == "skipped"]
+        checked = g[g["status"] != "skipped"]
+        bad = checked[checked["status"] != "ok"]
+        line = f"{b}: {len(checked) - len(bad)}/{len(checked)} passed"
+        if len(skipped):
+            line += f", {len(skipped)} skipped (not taken: {skipped['error'].iloc[0]})"
+        lines.append(line)
         for _, r in bad.iterrows():
             why = r.get("error", "") or f"max_abs={r.get('max_abs', float('nan')):.3e}"
             lines.append(f"  FAIL {r['case']} [{r['dtype']}] {why}")

@@ -41,6 +41,17 @@ def info() -> str:
     return "\n".join(lines)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int of at least 1 (else a one-line error naming what is allowed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose mistakes are one line on stderr (exit 2), never a usage block or a traceback."""
 
@@ -59,7 +70,7 @@ def _parser() -> OneLineParser:
     pc.add_argument("--backends", nargs="+", default=None, metavar="NAME",
                     help="backends to check (default: every available one)")
     pc.add_argument("--seed", type=int, default=None)
-    pc.add_argument("--scale", type=int, default=1, help="multiply the default case lengths")
+    pc.add_argument("--scale", type=positive_int, default=1, help="multiply the default case lengths (>= 1)")
     # These two parse their own options (attnlab compile-check --help, attnlab bench --help).
     sub.add_parser("compile-check", help="compile every CUDA kernel variant for sm_80 and sm_90 (no GPU needed)",
                    add_help=False)
@@ -94,17 +105,21 @@ def _run(argv: list[str]) -> int:
         return 0
     import pandas as pd
 
-    from attnlab.backends import names
+    from attnlab.backends import names, status
     from attnlab.cases import default_cases
-    from attnlab.check import summarize, verify
+    from attnlab.check import all_passed, summarize, verify
 
     unknown = [b for b in args.backends or [] if b not in names()]
     if unknown:
         parser.exit(2, f"attnlab check: error: unknown backend {unknown[0]!r}; choose from {', '.join(names())}\n")
+    here = status()
+    off = [b for b in args.backends or [] if b in here and not here[b].available]
+    if off:
+        parser.exit(2, f"attnlab check: error: backend {off[0]!r} is unavailable here: {here[off[0]].reason}\n")
     df = verify(backends=args.backends, cases=default_cases(args.scale), seed=args.seed, progress=True)
-    cols = ["backend", "case", "dtype", "Nq", "Nk", "D", "max_abs", "base_max_abs", "passed", "error"]
+    cols = ["backend", "case", "dtype", "Nq", "Nk", "D", "max_abs", "base_max_abs", "status", "error"]
     with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 60):
         print(df[[c for c in cols if c in df]].to_string(index=False))
     print(summarize(df))
     print(f"seed {df.attrs['seed']}")
-    return 0 if bool(df["passed"].all()) else 1
+    return 0 if all_passed(df) else 1

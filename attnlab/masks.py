@@ -23,6 +23,7 @@ of rows (:meth:`MaskSpec.key_range`, the loop bounds kernels use), and the tile 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,12 +36,20 @@ ALIGNS = ("top_left", "bottom_right")
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+def plain_int(value: Any) -> Any:
+    """A NumPy (or other ``numbers.Integral``) integer as a Python int; anything else (bools too) as it is."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)) and type(value).__name__ != "bool_":
+        return int(value)
+    return value
+
+
 def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.device) -> torch.Tensor | None:
     """Validate kv_len / q_len and return a contiguous int32 tensor [B] on ``device`` (None if not given)."""
     if value is None:
         return None
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, a sequence of ints or an integer tensor of shape [B]; got a bool")
+    value = plain_int(value)
     if isinstance(value, int):
         if batch > 0 and not 0 <= value <= limit:
             raise ValueError(f"{name} values must lie in [0, {limit}]; got values in [{value}, {value}]")
@@ -54,8 +63,9 @@ def _as_lengths(name: str, value: Any, batch: int, limit: int, device: torch.dev
             raise ValueError(f"{name} must have shape [B] = [{batch}]; got {list(value.shape)}")
         t = value
     elif isinstance(value, Sequence):
+        value = [plain_int(x) for x in value]
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-            raise TypeError(f"{name} as a sequence must hold Python ints; got {value!r}")
+            raise TypeError(f"{name} as a sequence must hold ints (Python or NumPy); got {value!r}")
         if len(value) != batch:
             raise ValueError(f"{name} must have one length per batch entry (B = {batch}); got {len(value)}")
         t = torch.tensor(list(value), dtype=torch.int64)
@@ -101,7 +111,7 @@ def _as_window(window: Any, causal: bool) -> tuple[int | None, int | None]:
     else:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise TypeError(f"window must be a pair (left, right) of ints or None; got {window!r}")
-        left, right = window
+        left, right = plain_int(window[0]), plain_int(window[1])
         for side, x in (("left", left), ("right", right)):
             if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
                 raise TypeError(f"window {side} must be an int or None; got {x!r}")

@@ -89,7 +89,7 @@ def paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Te
     return PagedKV(k_cache, v_cache, block_table)
 
 
-def _cache_dims(q: Any, k: Any, block_table: Any) -> tuple[int, int, int, int]:
+def _cache_dims(q: Any, k: Any, block_table: Any, layout: str = "bhnd") -> tuple[int, int, int, int]:
     """(B, Hkv, D, Nk) that a paged call implies, after the checks that must come before any shape is read."""
     for name, t in (("q", q), ("k_cache", k), ("block_table", block_table)):
         if not isinstance(t, torch.Tensor):
@@ -99,6 +99,12 @@ def _cache_dims(q: Any, k: Any, block_table: Any) -> tuple[int, int, int, int]:
                          f"{list(k.shape)}")
     if block_table.dim() != 2:
         raise ValueError(f"block_table must be int32 [B, max_blocks]; got shape {list(block_table.shape)}")
+    hq = (q.shape[2] if layout == "bnhd" else q.shape[1]) if q.dim() == 4 else 0
+    if hq > 0 and (k.shape[2] == 0 or hq % k.shape[2] != 0):
+        raise ValueError(
+            f"with block_table, k and v are paged caches [num_blocks, block_size, Hkv, D] (FlashAttention's "
+            f"kvcache layout); k of shape {list(k.shape)} would have Hkv={k.shape[2]}, which does not divide q's "
+            f"{hq} heads. A dense k [B, Hkv, Nk, D] or [B, Nk, Hkv, D] goes without block_table")
     return q.shape[0], k.shape[2], k.shape[3], block_table.shape[1] * k.shape[1]
 
 
@@ -106,7 +112,7 @@ def paged_placeholders(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
                        layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Stand-ins for the logical k and v of a paged call, in ``layout``, for validating the problem: expanded
     views of one uninitialized element (stride 0), never read by a backend that reads the caches."""
-    B, Hkv, D, Nk = _cache_dims(q, k, block_table)
+    B, Hkv, D, Nk = _cache_dims(q, k, block_table, layout)
     shape = (B, Hkv, Nk, D) if layout != "bnhd" else (B, Nk, Hkv, D)
     return k.new_empty(()).expand(shape), v.new_empty(()).expand(shape) if isinstance(v, torch.Tensor) else v
 
@@ -116,7 +122,7 @@ def gather_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
     """The logical k and v of a paged call as dense tensors in ``layout`` (validated; differentiable in the
     caches, whose gradients are scattered back through the gather). See :func:`paged_kv` for the checks.
     ``kv_len``: the call's lengths (host ids past them are not checked), or None."""
-    B, Hkv, D, Nk = _cache_dims(q, k, block_table)
+    B, Hkv, D, Nk = _cache_dims(q, k, block_table, layout)
     lens = None
     if kv_len is not None and block_table.device.type == "cpu":
         try:

@@ -8,6 +8,7 @@ about masks lives here, so that bad input fails the same way whatever the backen
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,7 +137,7 @@ def make_problem(
         )
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float or None (1/sqrt(D)); got {scale!r}")
     spec = MaskSpec.build(
         B, Hq, Nq, Nk, device=q.device, causal=causal, window=window, align=align,

@@ -196,7 +196,7 @@ def test_auto_picks_by_device_and_dtype():
     from attnlab.backends import resolve
     from attnlab.problem import make_problem
 
-    assert resolve("auto", make_problem(*qkv())).name == "sdpa"
+    assert resolve("auto", make_problem(*qkv())).name == "torch"  # propagates NaN (SDPA on CPU may not)
 
 
 @pytest.mark.gpu

@@ -101,14 +101,13 @@ _BACKENDS = [
 ]
 
 #: What ``backend="auto"`` tries, by (device type, dtype class); the first that is available and supports
-#: the problem wins. From the H200 runs (data/bench): Triton leads in fp16/bf16, and for Nq <= 16 (decoding)
-#: its split-KV path beats the fused kernel (0.91-0.96x sdpa-cudnn against about 0.5x); in IEEE float32 the
-#: CUDA rowmax kernel beats Triton's FMA dot (0.07 vs 0.15 ms on B1 H8 N1024 D64 causal). On CPU, SDPA.
+#: the problem wins (the measurements behind the GPU order: docs/decisions.md). On CPU the textbook backend: it
+#: propagates a NaN in the inputs as the contract says, where SDPA's CPU kernels can turn a NaN row into 0.
 AUTO_ORDER = {
     ("cuda", "half"): ("triton-decode", "triton", "cuda-rowmax", "sdpa"),
     ("cuda", "float32"): ("cuda-rowmax", "triton", "sdpa"),
-    ("cpu", "half"): ("sdpa",),
-    ("cpu", "float32"): ("sdpa",),
+    ("cpu", "half"): ("torch",),
+    ("cpu", "float32"): ("torch",),
 }
 
 _registry: dict[str, Backend] | None = None

@@ -97,7 +97,7 @@ def default_out(device: str) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from attnlab.cli import OneLineParser
+    from attnlab.cli import OneLineParser, positive_int
 
     p = OneLineParser(prog="attnlab bench", description="Benchmark attnlab backends against SDPA and "
                                 "FlexAttention; results in <out>/<gpu>/<suite>.csv and .json")
@@ -109,8 +109,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="root folder; files go to <out>/<gpu-slug>/ (default: data/bench on a GPU; a --device cpu "
                         "smoke run goes to <tmp>/attnlab-bench, never into the recorded data)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="most timed calls per measurement (default 30)")
-    p.add_argument("--min-reps", type=int, default=DEFAULT_MIN_REPS, help="fewest timed calls (default 3)")
+    p.add_argument("--reps", type=positive_int, default=DEFAULT_REPS,
+                   help="most timed calls per measurement (default 30)")
+    p.add_argument("--min-reps", type=positive_int, default=DEFAULT_MIN_REPS, help="fewest timed calls (default 3)")
     p.add_argument("--budget-ms", type=float, default=DEFAULT_BUDGET_MS,
                    help="timed milliseconds aimed at per measurement (default 100)")
     p.add_argument("--max-call-s", type=float, default=2.5,

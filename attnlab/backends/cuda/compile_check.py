@@ -302,7 +302,7 @@ def format_table(results: Sequence[Resources]) -> str:
 
 def compile_check_main(argv: list[str]) -> int:
     """``python -m attnlab compile-check [--strict] [--arch sm_80 sm_90] [--family ...] [--jobs N] [--nvcc]``."""
-    from attnlab.cli import OneLineParser
+    from attnlab.cli import OneLineParser, positive_int
 
     ap = OneLineParser(prog="attnlab compile-check",
                                  description="compile every CUDA kernel variant with NVRTC (no GPU needed)")
@@ -310,7 +310,7 @@ def compile_check_main(argv: list[str]) -> int:
                     help="fail on a spill in tiled/rowmax for D <= 128 or shared memory over the arch limit")
     ap.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
     ap.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 2))
+    ap.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 2))
     ap.add_argument("--nvcc", nargs="?", const="nvcc", default=None, metavar="PATH",
                     help="also compile each kernels/*.cu alone with nvcc (default: the one on PATH) and compare")
     args = ap.parse_args(argv)
