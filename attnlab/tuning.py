@@ -42,11 +42,10 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
                          "one fixed config)")
     if backward is None:
         backward = any(t.requires_grad for t in (q, k, v))
-    from attnlab import calls, warm_start
+    from attnlab import calls
     from attnlab.backends.triton import backward as triton_backward
     from attnlab.backends.triton import configs, launch
 
-    warm_start.wait()
     with torch.cuda.device(prob.device), torch.no_grad():
         chosen: dict[str, Any] = {"fwd": configs.tune(prob)}
         if backward:

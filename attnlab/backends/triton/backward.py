@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab import warm_start
 from attnlab.backends.triton import configs, tune_cache, tuned_table
 from attnlab.backends.triton.configs import _block_d, _pow2_bucket, fastest
 from attnlab.backends.triton.interpreter import _interpreted_fn, interpreter
@@ -230,7 +229,6 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     key = _ahead_key(prob, out)
     if key in _ahead:
         return
-    warm_start.wait()
     if len(_ahead) >= MAX_AHEAD:
         _ahead.pop(next(iter(_ahead)))
     if _compiler is None:
