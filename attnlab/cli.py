@@ -34,6 +34,12 @@ def info() -> str:
             f"device  {p.name}  sm_{p.major}{p.minor}  {p.multi_processor_count} SMs  "
             f"{p.total_memory / 2**30:.0f} GiB  driver CUDA {torch.version.cuda}"
         )
+        try:
+            from attnlab.backends.triton.tuned_table import describe
+
+            lines.append(describe(0))
+        except ImportError:
+            pass
     else:
         lines.append("device  CPU only (torch.cuda.is_available() is False)")
     lines.append("backends:")

@@ -1,3 +1,5 @@
+import pytest
+
 from attnlab.lessons import kernel_notes
 
 
@@ -11,4 +13,5 @@ def test_fp32_layout_log_parses_ratios_and_bank_conflicts(tmp_path):
     r = kernel_notes.fp32_layout_log(p)
     assert r["query_major_ratio"] == {"B8 H16 N2048": 0.367}  # the first run's figure
     assert r["bank_conflict_frac"] == 0.25
-    assert kernel_notes.fp32_layout_log(tmp_path / "none.txt")["bank_conflict_frac"] is None
+    with pytest.raises(FileNotFoundError):  # a missing log fails loudly (a wheel install without ATTNLAB_DATA_DIR)
+        kernel_notes.fp32_layout_log(tmp_path / "none.txt")

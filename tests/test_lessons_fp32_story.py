@@ -5,6 +5,7 @@ import pytest
 
 from attnlab.bench import plots as bench_plots
 from attnlab.lessons import fp32_story, kernel_notes
+from attnlab.paths import data_file
 
 
 def _suite() -> pd.DataFrame:
@@ -33,7 +34,7 @@ def test_fair_fp32_is_relative_to_sdpa_efficient_and_names_the_unsupported():
 
 def test_ladder_csv_matches_the_note():
     lad = fp32_story.ladder()
-    note = (fp32_story.LADDER_PATH.parent / "rowmax_ladder.md").read_text()
+    note = data_file("notes", "rowmax_ladder.md").read_text()
     numbers = set(re.findall(r"\d+\.\d+", note))
     for v in pd.concat([lad["before_ms"], lad["after_ms"]]).dropna():
         assert f"{v:g}" in numbers or f"{v:.2f}" in numbers or f"{v:.3f}" in numbers, v

@@ -34,6 +34,8 @@ class Backend:
 
     name: str = ""
     description: str = ""
+    #: What the backend takes, in a few words (shown by ``attnlab.backends()``); ``unsupported`` says why not.
+    takes: str = "every problem of the contract"
     #: Whether outputs carry autograd history back to q, k and v. Backends built from PyTorch ops do; a
     #: kernel without a backward does not, and is then refused for inputs that require grad (never a
     #: silently detached output).
@@ -137,7 +139,14 @@ class BackendTable(dict):
 
     def __repr__(self) -> str:
         width = max(len(n) for n in self) if self else 0
-        return "\n".join(f"{n:<{width}}  {a!r}" for n, a in self.items())
+        reg = registry()
+        return "\n".join(f"{n:<{width}}  {a!r}" + (f"; takes {reg[n].takes}" if a.available and n in reg else "")
+                         for n, a in self.items())
+
+    def takes(self) -> dict[str, str]:
+        """name -> what that backend takes (dtypes, head dims, query rows, devices)."""
+        reg = registry()
+        return {n: reg[n].takes for n in self if n in reg}
 
 
 def status() -> BackendTable:

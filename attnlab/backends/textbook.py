@@ -16,6 +16,7 @@ from attnlab.reference import masked_scores
 
 class TextbookBackend(Backend):
     name = "torch"
+    takes = "every problem, in the input dtype (materializes the [B, Hq, Nq, Nk] scores)"
     description = "textbook PyTorch in the input dtype: QK^T, mask, softmax, @V (materializes the scores)"
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from attnlab.paths import DATA_DIR
+from attnlab.paths import data_file
 
 #: The blog's table: time relative to its rowmax kernel, one Ampere GPU, B1 H8 N1024 D64 causal, float32,
 #: a single run (the blog's own caveat). attnlab's backend that implements each row.
@@ -25,7 +25,7 @@ BLOG_CASE = "fp32_b1_h8_n1024_d64_causal"
 FP32_BACKENDS = ("cuda-naive", "cuda-tiled", "cuda-rowmax", "triton", "torch", "sdpa-math", "sdpa-efficient",
                  "flex")
 
-LADDER_PATH = DATA_DIR / "notes" / "rowmax_ladder.csv"
+LADDER_PATH = ("notes", "rowmax_ladder.csv")
 
 
 def _ok(df: pd.DataFrame, case: str) -> pd.Series:
@@ -62,7 +62,7 @@ def fair_fp32(fp32: pd.DataFrame) -> pd.DataFrame:
 def ladder(path: Path | str | None = None) -> pd.DataFrame:
     """The rowmax ladder, one row per step: the change, the case, kernel time before and after (ms), the
     speedup (before / after) and whether it was taken."""
-    d = pd.read_csv(path or LADDER_PATH, dtype={"step": str})
+    d = pd.read_csv(path or data_file(*LADDER_PATH), dtype={"step": str})
     d["speedup"] = d["before_ms"] / d["after_ms"]
     return d
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnlab.paths import DATA_DIR
+from attnlab.paths import data_file
 
 FAMILIES = ("naive", "tiled", "rowmax")
 
@@ -120,15 +120,14 @@ def fp32_layout_log(path: Path | str | None = None) -> dict:
     """Figures of the float32 Triton layout experiments (``data/gpu_tests/nvidia-h200-fp32-layouts.txt``).
 
     ``bank_conflict_frac``: shared-load bank conflicts over shared-load wavefronts in the first ncu section
-    of the query-major variant (var0); ``query_major_ratio``: per case ("B8 H16 N2048"), attnlab's
-    (then query-major) kernel's speed relative to sdpa-efficient in the log's first run. None when absent.
+    of the query-major variant (var0), None when the log has no such section; ``query_major_ratio``: per case
+    ("B8 H16 N2048"), attnlab's (then query-major) kernel's speed relative to sdpa-efficient in the log's first
+    run. A missing log raises FileNotFoundError (with the default path: how to point attnlab at its data).
     """
     import re
 
-    p = Path(path) if path is not None else DATA_DIR / "gpu_tests" / "nvidia-h200-fp32-layouts.txt"
-    if not p.is_file():
-        return {"bank_conflict_frac": None, "query_major_ratio": {}}
-    text = p.read_text()
+    p = Path(path) if path is not None else data_file("gpu_tests", "nvidia-h200-fp32-layouts.txt")
+    text = p.read_text()  # a missing log is an error, not a paragraph the notebook silently leaves out
     ratios: dict[str, float] = {}
     for case, ratio in re.findall(r"case (B\d+ H\d+ N\d+): attnlab triton [\d.]+ ms .*?ratio ([\d.]+)", text):
         ratios.setdefault(case, float(ratio))

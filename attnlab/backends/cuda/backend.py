@@ -12,6 +12,8 @@ from attnlab.problem import Problem
 
 
 class _CudaBackend(Backend):
+    takes = "CUDA tensors, float32/float16/bfloat16 (computed in float32), D 1-256, every mask"
+
     family = ""
     kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.backends.triton.backward)
 

@@ -17,6 +17,7 @@ class TritonBackend(Backend):
     """attnlab's fused Triton forward kernel (the :mod:`attnlab.backends.triton` docstring explains it)."""
 
     name = "triton"
+    takes = "float32/float16/bfloat16, D 1-256, every mask; CUDA tensors compiled, CPU tensors interpreted"
     kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.backends.triton.backward)
     description = (
         "fused Triton forward kernel: online softmax in exp2, block skipping, every mask, GQA; "
@@ -59,6 +60,7 @@ class TritonDecodeBackend(TritonBackend):
     (batch, kv head) split over several programs, the query heads of a kv group packed into one tile."""
 
     name = "triton-decode"
+    takes = "Nq <= 16 query rows (decoding), float32/float16/bfloat16, D 1-256, every mask, paged caches"
     description = (
         "split-KV Triton decode for Nq <= 16: keys split over programs, GQA groups packed, partial states "
         "merged by their lse"

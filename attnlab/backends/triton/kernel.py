@@ -14,7 +14,9 @@ try:
     _IMPORT_ERROR: str | None = None
 except ImportError as e:  # the backend reports itself unavailable
     triton, tl = None, None
-    _IMPORT_ERROR = f"triton is not importable ({e})"
+    _IMPORT_ERROR = (
+        "triton is not installed (PyPI has it for Linux only: pip install 'triton>=3.4')"
+        if isinstance(e, ModuleNotFoundError) and e.name == "triton" else f"triton is not importable ({e})")
 
 LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2
 
