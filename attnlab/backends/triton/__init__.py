@@ -57,12 +57,12 @@ registers). The three phases (partial, full, partial) are one loop body speciali
 
 Where it runs
 -------------
-On CUDA tensors the kernel is compiled by Triton, with a small autotune space (block sizes, warps,
+On CUDA tensors the kernel is compiled by Triton with one config, from a small space (block sizes, warps,
 stages, and for float32 the D chunk of Q K^T; :func:`candidates`) keyed on dtype, head dim, mask kind and
-the sizes' powers of two (:func:`tune_key`); ``AUTOTUNE = False`` uses each space's first entry. Tuned
-configs persist on disk per GPU model, Triton version and kernel source
-(:mod:`~attnlab.backends.triton.tune_cache`, ``$ATTNLAB_CACHE_DIR`` or ``~/.cache/attnlab``): a new process
-takes a known key from there without tuning.
+the sizes' powers of two (:func:`tune_key`): a config tuned on this machine, else the shipped table's
+(:mod:`~attnlab.backends.triton.tuned_table`), else the first candidate. Tuning happens on request
+(:func:`attnlab.tune`, or ``ATTNLAB_AUTOTUNE=1``); tuned configs persist on disk per GPU model, Triton version
+and kernel source (:mod:`~attnlab.backends.triton.tune_cache`, ``$ATTNLAB_CACHE_DIR`` or ``~/.cache/attnlab``).
 Launches of one call signature (shapes, strides, dtypes, mask kind, alignment: :func:`_signature`) share a
 plan (:class:`_Plan`): its arguments and compiled kernel, with Triton's launcher called directly rather than
 through the JIT's per-call binding. :func:`attnlab.attention` goes further for a signature it has seen
@@ -91,7 +91,8 @@ Where the code is
   bias, the band, the online-softmax update), each written once.
 * :mod:`~attnlab.backends.triton.configs`: :class:`Config`, :func:`candidates`, :func:`tune_key`,
   autotuning, :func:`allow_tf32`.
-* :mod:`~attnlab.backends.triton.tune_cache`: autotune results on disk (forward and backward).
+* :mod:`~attnlab.backends.triton.tune_cache`: tuned configs on disk (forward and backward).
+* :mod:`~attnlab.backends.triton.tuned_table`: the shipped table of tuned configs (``tuned_table.json``).
 * :mod:`~attnlab.backends.triton.launch`: the kernel's arguments, the grid, the JIT launch and the fast
   path of repeated launches.
 * :mod:`~attnlab.backends.triton.interpreter`: the CPU path.
