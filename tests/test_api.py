@@ -196,7 +196,10 @@ def test_auto_picks_by_device_and_dtype():
     from attnlab.backends import resolve
     from attnlab.problem import make_problem
 
-    assert resolve("auto", make_problem(*qkv())).name == "torch"  # propagates NaN (SDPA on CPU may not)
+    assert resolve("auto", make_problem(*qkv())).name == "sdpa"
+    q, k, v = qkv()
+    q[0, 0, 1, 2] = float("nan")
+    assert resolve("auto", make_problem(q, k, v)).name == "reference"  # SDPA on CPU may turn a NaN row into 0
 
 
 @pytest.mark.gpu

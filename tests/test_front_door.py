@@ -66,6 +66,16 @@ def test_auto_on_cpu_propagates_a_nan():
     assert not torch.isnan(out[0, 0]).any() and not torch.isnan(out[0, 1, :3]).any()
 
 
+def test_auto_on_cpu_propagates_a_nan_in_a_key_and_keeps_sdpa_otherwise():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    clean = attnlab.attention(q, k, v, causal=True)
+    assert torch.equal(clean, attnlab.attention(q, k, v, causal=True, backend="sdpa"))  # finite inputs: SDPA
+    k[0, 0, 5, 0] = float("nan")
+    out = attnlab.attention(q, k, v, causal=True)
+    assert torch.isnan(out[0, 0, 5:]).all() and not torch.isnan(out[0, 0, :5]).any()  # the rows that see key 5
+
+
 def test_return_lse_must_be_a_bool():
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(TypeError, match="return_lse"):

@@ -103,14 +103,26 @@ _BACKENDS = [
 ]
 
 #: What ``backend="auto"`` tries, by (device type, dtype class); the first that is available and supports
-#: the problem wins (the measurements behind the GPU order: docs/decisions.md). On CPU the textbook backend: it
-#: propagates a NaN in the inputs as the contract says, where SDPA's CPU kernels can turn a NaN row into 0.
+#: the problem wins (the measurements behind the GPU order: docs/decisions.md). On CPU, SDPA, except for inputs
+#: that hold a NaN or an infinity (:func:`_hides_nonfinite`), which go to the float64 reference: SDPA's CPU kernel
+#: can turn a NaN row into 0, and the contract says a NaN propagates.
 AUTO_ORDER = {
     ("cuda", "half"): ("triton-decode", "triton", "cuda-rowmax", "sdpa"),
     ("cuda", "float32"): ("cuda-rowmax", "triton", "sdpa"),
-    ("cpu", "half"): ("torch",),
-    ("cpu", "float32"): ("torch",),
+    ("cpu", "half"): ("sdpa", "reference"),
+    ("cpu", "float32"): ("sdpa", "reference"),
 }
+
+
+def _hides_nonfinite(name: str, prob: Problem) -> bool:
+    """Whether ``auto`` must pass over backend ``name`` for ``prob``: SDPA on CPU tensors when q, k, v or the
+    bias holds a NaN or an infinity (checked on the host, where it costs one pass over the inputs and no sync;
+    GPU inputs are never read back)."""
+    if name != "sdpa" or prob.device.type != "cpu":
+        return False
+    tensors = [prob.q, prob.k, prob.v] + ([prob.spec.bias] if prob.spec.bias is not None else [])
+    return not all(bool(torch.isfinite(t).all()) for t in tensors)
+
 
 _registry: dict[str, Backend] | None = None
 
@@ -167,7 +179,7 @@ def resolve(name: str, prob: Problem, needs_grad: bool = False) -> Backend:
         kind = "float32" if prob.dtype == torch.float32 else "half"
         for cand in AUTO_ORDER.get((prob.device.type, kind), ("sdpa",)):
             b = reg.get(cand)
-            if b is None or (needs_grad and not b.differentiable):
+            if b is None or (needs_grad and not b.differentiable) or _hides_nonfinite(cand, prob):
                 continue
             if b.availability().available and b.unsupported(prob) is None:
                 return b

@@ -56,9 +56,10 @@ def _lengths(B: int, N: int) -> tuple[int, ...]:
     return tuple(N - (i * 3 * N) // (4 * B) for i in range(B))
 
 
-#: The problems: D 64/96/128, bf16/fp16/fp32, causal, padding, a bool mask, GQA/MQA, windows, decode. Each new
-#: shape keeps the divisibility by 16 of every size and stride (Triton specializes on it), so it maps to the
-#: variant the first call compiled.
+#: The problems: D 64/96/128, bf16/fp16/fp32, causal, padding, an explicit mask (an ALiBi bias), GQA/MQA, windows,
+#: decode. Each new shape keeps the divisibility by 16 of every size and stride (Triton specializes on it) and,
+#: for the decode, the merge's split tile (16 splits or fewer on a 132-SM GPU), so it maps to the variants the
+#: first call compiled.
 PROBLEMS: tuple[FirstCallProblem, ...] = (
     _problem("fwd", "bf16_b2_h8_n777_d64_causal", dict(Nq=901), B=2, Hq=8, Nq=777, D=64, causal=True),
     _problem("fwd", "fp16_b2_h8_n3001_d128_causal", dict(Nq=2999), B=2, Hq=8, Nq=3001, D=128, dtype="float16",
@@ -67,6 +68,7 @@ PROBLEMS: tuple[FirstCallProblem, ...] = (
              causal=True),
     _problem("fwd", "bf16_b4_hq8_hkv2_n1000_d96_kvlen", dict(B=3, kv_len=_lengths(3, 1000)), B=4, Hq=8, Hkv=2,
              Nq=1000, D=96, kv_len=_lengths(4, 1000)),
+    _problem("fwd", "bf16_b2_h8_n1000_d64_alibi", dict(Nq=1016), B=2, Hq=8, Nq=1000, D=64, bias="alibi"),
     _problem("fwd+bwd", "bf16_b2_hq8_hkv2_n777_d128_causal", dict(Nq=1001), B=2, Hq=8, Hkv=2, Nq=777, D=128,
              causal=True),
     _problem("fwd+bwd", "fp16_b2_hq8_hkv1_n1000_d96_window", dict(Nq=1048), B=2, Hq=8, Hkv=1, Nq=1000, D=96,
@@ -75,7 +77,7 @@ PROBLEMS: tuple[FirstCallProblem, ...] = (
              D=64, causal=True, kv_len=_lengths(2, 640)),
     _problem("decode", "bf16_b4_hq32_hkv8_nk4096_d128_kvlen", dict(Nk=8192, kv_len=_lengths(4, 8192)), B=4, Hq=32,
              Hkv=8, Nq=1, Nk=4096, D=128, kv_len=_lengths(4, 4096), align="bottom_right"),
-    _problem("decode", "fp16_b2_hq8_hkv8_nq4_nk3000_d64_causal", dict(Nk=5000), B=2, Hq=8, Hkv=8, Nq=4, Nk=3000, D=64,
+    _problem("decode", "fp16_b2_hq8_hkv8_nq4_nk3000_d64_causal", dict(Nk=3500), B=2, Hq=8, Hkv=8, Nq=4, Nk=3000, D=64,
              dtype="float16", causal=True, align="bottom_right"),
 )
 
