@@ -252,12 +252,13 @@ def backward_suite(device: str = "cuda") -> list[BenchCase]:
 
 def tuning_suite(device: str = "cuda") -> list[BenchCase]:
     """The shipped table against ``attnlab.tune()``: the dense suite, shapes outside the table (N 777 and 3001,
-    D 96) and the backward suite's cases, renamed into this suite."""
+    D 96) and the backward suite's cases (named ``<case>_train``: the dense suite has cases of the same shape)."""
     if str(device).startswith("cpu"):
         return [BenchCase("tuning", "bf16_b1_h2_n40_d16_causal", B=1, Hq=2, Nq=40, D=16, causal=True)]
     extra = [BenchCase("tuning", f"bf16_b4_h16_n{n}_d{d}_{'causal' if c else 'full'}", B=4, Hq=16, Nq=n, D=d,
                        causal=c) for n, d in ((777, 64), (3001, 128), (2048, 96), (3001, 96)) for c in (False, True)]
-    moved = [dataclasses.replace(c, suite="tuning") for c in (*dense_suite(device), *backward_suite(device))]
+    moved = [dataclasses.replace(c, suite="tuning") for c in dense_suite(device)]
+    moved += [dataclasses.replace(c, suite="tuning", name=c.name + "_train") for c in backward_suite(device)]
     return moved + extra
 
 
