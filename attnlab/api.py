@@ -168,6 +168,10 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, ri
     starts from the forward's lse)."""
     masks = (causal, has_window, left, right, align, scale, layout)
     paged = None
+    if block_table is not None and backend == "auto" and q.device.type == "cpu":
+        # no CPU backend auto picks reads a paged cache in place: gather now, so auto sees the real k and v
+        k, v = gather_paged(q, k, v, block_table, layout, kv_len)
+        block_table = None
     if block_table is not None:
         kd, vd = paged_placeholders(q, k, v, block_table, layout)
         prob = _problem(q, kd, vd, kv_len, q_len, mask, *masks)
@@ -191,7 +195,8 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, ri
             out.fill_(float("nan"))
             if lse is not None:
                 lse.fill_(float("nan"))
-        if needs_grad and be.kernel_backward and prob.q.is_cuda and _triton_backward_available():
+        mask_grad = mask is not None and mask.dtype.is_floating_point and mask.requires_grad
+        if needs_grad and be.kernel_backward and not mask_grad and prob.q.is_cuda and _triton_backward_available():
             from attnlab.backends.triton.backward import compile_ahead
 
             compile_ahead(prob, out_bhnd, lse)  # the backward's kernels compile while the forward runs

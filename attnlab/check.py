@@ -238,13 +238,13 @@ def verify(
                 base = attention(q, k, v, backend="torch", **kw)
             for b in backends:
                 row = {"backend": b, **case.describe(), "dtype": str(dt).replace("torch.", ""), "seed": case_seed}
-                why = _not_taken(b, q, k, v, kw)
-                if why is not None:  # a backend that does not take this problem: skipped, not failed
-                    row.update(status="skipped", passed=None, error=why)
-                    rows.append(row)
-                    continue
                 t0 = time.perf_counter()
                 try:
+                    why = _not_taken(b, q, k, v, kw)
+                    if why is not None:  # a backend that does not take this problem: skipped, not failed
+                        row.update(status="skipped", passed=None, error=why)
+                        rows.append(row)
+                        continue
                     out, lse = attention(q, k, v, backend=b, return_lse=True, **kw)
                 except Exception as e:  # recorded, not raised: the table shows every failure
                     row.update(status="error", passed=False, error=f"{type(e).__name__}: {e}")

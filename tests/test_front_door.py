@@ -121,3 +121,26 @@ def test_backends_say_what_each_takes():
     table = attnlab.backends()
     assert "Nq <= 16" in table.takes()["triton-decode"]
     assert "takes Nq <= 16" in repr(table)
+
+
+def test_auto_on_cpu_keeps_sdpa_for_a_minus_inf_bias_and_leaves_it_for_nan():
+    from attnlab.backends import resolve
+    from attnlab.problem import make_problem
+
+    q = torch.randn(1, 2, 8, 16)
+    bias = torch.zeros(1, 1, 8, 8)
+    bias[..., 3] = float("-inf")  # masks key 3: the contract's rule, not bad input
+    assert resolve("auto", make_problem(q, q, q, mask=bias.expand(1, 2, 8, 8))).name == "sdpa"
+    bias[0, 0, 2, 2] = float("nan")
+    assert resolve("auto", make_problem(q, q, q, mask=bias)).name == "reference"
+
+
+def test_auto_on_cpu_sees_a_nan_in_a_paged_cache():
+    from attnlab.paged import to_paged
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    k[0, 1, 6, 0] = float("nan")
+    kc, vc, bt = to_paged(k, v, 4)
+    out = attnlab.attention(q, kc, vc, block_table=bt, kv_len=[16], causal=True)
+    assert torch.isnan(out[0, 1, 6:]).all() and not torch.isnan(out[0, 0]).any()

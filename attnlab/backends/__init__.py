@@ -115,13 +115,23 @@ AUTO_ORDER = {
 
 
 def _hides_nonfinite(name: str, prob: Problem) -> bool:
-    """Whether ``auto`` must pass over backend ``name`` for ``prob``: SDPA on CPU tensors when q, k, v or the
-    bias holds a NaN or an infinity (checked on the host, where it costs one pass over the inputs and no sync;
-    GPU inputs are never read back)."""
+    """Whether ``auto`` must pass over backend ``name`` for ``prob``: SDPA on CPU tensors when q, k or v holds a
+    NaN or an infinity, or the bias a NaN or +inf (checked on the host, where it costs one pass over the stored
+    elements and no sync; GPU inputs are never read back)."""
     if name != "sdpa" or prob.device.type != "cpu":
         return False
-    tensors = [prob.q, prob.k, prob.v] + ([prob.spec.bias] if prob.spec.bias is not None else [])
-    return not all(bool(torch.isfinite(t).all()) for t in tensors)
+    if not all(bool(torch.isfinite(_compact(t)).all()) for t in (prob.q, prob.k, prob.v)):
+        return True
+    bias = prob.spec.bias
+    if bias is None:
+        return False
+    bias = _compact(bias)  # -inf masks a key (the contract's rule); NaN and +inf are the caller's
+    return bool(torch.isnan(bias).any() or torch.isposinf(bias).any())
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its broadcast dimensions (stride 0, length > 1): each stored element once."""
+    return t[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(t.stride(), t.shape))]
 
 
 _registry: dict[str, Backend] | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -352,7 +354,9 @@ CONFIG_SOURCES = ("triton-table", "triton-tuned")
 def _config_source_competitor(name: str) -> Competitor:
     """``triton-table``: the public call with ``backend="triton"`` inside ``configs.shipped_only()``;
     ``triton-tuned``: the public call after ``attnlab.tune`` on input set 0 (the backward too for a backward
-    case). Both through :func:`attnlab.attention`, so they can be interleaved in one run."""
+    case), tuned into a scratch cache folder. Both through :func:`attnlab.attention`, so they can be interleaved
+    in one run. The tuned configs stay in this process: a later plain ``triton`` row of the same tune key
+    would use them."""
 
     def prepare(inp: CaseInputs) -> Prepared:
         from attnlab.api import attention
@@ -364,8 +368,17 @@ def _config_source_competitor(name: str) -> Competitor:
             raise Unsupported("configs are tuned for GPU launches only")
         qs, ks, vs, kw = inp.qs, inp.ks, inp.vs, inp.kw
         notes = []
-        if name == "triton-tuned":
-            chosen = tune(qs[0], ks[0], vs[0], backward=qs[0].requires_grad, **kw)
+        if name == "triton-tuned":  # tuned into a scratch cache folder: the user's persistent cache stays as it is
+            with tempfile.TemporaryDirectory(prefix="attnlab-bench-tune-") as scratch:
+                old = os.environ.get("ATTNLAB_CACHE_DIR")
+                os.environ["ATTNLAB_CACHE_DIR"] = scratch
+                try:
+                    chosen = tune(qs[0], ks[0], vs[0], backward=qs[0].requires_grad, **kw)
+                finally:
+                    if old is None:
+                        os.environ.pop("ATTNLAB_CACHE_DIR", None)
+                    else:
+                        os.environ["ATTNLAB_CACHE_DIR"] = old
             notes.append("tuned " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
 
         def call(i: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ up) come before the timer; the timer runs from the call to the synchronized outp
 the synchronized gradients. The output (and the gradients) is then checked against the float64 reference:
 a time is recorded only for a call that passed.
 
-Rows (``first_call.csv``: backend, case, kind, cold, first_call_s, passed, max_abs_err, notes):
+Rows (``first_call.csv``: backend, case, kind, cold, first_call_s, status, passed, max_abs_err, notes):
 
 * ``cold=true``: the first process, its caches empty: everything the call needs is compiled in the timed call;
 * ``cold=false``: a second process with the first one's caches kept;

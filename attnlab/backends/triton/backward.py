@@ -7,10 +7,11 @@ summed in registers, no atomics), and dQ in its own pass (deterministic, no atom
 supported: causal and windows in both alignments, kv_len and q_len, bool masks and additive biases (a
 constant: it gets no gradient), GQA/MQA, any strides, float32 / float16 / bfloat16, D from 1 to 256.
 
-On CUDA tensors the kernels are compiled, each with a small config space per dtype and padded head dim
-(:func:`dkdv_candidates`, :func:`dq_candidates`); with ``AUTOTUNE`` each kernel's candidates are timed
-once per :func:`tune_key` and the fastest kept (on disk too, :mod:`~attnlab.backends.triton.tune_cache`),
-else the first is used. On CPU tensors the same kernels run
+On CUDA tensors the kernels are compiled, each with one config from a small space per dtype and padded head dim
+(:func:`dkdv_candidates`, :func:`dq_candidates`): one tuned on this machine (:func:`tune`, or ``AUTOTUNE``; kept
+on disk by :mod:`~attnlab.backends.triton.tune_cache`), else the shipped table's, else the first candidate; a
+config that does not fit the GPU gives way to the next. :func:`compile_ahead` compiles them in the background
+while the forward runs. On CPU tensors the same kernels run
 through Triton's interpreter with one small config, inside :func:`attnlab.backends.triton.interpreter.interpreter`.
 """
 
@@ -185,6 +186,20 @@ def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> 
     return _bwd_dq_kernel, grid, args, kw
 
 
+def _launch_fitting(launch, cfg: BwdConfig, space: list[BwdConfig], what: str) -> BwdConfig:
+    """``launch(cfg)``, or with the next candidates of ``space`` while a config does not fit this GPU; returns the
+    config that ran."""
+    while True:
+        try:
+            launch(cfg)
+            return cfg
+        except Exception as err:
+            nxt = configs.next_fitting(space, cfg, what) if configs.out_of_resources(err) else None
+            if nxt is None:
+                raise
+            cfg = nxt
+
+
 def _go(launch: tuple, interpret: bool) -> None:
     kernel, grid, args, kw = launch
     (_interpreted_fn(kernel) if interpret else kernel)[grid](*args, **kw)
@@ -234,12 +249,16 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     if _compiler is None:
         _compiler = ThreadPoolExecutor(max_workers=3, thread_name_prefix="attnlab-compile")
     kv_cfg, q_cfg = configs_for(prob, *[None] * 6)  # no tuning here: the table's configs or the defaults
-    delta = torch.empty_like(lse)
-    dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
-    launches = (_preprocess_launch(prob, out, lse, out, delta, delta, False),
-                _dkdv_launch(prob, out, delta, delta, dk, dv, kv_cfg, False),
-                _dq_launch(prob, out, delta, delta, dq, q_cfg, False))
+    # Stand-ins with the layouts the backward will have (warmup compiles, it launches nothing): lse for the
+    # float32 rows, q, k, v for dq, dk, dv (torch.empty_like keeps a dense tensor's strides), out for dout.
+    dq, dk, dv = (x if x.is_non_overlapping_and_dense() and x.data_ptr() % 16 == 0 else torch.empty_like(x)
+                  for x in (prob.q, prob.k, prob.v))
+    launches = (_preprocess_launch(prob, out, lse, out, lse, lse, False),
+                _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
+                _dq_launch(prob, out, lse, lse, dq, q_cfg, False))
     device = prob.device
+    for kernel, *_ in launches:  # the JIT's per-device state, made once on this thread (not raced by the workers)
+        kernel.device_caches[device.index]
 
     def warm(launch: tuple) -> None:
         kernel, grid, args, kw = launch
@@ -367,8 +386,8 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
     _check("lse", lse, (B, Hq, Nq), prob)
     if dout.dtype != prob.dtype:
         dout = dout.to(prob.dtype)
-    if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum(): one layout, so one compiled variant
-        dout = dout.contiguous()
+    if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum(): laid out as out, so one compiled variant
+        dout = torch.empty_like(out).copy_(dout)
     if lse.dtype != torch.float32:
         lse = lse.float()
     dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
@@ -393,6 +412,12 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
         _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
         _minus_dlse(delta, dlse)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
-        _launch_dkdv(prob, dout, delta, lse2, dk, dv, kv_cfg, False)
-        _launch_dq(prob, dout, delta, lse2, dq, q_cfg, False)
+        block_d = _block_d(prob.D)
+        kv_done = _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False), kv_cfg,
+                                  dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel")
+        q_done = _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False), q_cfg,
+                                 dq_candidates(prob.dtype, block_d), "the backward's dQ kernel")
+        if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
+            key = tune_key(prob)
+            (_tuned if key in _tuned else _picked)[key] = (kv_done, q_done)
     return dq, dk, dv

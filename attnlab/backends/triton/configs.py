@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -208,13 +209,16 @@ def fastest(configs: list, launch, what: str):
             with on_callers_stream():
                 launch(cfg)
         except Exception as err:
-            if "OutOfResources" in type(err).__name__ or "out of resource" in str(err).lower():
+            if out_of_resources(err):
                 return False
             raise
         return True
 
-    with ThreadPoolExecutor(max_workers=min(len(configs), os.cpu_count() or 1)) as pool:
-        fitting = [cfg for cfg, ok in zip(configs, pool.map(fits, configs)) if ok]
+    # The first candidate on this thread (it sets up the JIT's per-device state once), the rest in parallel.
+    first = fits(configs[0])
+    with ThreadPoolExecutor(max_workers=max(1, min(len(configs) - 1, os.cpu_count() or 1))) as pool:
+        oks = [first, *pool.map(fits, configs[1:])]
+    fitting = [cfg for cfg, ok in zip(configs, oks) if ok]
     if gpu:
         torch.cuda.synchronize()
     best, best_ms = None, math.inf
@@ -225,6 +229,31 @@ def fastest(configs: list, launch, what: str):
     if best is None:
         raise RuntimeError(f"no Triton config fits this GPU for {what}")
     return best
+
+
+def out_of_resources(err: BaseException) -> bool:
+    """Whether ``err`` says a config does not fit the GPU (shared memory, registers): Triton's OutOfResources."""
+    return "OutOfResources" in type(err).__name__ or "out of resource" in str(err).lower()
+
+
+def next_fitting(space: list, cfg, what: str):
+    """The candidate after ``cfg`` in ``space`` (a config that did not fit this GPU), with a warning; None when
+    there is none."""
+    later = space[space.index(cfg) + 1:] if cfg in space else []
+    if not later:
+        return None
+    warnings.warn(f"attnlab: the Triton config {cfg} for {what} does not fit this GPU; using {later[0]} "
+                  "(attnlab.tune() finds the fastest that fits)", stacklevel=3)
+    return later[0]
+
+
+def fall_back(prob: Problem, cfg: Config) -> Config | None:
+    """The forward's next candidate after ``cfg``, which did not fit this GPU; kept for ``prob``'s tune key."""
+    nxt = next_fitting(candidates(prob.dtype, _block_d(prob.D)), cfg, "the forward")
+    if nxt is not None:
+        key = tune_key(prob)
+        (_tuned if key in _tuned else _picked)[key] = nxt
+    return nxt
 
 
 def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:

@@ -136,7 +136,7 @@ class _Plan:
         key = layout_key(out, lse)
         kernel = self.kernels.get(key)
         if kernel is None or not FAST_LAUNCH:
-            kernel = _launch(prob, out, lse, self.cfg, interpret=False)
+            kernel = self._jit_launch(prob, out, lse)
             if FAST_LAUNCH and _fast_launch_supported(kernel):
                 self.kernels[key] = kernel
             return
@@ -156,6 +156,20 @@ class _Plan:
         # The launcher takes every parameter in signature order, the constants (which come last) too.
         args = (*_bind(head, mid, tail, out, lse), *constants)
         run_compiled(kernel, self.grid, _current_stream(self.device), args)
+
+    def _jit_launch(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
+        """A launch through the JIT; a config that does not fit this GPU (a table made on a larger one, or the
+        heuristic default) gives way to the next candidate, for this plan and the problem's tune key."""
+        while True:
+            try:
+                return _launch(prob, out, lse, self.cfg, interpret=False)
+            except Exception as err:
+                nxt = _cfg.fall_back(prob, self.cfg) if _cfg.out_of_resources(err) else None
+                if nxt is None:
+                    raise
+                self.cfg, self.grid = nxt, _grid(prob, nxt)
+                self.kernels.clear()
+                self.fixed.clear()
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """After a launch for ``prob`` into ``out`` and ``lse``: a function ``(q, k, v, kv_len, q_len, mask,

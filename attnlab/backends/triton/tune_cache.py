@@ -1,8 +1,9 @@
-"""Autotune results on disk, so that a new process does not tune a problem it has tuned before.
+"""Tuned configs on disk, so that a new process uses what this machine tuned before.
 
-The Triton forward (:func:`attnlab.backends.triton.configs.config_for`) and backward
-(:func:`attnlab.backends.triton.backward.configs_for`) time their candidates once per tune key, 5 to 10 s
-for a new shape; this module keeps the winners across processes.
+When asked (:func:`attnlab.tune`, or ``ATTNLAB_AUTOTUNE=1``), the Triton forward and backward time their
+candidates for a tune key, seconds per key; this module keeps the winners across processes, and
+:func:`attnlab.backends.triton.configs.config_for` / :func:`attnlab.backends.triton.backward.configs_for` read
+them before the shipped table.
 
 Where: one JSON file per GPU model and Triton version, ``autotune-<gpu>-triton<version>.json`` in
 ``$ATTNLAB_CACHE_DIR``, or ``~/.cache/attnlab`` when that is not set (``ATTNLAB_AUTOTUNE_CACHE=0``: no file
@@ -15,7 +16,8 @@ Safe when processes write at once: a writer takes an advisory lock (``fcntl.floc
 where the platform has it), reads what is on disk, adds its entries, writes a temporary file in the same
 directory and ``os.replace``-s it over the file, so a reader sees the old file or the new one, never half
 of one, and no writer's entries are lost. A file that cannot be read or parsed counts as empty (and is
-rewritten by the next store); a directory that cannot be written only costs the next process a tune.
+rewritten by the next store); a directory that cannot be written only loses the tuned configs for later
+processes (they fall back to the shipped table).
 """
 
 from __future__ import annotations
