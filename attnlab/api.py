@@ -195,8 +195,8 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, ri
             out.fill_(float("nan"))
             if lse is not None:
                 lse.fill_(float("nan"))
-        mask_grad = mask is not None and mask.dtype.is_floating_point and mask.requires_grad
-        if needs_grad and be.kernel_backward and not mask_grad and prob.q.is_cuda and _triton_backward_available():
+        kernel_grad = needs_grad and be.kernel_backward and not _bias_needs_grad(mask)
+        if kernel_grad and prob.q.is_cuda and _triton_backward_available():
             from attnlab.backends.triton.backward import compile_ahead
 
             compile_ahead(prob, out_bhnd, lse)  # the backward's kernels compile while the forward runs
@@ -278,10 +278,15 @@ _ARG_NAMES = ("q", "k", "v", "kv_len", "q_len", "mask", "block_table", "causal",
               "align", "scale", "layout", "backend", "want_lse", "needs_grad")
 
 
+def _bias_needs_grad(mask: torch.Tensor | None) -> bool:
+    """Whether the call's mask is a float bias that requires grad (its backward is then the PyTorch one)."""
+    return mask is not None and mask.dtype.is_floating_point and mask.requires_grad
+
+
 def _setup_context(ctx, inputs, output) -> None:
     a = dict(zip(_ARG_NAMES, inputs))
     mask = a["mask"]
-    ctx.mask_grad = mask is not None and mask.dtype.is_floating_point and mask.requires_grad
+    ctx.mask_grad = _bias_needs_grad(mask)
     ctx.want_lse = a["want_lse"]
     ctx.options = tuple(a[n] for n in ("causal", "has_window", "left", "right", "align", "scale", "layout",
                                        "backend"))

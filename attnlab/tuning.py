@@ -47,10 +47,10 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
     from attnlab.backends.triton import configs, launch
 
     with torch.cuda.device(prob.device), torch.no_grad():
-        chosen: dict[str, Any] = {"fwd": configs.tune(prob)}
-        if backward:
-            out = torch.empty(prob.B, prob.Hq, prob.Nq, prob.D, dtype=prob.dtype, device=prob.device)
-            lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
+        out = torch.empty(prob.B, prob.Hq, prob.Nq, prob.D, dtype=prob.dtype, device=prob.device)
+        lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
+        chosen: dict[str, Any] = {"fwd": configs.tune(prob, out, lse)}
+        if backward:  # the out and lse the backward starts from
             launch._launch(prob, out, lse, chosen["fwd"], interpret=False)
             chosen["bwd"] = triton_backward.tune(prob, out, lse)
     launch.forget_plans()  # plans made before hold the configs they were made with

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab.backends.triton import configs, tune_cache, tuned_table
+from attnlab.backends.triton import configs, tune_cache
 from attnlab.backends.triton.configs import _block_d, _pow2_bucket, fastest
 from attnlab.backends.triton.interpreter import _interpreted_fn, interpreter
 from attnlab.backends.triton.kernel import LOG2E
@@ -281,27 +281,19 @@ def _fastest(configs: list[BwdConfig], launch) -> BwdConfig:
 
 
 def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig, BwdConfig]:
-    """(dK/dV config, dQ config) of a GPU launch, without tuning unless ``AUTOTUNE`` is set: tuned before (in
-    this process, or on disk), else the shipped table's, else the defaults (each space's first candidate). With
-    ``AUTOTUNE`` a key tuned nowhere yet is tuned now, which overwrites dq, dk, dv (the final launch comes after)."""
+    """(dK/dV config, dQ config) of a GPU launch (:func:`~attnlab.backends.triton.configs.choose`): tuned before,
+    else the shipped table's, else each space's first candidate. With ``AUTOTUNE`` a key tuned nowhere yet is
+    tuned now, which overwrites dq, dk, dv (the final launch comes after)."""
     key = tune_key(prob)
     block_d = _block_d(prob.D)
     kv_space, q_space = dkdv_candidates(prob.dtype, block_d), dq_candidates(prob.dtype, block_d)
-    if configs.SHIPPED_ONLY:
-        return _shipped_configs(prob, key, kv_space, q_space)
-    got = _tuned.get(key)
-    if got is not None:
-        return got
-    if not AUTOTUNE and (got := _picked.get(key)) is not None:
-        return got
-    got = _stored_configs(prob, key, kv_space, q_space)
-    if got is None and AUTOTUNE:
-        got = _tune(prob, dout, delta, lse2, dq, dk, dv, key)
-    if got is not None:
-        _tuned[key] = got
-        return got
-    got = _picked[key] = _shipped_configs(prob, key, kv_space, q_space)
-    return got
+
+    def parse(value: list) -> tuple[BwdConfig, BwdConfig] | None:
+        kv, q = (BwdConfig(**c) for c in value)
+        return (kv, q) if kv in kv_space and q in q_space else None
+
+    return configs.choose("bwd", prob, key, parse, (kv_space[0], q_space[0]), _tuned, _picked, AUTOTUNE,
+                          lambda: _tune(prob, dout, delta, lse2, dq, dk, dv, key))
 
 
 def _tune(prob: Problem, dout, delta, lse2, dq, dk, dv, key: tuple) -> tuple[BwdConfig, BwdConfig]:
@@ -326,29 +318,6 @@ def tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> tuple[BwdConfig
     key = tune_key(prob)
     got = _tuned[key] = _tune(prob, dout, delta, lse2, dq, dk, dv, key)
     return got
-
-
-def _shipped_configs(prob: Problem, key: tuple, kv_space: list[BwdConfig],
-                     q_space: list[BwdConfig]) -> tuple[BwdConfig, BwdConfig]:
-    """The shipped table's (dK/dV, dQ) configs for ``key`` on this GPU's family if both are still candidates,
-    else the heuristic defaults (each space's first candidate)."""
-    got = tuned_table.lookup("bwd", tuned_table.gpu_family(prob.device), key[1:])
-    with contextlib.suppress(TypeError, ValueError):
-        kv, q = (BwdConfig(**c) for c in got)
-        if kv in kv_space and q in q_space:
-            return kv, q
-    return kv_space[0], q_space[0]
-
-
-def _stored_configs(prob: Problem, key: tuple, kv_space: list[BwdConfig],
-                    q_space: list[BwdConfig]) -> tuple[BwdConfig, BwdConfig] | None:
-    """The (dK/dV, dQ) configs stored on disk for ``key`` (:mod:`.tune_cache`; the device index left out),
-    if both are still among the candidates."""
-    got = tune_cache.load("bwd", prob.device.index, key[1:])
-    with contextlib.suppress(TypeError, ValueError):
-        kv, q = (BwdConfig(**c) for c in got)
-        return (kv, q) if kv in kv_space and q in q_space else None
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------

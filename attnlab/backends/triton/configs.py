@@ -256,33 +256,59 @@ def fall_back(prob: Problem, cfg: Config) -> Config | None:
     return nxt
 
 
-def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
-    """The config a GPU launch uses, without tuning unless ``AUTOTUNE`` is set: one tuned before (in this
-    process, or kept on disk by :mod:`.tune_cache`), else the shipped table's (:mod:`.tuned_table`), else the
-    heuristic default (the first candidate). With ``AUTOTUNE``, a key tuned nowhere yet is tuned now."""
-    key = tune_key(prob)
+def choose(kernel: str, prob: Problem, key: tuple, parse, default, tuned: dict, picked: dict, autotune: bool,
+           tune_now):
+    """The config (or configs) a GPU launch of ``kernel`` (``"fwd"``, ``"bwd"``) uses, in the one order both
+    kernels follow: tuned before (``tuned``: this process; then the persistent cache), else, with ``autotune``,
+    ``tune_now()`` (which stores its result), else the shipped table's for this GPU family (kept in ``picked``),
+    else ``default``. ``parse`` turns a stored value into a config, or None (or raises TypeError/ValueError)
+    when it is no longer a candidate. Inside :func:`shipped_only`: the table's, or ``default``."""
+
+    def parsed(value):
+        with contextlib.suppress(TypeError, ValueError):
+            return None if value is None else parse(value)
+        return None
+
+    def shipped():
+        got = parsed(tuned_table.lookup(kernel, tuned_table.gpu_family(prob.device), key[1:]))
+        return default if got is None else got
+
     if SHIPPED_ONLY:
-        return _shipped_config(prob, key, candidates(prob.dtype, _block_d(prob.D)))
-    cfg = _tuned.get(key)
-    if cfg is not None:
-        return cfg
-    if not AUTOTUNE and (cfg := _picked.get(key)) is not None:
-        return cfg
+        return shipped()
+    got = tuned.get(key)
+    if got is not None:
+        return got
+    if not autotune and (got := picked.get(key)) is not None:
+        return got
+    got = parsed(tune_cache.load(kernel, prob.device.index, key[1:]))
+    if got is None and autotune:
+        got = tune_now()
+    if got is not None:
+        tuned[key] = got
+        return got
+    got = picked[key] = shipped()
+    return got
+
+
+def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
+    """The config a GPU launch uses (:func:`choose`): one tuned before, else the shipped table's, else the
+    heuristic default (the first candidate); with ``AUTOTUNE``, a key tuned nowhere yet is tuned now."""
+    key = tune_key(prob)
     space = candidates(prob.dtype, _block_d(prob.D))
-    cfg = _stored_config(prob, key, space)
-    if cfg is None and AUTOTUNE:
-        cfg = _tune(prob, out, lse, key)
-    if cfg is not None:
-        _tuned[key] = cfg
-        return cfg
-    cfg = _picked[key] = _shipped_config(prob, key, space)
-    return cfg
+
+    def parse(value: dict) -> Config | None:
+        cfg = Config(**value)
+        return cfg if cfg in space else None
+
+    return choose("fwd", prob, key, parse, space[0], _tuned, _picked, AUTOTUNE, lambda: _tune(prob, out, lse, key))
 
 
-def tune(prob: Problem) -> Config:
-    """Tune ``prob``'s key now (into scratch outputs), keep the winner in this process and on disk, return it."""
-    out = torch.empty(prob.B, prob.Hq, prob.Nq, prob.D, dtype=prob.dtype, device=prob.device)
-    lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
+def tune(prob: Problem, out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> Config:
+    """Tune ``prob``'s key now (into ``out`` and ``lse``, or scratch ones), keep the winner in this process and on
+    disk, return it."""
+    if out is None:
+        out = torch.empty(prob.B, prob.Hq, prob.Nq, prob.D, dtype=prob.dtype, device=prob.device)
+        lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
     key = tune_key(prob)
     cfg = _tuned[key] = _tune(prob, out, lse, key)
     return cfg
@@ -292,24 +318,3 @@ def _tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, key: tuple
     cfg = _autotune(prob, out, lse)
     tune_cache.store("fwd", prob.device.index, key[1:], dataclasses.asdict(cfg))
     return cfg
-
-
-def _shipped_config(prob: Problem, key: tuple, space: list[Config]) -> Config:
-    """The shipped table's config for ``key`` on this GPU's family if it is still one of the candidates, else
-    the heuristic default (the first candidate)."""
-    got = tuned_table.lookup("fwd", tuned_table.gpu_family(prob.device), key[1:])
-    with contextlib.suppress(TypeError, ValueError):
-        cfg = Config(**got) if isinstance(got, dict) else None
-        if cfg in space:
-            return cfg
-    return space[0]
-
-
-def _stored_config(prob: Problem, key: tuple, space: list[Config]) -> Config | None:
-    """The config stored on disk for ``key`` (the device index left out: the file is the GPU model's), if it
-    is still one of the candidates."""
-    got = tune_cache.load("fwd", prob.device.index, key[1:])
-    with contextlib.suppress(TypeError, ValueError):
-        cfg = Config(**got) if isinstance(got, dict) else None
-        return cfg if cfg in space else None
-    return None
