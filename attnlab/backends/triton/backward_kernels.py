@@ -239,7 +239,8 @@ if triton is not None:
             do_base = DO + b64 * s_gb + h64 * s_gh
             row0 = (b64 * Hq + h64) * Nq  # Lse2 and Delta are contiguous [B, Hq, Nq]
             e_base = Explicit + b64 * s_eb + h64 * s_eh
-            for phase in tl.static_range(3):  # partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi)
+            # partial [t_lo, f_lo) (rows above a band's right edge: none without one), full, partial [f_hi, t_hi)
+            for phase in tl.static_range(0 if HAS_RIGHT else 1, 3):
                 t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
                 for t in range(t_begin, t_end):
                     dk, dv = _dkdv_row_tile(
@@ -328,7 +329,8 @@ if triton is not None:
         e_base = Explicit + b64 * s_eb + h64 * s_eh
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-        for phase in tl.static_range(3):  # partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi)
+        # partial [t_lo, f_lo) (keys left of a band's left edge: none without one), full, partial [f_hi, t_hi)
+        for phase in tl.static_range(0 if HAS_LEFT else 1, 3):
             t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
             for t in range(t_begin, t_end):
                 dq = _dq_key_tile(

@@ -204,7 +204,7 @@ if triton is not None:
             blk = _block_ids(Bt, zero + s_lo, offs_n, Lk, num_blocks, BLOCK_SIZE, BLOCK_N)
         else:
             blk = offs_n.to(tl.int64)
-        for phase in tl.static_range(3):
+        for phase in tl.static_range(0 if HAS_LEFT else 1, 3):  # phase 0 needs a band's left edge: else empty
             t_begin, t_end = tiles.phase_range(phase, s_lo, a, c, s_hi)
             for t in range(t_begin, t_end):
                 if PAGED:

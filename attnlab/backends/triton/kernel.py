@@ -61,7 +61,7 @@ if triton is not None:
         if QK_CHUNK == 0:
             q = _load_q(q_tile, offs_m, offs_d, rows, Nq, D, s_qn, s_qd, UPCAST_DOT)
         m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 1)
-        for phase in tl.static_range(3):
+        for phase in tl.static_range(0 if HAS_LEFT else 1, 3):  # phase 0 needs a band's left edge: else empty
             t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
             for t in range(t_begin, t_end):
                 n0 = zero + t * BLOCK_N  # (a tensor also in the interpreter, where t is an int)
