@@ -314,7 +314,14 @@ def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
             seen["warps"], seen["pdl"] = num_warps, constants["PDL"]
             return Compiled()
 
+    merges = []
+
+    def merge_ahead(kernel, grid, args, kw, device):  # bound to the merge kernel's signature, as its launch is
+        constants = {k: v for k, v in kw.items() if k not in ("num_warps", "num_stages", "launch_pdl")}
+        merges.append(inspect.signature(td._decode_merge_kernel.fn).bind(*args, **constants).arguments)
+
     monkeypatch.setattr(td, "_decode_split_kernel", Stub())
+    monkeypatch.setattr(td.background, "ahead", merge_ahead)
     monkeypatch.setattr(td, "_sm_count", lambda device: 132)
     monkeypatch.setattr(td, "_has_pdl", lambda device: True)
     monkeypatch.setattr(td.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
@@ -326,9 +333,14 @@ def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
     assert seen["warps"] == cfg.num_warps and seen["pdl"] is True  # the kernel that stores split states
     assert plan.n_split == td.num_splits(prob, cfg, 132, resident=3) < td.num_splits(prob, cfg, 132)
     assert prob.Hkv * plan.n_split <= 3 * 132  # one wave of 3 a SM (153 registers)
-    seen.clear()  # one split whatever fits: nothing compiled ahead
+    # the merge of the first guess (before the occupancy is known) was compiled ahead, for a call without lse
+    (merge,) = merges
+    assert merge["S"] == td.num_splits(prob, cfg, 132) and merge["WRITE_LSE"] is False
+    assert merge["BLOCK_S"] == min(64, td._pow2_bucket(merge["S"])) and merge["Lse"] is merge["Out"]
+    seen.clear()  # one split whatever fits: nothing compiled, not even ahead
+    merges.clear()
     short = make_problem(q, k[:, :, :128], k[:, :, :128])
-    assert td._Plan(short, cfg, None, None, interpret=False).n_split == 1 and not seen
+    assert td._Plan(short, cfg, None, None, interpret=False).n_split == 1 and not seen and not merges
 
 
 def test_programs_per_sm_counts_registers_shared_memory_and_threads():

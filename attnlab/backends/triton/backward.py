@@ -20,12 +20,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from attnlab.backends.triton import configs, tune_cache
+from attnlab.backends.triton import background, configs, tune_cache
 from attnlab.backends.triton.configs import _block_d, _pow2_bucket, fastest
 from attnlab.backends.triton.interpreter import _interpreted_fn, interpreter
 from attnlab.backends.triton.kernel import LOG2E
@@ -220,7 +220,6 @@ def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> 
 # ---------------------------------------------------------------------------------------------------
 # Compiling ahead: the backward's kernels compile in the background while the forward runs
 # ---------------------------------------------------------------------------------------------------
-_compiler: ThreadPoolExecutor | None = None
 #: Background compiles by :func:`_ahead_key`: the backward waits for them rather than compiling again.
 _ahead: dict[tuple, list[Future]] = {}
 MAX_AHEAD = 64
@@ -238,7 +237,6 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     forward that will be differentiated calls this before its own launch. Nothing happens on CPU tensors, while
     tuning on every call (``AUTOTUNE``), or when this layout was compiled ahead already; a guess that misses the
     real call's layout only costs the background work."""
-    global _compiler
     if triton is None or not prob.q.is_cuda or AUTOTUNE or not configs.COMPILE_AHEAD:
         return
     key = _ahead_key(prob, out)
@@ -246,8 +244,6 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
         return
     if len(_ahead) >= MAX_AHEAD:
         _ahead.pop(next(iter(_ahead)))
-    if _compiler is None:
-        _compiler = ThreadPoolExecutor(max_workers=3, thread_name_prefix="attnlab-compile")
     kv_cfg, q_cfg = configs_for(prob, *[None] * 6)  # no tuning here: the table's configs or the defaults
     # Stand-ins with the layouts the backward will have (warmup compiles, it launches nothing): lse for the
     # float32 rows, q, k, v for dq, dk, dv (torch.empty_like keeps a dense tensor's strides), out for dout.
@@ -256,23 +252,12 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     launches = (_preprocess_launch(prob, out, lse, out, lse, lse, False),
                 _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
                 _dq_launch(prob, out, lse, lse, dq, q_cfg, False))
-    device = prob.device
-    for kernel, *_ in launches:  # the JIT's per-device state, made once on this thread (not raced by the workers)
-        kernel.device_caches[device.index]
-
-    def warm(launch: tuple) -> None:
-        kernel, grid, args, kw = launch
-        with torch.cuda.device(device):
-            kernel.warmup(*args, grid=grid, **kw)
-
-    _ahead[key] = [_compiler.submit(warm, launch) for launch in launches]
+    _ahead[key] = [background.ahead(kernel, grid, args, kw, prob.device) for kernel, grid, args, kw in launches]
 
 
 def _wait_ahead(prob: Problem, out: torch.Tensor) -> None:
     """Wait for the background compiles of ``prob``'s backward, if any (their errors are the real launch's)."""
-    for f in _ahead.get(_ahead_key(prob, out), ()):
-        with contextlib.suppress(Exception):
-            f.result()
+    background.wait(_ahead.get(_ahead_key(prob, out), ()))
 
 
 def _fastest(configs: list[BwdConfig], launch) -> BwdConfig:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab.backends.triton import background
+from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton import interpreter as _interp
 from attnlab.backends.triton import kernel as _kern
 from attnlab.backends.triton import launch as _launch
@@ -428,6 +430,8 @@ class _Plan:
             device = prob.device.index or 0
             sms = _sm_count(device)
             n_split = num_splits(prob, cfg, sms)  # assuming PROGRAMS_PER_SM
+            if not interpret:
+                self._merge_ahead(prob, n_split)
             # The occupancy only ever lowers the aim: compile first and look, unless even one program per SM
             # gives the same count (one split, or the ragged rule, which ignores it).
             if num_splits(prob, cfg, sms, resident=1) != n_split:
@@ -467,20 +471,34 @@ class _Plan:
             return None
         return resident_programs(kernel, cfg.num_warps, device)
 
+    def _merge(self, write_lse: bool, n_split: int) -> _Kernel:
+        merge_fn = _interp._interpreted_fn(_decode_merge_kernel) if self.interpret else _decode_merge_kernel
+        merge_d = min(MERGE_BLOCK_D, self.block_d)
+        return _Kernel(merge_fn, (self.merge_rows, self.block_d // merge_d, 1),
+                       dict(BLOCK_S=min(64, _pow2_bucket(n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse,
+                            PDL=self.pdl),
+                       dict(num_warps=2, num_stages=1, **({"launch_pdl": True} if self.pdl else {})))
+
+    def _merge_ahead(self, prob: Problem, n_split: int) -> None:
+        """Start compiling the merge of a call without lse for ``n_split`` splits on a worker thread, while this
+        thread compiles the split kernel (a split count the occupancy lowers later only costs the background
+        work)."""
+        if n_split == 1 or not _cfg.COMPILE_AHEAD:
+            return
+        merge = self._merge(False, n_split)
+        f32 = torch.empty(4, dtype=torch.float32, device=prob.device)  # stands in for the split states
+        o = torch.empty(8, dtype=prob.dtype, device=prob.device)  # for out (and lse, which out stands in for)
+        Hq, Nq, D = prob.Hq, prob.Nq, prob.D
+        o_strides = (Hq * Nq * D, Nq * D, D, 1) if prob.layout == "bhnd" else (Nq * Hq * D, D, Hq * D, 1)
+        args = (f32, f32, f32, o, o, *o_strides, 0, 0, 0, Hq, Nq, D, n_split)
+        background.ahead(merge.fn, merge.grid, args, {**merge.constants, **merge.options}, prob.device)
+
     def _kernels(self, write_lse: bool) -> tuple[_Kernel, _Kernel]:
         got = self.kernels.get(write_lse)
         if got is None:
-            cfg = self.cfg
-            split_fn, merge_fn = _decode_split_kernel, _decode_merge_kernel
-            if self.interpret:
-                split_fn, merge_fn = _interp._interpreted_fn(split_fn), _interp._interpreted_fn(merge_fn)
-            split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), cfg.options())
-            merge_d = min(MERGE_BLOCK_D, self.block_d)
-            merge = _Kernel(merge_fn, (self.merge_rows, self.block_d // merge_d, 1),
-                            dict(BLOCK_S=min(64, _pow2_bucket(self.n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse,
-                                 PDL=self.pdl),
-                            dict(num_warps=2, num_stages=1, **({"launch_pdl": True} if self.pdl else {})))
-            got = self.kernels[write_lse] = (split, merge)
+            split_fn = _interp._interpreted_fn(_decode_split_kernel) if self.interpret else _decode_split_kernel
+            split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), self.cfg.options())
+            got = self.kernels[write_lse] = (split, self._merge(write_lse, self.n_split))
         return got
 
     def _workspace(self, prob: Problem, out: torch.Tensor) -> tuple:

@@ -1,0 +1,47 @@
+"""Compiling a kernel in a background thread, so that a first call does not wait for compiles one after another.
+
+Triton's compiler (its MLIR and LLVM passes, ptxas, and the C compiler that builds a kernel's launcher)
+releases the GIL, so a kernel compiled on a worker thread overlaps the caller's own compile. :func:`ahead`
+compiles ``kernel`` for the arguments given (``JITFunction.warmup``: nothing is launched) and builds its
+launcher, so that the real launch later finds both in Triton's caches. The backward's three kernels
+(:func:`attnlab.backends.triton.backward.compile_ahead`) and the decode's merge kernel use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from attnlab import warm_start
+
+_pool: ThreadPoolExecutor | None = None
+WORKERS = 3  # the backward's three kernels at once
+
+
+def _compile(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -> None:
+    with torch.cuda.device(device):
+        compiled = kernel.warmup(*args, grid=grid, **kw)
+        init = getattr(compiled, "_init_handles", None)  # the launcher and the module load (triton 3.4-3.9)
+        if init is not None:
+            init()
+
+
+def ahead(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -> Future:
+    """Start compiling ``kernel[grid](*args, **kw)`` on a worker thread; the future's error, if any, is the
+    real launch's too (it compiles again there and raises it). The JIT's per-device state is made here, on
+    the caller's thread, so that workers never race to make it."""
+    global _pool
+    warm_start.wait()
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="attnlab-compile")
+    kernel.device_caches[device.index]
+    return _pool.submit(_compile, kernel, grid, args, kw, device)
+
+
+def wait(futures) -> None:
+    """Wait for background compiles (their errors are left to the real launches)."""
+    for f in futures:
+        with contextlib.suppress(Exception):
+            f.result()
