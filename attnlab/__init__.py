@@ -5,7 +5,7 @@
     report = attnlab.check.compare(out, out64)
 """
 
-from attnlab import backends, check, cpu_math, masks
+from attnlab import backends, check, cpu_math, masks, warm_start
 from attnlab.api import attention
 from attnlab.reference import reference
 from attnlab.tuning import tune
@@ -13,4 +13,6 @@ from attnlab.tuning import tune
 cpu_math.settle_vml_dispatch()  # before any parallel CPU math: pytorch/pytorch#188792
 
 __version__ = "0.1.0"
+
+warm_start.start()  # Triton's per-process start-up in the background (GPU builds; compiles nothing)
 __all__ = ["attention", "backends", "check", "masks", "reference", "tune"]

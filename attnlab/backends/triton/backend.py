@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from attnlab import warm_start
 from attnlab.backends import Availability, Backend
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton.decode import decode_forward, decode_supported, gpu_plan
@@ -101,6 +102,8 @@ def _on_device(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, launc
     """Run ``launch`` unless the problem is empty, with q's GPU current (CPU tensors: as they are)."""
     if _empty(prob, out, lse):
         return
+    if prob.q.is_cuda:
+        warm_start.wait()
     if prob.q.is_cuda and torch.cuda.current_device() != prob.q.get_device():
         with torch.cuda.device(prob.q.device):
             launch()

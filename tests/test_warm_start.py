@@ -1,0 +1,58 @@
+"""The background warm start: Triton's per-process start-up is done once, off the caller's thread."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from attnlab import warm_start
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """warm_start as if attnlab had just been imported with a GPU build of torch."""
+    monkeypatch.setattr(warm_start, "_thread", None)
+    monkeypatch.setattr(warm_start, "_report", {"started": False})
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.8")
+    monkeypatch.delenv("ATTNLAB_WARM_START", raising=False)
+    return warm_start
+
+
+def test_the_thread_computes_tritons_cache_key_for_the_process(fresh):
+    pytest.importorskip("triton")
+    from triton.runtime.cache import triton_key
+
+    triton_key.cache_clear()
+    fresh.start()
+    fresh.wait()
+    got = fresh.report()
+    assert got["started"] is True
+    assert isinstance(got["triton_key"], float), got  # a time, not an error
+    assert triton_key.cache_info().currsize == 1  # the caller's launch finds it computed
+    assert importlib.util.find_spec("triton.experimental.gluon") is None or isinstance(got["gluon"], float), got
+
+
+def test_nothing_starts_when_switched_off_or_on_a_cpu_build(fresh, monkeypatch):
+    monkeypatch.setenv("ATTNLAB_WARM_START", "0")
+    fresh.start()
+    assert fresh._thread is None and fresh.report() == {"started": False}
+    monkeypatch.delenv("ATTNLAB_WARM_START")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    fresh.start()
+    assert fresh._thread is None
+    fresh.wait()  # a no-op without a thread
+
+
+def test_a_failing_step_is_reported_not_raised(fresh, monkeypatch):
+    def broken():
+        raise ImportError("no such piece")
+
+    monkeypatch.setattr(fresh, "_gluon", broken)
+    monkeypatch.setattr(fresh, "_cache_key", lambda: None)
+    fresh.start()
+    fresh.wait()
+    got = fresh.report()
+    assert got["gluon"] == "ImportError: no such piece" and isinstance(got["triton_key"], float)
