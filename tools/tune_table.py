@@ -4,7 +4,9 @@ Tunes each problem of :data:`PROBLEMS` with ``attnlab.tune`` (every candidate co
 kept) and writes the chosen configs under this GPU's family, with the environment they were measured in. Other
 families already in the file are kept. Run on the GPU whose family the table should hold:
 
-    PYTHONPATH=. python tools/tune_table.py [--commit SHA] [--out PATH]
+    PYTHONPATH=. python tools/tune_table.py [--commit SHA] [--out PATH] [--missing]
+
+``--missing`` tunes only the problems whose key this family's entries lack, and adds them to the entries kept.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 #: lengths, and smaller problems, so that every size bucket the notebooks meet has an entry near it.
 PROBLEMS = [
     *[(dt_, b, 16, n, d, {"causal": c}, False) for dt_ in ("bfloat16", "float16") for d in (64, 128)
-      for b, n in ((8, 1024), (4, 4096), (1, 16384), (2, 512)) for c in (False, True)],
+      for b, n in ((8, 1024), (4, 1024), (4, 4096), (1, 16384), (2, 512)) for c in (False, True)],
     *[("float32", b, 8, n, d, {"causal": c}, False) for d in (64, 128) for b, n in ((1, 1024), (8, 2048))
       for c in (False, True)],
     *[(dt_, b, 16, n, 128, {"causal": c}, True) for dt_ in ("bfloat16", "float16")
@@ -54,37 +56,47 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(tuned_table.TABLE_PATH))
     p.add_argument("--commit", default=None, help="the commit measured (the device's .git may be stale)")
+    p.add_argument("--missing", action="store_true", help="tune only the problems this family's entries lack")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_table: needs a CUDA GPU", file=sys.stderr)
         return 2
     os.environ["ATTNLAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnlab-tune-table-")  # tune anew, touch no cache
-    fwd, bwd = {}, {}
-    t_all = time.perf_counter()
-    for i, (dtype, B, H, N, D, kw, grad) in enumerate(PROBLEMS):
-        q, k, v, kw = _inputs(dtype, B, H, N, D, kw, seed=i)
-        t0 = time.perf_counter()
-        chosen = attnlab.tune(q, k, v, backward=grad, **kw)
-        prob = make_problem(q, k, v, **kw)
-        fwd[configs.tune_key(prob)[1:]] = dataclasses.asdict(chosen["fwd"])
-        if grad:
-            bwd[backward.tune_key(prob)[1:]] = [dataclasses.asdict(c) for c in chosen["bwd"]]
-        print(f"{dtype:>8} B{B} H{H} N{N} D{D} {kw if not isinstance(kw.get('kv_len'), torch.Tensor) else 'kv_len'} "
-              f"{'fwd+bwd' if grad else 'fwd'}: {time.perf_counter() - t0:5.1f} s  {chosen}", flush=True)
-    family = tuned_table.gpu_family()
-    env = environment("cuda", ["tools/tune_table.py", *(argv or sys.argv[1:])])
-    measured = {k: env.get(k) for k in ("gpu", "sm", "torch", "triton", "cuda", "date_utc")}
-    measured["commit"] = args.commit or env.get("commit")
-    measured["tune_seconds"] = round(time.perf_counter() - t_all, 1)
     path = Path(args.out)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
     families = data.get("families", {}) if data.get("format") == tuned_table.FORMAT else {}
+    family = tuned_table.gpu_family()
+    kept = families.get(family, {}) if args.missing else {}
+    # entries by their key's fields as sorted JSON (a dict is no dict key)
+    fwd = {json.dumps(e["key"], sort_keys=True): e["config"] for e in kept.get("entries", {}).get("fwd", [])}
+    bwd = {json.dumps(e["key"], sort_keys=True): e["config"] for e in kept.get("entries", {}).get("bwd", [])}
+    t_all = time.perf_counter()
+    for i, (dtype, B, H, N, D, kw, grad) in enumerate(PROBLEMS):
+        q, k, v, kw = _inputs(dtype, B, H, N, D, kw, seed=i)
+        prob = make_problem(q, k, v, **kw)
+        fwd_key = json.dumps(tuned_table.key_fields("fwd", configs.tune_key(prob)[1:]), sort_keys=True)
+        bwd_key = json.dumps(tuned_table.key_fields("bwd", backward.tune_key(prob)[1:]), sort_keys=True)
+        if fwd_key in fwd and (not grad or bwd_key in bwd):
+            continue
+        t0 = time.perf_counter()
+        chosen = attnlab.tune(q, k, v, backward=grad, **kw)
+        fwd[fwd_key] = dataclasses.asdict(chosen["fwd"])
+        if grad:
+            bwd[bwd_key] = [dataclasses.asdict(c) for c in chosen["bwd"]]
+        print(f"{dtype:>8} B{B} H{H} N{N} D{D} {kw if not isinstance(kw.get('kv_len'), torch.Tensor) else 'kv_len'} "
+              f"{'fwd+bwd' if grad else 'fwd'}: {time.perf_counter() - t0:5.1f} s  {chosen}", flush=True)
+    env = environment("cuda", ["tools/tune_table.py", *(argv or sys.argv[1:])])
+    measured = {k: env.get(k) for k in ("gpu", "sm", "torch", "triton", "cuda", "date_utc")}
+    measured["commit"] = args.commit or env.get("commit")
+    measured["tune_seconds"] = round(time.perf_counter() - t_all, 1)
+    if kept:  # the earlier run's record stays, this one is added to it
+        measured = {**kept["measured"], "extended": [*kept["measured"].get("extended", []), measured]}
     families[family] = {"measured": measured, "entries": {
-        "fwd": [{"key": tuned_table.key_fields("fwd", k), "config": c} for k, c in fwd.items()],
-        "bwd": [{"key": tuned_table.key_fields("bwd", k), "config": c} for k, c in bwd.items()],
+        "fwd": [{"key": json.loads(k), "config": c} for k, c in fwd.items()],
+        "bwd": [{"key": json.loads(k), "config": c} for k, c in bwd.items()],
     }}
     path.write_text(json.dumps({"format": tuned_table.FORMAT, "made_by": "tools/tune_table.py",
                                 "made_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

@@ -1,12 +1,14 @@
 """First-call time: how long a new problem's first call takes, as a user at a notebook meets it.
 
 Each measurement runs in a new Python process whose compile caches (Triton's, attnlab's tuned configs, CuPy's,
-Inductor's) point at a folder of its own. ``import attnlab`` and the inputs on the device (the CUDA context
-up) come before the timer; the timer runs from the call to the synchronized output, and for ``fwd+bwd`` to
-the synchronized gradients. The output (and the gradients) is then checked against the float64 reference:
-a time is recorded only for a call that passed.
+Inductor's) point at a folder of its own. ``import attnlab``, the inputs on the device (the CUDA context up)
+and torch's own autograd start-up (:func:`torch_startup`, timed on its own) come before the timer; the timer
+runs from the call to the synchronized output, and for ``fwd+bwd`` to the synchronized gradients. The output
+(and the gradients) is then checked against the float64 reference: a time is recorded only for a call that
+passed.
 
-Rows (``first_call.csv``: backend, case, kind, cold, first_call_s, status, passed, max_abs_err, notes):
+Rows (``first_call.csv``: backend, case, kind, cold, first_call_s, status, passed, max_abs_err,
+torch_startup_s, warm_start (what :mod:`attnlab.warm_start` did, as JSON), notes):
 
 * ``cold=true``: the first process, its caches empty: everything the call needs is compiled in the timed call;
 * ``cold=false``: a second process with the first one's caches kept;
@@ -180,19 +182,35 @@ def child(problem: str, competitor: str, device: str) -> list[dict[str, Any]]:
     """In this (new) process: the first call of ``problem``, then its new shape; one row each."""
     import torch
 
-    import attnlab  # noqa: F401  (imported before the timer, as a notebook does)
+    import attnlab  # imported before the timer, as a notebook does
 
     prob = next(p for p in PROBLEMS if p.case.name == problem)
     if device.startswith("cuda"):
         torch.cuda.init()
         torch.empty(1, device=device)  # the CUDA context up before the timer
+    startup_s = torch_startup()
     rows = []
     for kind, case in ((prob.kind, prob.case), ("warm-new-shape", prob.new_shape)):
         got = _call_and_check(prob, case, competitor, device)
-        rows.append({"backend": competitor, "case": prob.case.name, "kind": kind, **got})
+        rows.append({"backend": competitor, "case": prob.case.name, "kind": kind, **got,
+                     "torch_startup_s": round(startup_s, 3), "warm_start": json.dumps(attnlab.warm_start.report())})
         if got["status"] != "ok":
             break
     return rows
+
+
+def torch_startup() -> float:
+    """torch's own once-per-process start-up that a first backward pays whatever computed the forward, done
+    before the timer for every competitor alike; returns its seconds (the ``torch_startup_s`` column).
+
+    ``torch.autograd.grad`` with a gradient tensor imports ``torch.fx.experimental.symbolic_shapes`` (and sympy
+    with it) the first time it runs, as a CUDA context is made by the first CUDA tensor."""
+    import torch
+
+    t0 = time.perf_counter()
+    x = torch.ones(1, requires_grad=True)
+    torch.autograd.grad(x * 2, x, torch.ones(1))
+    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -232,7 +250,8 @@ def measure(problems: Sequence[FirstCallProblem], comps: Sequence[str], device: 
     return rows
 
 
-COLUMNS = ("backend", "case", "kind", "cold", "first_call_s", "status", "passed", "max_abs_err", "notes")
+COLUMNS = ("backend", "case", "kind", "cold", "first_call_s", "status", "passed", "max_abs_err", "torch_startup_s",
+           "warm_start", "notes")
 
 
 def write_rows(path: Path, rows: Sequence[dict[str, Any]]) -> None:
