@@ -191,3 +191,15 @@ def test_gradients_gpu_large(dtype, D):
     case = Case("gqa_causal_large", B=2, Hq=4, Hkv=2, Nq=1000, Nk=1100, D=D, causal=True, align="bottom_right",
                 kv_len=(1100, 700))
     _check(case, dtype, "cuda")
+
+
+def test_compile_ahead_stands_in_a_gradient_only_where_it_shares_the_layout():
+    """compile_ahead reuses q, k, v as the stand-ins of dq, dk, dv (compiled for their strides and alignment)
+    only where torch.empty_like(x), which the backward allocates, would have x's strides and alignment."""
+    from attnlab.backends.triton.backward import _like_its_gradient
+
+    x = torch.randn(2, 8, 3, 16)
+    assert _like_its_gradient(x) and _like_its_gradient(x.transpose(1, 2))  # dense, in any dim order
+    assert not _like_its_gradient(x[:, :1].expand(2, 8, 3, 16))  # broadcast: its gradient is contiguous
+    assert not _like_its_gradient(x[..., :8])  # gaps
+    assert not _like_its_gradient(torch.randn(2 * 8 * 3 * 16 + 1)[1:].view(2, 8, 3, 16))  # 4 bytes off

@@ -246,13 +246,20 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
         _ahead.pop(next(iter(_ahead)))
     kv_cfg, q_cfg = configs_for(prob, *[None] * 6)  # no tuning here: the table's configs or the defaults
     # Stand-ins with the layouts the backward will have (warmup compiles, it launches nothing): lse for the
-    # float32 rows, q, k, v for dq, dk, dv (torch.empty_like keeps a dense tensor's strides), out for dout.
-    dq, dk, dv = (x if x.is_non_overlapping_and_dense() and x.data_ptr() % 16 == 0 else torch.empty_like(x)
-                  for x in (prob.q, prob.k, prob.v))
+    # float32 rows, q, k, v for dq, dk, dv where torch.empty_like (which makes those) keeps their strides, out
+    # for dout.
+    dq, dk, dv = (x if _like_its_gradient(x) else torch.empty_like(x) for x in (prob.q, prob.k, prob.v))
     launches = (_preprocess_launch(prob, out, lse, out, lse, lse, False),
                 _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
                 _dq_launch(prob, out, lse, lse, dq, q_cfg, False))
     _ahead[key] = [background.ahead(kernel, grid, args, kw, prob.device) for kernel, grid, args, kw in launches]
+
+
+def _like_its_gradient(x: torch.Tensor) -> bool:
+    """Whether ``x`` has the strides of ``torch.empty_like(x)`` (what the backward allocates its gradient as:
+    the same for a dense tensor, contiguous for a view with gaps or broadcasts; asked of a meta tensor, so
+    nothing is allocated) and a 16-byte aligned address (as a new allocation's)."""
+    return torch.empty_like(x, device="meta").stride() == x.stride() and x.data_ptr() % 16 == 0
 
 
 def _wait_ahead(prob: Problem, out: torch.Tensor) -> None:
