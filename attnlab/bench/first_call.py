@@ -230,8 +230,10 @@ def _run_child(problem: str, competitor: str, device: str, env: dict[str, str], 
 
 
 def measure(problems: Sequence[FirstCallProblem], comps: Sequence[str], device: str, timeout_s: float = 300.0,
-            env: dict[str, str] | None = None, progress: bool = True) -> list[dict[str, Any]]:
-    """Every (problem, competitor): a cold process (caches empty), then a warm one (caches kept)."""
+            env: dict[str, str] | None = None, progress: bool = True,
+            write_to: Path | None = None) -> list[dict[str, Any]]:
+    """Every (problem, competitor): a cold process (caches empty), then a warm one (caches kept). With
+    ``write_to``, the CSV is rewritten after each process, so that a run cut short keeps what it measured."""
     rows = []
     for prob in problems:
         for comp in comps:
@@ -243,6 +245,8 @@ def measure(problems: Sequence[FirstCallProblem], comps: Sequence[str], device: 
                         r.setdefault("kind", prob.kind)
                         r["cold"] = cold
                         rows.append(r)
+                        if write_to is not None:
+                            write_rows(write_to, rows)
                         if progress:
                             print(f"{r['backend']:>10} {r['case']:<42} {r['kind']:<14} cold={cold!s:<5} "
                                   f"{r.get('first_call_s', float('nan')):8.3f} s  {r['status']} {r.get('notes', '')}"
@@ -286,15 +290,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = [q for q in PROBLEMS if args.problems is None or args.problems in q.case.name]
     if not problems:
         p.error(f"no problem's name contains {args.problems!r}")
-    rows = measure(problems, args.backends, args.device, args.timeout_s, dict(e.split("=", 1) for e in args.env))
-    if args.out is not None:
+    folder = None
+    if args.out is not None:  # the environment first, then the rows as they come
         from attnlab.bench.results import device_name, environment, gpu_slug
 
         folder = Path(args.out) / gpu_slug(device_name(args.device))
         folder.mkdir(parents=True, exist_ok=True)
-        write_rows(folder / "first_call.csv", rows)
         meta = environment(args.device, [sys.executable, "-m", "attnlab.bench.first_call", *(argv or sys.argv[1:])])
         (folder / "first_call.json").write_text(json.dumps(meta, indent=2) + "\n")
+    measure(problems, args.backends, args.device, args.timeout_s, dict(e.split("=", 1) for e in args.env),
+            write_to=None if folder is None else folder / "first_call.csv")
+    if folder is not None:
         print(f"wrote {folder / 'first_call.csv'}")
     return 0
 
