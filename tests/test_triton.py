@@ -629,3 +629,40 @@ def test_the_direct_c_launch_passes_what_tritons_launcher_object_passes(monkeypa
         assert tlaunch._c_launch(kernel_odd) is None, odd  # the launcher object allocates the scratch
     monkeypatch.setattr(triton, "__version__", "3.10.0")
     assert tlaunch._c_launch(kernel) is None
+
+
+def test_every_kernel_is_compiled_with_fp_fusion_said_explicitly(monkeypatch):
+    """triton 3.9 warns on every compile that leaves FMA contraction to its default (which turns off in 3.10):
+    each GPU launch passes COMPILE_OPTIONS, and those options parse without the warning."""
+    import warnings
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from attnlab.backends.triton import backward as tbwd
+    from attnlab.backends.triton import decode as tdecode
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert CUDABackend(GPUTarget("cuda", 90, 32)).parse_options(
+            dict(num_warps=4, num_stages=3, **tconfigs.COMPILE_OPTIONS)).enable_fp_fusion is True
+
+    seen = {}
+
+    class Stub:  # the forward kernel, as the JIT is called: kernel[grid](*args, **keywords)
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.update(kw)
+
+    monkeypatch.setattr(tkernel, "_attn_fwd_kernel", Stub())
+    q = torch.randn(1, 2, 16, 16)
+    prob = make_problem(q, q, q, causal=True)
+    tlaunch._launch(prob, torch.empty_like(q), None, tconfigs.Config(16, 16, 4, 2), interpret=False)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 16)
+    launches = {"forward": seen,
+                "preprocess": tbwd._preprocess_launch(prob, out, lse, out, lse, lse, False)[3],
+                "dkdv": tbwd._dkdv_launch(prob, out, lse, lse, q, q, tbwd.BwdConfig(16, 16, 4, 2), False)[3],
+                "dq": tbwd._dq_launch(prob, out, lse, lse, q, tbwd.BwdConfig(16, 16, 4, 2), False)[3],
+                "decode": tdecode.DecodeConfig(64).options()}
+    for name, kw in launches.items():
+        assert kw.get("enable_fp_fusion") is True, name

@@ -307,7 +307,7 @@ def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
     class Stub:
         params = real.params
 
-        def warmup(self, *args, grid, num_warps, num_stages, **constants):
+        def warmup(self, *args, grid, num_warps, num_stages, enable_fp_fusion, **constants):
             bound = inspect.signature(real.fn).bind(*args, **constants)  # a TypeError when out of step
             assert set(constants) == constexprs and len(args) == len(params) - len(constexprs)
             assert bound.arguments["Out"] is bound.arguments["Q"]  # as a launch without lse
@@ -317,7 +317,8 @@ def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
     merges = []
 
     def merge_ahead(kernel, grid, args, kw, device):  # bound to the merge kernel's signature, as its launch is
-        constants = {k: v for k, v in kw.items() if k not in ("num_warps", "num_stages", "launch_pdl")}
+        constants = {k: v for k, v in kw.items()
+                     if k not in ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")}
         merges.append(inspect.signature(td._decode_merge_kernel.fn).bind(*args, **constants).arguments)
 
     monkeypatch.setattr(td, "_decode_split_kernel", Stub())

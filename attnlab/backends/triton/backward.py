@@ -158,7 +158,7 @@ def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool) -> tu
     args = (out, dout, lse, delta, lse2, spec.q_len if spec.q_len is not None else lse,
             *out.stride(), *dout.stride(), *lse.stride(), prob.Hq, prob.Nq, prob.D)
     kw = dict(BLOCK_M=block_m, BLOCK_D=_block_d(prob.D), HAS_Q_LEN=spec.q_len is not None,
-              num_warps=1 if interpret else 4)
+              num_warps=1 if interpret else 4, **configs.COMPILE_OPTIONS)
     return _bwd_preprocess, grid, args, kw
 
 
@@ -170,7 +170,7 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
             *prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             *e_strides, *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **configs.COMPILE_OPTIONS)
     return _bwd_dkdv_kernel, grid, args, kw
 
 
@@ -182,7 +182,7 @@ def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> 
             *prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *dout.stride(), *dq.stride(),
             *e_strides, *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **configs.COMPILE_OPTIONS)
     return _bwd_dq_kernel, grid, args, kw
 
 

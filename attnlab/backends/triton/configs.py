@@ -60,6 +60,10 @@ _TF32 = False
 #: Whether a forward that will be differentiated starts compiling the backward's kernels in the background
 #: (ATTNLAB_COMPILE_AHEAD=0: not; each kernel then compiles when it is first launched).
 COMPILE_AHEAD: bool = os.environ.get("ATTNLAB_COMPILE_AHEAD", "1") != "0"
+#: Options every kernel is compiled with besides its config: floating-point contraction (FMA) on, as Triton has
+#: always defaulted to. Said explicitly because triton 3.9 warns that its default turns it off from 3.10; the
+#: kernels' speed and every recorded result assume it on.
+COMPILE_OPTIONS: dict = {"enable_fp_fusion": True}
 #: Whether launches ignore the configs tuned on this machine and take the shipped table's (:func:`shipped_only`).
 SHIPPED_ONLY = False
 #: Configs tuned in this process or found in the persistent cache, by tune key.

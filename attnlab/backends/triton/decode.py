@@ -75,7 +75,7 @@ class DecodeConfig:
     def options(self) -> dict:
         """The compile options of the split kernel: warps, stages and, when set, the register cap."""
         extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
-        return dict(num_warps=self.num_warps, num_stages=self.num_stages, **extra)
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages, **extra, **_cfg.COMPILE_OPTIONS)
 
 
 #: The interpreter's config: 16-key tiles, so short CPU sequences span several tiles per split.
@@ -477,7 +477,8 @@ class _Plan:
         return _Kernel(merge_fn, (self.merge_rows, self.block_d // merge_d, 1),
                        dict(BLOCK_S=min(64, _pow2_bucket(n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse,
                             PDL=self.pdl),
-                       dict(num_warps=2, num_stages=1, **({"launch_pdl": True} if self.pdl else {})))
+                       dict(num_warps=2, num_stages=1, **({"launch_pdl": True} if self.pdl else {}),
+                            **_cfg.COMPILE_OPTIONS))
 
     def _merge_ahead(self, prob: Problem, n_split: int) -> None:
         """Start compiling the merge of a call without lse for ``n_split`` splits on a worker thread, while this

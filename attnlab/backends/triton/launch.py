@@ -79,6 +79,7 @@ def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Con
     with interpreter(_k._attn_fwd_kernel) if interpret else contextlib.nullcontext(_k._attn_fwd_kernel) as kernel:
         return kernel[_grid(prob, cfg)](
             *_bind(head, mid, tail, out, lse), **constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **_cfg.COMPILE_OPTIONS,
         )
 
 
