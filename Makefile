@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # TORCH: what pip installs first when $(VENV) has no torch (a torch already there is kept). Which build
 # torch==2.13.0 is depends on the index: PyPI's Linux x86-64 wheel is the CUDA one, an index that carries
-# 2.13.0+cpu gives the CPU one. TORCH= skips the step; TORCH=torch takes the newest default build (README).
+# 2.13.0+cpu gives the CPU one. TORCH= skips the step; TORCH=torch takes the newest default build (docs/install.md).
 TORCH ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
