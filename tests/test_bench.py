@@ -449,7 +449,7 @@ def test_restart_argv_and_prediction():
 
 def test_lost_context_is_raised_not_recorded(monkeypatch):
     """An exception after which CUDA no longer works stops the case (main restarts without the culprit)."""
-    monkeypatch.setattr(bench_runner, "_context_ok", lambda device: False)
+    monkeypatch.setattr(bench_runner, "context_ok", lambda device: False)
 
     def prepare(inp):
         def call(i):

@@ -113,6 +113,7 @@ runs). The public names of each are re-exported here.
 
 from __future__ import annotations
 
+from attnlab.bench.case_run import run_case  # noqa: F401
 from attnlab.bench.cli import (  # noqa: F401
     FLEX_COMPILE_S,
     TRITON_TUNE_S,
@@ -149,10 +150,8 @@ from attnlab.bench.results import (  # noqa: F401
 )
 from attnlab.bench.runner import (  # noqa: F401
     ContextLost,
-    Options,
     case_counts,
     interleave,
-    run_case,
     run_one,
     run_one_steps,
 )
@@ -189,6 +188,7 @@ from attnlab.bench.timing import (  # noqa: F401
     DEFAULT_MIN_REPS,
     DEFAULT_REPS,
     HOST_SLEEP_CYCLES,
+    Options,
     measure_host,
     measure_peak,
     time_calls,

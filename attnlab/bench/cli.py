@@ -18,18 +18,20 @@ from typing import Any
 
 import torch
 
+from attnlab.bench.case_run import run_case
 from attnlab.bench.competitors import competitors
 from attnlab.bench.results import _read_rows, device_name, environment, gpu_slug, ratios, write_csv
-from attnlab.bench.runner import ROUND_WARMUP, ContextLost, Options, _rows, case_counts, run_case
+from attnlab.bench.runner import ROUND_WARMUP, ContextLost, case_counts, status_rows
 from attnlab.bench.suites import BACKWARD_MODES, SUITES, BenchCase, recorded_suites, row_keys
 from attnlab.bench.timing import (
     DEFAULT_BUDGET_MS,
     DEFAULT_MIN_REPS,
     DEFAULT_REPS,
     HOST_SLEEP_CYCLES,
-    _reps_and_warmup,
-    _timing,
+    Options,
+    case_timing,
     host_calls,
+    reps_and_warmup,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -63,7 +65,7 @@ def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Opt
         if gpu and key not in tuned and any(n in ("triton", "auto", "triton-kernel") for n in names):
             total += TRITON_TUNE_S * (2 if bwd else 1)  # shared by triton, auto and triton-kernel in one process
             tuned.add(key)
-        max_reps, budget, min_reps = _timing(case, opts)
+        max_reps, budget, min_reps = case_timing(case, opts)
         modes = [m for _, _, m in BACKWARD_MODES] if bwd else [1.0]
         for n in names:
             half = case.dtype != "float32"
@@ -78,7 +80,7 @@ def estimate_seconds(cases: Sequence[BenchCase], names: Sequence[str], opts: Opt
             total += 0.15 + (3.5 * ms / 1e3 if bwd else ms / 1e3)
             for m in modes:
                 mms = m * ms
-                reps, warm = _reps_and_warmup(mms, max_reps, budget, min_reps)
+                reps, warm = reps_and_warmup(mms, max_reps, budget, min_reps)
                 total += (1 + warm + reps + host_calls(mms)) * mms / 1e3 + sleep_s
     return total
 
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 msg = f"the CUDA context was lost: {e}"
                 if e.backend in names:
                     culprit = next(c for c in comps if c.name == e.backend)
-                    for r in _rows(case, culprit, opts, case_counts(case), status="error", notes=msg):
+                    for r in status_rows(case, culprit, opts, case_counts(case), status="error", notes=msg):
                         on_row(r)
                 senv["aborted"] = {"backend": e.backend, "case": e.case, "message": str(e)}
                 jpath.write_text(json.dumps(senv, indent=2, default=str))

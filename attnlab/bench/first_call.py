@@ -107,7 +107,7 @@ def _call_and_check(prob: FirstCallProblem, case: BenchCase, competitor: str, de
     from attnlab.bench.competitors import competitors
     from attnlab.bench.grad import check_grads
     from attnlab.bench.runner import entered, prepare
-    from attnlab.bench.timing import _sync
+    from attnlab.bench.timing import sync
     from attnlab.bench.truth import make_case_inputs, make_truth, take_slice
     from attnlab.check import compare
 
@@ -121,7 +121,7 @@ def _call_and_check(prob: FirstCallProblem, case: BenchCase, competitor: str, de
     prep, why = prepare(comp, inp, dev)
     if prep is None:
         return {"status": why["status"], "notes": why["notes"]}
-    _sync(dev)
+    sync(dev)
     profile_to = os.environ.get("ATTNLAB_FIRST_CALL_PROFILE")  # a file: the timed call's cProfile, as text
     profiler = None
     if profile_to:
@@ -135,7 +135,7 @@ def _call_and_check(prob: FirstCallProblem, case: BenchCase, competitor: str, de
             profiler.enable()
         out = prep.call(0)
         grads = torch.autograd.grad(out, leaves, inp.douts[0]) if leaves is not None else None
-        _sync(dev)
+        sync(dev)
         seconds = time.perf_counter() - t0
     if profiler is not None:
         import io

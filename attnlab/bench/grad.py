@@ -26,47 +26,13 @@ from typing import Any
 import torch
 
 from attnlab.bench.competitors import Competitor
-from attnlab.bench.runner import Options, _row, _rows, entered, failure, first_call, measure, prepare, rates
+from attnlab.bench.runner import entered, failure, first_call, make_row, measure, prepare, rates, status_rows
 from attnlab.bench.schema import MIB
 from attnlab.bench.suites import BACKWARD_MODES, row_keys
-from attnlab.bench.timing import _free
-from attnlab.bench.truth import CaseInputs, Truth, slice_inputs, take_slice
+from attnlab.bench.timing import Options
+from attnlab.bench.truth import CaseInputs, Truth, take_slice
 
 GRAD_NAMES = ("dq", "dk", "dv")
-
-
-def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
-    """The textbook attention in the inputs' dtype, differentiable; rows with no allowed key give 0."""
-    from attnlab.problem import make_problem
-    from attnlab.reference import masked_scores
-
-    prob = make_problem(q, k, v, **kw)
-    B, Hq, Hkv, Nq, Nk, D = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.D
-    s = masked_scores(prob, 0, Nq, prob.dtype)
-    empty = (s == float("-inf")).all(dim=-1, keepdim=True)
-    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    o = torch.matmul(p.reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2))
-    return o.reshape(B, Hq, Nq, D)
-
-
-def grad_truth(inp: CaseInputs, sl) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]:
-    """(float64 dq, dk, dv of the reference; the same-dtype textbook's, or None for float32 or after an OOM)
-    on the slice ``sl`` of set 0, for set 0's dout."""
-    from attnlab.backward import textbook_backward
-    from attnlab.problem import make_problem
-
-    q, k, v, kw = slice_inputs(inp, sl)
-    dout = take_slice(inp.douts[0], sl)
-    with torch.no_grad():
-        dq, dk, dv, _ = textbook_backward(make_problem(q, k, v, **kw), dout, None, dtype=torch.float64)
-    base = None
-    if q.dtype != torch.float32:
-        try:
-            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-            base = torch.autograd.grad(textbook(*leaves, kw), leaves, dout)
-        except torch.cuda.OutOfMemoryError:
-            _free(inp.device)
-    return (dq, dk, dv), base
 
 
 def check_grads(grads, truth: Truth, dtype: torch.dtype) -> tuple[bool, dict[str, Any], str]:
@@ -108,7 +74,7 @@ def run_backward(comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options,
     douts = inp.douts
     prep, why = prepare(comp, ginp, dev)
     if prep is None:
-        return _rows(case, comp, opts, counts, **why, **base)
+        return status_rows(case, comp, opts, counts, **why, **base)
     with entered(prep):  # e.g. SDPA restricted to one kernel: entered once, not per timed call
         notes = list(prep.notes)
 
@@ -127,7 +93,7 @@ def run_backward(comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options,
             grads_ok, gcols, gnote = check_grads(grads, truth, case.torch_dtype)
             del out, got, grads
         except Exception as e:
-            return _rows(case, comp, opts, counts, **failure(comp, case, e, dev, "first call", notes), **base)
+            return status_rows(case, comp, opts, counts, **failure(comp, case, e, dev, "first call", notes), **base)
         notes.append(gnote)
         base["setup_mib"] = prep.setup_bytes / MIB
         fcols = {"max_abs_err": rep.max_abs, "rel_l2": rep.rel_l2,
@@ -136,8 +102,8 @@ def run_backward(comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options,
         if fallback or not passed:
             status = "fallback" if fallback else "failed"
             extra = fallback[:1] if fallback else ([] if rep.passed else [f"out: {rep!r}"])
-            out_rows = _rows(case, comp, opts, counts, status=status, passed=passed, notes="; ".join(notes + extra),
-                             **base)
+            out_rows = status_rows(case, comp, opts, counts, status=status, passed=passed,
+                                   notes="; ".join(notes + extra), **base)
             for r in out_rows:
                 r.update(fcols if r["mode"] == "fwd" else gcols)
             return out_rows
@@ -166,17 +132,18 @@ def run_backward(comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options,
                 sub = _subtracted(timed) if mode == "bwd" else None
                 if sub is not None:
                     mnotes.append(f"bwd = fwd+bwd - fwd (medians; a retained graph was refused: {str(e)[:120]})")
-                    rows.append(_row(case, comp, opts, c, status="ok", **sub, **rates(c, sub["ms"]),
+                    rows.append(make_row(case, comp, opts, c, status="ok", **sub, **rates(c, sub["ms"]),
                                      **{**kw, "notes": "; ".join(mnotes)}))
                     continue
-                rows.append(_row(case, comp, opts, c, **{**kw, **failure(comp, case, e, dev, f"{mode} timed calls",
+                rows.append(make_row(case, comp, opts, c, **{**kw, **failure(comp, case, e, dev, f"{mode} timed calls",
                                                                          mnotes)}))
                 continue
             if bad:
-                rows.append(_row(case, comp, opts, c, status="fallback", **{**kw, "notes": "; ".join([*mnotes, bad])}))
+                rows.append(make_row(case, comp, opts, c, status="fallback",
+                                     **{**kw, "notes": "; ".join([*mnotes, bad])}))
                 continue
             timed[mode] = got
-            rows.append(_row(case, comp, opts, c, status="ok", **got, **rates(c, got["ms"]),
+            rows.append(make_row(case, comp, opts, c, status="ok", **got, **rates(c, got["ms"]),
                              **{**kw, "notes": "; ".join(mnotes)}))
         return rows
 

@@ -10,7 +10,6 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,43 +19,24 @@ from attnlab.bench.counting import allowed_count, min_bytes
 from attnlab.bench.schema import COLUMNS, MIB
 from attnlab.bench.suites import BACKWARD_MODES, BenchCase, row_keys
 from attnlab.bench.timing import (
-    DEFAULT_BUDGET_MS,
-    DEFAULT_MIN_REPS,
-    DEFAULT_REPS,
-    _eager_fallbacks,
-    _free,
-    _median,
-    _quantile,
-    _reps_and_warmup,
-    _sync,
-    _timing,
+    Options,
+    eager_fallbacks,
+    free_memory,
     host_calls,
     measure_host,
     measure_peak,
+    median,
+    quantile,
+    reps_and_warmup,
+    sync,
     time_calls,
 )
-from attnlab.bench.truth import CaseInputs, Truth, make_case_inputs, make_truth, take_slice
+from attnlab.bench.truth import CaseInputs, Truth, take_slice
 from attnlab.masks import MaskSpec
 
 # ---------------------------------------------------------------------------------------------------------
 # Running
 # ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Options:
-    """How to measure (see the module docstring)."""
-
-    device: str = "cuda"
-    max_reps: int = DEFAULT_REPS
-    min_reps: int = DEFAULT_MIN_REPS
-    budget_ms: float = DEFAULT_BUDGET_MS
-    seed: int = 0
-    deadline: float | None = None  #: time.time() after which no new measurement starts
-    max_call_s: float = 2.5  #: skip a competitor whose smaller cases predict a longer call (see main)
-    rounds: int = 5  #: interleaved rounds the timed calls of a case's forward competitors are cut into
-    run_id: str = ""
-    gpu: str = ""
 
 
 class ContextLost(Exception):
@@ -67,14 +47,14 @@ class ContextLost(Exception):
         self.backend, self.case = backend, case
 
 
-def _is_oom(e: BaseException) -> bool:
+def is_oom(e: BaseException) -> bool:
     if isinstance(e, torch.cuda.OutOfMemoryError):
         return True
     msg = str(e).lower()
     return "out of memory" in msg and "shared memory" not in msg
 
 
-def _context_ok(device: torch.device) -> bool:
+def context_ok(device: torch.device) -> bool:
     """Whether the CUDA context still works after an exception (a sticky error makes every call fail)."""
     if device.type != "cuda":
         return True
@@ -86,12 +66,12 @@ def _context_ok(device: torch.device) -> bool:
         return False
 
 
-def _short(e: BaseException, n: int = 300) -> str:
+def short_error(e: BaseException, n: int = 300) -> str:
     msg = " ".join(str(e).split())
     return f"{type(e).__name__}: {msg[:n]}"
 
 
-def _row(case: BenchCase, comp: Competitor, opts: Options, counts: dict[str, Any], /, **kw: Any) -> dict[str, Any]:
+def make_row(case: BenchCase, comp: Competitor, opts: Options, counts: dict[str, Any], /, **kw: Any) -> dict[str, Any]:
     row = {c: "" for c in COLUMNS}
     row.update(case.describe())
     row.update(counts)
@@ -101,15 +81,15 @@ def _row(case: BenchCase, comp: Competitor, opts: Options, counts: dict[str, Any
     return row
 
 
-def _rows(case: BenchCase, comp: Competitor, opts: Options, counts: dict[str, Any], /,
+def status_rows(case: BenchCase, comp: Competitor, opts: Options, counts: dict[str, Any], /,
           **kw: Any) -> list[dict[str, Any]]:
     """The same status for every row of a case (:func:`row_keys`: one, or one per backward mode)."""
     if not case.backward:
-        return [_row(case, comp, opts, counts, **kw)]
+        return [make_row(case, comp, opts, counts, **kw)]
     out = []
     for (name, mode), (_, _, mult) in zip(row_keys(case), BACKWARD_MODES):
         c = dict(counts, flops=counts["flops"] * mult, bytes="" if mode != "fwd" else counts["bytes"])
-        out.append(_row(case, comp, opts, c, **{**kw, "case": name, "mode": mode}))
+        out.append(make_row(case, comp, opts, c, **{**kw, "case": name, "mode": mode}))
     return out
 
 
@@ -155,7 +135,7 @@ def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timi
         if cold is not None:
             cold()
         est_ms, peak = measure_peak(call, 1 % sets, dev)
-        reps, warm = _reps_and_warmup(est_ms, max_reps, budget_ms, min_reps)
+        reps, warm = reps_and_warmup(est_ms, max_reps, budget_ms, min_reps)
         if warm:
             time_calls(call, sets, warm, dev, start=2)
         if mark is not None:
@@ -178,14 +158,14 @@ def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timi
     with stretch():
         host_us, busy = measure_host(call, sets, host_calls(est_ms), dev, start=at)
         bad = after() if after is not None else None
-    eager = _eager_fallbacks(caught)
+    eager = eager_fallbacks(caught)
     if bad or eager:
         return None, bad or eager[0]
     other = sorted({str(w.message).split("\n")[0][:120] for w in caught})
     notes += [f"warning: {w}" for w in other[:2] if f"warning: {w}" not in notes]
     if not busy:
         notes.append(HOST_NOT_HIDDEN)
-    return {"ms": _median(times), "ms_min": min(times), "ms_iqr": _quantile(times, 0.75) - _quantile(times, 0.25),
+    return {"ms": median(times), "ms_min": min(times), "ms_iqr": quantile(times, 0.75) - quantile(times, 0.25),
             "reps": len(times), "peak_extra_mib": peak, "host_us": host_us}, None
 
 
@@ -238,11 +218,11 @@ def run_one_steps(
 
     case, dev = inp.case, inp.device
     if opts.deadline is not None and time.time() > opts.deadline:  # checked as this competitor starts
-        return _row(case, comp, opts, counts, status="skipped", notes="deadline reached")
+        return make_row(case, comp, opts, counts, status="skipped", notes="deadline reached")
     base = {"sets": inp.sets, "check_scope": truth.scope}
     prep, why = prepare(comp, inp, dev)
     if prep is None:
-        return _row(case, comp, opts, counts, **why, **base)
+        return make_row(case, comp, opts, counts, **why, **base)
     with entered(prep):  # e.g. SDPA restricted to one kernel: entered per stretch of calls, not per call
         notes = list(prep.notes)
         # 1. the checked call (set 0); for attnlab backends the output is poisoned first (every element written)
@@ -257,26 +237,26 @@ def run_one_steps(
             rep = compare(take_slice(got, truth.sl), truth.ref, dtype=case.torch_dtype, base=truth.base)
             del out, got
         except Exception as e:
-            return _failure_row(case, comp, opts, counts, e, dev, "first call", base, notes)
+            return failure_row(case, comp, opts, counts, e, dev, "first call", base, notes)
         base.update(max_abs_err=rep.max_abs, rel_l2=rep.rel_l2, setup_mib=prep.setup_bytes / MIB,
                     base_max_abs="" if rep.base_max_abs is None else rep.base_max_abs)
         if fallback:
-            return _row(case, comp, opts, counts, status="fallback", passed=bool(rep.passed),
+            return make_row(case, comp, opts, counts, status="fallback", passed=bool(rep.passed),
                         notes="; ".join(notes + fallback[:1]), **base)
         if not rep.passed:
             notes.append(repr(rep))
-            return _row(case, comp, opts, counts, status="failed", passed=False, notes="; ".join(notes), **base)
+            return make_row(case, comp, opts, counts, status="failed", passed=False, notes="; ".join(notes), **base)
     # 2. memory and a first estimate; 3. warm-up, the timed calls (in rounds) and the host time
     try:
         timed, bad = yield from measure_steps(prep.call, inp.sets, dev, (max_reps, budget_ms, min_reps), notes,
                                               prep.mark, prep.after_timing, prep.cold, rounds=rounds,
                                               context=lambda: entered(prep))
         if bad:
-            return _row(case, comp, opts, counts, status="fallback", passed=True, notes="; ".join([*notes, bad]),
+            return make_row(case, comp, opts, counts, status="fallback", passed=True, notes="; ".join([*notes, bad]),
                         **base)
     except Exception as e:
-        return _failure_row(case, comp, opts, counts, e, dev, "timed calls", base, notes, passed=True)
-    return _row(case, comp, opts, counts, status="ok", passed=True, **timed, **rates(counts, timed["ms"]),
+        return failure_row(case, comp, opts, counts, e, dev, "timed calls", base, notes, passed=True)
+    return make_row(case, comp, opts, counts, status="ok", passed=True, **timed, **rates(counts, timed["ms"]),
                 notes="; ".join(notes), **base)
 
 
@@ -287,13 +267,13 @@ def failure(comp: Competitor, case: BenchCase, e: BaseException, dev: torch.devi
     # The traceback's frames hold the failed call's tensors (after an OOM, gigabytes): drop them first.
     traceback.clear_frames(e.__traceback__)
     e.__traceback__ = None
-    if _is_oom(e):
-        _free(dev)
-        return {"status": "oom", "notes": "; ".join([*notes, f"out of memory in {where}: {_short(e, 160)}"])}
-    if not _context_ok(dev):
-        raise ContextLost(comp.name, case.name, _short(e)) from e
-    _free(dev)
-    return {"status": "error", "notes": "; ".join([*notes, f"{where}: {_short(e)}"])}
+    if is_oom(e):
+        free_memory(dev)
+        return {"status": "oom", "notes": "; ".join([*notes, f"out of memory in {where}: {short_error(e, 160)}"])}
+    if not context_ok(dev):
+        raise ContextLost(comp.name, case.name, short_error(e)) from e
+    free_memory(dev)
+    return {"status": "error", "notes": "; ".join([*notes, f"{where}: {short_error(e)}"])}
 
 
 def first_call(prep, dev: torch.device, then: Callable[[Any], Any] | None = None) -> tuple[Any, Any, float, str]:
@@ -305,11 +285,11 @@ def first_call(prep, dev: torch.device, then: Callable[[Any], Any] | None = None
         warnings.simplefilter("always")
         out = (prep.check_call or prep.call)(0)
         extra = then(out) if then is not None else None
-        _sync(dev)
+        sync(dev)
     first_s = time.perf_counter() - t0
     if prep.mark is not None:
         prep.mark()
-    return out, extra, first_s, _eager_fallbacks(caught)
+    return out, extra, first_s, eager_fallbacks(caught)
 
 
 def entered(prep) -> contextlib.AbstractContextManager:
@@ -329,70 +309,6 @@ def prepare(comp: Competitor, inp, dev: torch.device) -> tuple[Any, dict[str, An
         return None, failure(comp, inp.case, e, dev, "setup")
 
 
-def _failure_row(case, comp, opts, counts, e, dev, where, base, notes=(), passed="") -> dict[str, Any]:
+def failure_row(case, comp, opts, counts, e, dev, where, base, notes=(), passed="") -> dict[str, Any]:
     """The row of a competitor that raised (:func:`failure`)."""
-    return _row(case, comp, opts, counts, passed=passed, **failure(comp, case, e, dev, where, notes), **base)
-
-
-def run_case(
-    case: BenchCase, comps: Sequence[Competitor], opts: Options, *, skip: Callable[[str], str | None] | None = None,
-    on_row: Callable[[dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Every competitor on one case; ``skip(name)`` returns a reason to record a competitor as skipped."""
-    dev = torch.device(opts.device)
-    max_reps, budget, min_reps = _timing(case, opts)
-    counts = case_counts(case)
-    rows: list[dict[str, Any]] = []
-
-    def emit(row):
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
-
-    todo = []
-    for comp in comps:
-        why = skip(comp.name) if skip is not None else None
-        if why is not None:
-            for r in _rows(case, comp, opts, counts, status="skipped", notes=why):
-                emit(r)
-        else:
-            todo.append(comp)
-    if not todo:
-        return rows
-    strict = torch.float32 == case.torch_dtype
-    from attnlab.check import strict_fp32
-
-    with strict_fp32() if strict else contextlib.nullcontext():
-        try:
-            inp = make_case_inputs(case, dev, seed=opts.seed)
-            truth = make_truth(inp)
-        except Exception as e:
-            if not _is_oom(e) and not _context_ok(dev):
-                raise ContextLost("(inputs/reference)", case.name, _short(e)) from e
-            _free(dev)
-            status = "oom" if _is_oom(e) else "error"
-            for comp in todo:
-                for r in _rows(case, comp, opts, counts, status=status, notes=f"inputs/reference: {_short(e)}"):
-                    emit(r)
-            return rows
-        # The forward competitors' runs, their timed calls interleaved in rounds: each one's prepared state
-        # (inputs in another layout, masks, compiled functions) lives until its run ends, so a case holds all
-        # of them at once; rows are emitted as each run ends.
-        # (A forward run checks the deadline itself, as it starts.)
-        forward = []
-        for comp in todo:
-            if not case.backward:
-                forward.append(run_one_steps(comp, inp, truth, opts, counts, max_reps, budget, min_reps,
-                                             rounds=opts.rounds))
-            elif opts.deadline is not None and time.time() > opts.deadline:
-                for r in _rows(case, comp, opts, counts, status="skipped", notes="deadline reached"):
-                    emit(r)
-            else:
-                from attnlab.bench.grad import run_backward
-
-                for r in run_backward(comp, inp, truth, opts, counts, (max_reps, budget, min_reps)):
-                    emit(r)
-        interleave(forward, on_done=emit)
-        del inp, truth, forward
-    _free(dev)
-    return rows
+    return make_row(case, comp, opts, counts, passed=passed, **failure(comp, case, e, dev, where, notes), **base)

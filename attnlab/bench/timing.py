@@ -8,23 +8,21 @@ import gc
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from attnlab.bench.schema import MIB
 from attnlab.bench.suites import SUITES, BenchCase
 
-if TYPE_CHECKING:
-    from attnlab.bench.runner import Options
 
-
-def _eager_fallbacks(caught: list) -> list[str]:
+def eager_fallbacks(caught: list) -> list[str]:
     """The recorded warnings that say flex_attention ran eagerly (unfused) instead of compiled."""
     return [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
 
 
-def _timing(case: BenchCase, opts: Options) -> tuple[int, float, int]:
+def case_timing(case: BenchCase, opts: Options) -> tuple[int, float, int]:
     """(most timed calls, timing budget in ms, fewest timed calls) for ``case``: the suite's override, never
     more calls than the options allow."""
     suite = SUITES.get(case.suite)
@@ -39,14 +37,32 @@ def _timing(case: BenchCase, opts: Options) -> tuple[int, float, int]:
 WARMUP_MS, MAX_WARMUP = 25.0, 500
 
 
-def _reps_and_warmup(est_ms: float, max_reps: int, budget_ms: float, min_reps: int) -> tuple[int, int]:
+def reps_and_warmup(est_ms: float, max_reps: int, budget_ms: float, min_reps: int) -> tuple[int, int]:
     """Timed calls (the budget over the estimated call, clamped) and warm-up calls: none for calls over
     20 ms, else at least 2 (5 below 2 ms) and enough for WARMUP_MS by the estimate, at most MAX_WARMUP."""
     reps = int(min(max_reps, max(min_reps, budget_ms // max(est_ms, 1e-3))))
     if est_ms > 20:
         return reps, 0
     return reps, int(min(MAX_WARMUP, max(2 if est_ms > 2 else 5, math.ceil(WARMUP_MS / max(est_ms, 1e-3)))))
+
+
 DEFAULT_REPS, DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS = 30, 100.0, 3
+
+
+@dataclass
+class Options:
+    """How to measure (see the module docstring)."""
+
+    device: str = "cuda"
+    max_reps: int = DEFAULT_REPS
+    min_reps: int = DEFAULT_MIN_REPS
+    budget_ms: float = DEFAULT_BUDGET_MS
+    seed: int = 0
+    deadline: float | None = None  #: time.time() after which no new measurement starts
+    max_call_s: float = 2.5  #: skip a competitor whose smaller cases predict a longer call (see main)
+    rounds: int = 5  #: interleaved rounds the timed calls of a case's forward competitors are cut into
+    run_id: str = ""
+    gpu: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -54,7 +70,7 @@ DEFAULT_REPS, DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS = 30, 100.0, 3
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -132,13 +148,13 @@ def measure_host(call: Callable[[int], Any], sets: int, n: int, device: torch.de
     return host / n * 1e6, busy
 
 
-def _median(xs: Sequence[float]) -> float:
+def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def _quantile(xs: Sequence[float], p: float) -> float:
+def quantile(xs: Sequence[float], p: float) -> float:
     s = sorted(xs)
     pos = p * (len(s) - 1)
     lo = math.floor(pos)
@@ -146,7 +162,7 @@ def _quantile(xs: Sequence[float], p: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _free(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
     """Collect garbage and hand torch's cached blocks back (between measurements)."""
     gc.collect()
     if device.type == "cuda":

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from attnlab.bench.suites import BenchCase
-from attnlab.bench.timing import _free
+from attnlab.bench.timing import free_memory
 from attnlab.masks import MaskSpec
 
 # ---------------------------------------------------------------------------------------------------------
@@ -164,10 +164,42 @@ def make_truth(inp: CaseInputs, full_scores: int = FULL_CHECK_SCORES) -> Truth:
             base = attention(q, k, v, backend="torch", **kw)
         except torch.cuda.OutOfMemoryError:
             scope += " (no baseline criterion: the textbook baseline ran out of memory)"
-            _free(dev)
+            free_memory(dev)
     truth = Truth(ref=ref, base=base, scope=scope, sl=sl)
     if case.backward:
-        from attnlab.bench.grad import grad_truth
-
         truth.grads, truth.grad_base = grad_truth(inp, sl)
     return truth
+
+
+def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
+    """The textbook attention in the inputs' dtype, differentiable; rows with no allowed key give 0."""
+    from attnlab.problem import make_problem
+    from attnlab.reference import masked_scores
+
+    prob = make_problem(q, k, v, **kw)
+    B, Hq, Hkv, Nq, Nk, D = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.D
+    s = masked_scores(prob, 0, Nq, prob.dtype)
+    empty = (s == float("-inf")).all(dim=-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    o = torch.matmul(p.reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2))
+    return o.reshape(B, Hq, Nq, D)
+
+
+def grad_truth(inp: CaseInputs, sl) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]:
+    """(float64 dq, dk, dv of the reference; the same-dtype textbook's, or None for float32 or after an OOM)
+    on the slice ``sl`` of set 0, for set 0's dout."""
+    from attnlab.backward import textbook_backward
+    from attnlab.problem import make_problem
+
+    q, k, v, kw = slice_inputs(inp, sl)
+    dout = take_slice(inp.douts[0], sl)
+    with torch.no_grad():
+        dq, dk, dv, _ = textbook_backward(make_problem(q, k, v, **kw), dout, None, dtype=torch.float64)
+    base = None
+    if q.dtype != torch.float32:
+        try:
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            base = torch.autograd.grad(textbook(*leaves, kw), leaves, dout)
+        except torch.cuda.OutOfMemoryError:
+            free_memory(inp.device)
+    return (dq, dk, dv), base
