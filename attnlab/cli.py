@@ -65,6 +65,65 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+def compile_check_parser() -> OneLineParser:
+    """``attnlab compile-check [--strict] [--arch sm_80 sm_90] [--family ...] [--jobs N] [--nvcc]``."""
+    import os
+
+    from attnlab.backends.cuda.variant import FAMILIES
+
+    ap = OneLineParser(prog="attnlab compile-check",
+                                 description="compile every CUDA kernel variant with NVRTC (no GPU needed)")
+    ap.add_argument("--strict", action="store_true",
+                    help="fail on a spill in tiled/rowmax for D <= 128 or shared memory over the arch limit")
+    ap.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
+    ap.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 2))
+    ap.add_argument("--nvcc", nargs="?", const="nvcc", default=None, metavar="PATH",
+                    help="also compile each kernels/*.cu alone with nvcc (default: the one on PATH) and compare")
+    return ap
+
+
+def bench_parser() -> OneLineParser:
+    """``attnlab bench``'s options (:func:`attnlab.bench.session.run` takes them)."""
+    from attnlab.bench.suites import SUITES
+    from attnlab.bench.timing import DEFAULT_BUDGET_MS, DEFAULT_MIN_REPS, DEFAULT_REPS
+
+    p = OneLineParser(prog="attnlab bench", description="Benchmark attnlab backends against SDPA and "
+                                "FlexAttention; results in <out>/<gpu>/<suite>.csv and .json")
+    p.add_argument("--suite", required=True, nargs="+", choices=[*SUITES, "all"],
+                   help="suites to run, in this order, in one process (all = every one but quick)")
+    p.add_argument("--backends", nargs="+", default=None, help="competitors (default: every one)")
+    p.add_argument("--exclude", nargs="+", default=[], help="competitors recorded as skipped")
+    p.add_argument("--out", default=None,
+                   help="root folder; files go to <out>/<gpu-slug>/ (default: data/bench on a GPU; a --device cpu "
+                        "smoke run goes to <tmp>/attnlab-bench, never into the recorded data)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--reps", type=positive_int, default=DEFAULT_REPS,
+                   help="most timed calls per measurement (default 30)")
+    p.add_argument("--min-reps", type=positive_int, default=DEFAULT_MIN_REPS, help="fewest timed calls (default 3)")
+    p.add_argument("--budget-ms", type=float, default=DEFAULT_BUDGET_MS,
+                   help="timed milliseconds aimed at per measurement (default 100)")
+    p.add_argument("--max-call-s", type=float, default=2.5,
+                   help="skip a competitor on a case where its smaller cases predict a call longer than this "
+                        "(default 2.5 s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cases", default=None, help="only cases whose name contains this text")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no measurement after this many seconds; the rest is recorded as skipped")
+    p.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--suite-deadline-s", type=float, default=None,
+                   help="start no measurement after this many seconds of each suite (default: the suite's own, "
+                        "e.g. latency 60, backward 300; 0: none); --deadline-s still bounds the whole run")
+    p.add_argument("--resume", action="store_true", help="keep rows already in the CSVs, run only the missing ones")
+    p.add_argument("--keep-others", action="store_true",
+                   help="keep the CSV's rows of competitors this run does not measure (e.g. re-record only attnlab "
+                        "with --backends triton sdpa-flash); their run_id says when they were measured")
+    p.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--estimate", action="store_true", help="print the estimated duration and exit")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
 def _parser() -> OneLineParser:
     from attnlab import __version__
 
@@ -98,13 +157,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     parser = _parser()
     if argv and argv[0] == "compile-check":
-        from attnlab.backends.cuda.compile_check import compile_check_main
+        from attnlab.backends.cuda.compile_check import compile_check_command
 
-        return compile_check_main(argv[1:])
+        return compile_check_command(compile_check_parser().parse_args(argv[1:]))
     if argv and argv[0] == "bench":
-        from attnlab.bench import main as bench_main
+        from attnlab.bench.session import run
 
-        return bench_main(argv[1:])
+        return run(bench_parser().parse_args(argv[1:]), argv[1:])
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from attnlab import bench
-from attnlab.bench import cli as bench_cli
 from attnlab.bench import runner as bench_runner
+from attnlab.bench import session as bench_cli
+from attnlab.cli import main as attnlab_main
 from attnlab.masks import MaskSpec
 
 # (B, Hq, Nq, Nk, keywords): every structural mask kind, both alignments, Nq < Nk and Nq > Nk.
@@ -116,13 +117,14 @@ def test_suites_are_well_formed():
 
 def test_a_suite_is_one_entry():
     """Adding one Suite to SUITES adds it to the command line and, with an all_rank, to --suite all."""
-    from attnlab.bench import cli, suites
+    from attnlab import cli
+    from attnlab.bench import suites
 
     extra = suites.Suite("extra", lambda device: [bench.BenchCase("extra", "x", B=1, Hq=1, Nq=8, D=16)], all_rank=9)
     saved = dict(suites.SUITES)
     try:
         suites.SUITES["extra"] = extra
-        assert "extra" in cli._parser()._option_string_actions["--suite"].choices
+        assert "extra" in cli.bench_parser()._option_string_actions["--suite"].choices
         assert bench.suite_cases("extra", "cpu")[0].name == "x"
     finally:
         suites.SUITES.clear()
@@ -373,7 +375,7 @@ def test_flex_mask_mod_matches_reference(B, Hq, Nq, Nk, kw):
 def test_csv_json_load_and_ratios_from_a_cpu_quick_run(tmp_path, capsys):
     argv = ["--suite", "quick", "--device", "cpu", "--out", str(tmp_path), "--no-progress", "--budget-ms", "5",
             "--reps", "4", "--backends", "torch", "sdpa", "cuda-tiled", "sdpa-flash", "sdpa-efficient", "flex"]
-    assert bench.main(argv) == 0
+    assert attnlab_main(["bench", *argv]) == 0
     printed = capsys.readouterr().out
     assert "status counts" in printed and "total ~" in printed
     path = tmp_path / "cpu" / "quick.csv"
@@ -407,7 +409,7 @@ def test_csv_json_load_and_ratios_from_a_cpu_quick_run(tmp_path, capsys):
     assert r.loc["quick", "torch"] > 0 and "cuda-tiled" not in r.columns
     assert r.attrs["counts"].loc["quick", "torch"] == ncases
     # resume: nothing is re-run, the rows stay
-    assert bench.main([*argv, "--resume"]) == 0
+    assert attnlab_main(["bench", *argv, "--resume"]) == 0
     assert len(bench.load(path)) == len(df)
 
 
@@ -427,7 +429,7 @@ def test_ratios_are_baseline_over_backend():
 def test_no_gpu_gives_a_clear_message(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    assert bench.main(["--suite", "quick"]) == 2
+    assert attnlab_main(["bench", "--suite", "quick"]) == 2
     assert "--device cpu" in capsys.readouterr().err
 
 
@@ -585,13 +587,13 @@ def test_backward_gate_and_flops():
 
 def test_latency_and_backward_smoke_on_cpu(tmp_path):
     base = ["--device", "cpu", "--no-progress", "--budget-ms", "5", "--out", str(tmp_path)]
-    assert bench.main(["--suite", "latency", *base]) == 0
+    assert attnlab_main(["bench", "--suite", "latency", *base]) == 0
     df = bench.load(tmp_path / "cpu" / "latency.csv")
     assert set(df["backend"]) == set(bench.SUITES["latency"].backends)
     ok = df[df["status"] == "ok"]
     assert {"triton", "auto", "triton-kernel", "sdpa-flash"} <= set(ok["backend"])
     assert (ok["host_us"] > 0).all() and set(df["path"]) == {"public", "kernel"}
-    assert bench.main(["--suite", "backward", *base, "--reps", "3", "--min-reps", "1"]) == 0
+    assert attnlab_main(["bench", "--suite", "backward", *base, "--reps", "3", "--min-reps", "1"]) == 0
     df = bench.load(tmp_path / "cpu" / "backward.csv")
     assert len(df) == 3 * len(bench.backward_suite("cpu")) * len(bench.SUITES["backward"].backends)
     ok = df[df["status"] == "ok"]
@@ -603,14 +605,14 @@ def test_latency_and_backward_smoke_on_cpu(tmp_path):
 def test_keep_others_and_estimate_without_gpu(tmp_path, capsys):
     argv = ["--suite", "quick", "--device", "cpu", "--out", str(tmp_path), "--no-progress", "--budget-ms", "5",
             "--cases", "kvlen"]
-    assert bench.main([*argv, "--backends", "sdpa", "torch", "--run-id", "A"]) == 0
-    assert bench.main([*argv, "--backends", "sdpa", "--run-id", "B", "--keep-others"]) == 0
+    assert attnlab_main(["bench", *argv, "--backends", "sdpa", "torch", "--run-id", "A"]) == 0
+    assert attnlab_main(["bench", *argv, "--backends", "sdpa", "--run-id", "B", "--keep-others"]) == 0
     df = bench.load(tmp_path / "cpu" / "quick.csv")
     assert dict(zip(df["backend"], df["run_id"])) == {"sdpa": "B", "torch": "A"}
     env = json.loads((tmp_path / "cpu" / "quick.json").read_text())
     assert env["run_id"] == "B" and set(env["kept_runs"]) == {"A"}  # where the kept rows come from
     capsys.readouterr()
-    assert bench.main(["--suite", "backward", "latency", "--estimate"]) == 0  # several suites, one process
+    assert attnlab_main(["bench", "--suite", "backward", "latency", "--estimate"]) == 0  # several suites, one process
     out = capsys.readouterr().out
     assert "backward 5 cases" in out and "latency 8 cases" in out and out.index("backward") < out.index("latency")
 

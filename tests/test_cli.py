@@ -52,7 +52,7 @@ def test_mistakes_are_one_line(argv, says, capsys):
 
 
 def test_cpu_bench_never_writes_into_the_recorded_data():
-    from attnlab.bench.cli import default_out
+    from attnlab.bench.session import default_out
 
     assert default_out("cpu").resolve() != (default_out("cuda")).resolve()
     assert "data" not in default_out("cpu").parts[-2:]

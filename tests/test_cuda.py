@@ -448,8 +448,10 @@ def test_compile_check_compiles_and_reports():
 
 
 @needs_nvrtc
-def test_compile_check_main_strict(capsys):
-    rc = C.compile_check_main(["--strict", "--arch", "sm_80", "--family", "naive", "--jobs", "1"])
+def test_compile_check_command_strict(capsys):
+    from attnlab.cli import main
+
+    rc = main(["compile-check", "--strict", "--arch", "sm_80", "--family", "naive", "--jobs", "1"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "naive_bf16_fastexp" in out and "strict:" in out

@@ -107,21 +107,14 @@ and statuses), :mod:`~attnlab.bench.suites` (cases, and the suites as data), :mo
 :mod:`~attnlab.bench.competitors`, :mod:`~attnlab.bench.timing`, :mod:`~attnlab.bench.runner` (check, memory,
 time, host time: one row), :mod:`~attnlab.bench.grad` (the backward suite: three rows),
 :mod:`~attnlab.bench.results` (CSV/JSON files, :func:`load`, the one :func:`ratios`),
-:mod:`~attnlab.bench.cli` (``python -m attnlab bench``) and :mod:`~attnlab.bench.plots` (figures of recorded
-runs). The public names of each are re-exported here.
+:mod:`~attnlab.bench.case_run` (one case, every competitor), :mod:`~attnlab.bench.session` (an ``attnlab bench``
+run over suites) and :mod:`~attnlab.bench.plots` (figures of recorded runs). The public names of each are
+re-exported here; the command line's options are parsed in :mod:`attnlab.cli`.
 """
 
 from __future__ import annotations
 
 from attnlab.bench.case_run import run_case  # noqa: F401
-from attnlab.bench.cli import (  # noqa: F401
-    FLEX_COMPILE_S,
-    TRITON_TUNE_S,
-    case_line,
-    estimate_seconds,
-    main,
-    summary,
-)
 from attnlab.bench.competitors import (  # noqa: F401
     FLEX_ON_CPU,
     KERNEL_SUFFIX,
@@ -161,6 +154,13 @@ from attnlab.bench.schema import (  # noqa: F401
     MIB,
     SDPA_KINDS,
     STATUSES,
+)
+from attnlab.bench.session import (  # noqa: F401
+    FLEX_COMPILE_S,
+    TRITON_TUNE_S,
+    case_line,
+    estimate_seconds,
+    summary,
 )
 from attnlab.bench.suites import (  # noqa: F401
     ALL_ORDER,

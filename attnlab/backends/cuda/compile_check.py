@@ -21,6 +21,7 @@ spills; the launch bounds hold for both.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import glob
 import os
@@ -300,20 +301,9 @@ def format_table(results: Sequence[Resources]) -> str:
     return "\n".join(lines)
 
 
-def compile_check_main(argv: list[str]) -> int:
-    """``python -m attnlab compile-check [--strict] [--arch sm_80 sm_90] [--family ...] [--jobs N] [--nvcc]``."""
-    from attnlab.cli import OneLineParser, positive_int
-
-    ap = OneLineParser(prog="attnlab compile-check",
-                                 description="compile every CUDA kernel variant with NVRTC (no GPU needed)")
-    ap.add_argument("--strict", action="store_true",
-                    help="fail on a spill in tiled/rowmax for D <= 128 or shared memory over the arch limit")
-    ap.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
-    ap.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    ap.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 2))
-    ap.add_argument("--nvcc", nargs="?", const="nvcc", default=None, metavar="PATH",
-                    help="also compile each kernels/*.cu alone with nvcc (default: the one on PATH) and compare")
-    args = ap.parse_args(argv)
+def compile_check_command(args: argparse.Namespace) -> int:
+    """``attnlab compile-check``: compile, print the table, and with ``args.strict`` fail on spills or shared
+    memory over an arch's limit (options: :func:`attnlab.cli.compile_check_parser`)."""
     t0 = time.perf_counter()
     try:
         nv = Nvrtc()

@@ -1,5 +1,5 @@
-"""``python -m attnlab bench``: the estimate, the parser, the run loop over suites and cases, restarts after a
-lost CUDA context, and the summary."""
+"""One ``attnlab bench`` session: the estimate, the run loop over suites and cases, restarts after a lost CUDA
+context, and the summary. Its options are parsed by :func:`attnlab.cli.bench_parser`."""
 
 from __future__ import annotations
 
@@ -24,9 +24,6 @@ from attnlab.bench.results import _read_rows, device_name, environment, gpu_slug
 from attnlab.bench.runner import ROUND_WARMUP, ContextLost, case_counts, status_rows
 from attnlab.bench.suites import BACKWARD_MODES, SUITES, BenchCase, recorded_suites, row_keys
 from attnlab.bench.timing import (
-    DEFAULT_BUDGET_MS,
-    DEFAULT_MIN_REPS,
-    DEFAULT_REPS,
     HOST_SLEEP_CYCLES,
     Options,
     case_timing,
@@ -98,45 +95,6 @@ def default_out(device: str) -> Path:
     return Path(tempfile.gettempdir()) / "attnlab-bench"
 
 
-def _parser() -> argparse.ArgumentParser:
-    from attnlab.cli import OneLineParser, positive_int
-
-    p = OneLineParser(prog="attnlab bench", description="Benchmark attnlab backends against SDPA and "
-                                "FlexAttention; results in <out>/<gpu>/<suite>.csv and .json")
-    p.add_argument("--suite", required=True, nargs="+", choices=[*SUITES, "all"],
-                   help="suites to run, in this order, in one process (all = every one but quick)")
-    p.add_argument("--backends", nargs="+", default=None, help="competitors (default: every one)")
-    p.add_argument("--exclude", nargs="+", default=[], help="competitors recorded as skipped")
-    p.add_argument("--out", default=None,
-                   help="root folder; files go to <out>/<gpu-slug>/ (default: data/bench on a GPU; a --device cpu "
-                        "smoke run goes to <tmp>/attnlab-bench, never into the recorded data)")
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--reps", type=positive_int, default=DEFAULT_REPS,
-                   help="most timed calls per measurement (default 30)")
-    p.add_argument("--min-reps", type=positive_int, default=DEFAULT_MIN_REPS, help="fewest timed calls (default 3)")
-    p.add_argument("--budget-ms", type=float, default=DEFAULT_BUDGET_MS,
-                   help="timed milliseconds aimed at per measurement (default 100)")
-    p.add_argument("--max-call-s", type=float, default=2.5,
-                   help="skip a competitor on a case where its smaller cases predict a call longer than this "
-                        "(default 2.5 s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cases", default=None, help="only cases whose name contains this text")
-    p.add_argument("--deadline-s", type=float, default=None,
-                   help="start no measurement after this many seconds; the rest is recorded as skipped")
-    p.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--suite-deadline-s", type=float, default=None,
-                   help="start no measurement after this many seconds of each suite (default: the suite's own, "
-                        "e.g. latency 60, backward 300; 0: none); --deadline-s still bounds the whole run")
-    p.add_argument("--resume", action="store_true", help="keep rows already in the CSVs, run only the missing ones")
-    p.add_argument("--keep-others", action="store_true",
-                   help="keep the CSV's rows of competitors this run does not measure (e.g. re-record only attnlab "
-                        "with --backends triton sdpa-flash); their run_id says when they were measured")
-    p.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--estimate", action="store_true", help="print the estimated duration and exit")
-    p.add_argument("--no-progress", action="store_true")
-    return p
-
-
 def _restart_argv(argv: Sequence[str], run_id: str, deadline: float | None, exclude: Sequence[str]) -> list[str]:
     """The command line of a restart after a lost CUDA context: same run, resumed, the culprit excluded."""
     drop_val = {"--exclude", "--run-id", "--deadline-s", "--deadline-at"}
@@ -158,10 +116,11 @@ def _restart_argv(argv: Sequence[str], run_id: str, deadline: float | None, excl
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m attnlab bench``: run suites, write CSV and JSON per suite, print a summary."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``attnlab bench``: run suites, write CSV and JSON per suite, print a summary. ``args`` are the parsed
+    options (:func:`attnlab.cli.bench_parser`), ``argv`` the command line they came from (recorded, and reused
+    by a restart after a lost CUDA context)."""
+    argv = list(argv)
     device = args.device
     no_gpu = device.startswith("cuda") and not torch.cuda.is_available()
     if no_gpu and not args.estimate:
