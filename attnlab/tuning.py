@@ -49,7 +49,7 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
     with torch.cuda.device(prob.device), torch.no_grad():
         out = torch.empty(prob.B, prob.Hq, prob.Nq, prob.D, dtype=prob.dtype, device=prob.device)
         lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
-        chosen: dict[str, Any] = {"fwd": configs.tune(prob, out, lse)}
+        chosen: dict[str, Any] = {"fwd": configs.tune(prob, launch.autotune, out, lse)}
         if backward:  # the out and lse the backward starts from
             launch._launch(prob, out, lse, chosen["fwd"], interpret=False)
             chosen["bwd"] = triton_backward.tune(prob, out, lse)

@@ -13,6 +13,7 @@ import torch
 from triton.testing import do_bench
 
 from attnlab.backends.triton import configs as tc
+from attnlab.backends.triton import launch as tl
 from attnlab.backends.triton.launch import _Plan
 from attnlab.problem import make_problem
 
@@ -37,7 +38,7 @@ def main() -> int:
                 line.append(f"({cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}) {ms:.3f}")
             picks = []
             for _ in range(3):
-                c = tc._autotune(prob, out, None)
+                c = tl.autotune(prob, out, None)
                 picks.append(f"({c.block_m},{c.block_n},{c.num_warps},{c.num_stages})")
             print(f"{str(dtype)[6:]} B{B} H{H} N{N} D128 {'causal' if causal else 'full'}: {' | '.join(line)} "
                   f"|| autotune picks {' '.join(picks)}", flush=True)

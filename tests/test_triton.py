@@ -448,7 +448,7 @@ def test_autotune_times_direct_launches_and_keeps_the_median_best(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
     q, k, v, kw = _empty_row_inputs("cpu")
     prob = make_problem(q, k, v, **kw)
-    assert tconfigs._autotune(prob, torch.empty_like(q), None) == cfgs[1]
+    assert tlaunch.autotune(prob, torch.empty_like(q), None) == cfgs[1]
     assert [c[0] for c in fake.calls] == ["jit"] * 3 + ["fast"] * 9
 
 

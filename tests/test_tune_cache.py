@@ -168,17 +168,17 @@ def test_forward_config_for_tunes_once_across_processes(cache, monkeypatch):
     tuned = []
     space = tconfigs.candidates(torch.bfloat16, 64)
     monkeypatch.setattr(tconfigs, "AUTOTUNE", True)
-    monkeypatch.setattr(tconfigs, "_autotune", lambda prob, out, lse: tuned.append(1) or space[2])
+    first = lambda prob, out, lse: tuned.append(1) or space[2]
     prob = _gpu_like_problem()
-    assert tconfigs.config_for(prob, None, None) == space[2] and tuned == [1]
-    assert tconfigs.config_for(prob, None, None) == space[2] and tuned == [1]  # in memory
+    assert tconfigs.config_for(prob, None, None, first) == space[2] and tuned == [1]
+    assert tconfigs.config_for(prob, None, None, first) == space[2] and tuned == [1]  # in memory
     _forget()
-    assert tconfigs.config_for(prob, None, None) == space[2] and tuned == [1]  # from disk
+    assert tconfigs.config_for(prob, None, None, first) == space[2] and tuned == [1]  # from disk
     assert tconfigs._tuned[tconfigs.tune_key(prob)] == space[2]
     monkeypatch.setattr(tconfigs, "candidates", lambda dtype, block_d: [space[0], space[1]])
-    monkeypatch.setattr(tconfigs, "_autotune", lambda prob, out, lse: tuned.append(2) or space[1])
     _forget()
-    assert tconfigs.config_for(prob, None, None) == space[1] and tuned == [1, 2]
+    second = lambda prob, out, lse: tuned.append(2) or space[1]
+    assert tconfigs.config_for(prob, None, None, second) == space[1] and tuned == [1, 2]
 
 
 def test_backward_configs_for_tunes_once_across_processes(cache, monkeypatch):
@@ -218,11 +218,11 @@ _GPU_RUN = textwrap.dedent("""
     import cProfile, io, json, pstats, time
     import torch
     import attnlab
-    from attnlab.backends.triton import backward, configs
+    from attnlab.backends.triton import backward, launch
 
     calls = []
-    autotune, fastest = configs._autotune, backward._fastest
-    configs._autotune = lambda *a: calls.append("fwd") or autotune(*a)
+    autotune, fastest = launch.autotune, backward._fastest
+    launch.autotune = lambda *a: calls.append("fwd") or autotune(*a)
     backward._fastest = lambda *a: calls.append("bwd") or fastest(*a)
     q = torch.randn(2, 8, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch.cuda.synchronize()

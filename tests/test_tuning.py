@@ -109,30 +109,31 @@ def test_no_autotune_by_default_the_table_decides(fresh, monkeypatch):
     def refuse(*a):
         raise AssertionError("tuned without being asked")
 
-    monkeypatch.setattr(tconfigs, "_autotune", refuse)
     monkeypatch.setattr(tbwd, "_fastest", refuse)
     prob = _problem()
-    assert tconfigs.config_for(prob, None, None) == fwd_space[3]
+    assert tconfigs.config_for(prob, None, None, refuse) == fwd_space[3]
     assert tbwd.configs_for(prob, *[None] * 6) == (kv_space[2], q_space[1])
     other = make_problem(*(torch.randn(2, 4, 40, 64, dtype=BF16),) * 3, window=(8, 0))  # no entry of this size:
-    assert tconfigs.config_for(other, None, None) == fwd_space[3]  # the nearest banded one
+    assert tconfigs.config_for(other, None, None, refuse) == fwd_space[3]  # the nearest banded one
     d32 = make_problem(*(torch.randn(1, 2, 64, 32, dtype=BF16),) * 3)
-    assert tconfigs.config_for(d32, None, None) == tconfigs.candidates(BF16, 32)[0]  # no entry: the default
+    assert tconfigs.config_for(d32, None, None, refuse) == tconfigs.candidates(BF16, 32)[0]  # no entry: default
 
 
 def test_a_config_tuned_on_this_machine_wins_over_the_table(fresh, monkeypatch):
     fwd_space, *_ = fresh
-    monkeypatch.setattr(tconfigs, "_autotune", lambda prob, out, lse: fwd_space[1])
+    def tuned(prob, out, lse):
+        return fwd_space[1]
+
     prob = _problem()
-    assert tconfigs.config_for(prob, None, None) == fwd_space[3]
+    assert tconfigs.config_for(prob, None, None, tuned) == fwd_space[3]
     monkeypatch.setattr(tconfigs, "AUTOTUNE", True)  # ATTNLAB_AUTOTUNE=1: a key tuned nowhere is tuned now
-    assert tconfigs.config_for(prob, None, None) == fwd_space[1]
+    assert tconfigs.config_for(prob, None, None, tuned) == fwd_space[1]
     monkeypatch.setattr(tconfigs, "AUTOTUNE", False)
     tconfigs._tuned.clear()
     tconfigs._picked.clear()
-    assert tconfigs.config_for(prob, None, None) == fwd_space[1]  # a new process: from the persistent cache
+    assert tconfigs.config_for(prob, None, None, tuned) == fwd_space[1]  # a new process: from the persistent cache
     with tconfigs.shipped_only():
-        assert tconfigs.config_for(prob, None, None) == fwd_space[3]
+        assert tconfigs.config_for(prob, None, None, tuned) == fwd_space[3]
 
 
 def test_autotune_variable_is_read_at_import():
@@ -200,7 +201,7 @@ def test_gpu_tune_keeps_its_choice_and_calls_use_it(tmp_path, monkeypatch):
     chosen = attnlab.tune(q, k, v, causal=True)
     prob = make_problem(q.detach(), k, v, causal=True)
     assert chosen["fwd"] in tconfigs.candidates(BF16, 64)
-    assert tconfigs.config_for(prob, None, None) == chosen["fwd"]
+    assert tconfigs.config_for(prob, None, None, tlaunch.autotune) == chosen["fwd"]
     assert tbwd.configs_for(prob, *[None] * 6) == chosen["bwd"]
     assert list(tmp_path.glob("autotune-*.json"))
     out = attnlab.attention(q, k, v, causal=True, backend="triton")
@@ -252,8 +253,8 @@ def test_a_config_that_does_not_fit_gives_way_to_the_next(fresh, monkeypatch):
 
     monkeypatch.setattr(tlaunch, "_launch", fake_launch)
     prob = _problem()
-    plan = tlaunch._Plan(prob, tconfigs.config_for(prob, None, None))
+    plan = tlaunch._Plan(prob, tconfigs.config_for(prob, None, None, tlaunch.autotune))
     with pytest.warns(UserWarning, match="does not fit"):
         plan.launch(prob, torch.empty(2, 4, 1000, 64, dtype=BF16), None)
     assert tried == [fwd_space[3], fwd_space[4]] and plan.cfg == fwd_space[4]
-    assert tconfigs.config_for(prob, None, None) == fwd_space[4]
+    assert tconfigs.config_for(prob, None, None, tlaunch.autotune) == fwd_space[4]

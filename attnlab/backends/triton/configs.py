@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -100,6 +100,10 @@ def shipped_only() -> Iterator[None]:
         SHIPPED_ONLY = old
 
 
+#: Times the candidates of a problem and returns the fastest (:func:`attnlab.backends.triton.launch.autotune`).
+Autotune = Callable[[Problem, torch.Tensor, "torch.Tensor | None"], Config]
+
+
 def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
     """The GPU autotune space for a dtype and padded head dim; the first entry is the untuned default.
 
@@ -158,29 +162,6 @@ def tune_key(prob: Problem) -> tuple:
         prob.device.index, prob.dtype, _block_d(prob.D), prob.spec.kind,
         _TF32, _pow2_bucket(prob.Nq), _pow2_bucket(prob.Nk), _pow2_bucket(prob.B * prob.Hq),
     )
-
-
-def _autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
-    """Time each candidate on this problem (outputs are overwritten by the final launch) and keep the best.
-
-    Each candidate launches through its own :class:`_Plan` (the JIT once, then the direct launcher), so
-    that the host stays ahead of the GPU and ``do_bench`` (which clears the L2 before every call) times
-    the kernel rather than the host; and the median is kept, not the mean, so that one slow call cannot
-    decide. (On the H200, JIT launches cost 97 us of host time, more than the L2 clear between two timed
-    calls; with them and the mean, fp16 B8 H16 N1024 D64 causal was once tuned to (128, 128, 8, 3),
-    0.095 ms of GPU time, over (64, 64, 4, 2), 0.070 ms.)
-    """
-    from attnlab.backends.triton.launch import _Plan  # the launch module imports this one
-
-    plans: dict[Config, _Plan] = {}
-
-    def launch(cfg: Config) -> None:
-        plan = plans.get(cfg)
-        if plan is None:  # one plan per candidate (setdefault would build a new one on every timed call)
-            plan = plans[cfg] = _Plan(prob, cfg)
-        plan.launch(prob, out, lse)
-
-    return fastest(candidates(prob.dtype, _block_d(prob.D)), launch, f"dtype={prob.dtype}, D={prob.D}")
 
 
 #: How long autotune warms up and times each candidate (ms, ``do_bench``'s warmup and rep). Timed longer
@@ -294,9 +275,10 @@ def choose(kernel: str, prob: Problem, key: tuple, parse, default, tuned: dict, 
     return got
 
 
-def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
+def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, autotune: Autotune) -> Config:
     """The config a GPU launch uses (:func:`choose`): one tuned before, else the shipped table's, else the
-    heuristic default (the first candidate); with ``AUTOTUNE``, a key tuned nowhere yet is tuned now."""
+    heuristic default (the first candidate); with ``AUTOTUNE``, a key tuned nowhere yet is tuned now by
+    ``autotune(prob, out, lse)`` (the launch module's, which times each candidate's launch)."""
     key = tune_key(prob)
     space = candidates(prob.dtype, _block_d(prob.D))
 
@@ -304,21 +286,23 @@ def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Co
         cfg = Config(**value)
         return cfg if cfg in space else None
 
-    return choose("fwd", prob, key, parse, space[0], _tuned, _picked, AUTOTUNE, lambda: _tune(prob, out, lse, key))
+    return choose("fwd", prob, key, parse, space[0], _tuned, _picked, AUTOTUNE,
+                  lambda: _tune(prob, out, lse, key, autotune))
 
 
-def tune(prob: Problem, out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> Config:
-    """Tune ``prob``'s key now (into ``out`` and ``lse``, or scratch ones), keep the winner in this process and on
-    disk, return it."""
+def tune(prob: Problem, autotune: Autotune, out: torch.Tensor | None = None,
+         lse: torch.Tensor | None = None) -> Config:
+    """Tune ``prob``'s key now with ``autotune`` (into ``out`` and ``lse``, or scratch ones), keep the winner in
+    this process and on disk, return it."""
     if out is None:
         out = torch.empty(prob.B, prob.Hq, prob.Nq, prob.D, dtype=prob.dtype, device=prob.device)
         lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
     key = tune_key(prob)
-    cfg = _tuned[key] = _tune(prob, out, lse, key)
+    cfg = _tuned[key] = _tune(prob, out, lse, key, autotune)
     return cfg
 
 
-def _tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, key: tuple) -> Config:
-    cfg = _autotune(prob, out, lse)
+def _tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, key: tuple, autotune: Autotune) -> Config:
+    cfg = autotune(prob, out, lse)
     tune_cache.store("fwd", prob.device.index, key[1:], dataclasses.asdict(cfg))
     return cfg

@@ -373,5 +373,26 @@ def _plan(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
     plan = _PLANS.get(key)
     if plan is None:
         evict_oldest(_PLANS, MAX_PLANS)
-        plan = _PLANS[key] = _Plan(prob, config_for(prob, out, lse))
+        plan = _PLANS[key] = _Plan(prob, config_for(prob, out, lse, autotune))
     return plan
+
+
+def autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Config:
+    """Time each candidate on this problem (outputs are overwritten by the final launch) and keep the best.
+
+    Each candidate launches through its own :class:`_Plan` (the JIT once, then the direct launcher), so
+    that the host stays ahead of the GPU and ``do_bench`` (which clears the L2 before every call) times
+    the kernel rather than the host; and the median is kept, not the mean, so that one slow call cannot
+    decide. (On the H200, JIT launches cost 97 us of host time, more than the L2 clear between two timed
+    calls; with them and the mean, fp16 B8 H16 N1024 D64 causal was once tuned to (128, 128, 8, 3),
+    0.095 ms of GPU time, over (64, 64, 4, 2), 0.070 ms.)
+    """
+    plans: dict[Config, _Plan] = {}
+
+    def launch(cfg: Config) -> None:
+        plan = plans.get(cfg)
+        if plan is None:  # one plan per candidate (setdefault would build a new one on every timed call)
+            plan = plans[cfg] = _Plan(prob, cfg)
+        plan.launch(prob, out, lse)
+
+    return _cfg.fastest(_cfg.candidates(prob.dtype, _block_d(prob.D)), launch, f"dtype={prob.dtype}, D={prob.D}")
