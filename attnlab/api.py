@@ -9,7 +9,7 @@ implementation and autograd formula as a ``torch.autograd.Function`` (:class:`_E
 Gradients: the kernel backends (``triton`` and the CUDA kernels) differentiate through the Triton backward
 kernels (:mod:`attnlab.backends.triton.backward`), from the forward's saved out and lse; the backends built from PyTorch
 ops (``reference``, ``torch``, ``sdpa``), and any call whose float mask requires grad, through the chunked
-backward of :mod:`attnlab.backward` (the mask's gradient included). A backend
+backward of :mod:`attnlab.textbook_backward` (the mask's gradient included). A backend
 without a backward is refused for inputs that require grad, and ``auto`` then picks one that has one.
 """
 
@@ -24,10 +24,10 @@ import torch
 
 from attnlab import backends as _backends
 from attnlab import calls as _calls
-from attnlab.backward import sum_to_shape, textbook_backward
 from attnlab.masks import plain_int
 from attnlab.paged import gather_paged, paged_kv, paged_placeholders
 from attnlab.problem import make_problem
+from attnlab.textbook_backward import sum_to_shape, textbook_backward
 
 _poison = False
 

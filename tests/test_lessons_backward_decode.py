@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import attnlab
-from attnlab.lessons import backward as bw
-from attnlab.lessons import decode as dl
+from attnlab.lessons import decoding as dl
+from attnlab.lessons import gradients as bw
 from attnlab.lessons import memory
 from attnlab.lessons import training as tr
 

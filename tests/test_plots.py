@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 from attnlab import bench
 from attnlab.bench import plots as bench_plots
-from attnlab.lessons import memory, online_softmax, plots
+from attnlab.lessons import figures, memory, online_softmax
 from attnlab.masks import MaskSpec
 
 
@@ -46,23 +46,23 @@ def synthetic_bench(suite: str = "dense") -> pd.DataFrame:
 
 def test_theme_and_mask_figures():
     spec = MaskSpec.build(2, 1, 24, 40, causal=True, align="bottom_right", kv_len=[40, 30])
-    assert isinstance(plots.mask_heatmap(spec, title="causal br"), Figure)
+    assert isinstance(figures.mask_heatmap(spec, title="causal br"), Figure)
     bias = torch.randn(8, 10)
     bias[2] = float("-inf")
-    fig = plots.mask_grid({"spec": spec, "bool": torch.rand(8, 10) < 0.5, "bias": bias}, ncols=2)
+    fig = figures.mask_grid({"spec": spec, "bool": torch.rand(8, 10) < 0.5, "bias": bias}, ncols=2)
     assert isinstance(fig, Figure)
-    assert isinstance(plots.tile_map(spec, 8, 8), Figure)
+    assert isinstance(figures.tile_map(spec, 8, 8), Figure)
 
 
 def test_online_trace_and_memory_figures():
     s = torch.tensor([0.5, 2.0, -1.0, 3.0])
     v = torch.randn(4, 2, generator=torch.Generator().manual_seed(0))
-    assert isinstance(plots.online_trace(s, online_softmax.trace(s, v)), Figure)
+    assert isinstance(figures.online_trace(s, online_softmax.trace(s, v)), Figure)
     sweep = memory.sweep([512, 1024, 2048])
-    assert isinstance(plots.memory_vs_n(sweep), Figure)
-    assert isinstance(plots.traffic_vs_n(sweep), Figure)
+    assert isinstance(figures.memory_vs_n(sweep), Figure)
+    assert isinstance(figures.traffic_vs_n(sweep), Figure)
     pts = [("unfused", 60.0, None), ("fused", 2000.0, 400.0)]
-    fig = plots.roofline(pts, extra_peaks={"fp32": 51.0})
+    fig = figures.roofline(pts, extra_peaks={"fp32": 51.0})
     assert fig.axes[0].get_xlabel().startswith("arithmetic intensity")
 
 
@@ -71,11 +71,11 @@ def test_precision_figures():
         "dtype": ["float16"] * 4, "N": [64, 256, 64, 256], "D": [32, 32, 64, 64], "method": ["textbook torch"] * 4,
         "max_abs": [1e-3, 2e-3, 1e-3, 3e-3], "tolerance": [1e-2] * 4,
     })
-    assert isinstance(plots.error_vs_n(df), Figure)
+    assert isinstance(figures.error_vs_n(df), Figure)
     rel = df.assign(max_rel=df["max_abs"] / 2, rel_tolerance=df["tolerance"] / 2)
-    assert isinstance(plots.error_vs_n(rel, relative=True), Figure)
+    assert isinstance(figures.error_vs_n(rel, relative=True), Figure)
     ex = pd.DataFrame({"x": [-1.0, -10.0], "expf_ulp": [1.0, 1.0], "fast_exp_ulp": [3.0, 12.0]})
-    assert isinstance(plots.exp_error(ex), Figure)
+    assert isinstance(figures.exp_error(ex), Figure)
 
 
 def test_bench_figures_from_files(tmp_path):
@@ -124,7 +124,7 @@ def test_kernel_notes_and_thread_maps():
     assert kn.excerpt_text(text, "b", "c") == "b\n#pragma x\n    c"
     with pytest.raises(ValueError, match="not found"):
         kn.excerpt_text(text, "zzz")
-    assert isinstance(plots.thread_map(kn.rowmax_score_map(64), title="rowmax"), Figure)
+    assert isinstance(figures.thread_map(kn.rowmax_score_map(64), title="rowmax"), Figure)
 
 
 def test_committed_csvs_load_with_the_new_columns():

@@ -15,6 +15,7 @@ import torch
 import attnlab
 from attnlab.backends.triton import backward as tbwd
 from attnlab.backends.triton import configs as tconfigs
+from attnlab.backends.triton import launch as tlaunch
 from attnlab.backends.triton import tune_cache as tc
 from attnlab.backends.triton import tuned_table as tt
 from attnlab.problem import make_problem
@@ -237,7 +238,6 @@ def test_gpu_compile_ahead_gradients_match_the_reference(ahead, tmp_path):
 def test_a_config_that_does_not_fit_gives_way_to_the_next(fresh, monkeypatch):
     """Triton's OutOfResources at a plan's first launch: the next candidate runs, with a warning, and is kept
     for the tune key (a table or default made for a GPU with more shared memory)."""
-    from attnlab.backends.triton import launch as tlaunch
 
     fwd_space, *_ = fresh
     tried = []

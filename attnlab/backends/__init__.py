@@ -92,7 +92,7 @@ def no_cuda_reason() -> str | None:
 # (module, class) of every backend, in the order tables list them. A new backend: its module under
 # attnlab/backends/ and one line here; tests/test_contract.py then runs it over every case list.
 _BACKENDS = [
-    ("attnlab.backends.reference", "ReferenceBackend"),
+    ("attnlab.backends.float64", "ReferenceBackend"),
     ("attnlab.backends.textbook", "TextbookBackend"),
     ("attnlab.backends.sdpa", "SdpaBackend"),
     ("attnlab.backends.triton.backend", "TritonBackend"),

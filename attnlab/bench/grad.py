@@ -5,7 +5,7 @@ modes, one row each (``mode`` column; case names ``<case>_fwd``, ``<case>_fwdbwd
   gradient ``dout``.
 * Check: ``out = call(q, k, v)`` then ``torch.autograd.grad(out, (q, k, v), dout)`` on set 0. ``out`` is
   checked as in the forward suites; dq, dk, dv against the float64 gradients of the reference on the same
-  slice (:func:`attnlab.backward.textbook_backward` in float64) with FlashAttention's rule for half types:
+  slice (:func:`attnlab.textbook_backward.textbook_backward` in float64) with FlashAttention's rule for half types:
   ``max|g - g64| <= 2 * max|g_textbook - g64| + floor``, g_textbook being autograd of the textbook attention
   in the same dtype and floor the dtype's unit roundoff times max(1, max|g64|). float32: the abs/rel
   criterion. A row is timed only when the output and all three gradients passed.

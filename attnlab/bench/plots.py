@@ -1,5 +1,5 @@
 """Figures of recorded benchmarks (``data/bench/<gpu>/<suite>.csv``, the schema of :mod:`attnlab.bench.schema`),
-in the theme of :mod:`attnlab.lessons.plots`. Functions take the DataFrame from :func:`load_bench` and, when
+in the theme of :mod:`attnlab.lessons.figures`. Functions take the DataFrame from :func:`load_bench` and, when
 there is none, print a clear message and return ``None`` instead of failing.
 """
 
@@ -16,24 +16,10 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from attnlab.bench.results import _ok, mask_label, ratios
+from attnlab.figure_style import BACKEND_COLORS, backend_colors, binary_axis, n_axis, new_figure  # noqa: F401
 from attnlab.lessons import memory
-from attnlab.lessons.plots import _binary_axis, _fig, _n_axis, roofline
+from attnlab.lessons.figures import roofline
 from attnlab.paths import BENCH_DIR
-
-#: One colour per backend, the same in every benchmark figure (unknown names get further colours).
-BACKEND_COLORS = {
-    "triton": "tab:blue", "cuda-rowmax": "tab:orange", "cuda-tiled": "tab:olive", "cuda-naive": "tab:brown",
-    "torch": "tab:gray", "sdpa": "tab:cyan", "sdpa-flash": "tab:green", "sdpa-cudnn": "tab:red",
-    "sdpa-efficient": "tab:purple", "sdpa-math": "tab:pink", "flex": "black",
-}
-
-
-def backend_colors(names: Iterable[str]) -> dict[str, object]:
-    """name -> colour: :data:`BACKEND_COLORS` for known backends, distinct extra colours for the rest."""
-    names = list(dict.fromkeys(names))
-    extra = iter(sns.color_palette("husl", max(1, sum(n not in BACKEND_COLORS for n in names))))
-    return {n: BACKEND_COLORS[n] if n in BACKEND_COLORS else next(extra) for n in names}
-
 
 #: Where recorded benchmarks live (:data:`attnlab.paths.BENCH_DIR`).
 DATA_ROOT = BENCH_DIR
@@ -116,7 +102,7 @@ def throughput_vs_n(df: pd.DataFrame | None, *, backends: Iterable[str] | None =
     panels = list(dict.fromkeys(d.sort_values(["dtype", "D"])["panel"]))
     ncols = min(3, len(panels))
     nrows = -(-len(panels) // ncols)
-    fig, axes = _fig(nrows, ncols, size=(4.3 * ncols, 3.4 * nrows + 0.6), sharey=True)
+    fig, axes = new_figure(nrows, ncols, size=(4.3 * ncols, 3.4 * nrows + 0.6), sharey=True)
     order = list(dict.fromkeys(d["backend"]))
     pal = backend_colors(order)
     tf = pd.to_numeric(d["tflops"], errors="coerce")
@@ -130,7 +116,7 @@ def throughput_vs_n(df: pd.DataFrame | None, *, backends: Iterable[str] | None =
             gb = g[g["backend"] == b]
             if len(gb):
                 ax.plot(gb[x], gb["tflops"], marker="o", color=pal[b], label=b)
-        _n_axis(ax, sorted(d[x].unique()), f"{x} (tokens)")
+        n_axis(ax, sorted(d[x].unique()), f"{x} (tokens)")
         ax.set_ylabel("throughput (TFLOP/s, log scale)" if log else "throughput (TFLOP/s)")
         ax.set_title(p)
     for ax in list(axes.flat)[len(panels):]:
@@ -154,7 +140,7 @@ def ratio_bars(df: pd.DataFrame | None, baselines: Sequence[str] = ("sdpa-flash"
     if not tabs:
         print(f"Nothing to plot for ratios: none of the baselines {list(baselines)} is in the data.")
         return None
-    fig, axes = _fig(1, len(tabs), size=(5.5 * len(tabs), 3.8), sharey=False)
+    fig, axes = new_figure(1, len(tabs), size=(5.5 * len(tabs), 3.8), sharey=False)
     for ax, (_bl, t) in zip(axes.flat, tabs):
         long = t.reset_index().melt(id_vars="backend", var_name="mask", value_name="ratio").dropna()
         sns.barplot(data=long, y="backend", x="ratio", hue="mask", ax=ax, orient="h")
@@ -178,7 +164,7 @@ def memory_measured(df: pd.DataFrame | None, *, live_scores: Sequence[int] = (2,
         print("Nothing to plot for memory: no row has a peak_extra_mib value.")
         return None
     d["N"] = d["Nk"]
-    fig, axes = _fig(size=(7.5, 4.4))
+    fig, axes = new_figure(size=(7.5, 4.4))
     ax = axes[0, 0]
     cols = backend_colors(d["backend"])
     for b, g in d.groupby("backend", sort=False):
@@ -195,8 +181,8 @@ def memory_measured(df: pd.DataFrame | None, *, live_scores: Sequence[int] = (2,
         ax.plot(Ns, tb, linestyle=style, color="black", label=f"model: textbook ({k} scores)")
     fu = [memory.fused_peak_extra(B, H, n, n, D, dt) - o for n, o in zip(Ns, out)]
     ax.plot(Ns, fu, linestyle=":", color="black", label="model: fused (lse)")
-    _binary_axis(ax)
-    _n_axis(ax, Ns)
+    binary_axis(ax)
+    n_axis(ax, Ns)
     ax.set_ylabel("peak extra memory (bytes, log scale)")
     ax.set_title(title or f"measured memory against the model (B{B} H{H} D{D} {dt})")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
@@ -227,7 +213,7 @@ def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.H200[
         print("Nothing to plot for decode: no passed row with a bandwidth.")
         return None
     d = d.sort_values(["Nk", "B", "mask"]).assign(config=lambda x: decode_config_label(x))
-    fig, axes = _fig(size=(9.0, 4.4))
+    fig, axes = new_figure(size=(9.0, 4.4))
     ax = axes[0, 0]
     sns.barplot(data=d, x="config", y="gbps", hue="backend", ax=ax, palette=backend_colors(d["backend"]),
                 errorbar=None)

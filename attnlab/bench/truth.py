@@ -188,8 +188,8 @@ def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, An
 def grad_truth(inp: CaseInputs, sl) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]:
     """(float64 dq, dk, dv of the reference; the same-dtype textbook's, or None for float32 or after an OOM)
     on the slice ``sl`` of set 0, for set 0's dout."""
-    from attnlab.backward import textbook_backward
     from attnlab.problem import make_problem
+    from attnlab.textbook_backward import textbook_backward
 
     q, k, v, kw = slice_inputs(inp, sl)
     dout = take_slice(inp.douts[0], sl)

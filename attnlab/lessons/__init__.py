@@ -1,6 +1,6 @@
 """What only the notebooks use: the memory model (:mod:`~attnlab.lessons.memory`), precision experiments
 (:mod:`~attnlab.lessons.precision`), online-softmax traces (:mod:`~attnlab.lessons.online_softmax`), the CUDA
 kernels' sources and thread maps (:mod:`~attnlab.lessons.kernel_notes`), common mistakes
-(:mod:`~attnlab.lessons.mistakes`), the backward and a tiny training run (:mod:`~attnlab.lessons.backward`,
-:mod:`~attnlab.lessons.training`), decode (:mod:`~attnlab.lessons.decode`) and the figures
-(:mod:`~attnlab.lessons.plots`)."""
+(:mod:`~attnlab.lessons.mistakes`), the backward and a tiny training run (:mod:`~attnlab.lessons.gradients`,
+:mod:`~attnlab.lessons.training`), decode (:mod:`~attnlab.lessons.decoding`) and the figures
+(:mod:`~attnlab.lessons.figures`)."""

@@ -25,8 +25,8 @@ import seaborn as sns
 import torch
 
 import attnlab
+from attnlab.figure_style import backend_colors, binary_axis, n_axis, new_figure
 from attnlab.lessons import memory
-from attnlab.lessons.plots import _binary_axis, _fig, _n_axis
 from attnlab.problem import make_problem
 
 
@@ -137,7 +137,7 @@ def mask_gradient_summary(r: dict) -> pd.DataFrame:
 
 def plot_mask_gradients(r: dict, b: int = 0, h: int = 0):
     """The allowed pattern of one (batch, head) beside |dq| per row and |dk| per key (attnlab's)."""
-    fig, axes = _fig(1, 3, size=(12.0, 3.6))
+    fig, axes = new_figure(1, 3, size=(12.0, 3.6))
     a = r["allowed"][b, h].numpy()
     axes[0, 0].imshow(a, cmap="Blues", vmin=0, vmax=1.3)
     axes[0, 0].set(title=f"allowed (batch {b}, head {h})", xlabel="key j", ylabel="query i")
@@ -175,15 +175,15 @@ def memory_table(Ns: Iterable[int], *, B: int = 1, H: int = 16, D: int = 128,
 
 def plot_memory(df: pd.DataFrame, *, hbm_bytes: float = memory.H200["hbm_gib"] * 2**30, title: str = ""):
     """Saved-for-backward bytes against N: textbook P, fused lse, and q, k, v, o for scale."""
-    fig, axes = _fig(size=(7.5, 4.2))
+    fig, axes = new_figure(size=(7.5, 4.2))
     ax = axes[0, 0]
     ax.plot(df["N"], df["textbook_saved"], marker="o", label="textbook: P [B, H, N, N]")
     ax.plot(df["N"], df["fused_saved"], marker="o", label="fused: lse [B, H, N] float32")
     ax.plot(df["N"], df["qkvo"], marker="o", linestyle="--", color="grey", label="q, k, v, o (both keep them)")
     if hbm_bytes:
         ax.axhline(hbm_bytes, color="#c0392b", linestyle=":", label=f"H200 HBM ({memory.fmt_bytes(hbm_bytes)})")
-    _n_axis(ax, list(df["N"]))
-    _binary_axis(ax)
+    n_axis(ax, list(df["N"]))
+    binary_axis(ax)
     ax.set_ylabel("bytes saved for the backward")
     ax.set_title(title or "what the forward keeps for the backward")
     ax.legend(fontsize=8, loc="upper left", frameon=False)
@@ -209,10 +209,8 @@ def backward_summary(df: pd.DataFrame | None) -> pd.DataFrame | None:
 
 def plot_backward(table: pd.DataFrame, *, title: str = ""):
     """Grouped bars of :func:`backward_summary`: TFLOP/s per backend per configuration, one panel per mode."""
-    from attnlab.bench.plots import backend_colors
-
     modes = list(dict.fromkeys(table.index.get_level_values("mode")))
-    fig, axes = _fig(len(modes), 1, size=(10.0, 3.6 * len(modes)))
+    fig, axes = new_figure(len(modes), 1, size=(10.0, 3.6 * len(modes)))
     colors = backend_colors(table.columns)
     for ax, mode in zip(axes[:, 0], modes):
         t = table.xs(mode, level="mode").reset_index().melt(id_vars="case", var_name="backend", value_name="tflops")

@@ -1,6 +1,6 @@
 """The notebooks' figures, in one theme: masks and tiles, the online-softmax state, memory and traffic against N,
-the roofline, precision sweeps, thread maps. The figures of recorded benchmarks are :mod:`attnlab.bench.plots`
-(same theme).
+the roofline, precision sweeps, thread maps. The figures of recorded benchmarks are :mod:`attnlab.bench.plots`;
+both draw with :mod:`attnlab.figure_style`.
 
 Each function returns a matplotlib ``Figure`` (end a notebook cell with ``plt.show()`` or ``;`` so no
 object address is printed). Axes carry labels with units.
@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import matplotlib as mpl
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
@@ -20,51 +19,13 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from attnlab.figure_style import binary_axis, n_axis, new_figure, use_theme  # noqa: F401  (use_theme: notebooks)
 from attnlab.lessons import memory
 from attnlab.masks import EMPTY, FULL, PARTIAL, MaskSpec
 
 #: Colours of the tile classes and of the allowed / masked elements.
 TILE_COLORS = {EMPTY: "#f0f0f0", PARTIAL: "#f4a259", FULL: "#3d7ea6"}
 MASK_CMAP = ListedColormap(["#f0f0f0", "#3d7ea6"])
-
-
-def use_theme() -> None:
-    """The one attnlab theme: seaborn whitegrid, colour-blind palette, compact figures."""
-    sns.set_theme(style="whitegrid", context="notebook", palette="colorblind")
-    mpl.rcParams.update({
-        "figure.figsize": (7.0, 4.0), "figure.dpi": 90, "axes.titleweight": "bold", "axes.titlesize": 11,
-        "axes.labelsize": 10, "legend.fontsize": 9, "legend.title_fontsize": 9, "figure.autolayout": False,
-    })
-
-
-def _fig(nrows: int = 1, ncols: int = 1, size: tuple[float, float] | None = None, **kw):
-    use_theme()
-    fig, axes = plt.subplots(nrows, ncols, figsize=size, squeeze=False, **kw)
-    return fig, axes
-
-
-def _binary_axis(ax, unit: str = "bytes") -> None:
-    """Log y axis with ticks at powers of two (every 2nd or 4th one when the range is wide), in binary units.
-
-    Call after the data is drawn: the ticks are chosen from the current limits.
-    """
-    ax.set_yscale("log", base=2)
-    lo, hi = ax.get_ylim()
-    e0, e1 = int(np.floor(np.log2(max(lo, 1.0)))), int(np.ceil(np.log2(max(hi, 2.0))))
-    step = next(s for s in (1, 2, 4, 8) if (e1 - e0) / s <= 8)
-    ticks = [2.0**e for e in range(e0 - e0 % step, e1 + 1, step) if lo <= 2.0**e <= hi]
-    ax.set_yticks(ticks)
-    ax.set_yticklabels([memory.fmt_bytes(t).replace(".0 ", " ") for t in ticks])
-    ax.yaxis.set_minor_locator(mpl.ticker.NullLocator())
-    ax.set_ylim(lo, hi)
-
-
-def _n_axis(ax, values: Sequence[int], label: str = "sequence length N (tokens)") -> None:
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(values))
-    ax.set_xticklabels([f"{v // 1024}k" if v >= 1024 and v % 1024 == 0 else str(v) for v in values])
-    ax.xaxis.set_minor_locator(mpl.ticker.NullLocator())
-    ax.set_xlabel(label)
 
 
 # ---- masks and tiles ---------------------------------------------------------------------------------
@@ -83,7 +44,7 @@ def mask_heatmap(mask, *, title: str | None = None, ax=None, b: int = 0, h: int 
     """Draw one [Nq, Nk] mask: blue = allowed, grey = masked. Accepts a MaskSpec, a bool tensor of any
     rank (batch ``b`` and head ``h`` are shown) or a float bias (``-inf`` = masked, values shaded)."""
     if ax is None:
-        fig, axes = _fig(size=(4.0, 4.0))
+        fig, axes = new_figure(size=(4.0, 4.0))
         ax = axes[0, 0]
     else:
         fig = ax.figure
@@ -110,7 +71,7 @@ def mask_grid(masks: Mapping[str, object], *, ncols: int = 3, cell: float = 3.0)
     """A grid of :func:`mask_heatmap` panels, one per (title, mask) item."""
     n = len(masks)
     nrows = max(1, -(-n // ncols))
-    fig, axes = _fig(nrows, ncols, size=(cell * ncols, cell * nrows + 0.3))
+    fig, axes = new_figure(nrows, ncols, size=(cell * ncols, cell * nrows + 0.3))
     for ax, (name, m) in zip(axes.flat, masks.items()):
         mask_heatmap(m, title=name, ax=ax)
     for ax in list(axes.flat)[n:]:
@@ -126,7 +87,7 @@ def tile_map(spec: MaskSpec, block_m: int, block_n: int, *, b: int = 0, h: int =
     """The tile classifier's picture: each ``block_m x block_n`` tile coloured empty / partial / full, with
     the allowed elements drawn underneath, and the fraction of each class in the legend."""
     if ax is None:
-        fig, axes = _fig(size=(5.0, 4.6))
+        fig, axes = new_figure(size=(5.0, 4.6))
         ax = axes[0, 0]
     else:
         fig = ax.figure
@@ -161,7 +122,7 @@ def tile_map(spec: MaskSpec, block_m: int, block_n: int, *, b: int = 0, h: int =
 # ---- online softmax ----------------------------------------------------------------------------------
 def online_trace(s: torch.Tensor, trace: pd.DataFrame, *, component: int = 0) -> Figure:
     """The running state of one row: scores and the running max m (left), l and out[component] (right)."""
-    fig, axes = _fig(1, 2, size=(10.0, 3.6))
+    fig, axes = new_figure(1, 2, size=(10.0, 3.6))
     s = s.detach().double().cpu().numpy()
     x = np.arange(len(trace))
     ax = axes[0, 0]
@@ -195,7 +156,7 @@ def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = memory.H200["h
                 title: str = "") -> Figure:
     """Extra memory against N from :func:`attnlab.lessons.memory.sweep`: one score matrix, the textbook version's
     modelled peak and a fused kernel's, with the GPU's memory as a horizontal line."""
-    fig, axes = _fig(size=(7.0, 4.2))
+    fig, axes = new_figure(size=(7.0, 4.2))
     ax = axes[0, 0]
     ax.plot(sweep["N"], sweep["score_bytes"], marker="o", label="one [B,H,N,N] score matrix")
     ax.plot(sweep["N"], sweep["textbook_extra"], marker="s", label="textbook peak (model: 2 scores + out)")
@@ -203,8 +164,8 @@ def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = memory.H200["h
     if hbm_bytes:
         ax.axhline(hbm_bytes, color="#c0392b", linestyle="--",
                    label=f"H200 memory (141 GB = {memory.fmt_bytes(hbm_bytes)})")
-    _binary_axis(ax)
-    _n_axis(ax, list(sweep["N"]))
+    binary_axis(ax)
+    n_axis(ax, list(sweep["N"]))
     ax.set_ylabel("extra memory (bytes, log scale)")
     ax.set_title(title or "memory beyond the inputs, against N")
     ax.legend(loc="upper left")
@@ -215,12 +176,12 @@ def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = memory.H200["h
 def traffic_vs_n(sweep: pd.DataFrame, *, tbps: float = memory.H200["copy_tbps"], title: str = "") -> Figure:
     """HBM traffic of the unfused and fused pipelines against N (left) and its time at ``tbps`` next to
     the compute time at the matmul peak (right)."""
-    fig, axes = _fig(1, 2, size=(11.0, 4.0))
+    fig, axes = new_figure(1, 2, size=(11.0, 4.0))
     ax = axes[0, 0]
     ax.plot(sweep["N"], sweep["unfused_bytes"], marker="s", label="unfused (S, P through HBM)")
     ax.plot(sweep["N"], sweep["fused_bytes"], marker="^", label="fused (Q, K, V, O only)")
-    _binary_axis(ax)
-    _n_axis(ax, list(sweep["N"]))
+    binary_axis(ax)
+    n_axis(ax, list(sweep["N"]))
     ax.set_ylabel("HBM traffic (bytes, log scale)")
     ax.set_title("bytes moved per forward")
     ax.legend()
@@ -229,7 +190,7 @@ def traffic_vs_n(sweep: pd.DataFrame, *, tbps: float = memory.H200["copy_tbps"],
     ax.plot(sweep["N"], sweep["fused_ms"], marker="^", label=f"fused traffic at {tbps:g} TB/s")
     ax.plot(sweep["N"], sweep["compute_ms"], marker="o", linestyle="--", color="black", label="matmul FLOPs at peak")
     ax.set_yscale("log")
-    _n_axis(ax, list(sweep["N"]))
+    n_axis(ax, list(sweep["N"]))
     ax.set_ylabel("time (ms, log scale)")
     ax.set_title(title or "what the traffic costs")
     ax.legend()
@@ -248,7 +209,7 @@ def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *
     """
     if isinstance(points, pd.DataFrame):
         points = list(points[["label", "intensity", "tflops"]].itertuples(index=False, name=None))
-    fig, axes = _fig(size=(9.5, 4.6) if len(points) > 5 else (7.0, 4.6))
+    fig, axes = new_figure(size=(9.5, 4.6) if len(points) > 5 else (7.0, 4.6))
     ax = axes[0, 0]
     ridge = memory.ridge_point(peak_tflops, tbps)
     kinks = [ridge] + [memory.ridge_point(p, tbps) for p in (extra_peaks or {}).values()]
@@ -291,7 +252,7 @@ def error_vs_n(df: pd.DataFrame, *, relative: bool = False, title: str = "") -> 
     shrinks with N."""
     y, tol_col = ("max_rel", "rel_tolerance") if relative else ("max_abs", "tolerance")
     dtypes = list(dict.fromkeys(df["dtype"]))
-    fig, axes = _fig(1, len(dtypes), size=(4.2 * len(dtypes), 3.8), sharey=False)
+    fig, axes = new_figure(1, len(dtypes), size=(4.2 * len(dtypes), 3.8), sharey=False)
     for ax, dt in zip(axes.flat, dtypes):
         d = df[df["dtype"] == dt]
         sns.lineplot(data=d, x="N", y=y, hue="D", style="method", markers=True, ax=ax,
@@ -299,7 +260,7 @@ def error_vs_n(df: pd.DataFrame, *, relative: bool = False, title: str = "") -> 
         tol = d.groupby("N")[tol_col].min()
         ax.plot(tol.index, tol.values, color="#c0392b", linestyle="--", label="tolerance")
         ax.set_yscale("log")
-        _n_axis(ax, sorted(d["N"].unique()), "N (Nq = Nk, tokens)")
+        n_axis(ax, sorted(d["N"].unique()), "N (Nq = Nk, tokens)")
         ax.set_ylabel(("max |out - ref| / max |ref|" if relative else "max |out - ref|") + " (log scale)")
         ax.set_title(f"{dt}: red dashes = tolerance")
     if axes.flat[-1].get_legend() is not None:
@@ -312,7 +273,7 @@ def error_vs_n(df: pd.DataFrame, *, relative: bool = False, title: str = "") -> 
 
 def exp_error(df: pd.DataFrame) -> Figure:
     """Relative error (ulps) of expf and fast exp against x, from :func:`attnlab.lessons.precision.exp_error_table`."""
-    fig, axes = _fig(size=(6.0, 3.6))
+    fig, axes = new_figure(size=(6.0, 3.6))
     ax = axes[0, 0]
     ax.plot(-df["x"], df["expf_ulp"], marker="o", label="expf")
     ax.plot(-df["x"], df["fast_exp_ulp"], marker="s", label="fast exp, __expf (emulated)")
@@ -361,7 +322,7 @@ def thread_map(owner: np.ndarray, *, color: np.ndarray | None = None, title: str
     owner = np.asarray(owner)
     color = owner if color is None else np.asarray(color)
     if ax is None:
-        fig, axes = _fig(size=(6.0, 4.0))
+        fig, axes = new_figure(size=(6.0, 4.0))
         ax = axes[0, 0]
     else:
         fig = ax.figure
@@ -400,7 +361,7 @@ def thread_map(owner: np.ndarray, *, color: np.ndarray | None = None, title: str
 def blog_vs_gpu(table: pd.DataFrame, *, gpu: str = "recorded GPU") -> Figure:
     """The blog's relative times beside the recorded ones (:func:`attnlab.lessons.fp32_story.blog_vs_gpu`),
     one pair of bars per implementation, log scale, each bar labelled with its ratio."""
-    fig, axes = _fig(size=(8.5, 3.8))
+    fig, axes = new_figure(size=(8.5, 3.8))
     ax = axes[0, 0]
     y = np.arange(len(table))
     for off, col, name, c in ((-0.2, "blog (x rowmax)", "blog (Ampere, single run)", "#9bbfd6"),
@@ -426,7 +387,7 @@ def blog_vs_gpu(table: pd.DataFrame, *, gpu: str = "recorded GPU") -> Figure:
 def ladder_chart(lad: pd.DataFrame) -> Figure:
     """The rowmax ladder (:func:`attnlab.lessons.fp32_story.ladder`): each measured step's speedup on its
     case, coloured by whether it was kept; steps never measured are listed as such."""
-    fig, axes = _fig(size=(11.0, 4.2))
+    fig, axes = new_figure(size=(11.0, 4.2))
     ax = axes[0, 0]
     colors = {"yes": "#3d7ea6", "no": "#bbbbbb", "opt-in": "#f4a259"}
     y = np.arange(len(lad))
@@ -456,7 +417,7 @@ def fp32_bars(fair: pd.DataFrame, colors: Mapping[str, object] | None = None) ->
     """TFLOP/s of every float32 backend per case (:func:`attnlab.lessons.fp32_story.fair_fp32`), one
     panel per case, bars sorted by speed."""
     cases = list(fair["tflops"].columns)
-    fig, axes = _fig(1, len(cases), size=(5.2 * len(cases), 3.8))
+    fig, axes = new_figure(1, len(cases), size=(5.2 * len(cases), 3.8))
     for ax, case in zip(axes.flat, cases):
         t = fair["tflops"][case].dropna().sort_values()
         ax.barh(t.index, t.values, color=[(colors or {}).get(b, "#3d7ea6") for b in t.index])

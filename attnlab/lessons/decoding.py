@@ -20,9 +20,9 @@ import torch
 
 import attnlab
 from attnlab.backends.triton import decode as dec
+from attnlab.figure_style import new_figure
 from attnlab.lessons import memory
 from attnlab.lessons import online_softmax as osm
-from attnlab.lessons.plots import _fig
 from attnlab.problem import Problem, make_problem
 
 
@@ -107,7 +107,7 @@ def plot_occupancy(occ: pd.DataFrame, *, title: str = ""):
     sms = occ.attrs.get("sms", 132)
     cols = ["fused forward", "packed, no split", "packed + split"]
     t = occ.melt(id_vars="config", value_vars=cols, var_name="grid", value_name="programs")
-    fig, axes = _fig(size=(9.0, 4.0))
+    fig, axes = new_figure(size=(9.0, 4.0))
     ax = axes[0, 0]
     sns.barplot(data=t, x="config", y="programs", hue="grid", ax=ax,
                 palette=["#bbbbbb", "#f4a259", "#3d7ea6"])
@@ -205,7 +205,7 @@ def plot_block_table(ex: dict, *, title: str = ""):
     table, need, bs = ex["block_table"], ex["need"], ex["block_size"]
     nblocks = ex["k_cache"].shape[0]
     colors = ["#3d7ea6", "#f4a259", "#6ab187", "#b05f9e"]
-    fig, axes = _fig(size=(9.5, 3.8))
+    fig, axes = new_figure(size=(9.5, 3.8))
     ax = axes[0, 0]
     B = table.shape[0]
     for b in range(B):
