@@ -262,9 +262,9 @@ _attention_backward_op = torch.library.custom_op("attnlab::attention_backward", 
 
 
 def _triton_backward_available() -> bool:
-    from attnlab.backends.triton.kernel import _IMPORT_ERROR
+    from attnlab.backends.triton.kernel import IMPORT_ERROR
 
-    return _IMPORT_ERROR is None
+    return IMPORT_ERROR is None
 
 
 @_attention_backward_op.register_fake

@@ -26,7 +26,7 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
     config)}`` (``bwd`` only when tuned). Calls made afterwards use them; nothing is tuned on CPU tensors (the
     interpreter has one config) or without triton.
     """
-    from attnlab.backends.triton.kernel import _IMPORT_ERROR
+    from attnlab.backends.triton.kernel import IMPORT_ERROR
     from attnlab.problem import make_problem
 
     for name in ("backend", "return_lse", "block_table"):
@@ -34,8 +34,8 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
             raise TypeError(f"tune() takes the problem's mask and layout keywords, not {name!r}")
     if backward is not None and not isinstance(backward, bool):
         raise TypeError(f"backward must be a bool or None; got {backward!r}")
-    if _IMPORT_ERROR is not None:
-        raise RuntimeError(f"attnlab.tune needs triton: {_IMPORT_ERROR}")
+    if IMPORT_ERROR is not None:
+        raise RuntimeError(f"attnlab.tune needs triton: {IMPORT_ERROR}")
     prob = make_problem(q.detach(), k.detach(), v.detach(), **keywords)
     if prob.device.type != "cuda":
         raise ValueError(f"attnlab.tune tunes GPU launches; got tensors on {prob.device} (the CPU interpreter runs "
@@ -51,7 +51,7 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
         lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
         chosen: dict[str, Any] = {"fwd": configs.tune(prob, launch.autotune, out, lse)}
         if backward:  # the out and lse the backward starts from
-            launch._launch(prob, out, lse, chosen["fwd"], interpret=False)
+            launch.jit_launch(prob, out, lse, chosen["fwd"], interpret=False)
             chosen["bwd"] = triton_backward.tune(prob, out, lse)
     launch.forget_plans()  # plans made before hold the configs they were made with
     calls.clear()

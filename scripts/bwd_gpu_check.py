@@ -94,7 +94,7 @@ def bench_case(B: int, H: int, N: int, D: int, causal: bool, per_config: bool) -
     ms_pre = do_bench(lambda: triton_bwd._launch_preprocess(prob, out, lse, dout, delta, lse2, False),
                       return_mode="median")
     print(f"    preprocess {ms_pre:.3f} ms")
-    block_d = triton_bwd._block_d(D)
+    block_d = triton_bwd.padded_head_dim(D)
     for cfg in triton_bwd.dkdv_candidates(torch.bfloat16, block_d):
         try:
             t = do_bench(lambda cfg=cfg: triton_bwd._launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg, False),

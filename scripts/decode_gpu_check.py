@@ -204,14 +204,14 @@ def time_case(B: int, Hq: int, Hkv: int, Nk: int, sm: int, sweep: bool, D: int =
     prob_t = make_problem(q, kt, vt)
     entry("triton-decode, k/v bnhd", lambda p=prob_t: td.decode_forward(p, out, None), lambda: out)
     del kt, vt, prob_t
-    saved = td._decode_merge_kernel
-    td._decode_merge_kernel = _NoMerge()
+    saved = td.decode_merge_kernel
+    td.decode_merge_kernel = _NoMerge()
     try:
         fresh = make_problem(q, k, v)  # a new plan, built while the merge is stubbed out
         rows.append(("  (split kernel alone)", _time(lambda: td.decode_forward(fresh, out, None)),
                      "merge skipped: output not checked"))
     finally:
-        td._decode_merge_kernel = saved
+        td.decode_merge_kernel = saved
     for bs in (16, 64):
         kc, vc, bt = paged_copy(k, v, bs)
         entry(f"triton-decode paged{bs}", ours(k_cache=kc, v_cache=vc, block_table=bt), lambda: out)

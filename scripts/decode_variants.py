@@ -36,7 +36,7 @@ CONFIGS = [None, td.DecodeConfig(64, 4, 2, 128), td.DecodeConfig(64, 4, 2, 96), 
 def run_variant(name: str, configs=CONFIGS) -> None:
     if name != "current":
         mod = importlib.import_module(name)
-        td._decode_split_kernel = mod._decode_split_kernel
+        td.decode_split_kernel = mod.decode_split_kernel
     for B, Hkv, Nk in [(1, 8, 32768), (8, 8, 8192), (8, 32, 8192), (1, 32, 131072)]:
         q, k, v = decode_inputs(B, Hkv, Nk)
         prob = make_problem(q, k, v)

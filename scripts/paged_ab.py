@@ -18,7 +18,7 @@ from decode_profile import case_inputs, graph_us, paged_cache
 from attnlab.backends.triton import decode as td
 from attnlab.bench.suites import decode_suite
 
-CURRENT = td._decode_split_kernel
+CURRENT = td.decode_split_kernel
 
 
 def variants(module: str | None) -> list[tuple[str, object, td.DecodeConfig]]:
@@ -29,7 +29,7 @@ def variants(module: str | None) -> list[tuple[str, object, td.DecodeConfig]]:
              ("tree 128/4/3 1/SM", CURRENT, td.DEEP_CONFIG),
              ("tree 64/4/4 2/SM", CURRENT, td.DecodeConfig(64, 4, 4, per_sm=2))]
     if module:
-        other = importlib.import_module(module)._decode_split_kernel
+        other = importlib.import_module(module).decode_split_kernel
         sides.append((f"{module.rsplit('_', 1)[-1]} default", other, sides[0][2]))
     return sides
 
@@ -37,7 +37,7 @@ def variants(module: str | None) -> list[tuple[str, object, td.DecodeConfig]]:
 def run(case, sides) -> None:
     prob, q, k, v, _ = case_inputs(case)
     dense, out = torch.empty_like(q), torch.empty_like(q)
-    td._decode_split_kernel = CURRENT
+    td.decode_split_kernel = CURRENT
     td._PLANS.clear()
     td.decode_forward(prob, dense, None)
     best = {"dense": graph_us(lambda: td.decode_forward(prob, out, None))}
@@ -45,7 +45,7 @@ def run(case, sides) -> None:
     equal = {}
     for _ in range(2):
         for name, fn, cfg in sides:
-            td._decode_split_kernel = fn
+            td.decode_split_kernel = fn
             for bs, pk in caches.items():
                 td._PLANS.clear()
                 td.decode_forward(prob, out, None, paged=pk, config=cfg)
@@ -53,7 +53,7 @@ def run(case, sides) -> None:
                 equal[name, bs] = max(equal.get((name, bs), 0.0), err)
                 us = graph_us(lambda pk=pk, cfg=cfg: td.decode_forward(prob, out, None, paged=pk, config=cfg))
                 best[name, bs] = min(best.get((name, bs), float("inf")), us)
-        td._decode_split_kernel = CURRENT
+        td.decode_split_kernel = CURRENT
         td._PLANS.clear()
         best["dense"] = min(best["dense"], graph_us(lambda: td.decode_forward(prob, out, None)))
     cells = [f"dense {best['dense']:.1f}"]

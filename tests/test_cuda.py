@@ -300,13 +300,13 @@ def test_param_block_hands_cupy_the_packed_bytes(monkeypatch):
                 self.ptr = ptr
 
         fake = types.SimpleNamespace(cuda=types.SimpleNamespace(function=types.SimpleNamespace(CPointer=CPointer)))
-        monkeypatch.setattr(P, "_cupy", lambda: fake)
+        monkeypatch.setattr(P, "cupy_module", lambda: fake)
     q = torch.randn(2, 3, 40, 24)
     prob = make_problem(q, q, q, window=(5, 2))
     out = torch.empty_like(q)
-    values = P._param_values(prob, out, None, False, 1, C.NO_BOUND, None, q.data_ptr(), q.data_ptr(),
+    values = P.param_values(prob, out, None, False, 1, C.NO_BOUND, None, q.data_ptr(), q.data_ptr(),
                              q.data_ptr(), q.stride(), q.stride(), q.stride())
-    block = P._ParamBlock()
+    block = P.ParamBlock()
     block.pack(values)
     assert bytes(block.buffer) == C.kernel_args(prob, out, None).tobytes()
     assert int(block.view[0]["left"]) == 5 and int(block.view[0]["right"]) == 2
@@ -353,11 +353,11 @@ def test_rowmax_split_plan():
 
 def test_rowmax_split_context_manager():
     with C.rowmax_splits(3):
-        assert V._rowmax_force_splits == 3
+        assert V.rowmax_forced_splits() == 3
         with C.rowmax_async_copy(False):
-            assert not V._rowmax_async
-        assert V._rowmax_async
-    assert V._rowmax_force_splits is None
+            assert not V.rowmax_async_on()
+        assert V.rowmax_async_on()
+    assert V.rowmax_forced_splits() is None
     with pytest.raises(ValueError, match="splits"):
         with C.rowmax_splits(0):
             pass

@@ -175,11 +175,11 @@ def test_interpreter_leaves_triton_language_as_it_was():
 def test_tf32_opt_in_is_scoped_and_cpu_stays_exact():
     q, k, v, kw = _empty_row_inputs("cpu")
     ref, _ = attnlab.reference(q, k, v, **kw)
-    assert not tconfigs._TF32
+    assert not tconfigs.TF32
     with tconfigs.allow_tf32():
-        assert tconfigs._TF32
+        assert tconfigs.TF32
         out = attnlab.attention(q, k, v, backend="triton", **kw)
-    assert not tconfigs._TF32
+    assert not tconfigs.TF32
     assert compare(out, ref)  # the interpreter's float32 products are exact either way
 
 
@@ -236,7 +236,7 @@ def test_every_candidate_gpu(dtype, D, causal):
     for cfg in tconfigs.candidates(dtype, D):
         out = torch.full_like(q, float("nan"))
         lse = torch.full(ref_lse.shape, float("nan"), device="cuda")
-        tlaunch._launch(prob, out, lse, cfg, interpret=False)
+        tlaunch.jit_launch(prob, out, lse, cfg, interpret=False)
         rep = compare(out, ref, dtype=dtype, base=base)
         assert rep, (cfg, rep)
         assert compare(lse, ref_lse, atol=_lse_atol(dtype), rtol=0.0), cfg
@@ -330,8 +330,8 @@ def test_query_major_float32_cpu(case, monkeypatch):
 
 def test_keys_major_is_float32_only_and_excludes_qk_chunk():
     cfg = tconfigs.Config(64, 32, 4, 2, keys_major=True)
-    assert [tconfigs._key_axis(cfg, dt) for dt in (F32, F16, BF16)] == [0, 1, 1]
-    assert tconfigs._key_axis(tconfigs.Config(64, 32), F32) == 1
+    assert [tconfigs.kernel_key_axis(cfg, dt) for dt in (F32, F16, BF16)] == [0, 1, 1]
+    assert tconfigs.kernel_key_axis(tconfigs.Config(64, 32), F32) == 1
     assert repr(cfg).endswith("num_stages=2, keys_major=True)")
     with pytest.raises(ValueError, match="keys_major and qk_chunk"):
         tconfigs.Config(32, 32, keys_major=True, qk_chunk=16)
@@ -350,8 +350,8 @@ def test_rows_outer_grid_puts_row_tiles_last_within_the_z_limit():
 
 def test_qk_chunk_applies_only_when_it_splits_d():
     cfg = tconfigs.Config(32, 32, 4, 2, qk_chunk=16)
-    assert [tconfigs._qk_chunk(cfg, bd) for bd in (16, 32, 64, 256)] == [0, 16, 16, 16]
-    assert tconfigs._qk_chunk(tconfigs.Config(32, 32), 64) == 0
+    assert [tconfigs.kernel_qk_chunk(cfg, bd) for bd in (16, 32, 64, 256)] == [0, 16, 16, 16]
+    assert tconfigs.kernel_qk_chunk(tconfigs.Config(32, 32), 64) == 0
     assert repr(tconfigs.Config(16, 16, 1, 1)) == "Config(block_m=16, block_n=16, num_warps=1, num_stages=1)"
     assert "qk_chunk=16" in repr(cfg)
 
@@ -401,9 +401,9 @@ def test_repeated_launches_skip_the_jit_with_the_same_arguments(monkeypatch, fas
     """The second launch of a problem with an out/lse of the same layout calls the compiled kernel
     directly, with exactly the arguments the JIT got; a new layout goes through the JIT again; with
     FAST_LAUNCH off every launch goes through the JIT."""
-    fake = _FakeJit(tkernel._attn_fwd_kernel)
-    monkeypatch.setattr(tkernel, "_attn_fwd_kernel", fake)
-    monkeypatch.setattr(tlaunch, "_current_stream", lambda device: 1234)
+    fake = _FakeJit(tkernel.attn_fwd_kernel)
+    monkeypatch.setattr(tkernel, "attn_fwd_kernel", fake)
+    monkeypatch.setattr(tlaunch, "stream_of", lambda device: 1234)
     monkeypatch.setattr(tlaunch, "FAST_LAUNCH", fast)
     q, k, v, kw = _empty_row_inputs("cpu")
     prob = make_problem(q, k, v, **kw)
@@ -430,9 +430,9 @@ def test_autotune_times_direct_launches_and_keeps_the_median_best(monkeypatch):
     plan (direct launches, so the host stays ahead of the GPU), by the median, and the fastest is kept."""
     import triton.testing
 
-    fake = _FakeJit(tkernel._attn_fwd_kernel)
-    monkeypatch.setattr(tkernel, "_attn_fwd_kernel", fake)
-    monkeypatch.setattr(tlaunch, "_current_stream", lambda device: 0)
+    fake = _FakeJit(tkernel.attn_fwd_kernel)
+    monkeypatch.setattr(tkernel, "attn_fwd_kernel", fake)
+    monkeypatch.setattr(tlaunch, "stream_of", lambda device: 0)
     cfgs = [tconfigs.Config(16, 16), tconfigs.Config(32, 16), tconfigs.Config(64, 16)]
     monkeypatch.setattr(tconfigs, "candidates", lambda dtype, block_d: cfgs)
     ms_of_block_m = {16: 3.0, 32: 1.0, 64: 2.0}
@@ -474,13 +474,13 @@ def test_fast_launch_same_as_jit_gpu(dtype, monkeypatch, untuned):
     q, k, v, kw = make_inputs(case, dtype=dtype, device="cuda", seed=11)
     prob = make_problem(q, k, v, **kw)
     jit_calls = []
-    real_launch = tlaunch._launch
+    real_launch = tlaunch.jit_launch
 
     def counting_launch(*args, **kwargs):
         jit_calls.append(1)
         return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(tlaunch, "_launch", counting_launch)
+    monkeypatch.setattr(tlaunch, "jit_launch", counting_launch)
     results = {}
     for fast in (False, True):
         monkeypatch.setattr(tlaunch, "FAST_LAUNCH", fast)
@@ -502,14 +502,14 @@ def test_plans_are_keyed_by_the_call_signature():
     one plan key; anything the JIT specializes on (strides, masks present, alignment) changes the key."""
     case = Case("sig", B=2, Hq=4, Hkv=2, Nq=30, Nk=33, D=16, causal=True, align="bottom_right", kv_len=(33, 9))
     q, k, v, kw = make_inputs(case, dtype=F32, device="cpu", seed=1)
-    key = tlaunch._signature(make_problem(q, k, v, **kw))
+    key = tlaunch.call_signature(make_problem(q, k, v, **kw))
     q2, k2, v2, kw2 = make_inputs(case, dtype=F32, device="cpu", seed=2)
-    assert tlaunch._signature(make_problem(q2, k2, v2, **kw2)) == key
-    assert tlaunch._signature(make_problem(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, **kw)) != key
-    assert tlaunch._signature(make_problem(q, k, v, **{**kw, "kv_len": None})) != key
-    assert tlaunch._signature(make_problem(q, k, v, **kw, scale=0.5)) != key
+    assert tlaunch.call_signature(make_problem(q2, k2, v2, **kw2)) == key
+    assert tlaunch.call_signature(make_problem(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, **kw)) != key
+    assert tlaunch.call_signature(make_problem(q, k, v, **{**kw, "kv_len": None})) != key
+    assert tlaunch.call_signature(make_problem(q, k, v, **kw, scale=0.5)) != key
     offset = torch.empty(q.numel() + 1, dtype=F32)[1:].view(q.shape).copy_(q)  # 4-byte aligned only
-    assert tlaunch._signature(make_problem(offset, k, v, **kw)) != key
+    assert tlaunch.call_signature(make_problem(offset, k, v, **kw)) != key
 
 
 @pytest.mark.gpu
@@ -520,13 +520,13 @@ def test_public_calls_reuse_one_plan_gpu(dtype, monkeypatch, untuned):
     case = Case("reuse", B=2, Hq=4, Hkv=2, Nq=200, Nk=233, D=64, causal=True, align="bottom_right",
                 kv_len=(233, 50), mask="bool_1h1k")
     jit_calls = []
-    real_launch = tlaunch._launch
+    real_launch = tlaunch.jit_launch
 
     def counting_launch(*args, **kwargs):
         jit_calls.append(1)
         return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(tlaunch, "_launch", counting_launch)
+    monkeypatch.setattr(tlaunch, "jit_launch", counting_launch)
     tlaunch._PLANS.clear()
     for seed in range(4):
         q, k, v, kw = make_inputs(case, dtype=dtype, device="cuda", seed=seed)
@@ -654,10 +654,10 @@ def test_every_kernel_is_compiled_with_fp_fusion_said_explicitly(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: seen.update(kw)
 
-    monkeypatch.setattr(tkernel, "_attn_fwd_kernel", Stub())
+    monkeypatch.setattr(tkernel, "attn_fwd_kernel", Stub())
     q = torch.randn(1, 2, 16, 16)
     prob = make_problem(q, q, q, causal=True)
-    tlaunch._launch(prob, torch.empty_like(q), None, tconfigs.Config(16, 16, 4, 2), interpret=False)
+    tlaunch.jit_launch(prob, torch.empty_like(q), None, tconfigs.Config(16, 16, 4, 2), interpret=False)
     out, lse = torch.empty_like(q), torch.empty(1, 2, 16)
     launches = {"forward": seen,
                 "preprocess": tbwd._preprocess_launch(prob, out, lse, out, lse, lse, False)[3],

@@ -293,7 +293,7 @@ def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
     import inspect
     from types import SimpleNamespace
 
-    real = td._decode_split_kernel
+    real = td.decode_split_kernel
     params = inspect.signature(real.fn).parameters
     constexprs = {p.name for p in real.params if p.is_constexpr}
     seen = {}
@@ -319,9 +319,9 @@ def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
     def merge_ahead(kernel, grid, args, kw, device):  # bound to the merge kernel's signature, as its launch is
         constants = {k: v for k, v in kw.items()
                      if k not in ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")}
-        merges.append(inspect.signature(td._decode_merge_kernel.fn).bind(*args, **constants).arguments)
+        merges.append(inspect.signature(td.decode_merge_kernel.fn).bind(*args, **constants).arguments)
 
-    monkeypatch.setattr(td, "_decode_split_kernel", Stub())
+    monkeypatch.setattr(td, "decode_split_kernel", Stub())
     monkeypatch.setattr(td.background, "ahead", merge_ahead)
     monkeypatch.setattr(td, "_sm_count", lambda device: 132)
     monkeypatch.setattr(td, "_has_pdl", lambda device: True)
@@ -337,7 +337,7 @@ def test_plan_splits_by_the_compiled_kernels_occupancy(monkeypatch):
     # the merge of the first guess (before the occupancy is known) was compiled ahead, for a call without lse
     (merge,) = merges
     assert merge["S"] == td.num_splits(prob, cfg, 132) and merge["WRITE_LSE"] is False
-    assert merge["BLOCK_S"] == min(64, td._pow2_bucket(merge["S"])) and merge["Lse"] is merge["Out"]
+    assert merge["BLOCK_S"] == min(64, td.pow2_bucket(merge["S"])) and merge["Lse"] is merge["Out"]
     seen.clear()  # one split whatever fits: nothing compiled, not even ahead
     merges.clear()
     short = make_problem(q, k[:, :, :128], k[:, :, :128])

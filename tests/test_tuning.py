@@ -173,7 +173,7 @@ _COUNT_COMPILES = textwrap.dedent("""
     torch.cuda.synchronize()
     ref = attnlab.reference(q.detach(), k.detach(), v.detach(), causal=True)[0]
     compiled = {f.__name__: sum(len(c[0]) for c in f.device_caches.values())
-                for f in (fk._attn_fwd_kernel, bk._bwd_preprocess, bk._bwd_dkdv_kernel, bk._bwd_dq_kernel)}
+                for f in (fk.attn_fwd_kernel, bk.bwd_preprocess, bk.bwd_dkdv_kernel, bk.bwd_dq_kernel)}
     print(json.dumps({"compiled": compiled, "ok": bool(attnlab.check.compare(out.detach(), ref))}))
 """)
 
@@ -190,8 +190,8 @@ def test_gpu_first_call_compiles_one_config_per_kernel(grad, tmp_path):
     res = json.loads(got.stdout.strip().splitlines()[-1])
     assert res["ok"]
     n = int(grad)
-    assert res["compiled"] == {"_attn_fwd_kernel": 1, "_bwd_preprocess": n, "_bwd_dkdv_kernel": n,
-                               "_bwd_dq_kernel": n}, res
+    assert res["compiled"] == {"attn_fwd_kernel": 1, "bwd_preprocess": n, "bwd_dkdv_kernel": n,
+                               "bwd_dq_kernel": n}, res
 
 
 @pytest.mark.gpu
@@ -251,7 +251,7 @@ def test_a_config_that_does_not_fit_gives_way_to_the_next(fresh, monkeypatch):
             raise OutOfResources("out of resource: shared memory")
         return None
 
-    monkeypatch.setattr(tlaunch, "_launch", fake_launch)
+    monkeypatch.setattr(tlaunch, "jit_launch", fake_launch)
     prob = _problem()
     plan = tlaunch._Plan(prob, tconfigs.config_for(prob, None, None, tlaunch.autotune))
     with pytest.warns(UserWarning, match="does not fit"):

@@ -15,7 +15,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from attnlab.bench.results import _ok, mask_label, ratios
+from attnlab.bench.results import mask_label, passed_rows, ratios
 from attnlab.figure_style import BACKEND_COLORS, backend_colors, binary_axis, n_axis, new_figure  # noqa: F401
 from attnlab.lessons import memory
 from attnlab.lessons.figures import roofline
@@ -92,7 +92,7 @@ def throughput_vs_n(df: pd.DataFrame | None, *, backends: Iterable[str] | None =
     """TFLOP/s against N per backend; one panel per (dtype, D, mask kind). Passed rows only."""
     if not _has_data(df, "throughput"):
         return None
-    d = _ok(df).copy()
+    d = passed_rows(df).copy()
     if backends is not None:
         d = d[d["backend"].isin(list(backends))]
     if d.empty:
@@ -205,7 +205,7 @@ def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.H200[
     (``read_tbps``, :func:`attnlab.lessons.memory.measured_roofs`): the memory roof of a read stream."""
     if not _has_data(df, "decode"):
         return None
-    d = _ok(df)
+    d = passed_rows(df)
     d = d[pd.to_numeric(d["gbps"], errors="coerce").notna()]
     if backends is not None:
         d = d[d["backend"].isin(list(backends))]
@@ -240,7 +240,7 @@ def bench_roofline(df: pd.DataFrame | None, *, backends: Iterable[str] | None = 
     further flat roofs, e.g. the FP32 FMA rate of the CUDA-core kernels."""
     if not _has_data(df, "roofline"):
         return None
-    d = _ok(df)
+    d = passed_rows(df)
     if backends is not None:
         d = d[d["backend"].isin(list(backends))]
     if d.empty:
@@ -267,7 +267,7 @@ def summary(df: pd.DataFrame | None, *, backends: Iterable[str] | None = None,
     ``decimals`` (None: unrounded, to compute ratios from)."""
     if df is None or len(df) == 0:
         return None
-    d = _ok(df)
+    d = passed_rows(df)
     if backends is not None:
         d = d[d["backend"].isin(list(backends))]
     if d.empty:

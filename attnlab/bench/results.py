@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from attnlab.bench.schema import COLUMNS
-from attnlab.bench.truth import _l2_bytes
+from attnlab.bench.truth import l2_bytes
 
 # ---------------------------------------------------------------------------------------------------------
 # Files: CSV, JSON, load, ratios
@@ -86,7 +86,7 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
         q = _cmd(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"])
         env.update(
             gpu=p.name, sm=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
-            memory_gib=round(p.total_memory / 2**30, 1), l2_bytes=_l2_bytes(torch.device(device)),
+            memory_gib=round(p.total_memory / 2**30, 1), l2_bytes=l2_bytes(torch.device(device)),
             driver=q.split(",")[0].strip() if q else "unknown", nvidia_smi=q,
         )
     else:
@@ -121,7 +121,7 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[dict[str, Any]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
@@ -169,7 +169,7 @@ def load(paths: str | os.PathLike | Iterable[str | os.PathLike]):
     return df
 
 
-def _ok(df):
+def passed_rows(df):
     """Rows whose output passed the checker and that have a timing (``status == "ok"`` where recorded)."""
     import pandas as pd
 
@@ -245,7 +245,7 @@ def ratios(df, baseline: str = "sdpa-flash", metric: str = "ms", *, by: str = "s
 def _ratios_by_mask(df, baseline: str, metric: str, backends: Iterable[str] | None):
     if df is None or len(df) == 0:
         return None
-    d = _ok(df).copy()
+    d = passed_rows(df).copy()
     base = pick_backend(d, baseline) if len(d) else None
     if base is None:
         return None

@@ -89,4 +89,4 @@ SDPA_KINDS = {
 }
 
 MIB = 2.0**20
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

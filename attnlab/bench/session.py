@@ -20,7 +20,7 @@ import torch
 
 from attnlab.bench.case_run import run_case
 from attnlab.bench.competitors import competitors
-from attnlab.bench.results import _read_rows, device_name, environment, gpu_slug, ratios, write_csv
+from attnlab.bench.results import device_name, environment, gpu_slug, ratios, read_rows, write_csv
 from attnlab.bench.runner import ROUND_WARMUP, ContextLost, case_counts, status_rows
 from attnlab.bench.suites import BACKWARD_MODES, SUITES, BenchCase, recorded_suites, row_keys
 from attnlab.bench.timing import (
@@ -191,12 +191,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         others: list[dict[str, Any]] = []
         if args.resume and path.exists():
             # skipped rows (deadline, exclusions) are decided again; everything else that ran is kept
-            kept = [r for r in _read_rows(path) if (args.run_id is None or r.get("run_id") == args.run_id)
+            kept = [r for r in read_rows(path) if (args.run_id is None or r.get("run_id") == args.run_id)
                     and r.get("status") != "skipped"]
         elif args.keep_others and path.exists():
             # the rows of competitors this run does not measure stay, with their own run_id
             ours = {k for c in cases for k, _ in row_keys(c)}
-            others = [r for r in _read_rows(path) if r.get("backend") not in names and r.get("case") in ours]
+            others = [r for r in read_rows(path) if r.get("backend") not in names and r.get("case") in ours]
         done = {(r["case"], r["backend"]) for r in kept}
         rows = list(kept) if args.resume else list(others) if args.keep_others else []
         senv = dict(env, suite=suite, cases=[c.name for c in cases], started_utc=env["date_utc"])

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from attnlab.bench.schema import _DTYPES
+from attnlab.bench.schema import DTYPES
 from attnlab.cases import ShapeDefaults, mask_keywords
 from attnlab.masks import MaskSpec
 
@@ -44,7 +44,7 @@ class BenchCase(ShapeDefaults):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def elem_size(self) -> int:
@@ -100,7 +100,7 @@ def alibi_bias(H: int, Nq: int, Nk: int, dtype: str, device: str) -> torch.Tenso
     slopes = torch.pow(2.0, -8.0 * torch.arange(1, H + 1, dtype=torch.float64) / H).view(1, H, 1, 1)
     i = torch.arange(Nq, dtype=torch.float64).view(1, 1, Nq, 1)
     j = torch.arange(Nk, dtype=torch.float64).view(1, 1, 1, Nk)
-    return (slopes * (j - i)).to(device=device, dtype=_DTYPES[dtype])
+    return (slopes * (j - i)).to(device=device, dtype=DTYPES[dtype])
 
 
 def _seeded_lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ class CaseInputs:
         return len(self.qs)
 
 
-def _l2_bytes(device: torch.device) -> int:
+def l2_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return int(getattr(props, "L2_cache_size", 0) or 60 * 10**6)
@@ -49,7 +49,7 @@ def n_sets_for(case: BenchCase, device: torch.device, max_sets: int = 8) -> int:
     least 2, at most ``max_sets``."""
     per = ((3 if case.backward else 2) * case.B * case.Hq * case.Nq + 2 * case.B * case.hkv * case.nk) * case.D \
         * case.elem_size
-    return int(min(max_sets, max(2, math.ceil(4 * _l2_bytes(device) / max(1, per)))))
+    return int(min(max_sets, max(2, math.ceil(4 * l2_bytes(device) / max(1, per)))))
 
 
 def make_case_inputs(case: BenchCase, device: torch.device | str, seed: int = 0, sets: int | None = None) -> CaseInputs:

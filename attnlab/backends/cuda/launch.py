@@ -22,7 +22,7 @@ import threading
 import torch
 
 from attnlab.backends.cuda import variant as _settings
-from attnlab.backends.cuda.params import _cupy, _param_values, _ParamBlock
+from attnlab.backends.cuda.params import ParamBlock, cupy_module, param_values
 from attnlab.backends.cuda.sources import NVRTC_OPTIONS, kernel_source
 from attnlab.backends.cuda.variant import (
     DEFAULT_SMEM,
@@ -31,7 +31,7 @@ from attnlab.backends.cuda.variant import (
     DeviceLimits,
     LaunchConfig,
     Variant,
-    _async_ok,
+    async_ok,
     choose_variant,
     launch_config,
     merge_name_expression,
@@ -63,7 +63,7 @@ _ATTR_MULTIPROCESSOR_COUNT = 16
 
 def device_limits(device_index: int, kernel=None) -> DeviceLimits:
     """The launch limits of a device (and of a compiled kernel, when given)."""
-    rt = _cupy().cuda.runtime
+    rt = cupy_module().cuda.runtime
     attr = lambda a: int(rt.deviceGetAttribute(a, device_index))
     kmax = None if kernel is None else int(kernel.max_threads_per_block)
     return DeviceLimits(
@@ -85,7 +85,7 @@ def _compiled_module(variant: Variant, device_index: int) -> tuple:
     with _cache_lock:
         got = _kernel_cache.get(key)
         if got is None:
-            cp = _cupy()
+            cp = cupy_module()
             merge_name = merge_name_expression(variant.dtype) if variant.family == "rowmax" else None
             with cp.cuda.Device(device_index):
                 mod = cp.RawModule(
@@ -115,7 +115,7 @@ class _Compiled:
     limits, and the launch configurations already validated against them."""
 
     def __init__(self, variant: Variant, dev: int):
-        cp = self.cupy = _cupy()
+        cp = self.cupy = cupy_module()
         self.variant = variant
         self.device = dev
         self.kernel, merge = _compiled_module(variant, dev)
@@ -167,7 +167,7 @@ _compiled_cache: dict[tuple, _Compiled] = {}
 
 
 def _compiled(family: str, dtype: torch.dtype, D: int, fast: bool | None, dev: int) -> _Compiled:
-    fast = _settings._fast_exp if fast is None else bool(fast)
+    fast = _settings.get_fast_exp() if fast is None else bool(fast)
     key = (family, dtype, D, fast, dev)
     c = _compiled_cache.get(key)
     if c is None:
@@ -185,7 +185,7 @@ def _cupy_stream(dev: int):
     handle = _raw_stream(dev) if _raw_stream is not None else torch.cuda.current_stream(dev).cuda_stream
     st = _stream_cache.get((dev, handle))
     if st is None:
-        cp = _cupy()
+        cp = cupy_module()
         torch_stream = torch.cuda.current_stream(dev)
         if int(torch_stream.cuda_stream) != handle:
             raise RuntimeError(f"torch's current stream on cuda:{dev} changed while it was looked up")
@@ -221,16 +221,16 @@ def _plan(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | Non
     q_st, k_st, v_st = q.stride(), k.stride(), v.stride()
     splits, split_tiles, async_copy, workspace = 1, NO_BOUND, False, None
     if family == "rowmax":
-        async_copy = _settings._rowmax_async and _async_ok(q.dtype, D, k_ptr, k_st, v_ptr, v_st)
+        async_copy = _settings.rowmax_async_on() and async_ok(q.dtype, D, k_ptr, k_st, v_ptr, v_st)
         splits, split_tiles = rowmax_split_plan(B, Hq, Nq, k.shape[2], c.variant.dmax, c.limits.sm_count,
-                                                _settings._rowmax_force_splits)
+                                                _settings.rowmax_forced_splits())
         if splits > 1:
             # One allocation: acc [splits][B*Hq*Nq][D], then (m, l) [splits][B*Hq*Nq][2] (see kernel_args).
             workspace = torch.empty(splits * B * Hq * Nq * (D + 2), dtype=torch.float32, device=q.device)
         else:
             split_tiles = NO_BOUND
     cfg, merge_grid = c.config(B, Hq, Nq, splits)
-    values = _param_values(prob, out, lse, async_copy, splits, split_tiles, workspace, q_ptr, k_ptr, v_ptr,
+    values = param_values(prob, out, lse, async_copy, splits, split_tiles, workspace, q_ptr, k_ptr, v_ptr,
                            q_st, k_st, v_st)
     return c, cfg, merge_grid, splits, async_copy, values, workspace
 
@@ -249,7 +249,7 @@ class PreparedLaunch:
                  fast: bool | None = None):
         c, cfg, merge_grid, splits, async_copy, values, workspace = _plan(family, prob, out, lse, fast)
         self._compiled, self._merge_grid = c, merge_grid
-        self._block = _ParamBlock()
+        self._block = ParamBlock()
         self._block.pack(values)
         self.variant, self.config, self.splits, self.async_copy = c.variant, cfg, splits, async_copy
         self.params = self._block.view
@@ -280,7 +280,7 @@ def run(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None)
     c, cfg, merge_grid, splits, _async, values, workspace = _plan(family, prob, out, lse, None)
     block = getattr(_local, "block", None)
     if block is None:
-        block = _local.block = _ParamBlock()
+        block = _local.block = ParamBlock()
     block.pack(values)
     c.launch(cfg, merge_grid, block.arg, splits)
     del workspace  # freed after the launch: torch's allocator orders its reuse after these kernels (same stream)

@@ -18,7 +18,7 @@ STRIDES4_DTYPE = np.dtype([(n, np.int64) for n in "bhnd"], align=True)
 #: ``struct AttnParams`` of kernels/attn_params.cuh, field for field and in its order. ``align=True`` lays
 #: the fields out by C's rules (each at a multiple of its own alignment, the size a multiple of the largest),
 #: as NVRTC does for this plain struct. A launch passes the struct by value: its bytes (packed by
-#: ``_PARAMS_PACK`` into a :class:`_ParamBlock`) go to the driver by address. tests/test_cuda.py checks every
+#: ``_PARAMS_PACK`` into a :class:`ParamBlock`) go to the driver by address. tests/test_cuda.py checks every
 #: field's offset against NVRTC's own layout of the C declaration.
 PARAMS_DTYPE = np.dtype(
     [(n, np.uint64) for n in ("q", "k", "v", "out", "lse", "q_len", "kv_len", "mask", "part_acc", "part_ml")]
@@ -73,7 +73,7 @@ def _clamp_bound(x: int | None) -> int:
     return NO_BOUND if x is None else max(-NO_BOUND, min(NO_BOUND, int(x)))
 
 
-def _param_values(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, async_copy: bool, splits: int,
+def param_values(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, async_copy: bool, splits: int,
                   split_tiles: int, workspace: torch.Tensor | None, q_ptr: int, k_ptr: int, v_ptr: int,
                   q_st: tuple, k_st: tuple, v_st: tuple) -> tuple:
     """The fields of ``struct AttnParams`` in order, nested strides flattened (what ``_PARAMS_PACK`` packs)."""
@@ -109,12 +109,12 @@ def kernel_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, *, a
     ``out``, ``lse`` and ``workspace`` alive until the kernel has run.
     """
     q, k, v = prob.q, prob.k, prob.v
-    values = _param_values(prob, out, lse, async_copy, splits, split_tiles, workspace, q.data_ptr(), k.data_ptr(),
+    values = param_values(prob, out, lse, async_copy, splits, split_tiles, workspace, q.data_ptr(), k.data_ptr(),
                            v.data_ptr(), q.stride(), k.stride(), v.stride())
     return np.frombuffer(bytearray(_PARAMS_PACK.pack(*values)), dtype=PARAMS_DTYPE)
 
 
-class _ParamBlock:
+class ParamBlock:
     """Host bytes of one ``struct AttnParams`` and the CuPy kernel argument that passes them by value.
 
     CuPy launches by handing the driver one host address per kernel parameter, and the driver copies
@@ -130,7 +130,7 @@ class _ParamBlock:
     def __init__(self) -> None:
         self.buffer = bytearray(PARAMS_DTYPE.itemsize)
         self.view = np.frombuffer(self.buffer, dtype=PARAMS_DTYPE)  # shares the bytes (inspection, tests)
-        cpointer = getattr(_cupy().cuda.function, "CPointer", None)
+        cpointer = getattr(cupy_module().cuda.function, "CPointer", None)
         if cpointer is not None:
             self.arg = cpointer(self.view.ctypes.data)
         else:
@@ -140,7 +140,7 @@ class _ParamBlock:
         _PARAMS_PACK.pack_into(self.buffer, 0, *values)
 
 
-def _cupy():
+def cupy_module():
     import cupy  # lazily: attnlab imports without CuPy
 
     return cupy

@@ -73,6 +73,16 @@ def fast_exp(enabled: bool = True) -> Iterator[None]:
         set_fast_exp(old)
 
 
+def rowmax_async_on() -> bool:
+    """Whether rowmax may use cp.async (:func:`rowmax_async_copy` turns it off for a while)."""
+    return _rowmax_async
+
+
+def rowmax_forced_splits() -> int | None:
+    """The split count :func:`rowmax_splits` forces, or None (the automatic plan)."""
+    return _rowmax_force_splits
+
+
 @contextlib.contextmanager
 def rowmax_async_copy(enabled: bool) -> Iterator[None]:
     """``with rowmax_async_copy(False): ...`` makes rowmax load its K/V tiles element by element even where
@@ -271,10 +281,10 @@ def rowmax_split_plan(B: int, Hq: int, Nq: int, Nk: int, dmax: int, sm_count: in
 def can_async_copy(prob: Problem) -> bool:
     """Whether rowmax may copy K/V rows with 16-byte cp.async: float32, D a multiple of 4, unit stride on
     D, and every K/V row start 16-byte aligned (pointers and the b/h/n strides multiples of 4 elements)."""
-    return _async_ok(prob.dtype, prob.D, prob.k.data_ptr(), prob.k.stride(), prob.v.data_ptr(), prob.v.stride())
+    return async_ok(prob.dtype, prob.D, prob.k.data_ptr(), prob.k.stride(), prob.v.data_ptr(), prob.v.stride())
 
 
-def _async_ok(dtype: torch.dtype, D: int, k_ptr: int, k_strides: tuple, v_ptr: int, v_strides: tuple) -> bool:
+def async_ok(dtype: torch.dtype, D: int, k_ptr: int, k_strides: tuple, v_ptr: int, v_strides: tuple) -> bool:
     if dtype != torch.float32 or D % 4 != 0:
         return False
     for ptr, st in ((k_ptr, k_strides), (v_ptr, v_strides)):

@@ -63,7 +63,7 @@ the sizes' powers of two (:func:`tune_key`): a config tuned on this machine, els
 (:mod:`~attnlab.backends.triton.tuned_table`), else the first candidate. Tuning happens on request
 (:func:`attnlab.tune`, or ``ATTNLAB_AUTOTUNE=1``); tuned configs persist on disk per GPU model, Triton version
 and kernel source (:mod:`~attnlab.backends.triton.tune_cache`, ``$ATTNLAB_CACHE_DIR`` or ``~/.cache/attnlab``).
-Launches of one call signature (shapes, strides, dtypes, mask kind, alignment: :func:`_signature`) share a
+Launches of one call signature (shapes, strides, dtypes, mask kind, alignment: :func:`call_signature`) share a
 plan (:class:`_Plan`): its arguments and compiled kernel, with Triton's launcher called directly rather than
 through the JIT's per-call binding. :func:`attnlab.attention` goes further for a signature it has seen
 (:mod:`attnlab.calls`): the plan's fast call allocates the output and launches, with nothing validated or
@@ -85,7 +85,7 @@ Where the code is
   the tile bounds (``tiles.lengths``, ``tiles.key_tiles``), one inner loop per orientation
   (``_query_major_loop``, ``_keys_major_loop``) sharing ``tiles.score_mod``, ``_explicit``, ``tiles.band`` and
   ``tiles.softmax_update``, and
-  ``_epilogue``; ``_attn_fwd_kernel`` strings them together.
+  ``_epilogue``; ``attn_fwd_kernel`` strings them together.
 * :mod:`~attnlab.backends.triton.tiles`: the @triton.jit pieces the forward, the backward and the decode
   kernels share (tile loads, lengths and key tiles, loop phases, the scores' transform, the explicit mask or
   bias, the band, the online-softmax update), each written once.

@@ -9,8 +9,8 @@ from attnlab import warm_start
 from attnlab.backends import Availability, Backend
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton.decode import decode_forward, decode_supported, gpu_plan
-from attnlab.backends.triton.kernel import _IMPORT_ERROR
-from attnlab.backends.triton.launch import _launch, _plan
+from attnlab.backends.triton.kernel import IMPORT_ERROR
+from attnlab.backends.triton.launch import jit_launch, plan_for
 from attnlab.problem import Problem
 
 
@@ -26,13 +26,13 @@ class TritonBackend(Backend):
     )
 
     def availability(self) -> Availability:
-        if _IMPORT_ERROR is not None:
-            return Availability(False, _IMPORT_ERROR)
+        if IMPORT_ERROR is not None:
+            return Availability(False, IMPORT_ERROR)
         return Availability(True)
 
     def unsupported(self, prob: Problem) -> str | None:
-        if _IMPORT_ERROR is not None:
-            return _IMPORT_ERROR
+        if IMPORT_ERROR is not None:
+            return IMPORT_ERROR
         if prob.device.type not in ("cuda", "cpu"):
             return f"runs on CUDA tensors (compiled) or CPU tensors (interpreter); got {prob.device}"
         if prob.B > 65535 or prob.Hq > 65535:
@@ -46,14 +46,14 @@ class TritonBackend(Backend):
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         if not prob.q.is_cuda:
             if not _empty(prob, out, lse):
-                _launch(prob, out, lse, _cfg.INTERPRETER_CONFIG, interpret=True)
+                jit_launch(prob, out, lse, _cfg.INTERPRETER_CONFIG, interpret=True)
             return
-        _on_device(prob, out, lse, lambda: _plan(prob, out, lse).launch(prob, out, lse))
+        _on_device(prob, out, lse, lambda: plan_for(prob, out, lse).launch(prob, out, lse))
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
         if not prob.q.is_cuda or paged is not None or _empty_problem(prob, out):
             return None  # an empty call launched nothing: no plan to build (or tune) for it
-        return _plan(prob, out, lse).fast_call(prob, out, lse)
+        return plan_for(prob, out, lse).fast_call(prob, out, lse)
 
 
 class TritonDecodeBackend(TritonBackend):

@@ -26,15 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from attnlab.backends.triton import background, configs, tune_cache
-from attnlab.backends.triton.configs import _block_d, _pow2_bucket, fastest
-from attnlab.backends.triton.interpreter import _interpreted_fn, interpreter
+from attnlab.backends.triton.configs import fastest, padded_head_dim, pow2_bucket
+from attnlab.backends.triton.interpreter import interpreted_fn, interpreter
 from attnlab.backends.triton.kernel import LOG2E
 from attnlab.problem import Problem
 
 try:
     import triton
 
-    from attnlab.backends.triton.backward_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess
+    from attnlab.backends.triton.backward_kernels import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess
 except ImportError:  # the caller finds out when it calls backward()
     triton = None
 
@@ -108,8 +108,8 @@ def dq_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
 def tune_key(prob: Problem) -> tuple:
     """What a tuned pair of configs is remembered by: device, dtype, head dim, mask kind, GQA group and
     size buckets."""
-    return (prob.device.index, prob.dtype, _block_d(prob.D), prob.spec.kind, prob.group,
-            _pow2_bucket(prob.Nq), _pow2_bucket(prob.Nk), _pow2_bucket(prob.B * prob.Hq))
+    return (prob.device.index, prob.dtype, padded_head_dim(prob.D), prob.spec.kind, prob.group,
+            pow2_bucket(prob.Nq), pow2_bucket(prob.Nk), pow2_bucket(prob.B * prob.Hq))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def _mask_arguments(prob: Problem) -> tuple[list, list, dict]:
 
 def _common(prob: Problem, interpret: bool) -> dict:
     """Compile-time constants shared by the dK/dV and dQ kernels."""
-    block_d = _block_d(prob.D)
+    block_d = padded_head_dim(prob.D)
     return dict(
         BLOCK_D=block_d, EVEN_D=block_d == prob.D, DOT_PRECISION="ieee",
         # The interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast (exactly) first.
@@ -157,9 +157,9 @@ def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool) -> tu
     grid = (triton.cdiv(prob.Nq, block_m), prob.Hq, prob.B)
     args = (out, dout, lse, delta, lse2, spec.q_len if spec.q_len is not None else lse,
             *out.stride(), *dout.stride(), *lse.stride(), prob.Hq, prob.Nq, prob.D)
-    kw = dict(BLOCK_M=block_m, BLOCK_D=_block_d(prob.D), HAS_Q_LEN=spec.q_len is not None,
+    kw = dict(BLOCK_M=block_m, BLOCK_D=padded_head_dim(prob.D), HAS_Q_LEN=spec.q_len is not None,
               num_warps=1 if interpret else 4, **configs.COMPILE_OPTIONS)
-    return _bwd_preprocess, grid, args, kw
+    return bwd_preprocess, grid, args, kw
 
 
 def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool) -> tuple:
@@ -171,7 +171,7 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
             *e_strides, *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **configs.COMPILE_OPTIONS)
-    return _bwd_dkdv_kernel, grid, args, kw
+    return bwd_dkdv_kernel, grid, args, kw
 
 
 def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> tuple:
@@ -183,7 +183,7 @@ def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> 
             *e_strides, *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **configs.COMPILE_OPTIONS)
-    return _bwd_dq_kernel, grid, args, kw
+    return bwd_dq_kernel, grid, args, kw
 
 
 def _launch_fitting(launch, cfg: BwdConfig, space: list[BwdConfig], what: str) -> BwdConfig:
@@ -202,7 +202,7 @@ def _launch_fitting(launch, cfg: BwdConfig, space: list[BwdConfig], what: str) -
 
 def _go(launch: tuple, interpret: bool) -> None:
     kernel, grid, args, kw = launch
-    (_interpreted_fn(kernel) if interpret else kernel)[grid](*args, **kw)
+    (interpreted_fn(kernel) if interpret else kernel)[grid](*args, **kw)
 
 
 def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool) -> None:
@@ -277,7 +277,7 @@ def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig
     else the shipped table's, else each space's first candidate. With ``AUTOTUNE`` a key tuned nowhere yet is
     tuned now, which overwrites dq, dk, dv (the final launch comes after)."""
     key = tune_key(prob)
-    block_d = _block_d(prob.D)
+    block_d = padded_head_dim(prob.D)
     kv_space, q_space = dkdv_candidates(prob.dtype, block_d), dq_candidates(prob.dtype, block_d)
 
     def parse(value: list) -> tuple[BwdConfig, BwdConfig] | None:
@@ -289,7 +289,7 @@ def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig
 
 
 def _tune(prob: Problem, dout, delta, lse2, dq, dk, dv, key: tuple) -> tuple[BwdConfig, BwdConfig]:
-    block_d = _block_d(prob.D)
+    block_d = padded_head_dim(prob.D)
     kv_space, q_space = dkdv_candidates(prob.dtype, block_d), dq_candidates(prob.dtype, block_d)
     got = (
         _fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False)),
@@ -361,7 +361,7 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
     delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=prob.device)
     lse2 = torch.empty_like(delta)
     if interpret:
-        with interpreter(_bwd_preprocess):
+        with interpreter(bwd_preprocess):
             _launch_preprocess(prob, out, lse, dout, delta, lse2, True)
             _minus_dlse(delta, dlse)
             _launch_dkdv(prob, dout, delta, lse2, dk, dv, INTERPRETER_CONFIG, True)
@@ -373,7 +373,7 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
         _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
         _minus_dlse(delta, dlse)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
-        block_d = _block_d(prob.D)
+        block_d = padded_head_dim(prob.D)
         kv_done = _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False), kv_cfg,
                                   dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel")
         q_done = _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False), q_cfg,

@@ -19,16 +19,16 @@ Tiling and program mapping
 --------------------------
 Three launches, each a grid of programs over tiles of the [Nq, Nk] score matrix of one (batch, head):
 
-1. ``_bwd_preprocess``: grid ``(ceil(Nq / BLOCK_M), Hq, B)``. One program reads a [BLOCK_M, D] tile of O
+1. ``bwd_preprocess``: grid ``(ceil(Nq / BLOCK_M), Hq, B)``. One program reads a [BLOCK_M, D] tile of O
    and dO and writes Delta and the base-2 lse (``Lse2``, +inf for empty and padding rows) of its rows:
    float32 [B, Hq, Nq], contiguous.
-2. ``_bwd_dkdv_kernel``: grid ``(ceil(Nk / BLOCK_N), Hkv, B)``. One program owns one key tile of one kv
+2. ``bwd_dkdv_kernel``: grid ``(ceil(Nk / BLOCK_N), Hkv, B)``. One program owns one key tile of one kv
    head: it loads K and V ([BLOCK_N, D]) once and keeps dK and dV accumulators (float32) for them while
    query tiles of ``BLOCK_M`` rows stream past. The score tile is held transposed, ``S^T = K Q^T``
    ([BLOCK_N keys, BLOCK_M queries]), so that dV += P^T dO and dK += dS^T Q are plain products. For
    GQA/MQA the program loops over the ``group`` query heads of its kv head (h = kvh * group + g): the
    group's sum is accumulated in registers, so K/V are never repeated and no atomics are needed.
-3. ``_bwd_dq_kernel``: grid ``(ceil(Nq / BLOCK_M), Hq, B)``, row tiles last first (a causal row's work
+3. ``bwd_dq_kernel``: grid ``(ceil(Nq / BLOCK_M), Hq, B)``, row tiles last first (a causal row's work
    grows with its index). One program owns one row tile of one query head: Q, dO, Lse2 and Delta are
    loaded once; key tiles of kv head ``h // group`` stream past and dQ += dS K accumulates in float32.
    Each dQ element is written by one program: deterministic, no atomics.
@@ -124,7 +124,7 @@ if triton is not None:
     # 1. Preprocess: Delta = rowsum(dO * O), and the base-2 lse
     # -----------------------------------------------------------------------------------------------
     @triton.jit
-    def _bwd_preprocess(
+    def bwd_preprocess(
         O, DO, Lse, Delta, Lse2, QLen,
         s_ob, s_oh, s_on, s_od,
         s_gb, s_gh, s_gn, s_gd,
@@ -195,7 +195,7 @@ if triton is not None:
         return dk, dv
 
     @triton.jit
-    def _bwd_dkdv_kernel(
+    def bwd_dkdv_kernel(
         Q, K, V, DO, Lse2, Delta, DK, DV, KvLen, QLen, Explicit,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,
@@ -287,7 +287,7 @@ if triton is not None:
         return tl.dot(_operand(ds, DTYPE, UPCAST), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K
 
     @triton.jit
-    def _bwd_dq_kernel(
+    def bwd_dq_kernel(
         Q, K, V, DO, Lse2, Delta, DQ, KvLen, QLen, Explicit,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,

@@ -24,7 +24,7 @@ from attnlab.problem import Problem
 class Config:
     """One launch configuration: tile sizes, the compiler's warps and pipeline stages, and two float32
     options: the D chunk of the Q K^T product (0: one dot over all of D) and ``keys_major`` (the score
-    tile held as S^T, keys by queries; see :func:`_key_axis`)."""
+    tile held as S^T, keys by queries; see :func:`kernel_key_axis`)."""
 
     block_m: int
     block_n: int
@@ -56,7 +56,7 @@ INTERPRETER_CONFIG = Config(16, 16, 1, 1, keys_major=True, rows_outer=True)
 #: it takes its config from the shipped table (:mod:`.tuned_table`), and tunes only when asked (:func:`tune`).
 AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
 
-_TF32 = False
+TF32 = False
 #: Whether a forward that will be differentiated starts compiling the backward's kernels in the background
 #: (ATTNLAB_COMPILE_AHEAD=0: not; each kernel then compiles when it is first launched).
 COMPILE_AHEAD: bool = os.environ.get("ATTNLAB_COMPILE_AHEAD", "1") != "0"
@@ -80,12 +80,12 @@ def allow_tf32() -> Iterator[None]:
     at float16's tolerances; without this, float32 uses exact IEEE products. The interpreter computes
     float32 products exactly in either case.
     """
-    global _TF32
-    old, _TF32 = _TF32, True
+    global TF32
+    old, TF32 = TF32, True
     try:
         yield
     finally:
-        _TF32 = old
+        TF32 = old
 
 
 @contextlib.contextmanager
@@ -110,7 +110,7 @@ def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
     Sized for Hopper/Ampere shared memory (Q tile plus ``num_stages`` K and V tiles).
     """
     if dtype == torch.float32:
-        # IEEE products run on the FMA units, through shared memory: keys-major tiles (see _key_axis) read it
+        # IEEE products run on the FMA units, through shared memory: keys-major tiles (see kernel_key_axis) read it
         # without bank conflicts. H200, causal, each candidate timed beside sdpa-efficient (data/gpu_tests/
         # nvidia-h200-fp32-layouts.txt): B8 H16 N2048 D64, (64, 32, 4, 2) keys-major rows-outer 2.13 ms
         # (sdpa-efficient 2.16; the best query-major tile 3.58, with the D-chunked Q K^T 5.90); B1 H8 N1024
@@ -135,21 +135,21 @@ def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
     return [Config(64, 32, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2)]
 
 
-def _pow2_bucket(n: int) -> int:
+def pow2_bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _block_d(D: int) -> int:
+def padded_head_dim(D: int) -> int:
     """The head dim the kernel works on: D padded to a power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, _pow2_bucket(D))
+    return max(16, pow2_bucket(D))
 
 
-def _qk_chunk(cfg: Config, block_d: int) -> int:
+def kernel_qk_chunk(cfg: Config, block_d: int) -> int:
     """The kernel's QK_CHUNK for ``cfg``: 0 (one dot) unless a chunk of at least 16 splits BLOCK_D."""
     return cfg.qk_chunk if 16 <= cfg.qk_chunk < block_d else 0
 
 
-def _key_axis(cfg: Config, dtype: torch.dtype) -> int:
+def kernel_key_axis(cfg: Config, dtype: torch.dtype) -> int:
     """The kernel's KEY_AXIS: 0 (keys-major, S^T = K Q^T; why: the package docstring's "Keys-major
     float32", :mod:`attnlab.backends.triton`) for a float32 ``keys_major`` config, else 1. Half types keep the
     tensor-core orientation."""
@@ -159,8 +159,8 @@ def _key_axis(cfg: Config, dtype: torch.dtype) -> int:
 def tune_key(prob: Problem) -> tuple:
     """What a tuned config is remembered by: device, dtype, head dim, mask kind and size buckets."""
     return (
-        prob.device.index, prob.dtype, _block_d(prob.D), prob.spec.kind,
-        _TF32, _pow2_bucket(prob.Nq), _pow2_bucket(prob.Nk), _pow2_bucket(prob.B * prob.Hq),
+        prob.device.index, prob.dtype, padded_head_dim(prob.D), prob.spec.kind,
+        TF32, pow2_bucket(prob.Nq), pow2_bucket(prob.Nk), pow2_bucket(prob.B * prob.Hq),
     )
 
 
@@ -234,7 +234,7 @@ def next_fitting(space: list, cfg, what: str):
 
 def fall_back(prob: Problem, cfg: Config) -> Config | None:
     """The forward's next candidate after ``cfg``, which did not fit this GPU; kept for ``prob``'s tune key."""
-    nxt = next_fitting(candidates(prob.dtype, _block_d(prob.D)), cfg, "the forward")
+    nxt = next_fitting(candidates(prob.dtype, padded_head_dim(prob.D)), cfg, "the forward")
     if nxt is not None:
         key = tune_key(prob)
         (_tuned if key in _tuned else _picked)[key] = nxt
@@ -280,7 +280,7 @@ def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, autot
     heuristic default (the first candidate); with ``AUTOTUNE``, a key tuned nowhere yet is tuned now by
     ``autotune(prob, out, lse)`` (the launch module's, which times each candidate's launch)."""
     key = tune_key(prob)
-    space = candidates(prob.dtype, _block_d(prob.D))
+    space = candidates(prob.dtype, padded_head_dim(prob.D))
 
     def parse(value: dict) -> Config | None:
         cfg = Config(**value)

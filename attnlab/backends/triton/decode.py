@@ -17,14 +17,14 @@ from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton import interpreter as _interp
 from attnlab.backends.triton import kernel as _kern
 from attnlab.backends.triton import launch as _launch
-from attnlab.backends.triton.configs import _block_d, _pow2_bucket
+from attnlab.backends.triton.configs import padded_head_dim, pow2_bucket
 from attnlab.backends.triton.kernel import triton
 from attnlab.calls import evict_oldest, tensor_key
 from attnlab.paged import PagedKV, paged_kv
 from attnlab.problem import Problem
 
 if triton is not None:
-    from attnlab.backends.triton.decode_kernels import PDL_AVAILABLE, _decode_merge_kernel, _decode_split_kernel
+    from attnlab.backends.triton.decode_kernels import PDL_AVAILABLE, decode_merge_kernel, decode_split_kernel
 
 #: The decode path is for at most this many query rows (larger Nq is a prefill: the fused forward).
 MAX_DECODE_NQ = 16
@@ -108,7 +108,7 @@ def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 
     needed 149-153 (3 fit; 333 us against 246 capped at B8 Hkv32 Nk8k: data/gpu_tests/nvidia-h200-decode-occupancy.txt);
     with the block size a compile-time constant ptxas gives it 124 for sm_90 (triton 3.6) and the cap binds no
     more. Larger row tiles were not measured capped, and ROCm's Triton has no such option: uncapped there."""
-    block_d = _block_d(D)
+    block_d = padded_head_dim(D)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2) if block_d <= 128 else DecodeConfig(16, 4, 2)
     if block_d == 128 and not paged and rows <= 16 and not ragged and deep_fits:
@@ -122,7 +122,7 @@ def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 
 def block_m(prob: Problem, interpret: bool = False) -> int:
     """Packed rows per program: group * Nq rounded up to a power of two, at least 16 (tl.dot's minimum),
     at most MAX_BLOCK_M (16 in the interpreter, so CPU tests also run several row tiles)."""
-    return 16 if interpret else min(MAX_BLOCK_M, max(16, _pow2_bucket(prob.group * prob.Nq)))
+    return 16 if interpret else min(MAX_BLOCK_M, max(16, pow2_bucket(prob.group * prob.Nq)))
 
 
 def row_tiles(prob: Problem, interpret: bool = False) -> int:
@@ -220,8 +220,8 @@ def workspace_bytes(prob: Problem, splits: int) -> int:
 
 def decode_supported(prob: Problem) -> str | None:
     """Why the decode path cannot (or should not) run ``prob``, or None when it can."""
-    if _kern._IMPORT_ERROR is not None:
-        return _kern._IMPORT_ERROR
+    if _kern.IMPORT_ERROR is not None:
+        return _kern.IMPORT_ERROR
     if prob.device.type not in ("cuda", "cpu"):
         return f"runs on CUDA tensors (compiled) or CPU tensors (interpreter); got {prob.device}"
     if prob.Nq > MAX_DECODE_NQ:
@@ -287,7 +287,7 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
     forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
     compiled kernel's occupancy) and the paged caches' layout. The default config (``cfg`` None) follows from
     the signature alone, so it is chosen only when the plan is made."""
-    key = (_launch._signature(prob), cfg, n_split, None if paged is None else tuple(
+    key = (_launch.call_signature(prob), cfg, n_split, None if paged is None else tuple(
         tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
     if plan is None:
@@ -375,10 +375,10 @@ class _Kernel:
         kernel = self.compiled.get(key)
         if kernel is None or not _launch.FAST_LAUNCH:
             kernel = self.fn[self.grid](*args, **self.constants, **self.options)
-            if _launch.FAST_LAUNCH and _launch._fast_launch_supported(kernel):
+            if _launch.FAST_LAUNCH and _launch.fast_launch_supported(kernel):
                 self.compiled[key] = kernel
             return
-        _launch.run_compiled(kernel, self.grid, _launch._current_stream(device), (*args, *self._constant_values()))
+        _launch.run_compiled(kernel, self.grid, _launch.stream_of(device), (*args, *self._constant_values()))
 
 
 def _explicit(prob: Problem) -> torch.Tensor | None:
@@ -423,7 +423,7 @@ class _Plan:
             prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, prob.scale * _kern.LOG2E,
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
         )
-        self.block_d = _block_d(prob.D)
+        self.block_d = padded_head_dim(prob.D)
         self.cfg = cfg
         self.pdl = PDL and not interpret and _has_pdl(prob.device.index or 0)
         if n_split is None:  # one wave of as many programs as the compiled split kernel fits on the SMs
@@ -465,17 +465,17 @@ class _Plan:
         o_strides = (Hq * Nq * D, Nq * D, D, 1) if prob.layout == "bhnd" else (Nq * Hq * D, D, Hq * D, 1)
         args = (*_tensors(prob, paged), *self.fixed, prob.q, prob.q, f32, f32, f32, *o_strides, 0, 0, 0)
         try:
-            kernel = _decode_split_kernel.warmup(*args, grid=(1, 1, 1), **cfg.options(),
+            kernel = decode_split_kernel.warmup(*args, grid=(1, 1, 1), **cfg.options(),
                                                  **self._constants(prob, paged, n_rt, False), WRITE_LSE=False)
         except Exception:  # a Triton whose warmup differs (tests bind these arguments to the signature)
             return None
         return resident_programs(kernel, cfg.num_warps, device)
 
     def _merge(self, write_lse: bool, n_split: int) -> _Kernel:
-        merge_fn = _interp._interpreted_fn(_decode_merge_kernel) if self.interpret else _decode_merge_kernel
+        merge_fn = _interp.interpreted_fn(decode_merge_kernel) if self.interpret else decode_merge_kernel
         merge_d = min(MERGE_BLOCK_D, self.block_d)
         return _Kernel(merge_fn, (self.merge_rows, self.block_d // merge_d, 1),
-                       dict(BLOCK_S=min(64, _pow2_bucket(n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse,
+                       dict(BLOCK_S=min(64, pow2_bucket(n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse,
                             PDL=self.pdl),
                        dict(num_warps=2, num_stages=1, **({"launch_pdl": True} if self.pdl else {}),
                             **_cfg.COMPILE_OPTIONS))
@@ -497,7 +497,7 @@ class _Plan:
     def _kernels(self, write_lse: bool) -> tuple[_Kernel, _Kernel]:
         got = self.kernels.get(write_lse)
         if got is None:
-            split_fn = _interp._interpreted_fn(_decode_split_kernel) if self.interpret else _decode_split_kernel
+            split_fn = _interp.interpreted_fn(decode_split_kernel) if self.interpret else decode_split_kernel
             split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), self.cfg.options())
             got = self.kernels[write_lse] = (split, self._merge(write_lse, self.n_split))
         return got
@@ -576,7 +576,7 @@ class _Plan:
         per_call = (out, lse_arg, ws_m, ws_l, ws_acc, *out.stride(), *l_strides)
         key = _launch.layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
         device = prob.device.index or 0
-        with _interp.interpreter(_decode_merge_kernel) if self.interpret else contextlib.nullcontext():
+        with _interp.interpreter(decode_merge_kernel) if self.interpret else contextlib.nullcontext():
             split.launch((*_tensors(prob, paged), *self.fixed, *per_call), key, device)
             if S > 1:
                 merge.launch((ws_m, ws_l, ws_acc, out, lse_arg, *out.stride(), *l_strides, prob.Hq, prob.Nq,

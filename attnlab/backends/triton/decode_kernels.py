@@ -130,7 +130,7 @@ if triton is not None:
         return m_i, l_i, tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
     @triton.jit
-    def _decode_split_kernel(
+    def decode_split_kernel(
         Q, K, V, BlockTable, KvLen, QLen, Explicit,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,
@@ -247,7 +247,7 @@ if triton is not None:
             tl.store(Lse + b64 * s_lb + heads * s_lh + rows.to(tl.int64) * s_ln, lse, mask=row_ok)
 
     @triton.jit
-    def _decode_merge_kernel(
+    def decode_merge_kernel(
         WsM, WsL, WsAcc, Out, Lse, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr,
     ):

@@ -19,7 +19,7 @@ _interpreter_lock = threading.Lock()
 _MISSING = object()
 
 
-def _interpreted_fn(fn):
+def interpreted_fn(fn):
     """``fn`` (a @triton.jit function) wrapped in Triton's interpreter, built once per function."""
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -45,7 +45,7 @@ def interpreter(kernel) -> Iterator:
     from triton.runtime.jit import JITFunction
 
     def call_interpreted(self, *args, **kwargs):
-        return _interpreted_fn(self)(*args, **kwargs)
+        return interpreted_fn(self)(*args, **kwargs)
 
     # The kernel's loop bounds are scalar tensors, which the interpreter turns into Python ints through
     # ``tensor.__index__``. Before triton 3.7 that is ``int(data)`` on a one-element 1-D array, which
@@ -70,7 +70,7 @@ def interpreter(kernel) -> Iterator:
         JITFunction.__call__ = call_interpreted
         interpreter._patch_lang_tensor = patch_tensor_scalar_index
         try:
-            yield _interpreted_fn(kernel)
+            yield interpreted_fn(kernel)
         finally:
             interpreter._patch_lang_tensor = patch_tensor
             JITFunction.__call__ = saved

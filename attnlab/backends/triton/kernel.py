@@ -1,7 +1,7 @@
 """The fused Triton forward kernel, in the pieces the Triton tutorial's fused attention reads in: one inner loop per
 orientation (query-major, keys-major) and the epilogue, strung together by the kernel. The package docstring
 (:mod:`attnlab.backends.triton`) explains the design; every helper is a ``@triton.jit`` function that Triton inlines
-into :func:`_attn_fwd_kernel`. The pieces the backward and the decode kernels use too (loads, lengths and key tiles,
+into :func:`attn_fwd_kernel`. The pieces the backward and the decode kernels use too (loads, lengths and key tiles,
 the scores, the band, the softmax update) are in :mod:`~attnlab.backends.triton.tiles`.
 """
 
@@ -11,10 +11,10 @@ try:
     import triton
     import triton.language as tl
 
-    _IMPORT_ERROR: str | None = None
+    IMPORT_ERROR: str | None = None
 except ImportError as e:  # the backend reports itself unavailable
     triton, tl = None, None
-    _IMPORT_ERROR = (
+    IMPORT_ERROR = (
         "triton is not installed (PyPI has it for Linux only: pip install 'triton>=3.4')"
         if isinstance(e, ModuleNotFoundError) and e.name == "triton" else f"triton is not importable ({e})")
 
@@ -162,7 +162,7 @@ if triton is not None:
     # ---- the kernel ---------------------------------------------------------------------------------------
 
     @triton.jit
-    def _attn_fwd_kernel(
+    def attn_fwd_kernel(
         Q, K, V, Out, Lse, KvLen, QLen, Explicit,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,

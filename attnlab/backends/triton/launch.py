@@ -14,7 +14,7 @@ import torch
 
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton import kernel as _k
-from attnlab.backends.triton.configs import Config, _block_d, _key_axis, _qk_chunk, config_for
+from attnlab.backends.triton.configs import Config, config_for, kernel_key_axis, kernel_qk_chunk, padded_head_dim
 from attnlab.backends.triton.interpreter import interpreter
 from attnlab.backends.triton.kernel import LOG2E, triton
 from attnlab.calls import evict_oldest
@@ -28,7 +28,7 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
     spec = prob.spec
     q, k, v = prob.q, prob.k, prob.v
     D = prob.D
-    block_d = _block_d(D)
+    block_d = padded_head_dim(D)
     explicit = spec.explicit
     if explicit is not None and explicit.dtype == torch.bool:
         explicit = explicit.view(torch.uint8)  # the kernel reads a bool mask as bytes
@@ -39,7 +39,7 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
     left = spec.left if spec.left is not None else 0
     right = spec.right if spec.right is not None else 0
     if dtype_is_f32 := prob.dtype == torch.float32:
-        precision = "tf32" if (_cfg._TF32 and not interpret) else "ieee"
+        precision = "tf32" if (_cfg.TF32 and not interpret) else "ieee"
     else:
         precision = "ieee"  # ignored for half types (their products are exact in float32)
     head = [q, k, v]
@@ -55,8 +55,8 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
         # The interpreter multiplies bfloat16 bit patterns (stored as uint16) as integers in tl.dot;
         # upcasting to float32 first (exact) gives the tensor cores' products.
         UPCAST_DOT=interpret and not dtype_is_f32,
-        QK_CHUNK=_qk_chunk(cfg, block_d),
-        KEY_AXIS=_key_axis(cfg, prob.dtype),
+        QK_CHUNK=kernel_qk_chunk(cfg, block_d),
+        KEY_AXIS=kernel_key_axis(cfg, prob.dtype),
         ROWS_OUTER=_rows_outer(prob, cfg),
     )
     return head, mid, tail, constants
@@ -70,13 +70,13 @@ def _bind(head: Sequence, mid: Sequence, tail: Sequence, out: torch.Tensor, lse:
     return (*head, out, lse, *mid, *out.stride(), *lse.stride(), *tail)
 
 
-def _launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool):
+def jit_launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool):
     """Launch the kernel once with ``cfg`` through Triton's JIT (writes every element of out and lse).
 
     Returns what the JIT returns for a compiled launch (the compiled kernel), None in the interpreter.
     """
     head, mid, tail, constants = _arguments(prob, cfg, interpret, lse is not None)
-    with interpreter(_k._attn_fwd_kernel) if interpret else contextlib.nullcontext(_k._attn_fwd_kernel) as kernel:
+    with interpreter(_k.attn_fwd_kernel) if interpret else contextlib.nullcontext(_k.attn_fwd_kernel) as kernel:
         return kernel[_grid(prob, cfg)](
             *_bind(head, mid, tail, out, lse), **constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **_cfg.COMPILE_OPTIONS,
@@ -119,7 +119,7 @@ class _Plan:
     kernel's launcher directly, with the arguments the JIT would pass: the JIT's per-call work (binding
     about 45 arguments, specializing each, building the cache key) is what made small problems wait for
     the host. That is sound because everything the JIT specializes on is in the plan's key
-    (:func:`_signature`: dtypes, shapes, strides, scalars, which masks are present, and the 16-byte alignment
+    (:func:`call_signature`: dtypes, shapes, strides, scalars, which masks are present, and the 16-byte alignment
     of every pointer) or in the layout key (out's and lse's strides and alignment). Only the tensors
     themselves (their addresses) change from call to call. Launch hooks are honoured as the JIT honours them.
     """
@@ -138,7 +138,7 @@ class _Plan:
         kernel = self.kernels.get(key)
         if kernel is None or not FAST_LAUNCH:
             kernel = self._jit_launch(prob, out, lse)
-            if FAST_LAUNCH and _fast_launch_supported(kernel):
+            if FAST_LAUNCH and fast_launch_supported(kernel):
                 self.kernels[key] = kernel
             return
         write_lse = lse is not None
@@ -156,14 +156,14 @@ class _Plan:
                explicit if explicit is not None else q, *mid_rest)
         # The launcher takes every parameter in signature order, the constants (which come last) too.
         args = (*_bind(head, mid, tail, out, lse), *constants)
-        run_compiled(kernel, self.grid, _current_stream(self.device), args)
+        run_compiled(kernel, self.grid, stream_of(self.device), args)
 
     def _jit_launch(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """A launch through the JIT; a config that does not fit this GPU (a table made on a larger one, or the
         heuristic default) gives way to the next candidate, for this plan and the problem's tune key."""
         while True:
             try:
-                return _launch(prob, out, lse, self.cfg, interpret=False)
+                return jit_launch(prob, out, lse, self.cfg, interpret=False)
             except Exception as err:
                 nxt = _cfg.fall_back(prob, self.cfg) if _cfg.out_of_resources(err) else None
                 if nxt is None:
@@ -190,11 +190,11 @@ class _Plan:
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.device, self.device, self.grid
         current_stream = triton.runtime.driver.active.get_current_stream
-        switches = (_cfg._TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY)
+        switches = (_cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY)
         go = launcher(kernel)
 
         def call(q, k, v, kv_len, q_len, mask, block_table):
-            if (_cfg._TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY) != switches or not FAST_LAUNCH:
+            if (_cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY) != switches or not FAST_LAUNCH:
                 return None
             o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
@@ -317,27 +317,27 @@ def _idle(hook) -> bool:
     return hook is None or (type(getattr(hook, "calls", None)) is list and not hook.calls)
 
 
-def _current_stream(device: int):
+def stream_of(device: int):
     """The raw handle of the current CUDA stream of ``device``, as Triton's JIT launches on it."""
     return triton.runtime.driver.active.get_current_stream(device)
 
 
 @functools.cache
 def _constexpr_names() -> tuple[str, ...]:
-    params = _k._attn_fwd_kernel.params
+    params = _k.attn_fwd_kernel.params
     names = tuple(p.name for p in params if p.is_constexpr)
     assert all(p.is_constexpr for p in params[len(params) - len(names):]), "constants must come last"
     return names
 
 
-def _fast_launch_supported(kernel) -> bool:
+def fast_launch_supported(kernel) -> bool:
     """Whether ``kernel`` (what the JIT returned) has the launcher interface of triton 3.4 to 3.9."""
     knobs = getattr(triton, "knobs", None)
     return (kernel is not None and knobs is not None and hasattr(knobs, "runtime")
             and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")))
 
 
-#: Plans by call signature (:func:`_signature`), so that every call of one shape and mask kind, each with a
+#: Plans by call signature (:func:`call_signature`), so that every call of one shape and mask kind, each with a
 #: new Problem as attnlab.attention makes one, reuses one plan and its compiled kernel. Bounded: the oldest
 #: plan goes first.
 _PLANS: dict[tuple, _Plan] = {}
@@ -348,7 +348,7 @@ def _aligned(t: torch.Tensor | None) -> bool | None:
     return None if t is None else t.data_ptr() % 16 == 0
 
 
-def _signature(prob: Problem) -> tuple:
+def call_signature(prob: Problem) -> tuple:
     """Everything a launch's compiled kernel and its fixed arguments depend on, besides out and lse."""
     spec, q, k, v = prob.spec, prob.q, prob.k, prob.v
     e = spec.explicit
@@ -357,7 +357,7 @@ def _signature(prob: Problem) -> tuple:
         spec.left, spec.right, spec.align, spec.mask is not None, spec.bias is not None,
         None if e is None else (e.dtype, e.stride()),
         _aligned(q), _aligned(k), _aligned(v), _aligned(e), _aligned(spec.kv_len), _aligned(spec.q_len),
-        _cfg._TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY,
+        _cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY,
     )
 
 
@@ -366,10 +366,10 @@ def forget_plans() -> None:
     _PLANS.clear()
 
 
-def _plan(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
+def plan_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
     """The plan of ``prob``'s call signature for the current TF32 and autotune settings (its config from
     config_for)."""
-    key = _signature(prob)
+    key = call_signature(prob)
     plan = _PLANS.get(key)
     if plan is None:
         evict_oldest(_PLANS, MAX_PLANS)
@@ -395,4 +395,4 @@ def autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Conf
             plan = plans[cfg] = _Plan(prob, cfg)
         plan.launch(prob, out, lse)
 
-    return _cfg.fastest(_cfg.candidates(prob.dtype, _block_d(prob.D)), launch, f"dtype={prob.dtype}, D={prob.D}")
+    return _cfg.fastest(_cfg.candidates(prob.dtype, padded_head_dim(prob.D)), launch, f"dtype={prob.dtype}, D={prob.D}")
