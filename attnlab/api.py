@@ -313,8 +313,8 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """The op and its autograd formula, run eagerly without the dispatcher (a call that needs a gradient and
     is not being traced). The same implementation, the same saved tensors, the same backward; what it saves is
-    torch's first-use cost of a custom op's dispatch (it imports torch._dynamo: 5 s on the H200's host in
-    the first training step of every process)."""
+    torch's first-use cost of a custom op's dispatch (it imports torch._dynamo: seconds in the first training
+    step of every process)."""
 
     @staticmethod
     def forward(ctx, *inputs):

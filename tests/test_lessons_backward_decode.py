@@ -82,7 +82,7 @@ def test_decode_tables_of_the_suite():
     configs = dl.suite_configs()
     assert len(configs) >= 1
     roof = dl.decode_roofline(configs)
-    ridge = memory.ridge_point(memory.H200["bf16_tflops"], memory.H200["copy_tbps"])
+    ridge = memory.ridge_point(memory.RECORDED_GPU["bf16_tflops"], memory.RECORDED_GPU["copy_tbps"])
     assert (roof["FLOP/byte"] < ridge).all()
     occ = dl.occupancy(configs, sms=132)
     assert (occ["splits"] >= 1).all()

@@ -86,7 +86,7 @@ def test_measured_roofs_reads_roofs_json(tmp_path):
     r = memory.measured_roofs(tmp_path)
     assert (r["bf16_tflops"], r["fp32_tflops"], r["fp32_fma_tflops"]) == (700.5, 50.0, 49.0)
     assert (r["read_tbps"], r["copy_tbps"], r["name"], r["commit"]) == (4.3, 4.1, "Some GPU", "abc1234")
-    assert r["source"] == f"{tmp_path.name}/roofs.json" and r["hbm_gib"] == memory.H200["hbm_gib"]
+    assert r["source"] == f"{tmp_path.name}/roofs.json" and r["hbm_gib"] == memory.RECORDED_GPU["hbm_gib"]
 
 
 def test_measured_roofs_falls_back_to_the_constants(tmp_path):
@@ -94,9 +94,10 @@ def test_measured_roofs_falls_back_to_the_constants(tmp_path):
         if content is not None:
             (tmp_path / "roofs.json").write_text(content)
         r = memory.measured_roofs(tmp_path)
-        assert r["source"] == "fallback: memory.H200"
-        assert r["bf16_tflops"] == memory.H200["bf16_tflops"] and r["copy_tbps"] == memory.H200["copy_tbps"]
-        assert r["fp32_fma_tflops"] == memory.H200["fp32_tflops"] and r["read_tbps"] == memory.H200["copy_tbps"]
+        assert r["source"] == "fallback: memory.RECORDED_GPU"
+        gpu = memory.RECORDED_GPU
+        assert r["bf16_tflops"] == gpu["bf16_tflops"] and r["copy_tbps"] == gpu["copy_tbps"]
+        assert r["fp32_fma_tflops"] == gpu["fp32_tflops"] and r["read_tbps"] == gpu["copy_tbps"]
 
 
 def test_measured_roofs_recorded_h200():

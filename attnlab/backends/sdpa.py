@@ -6,7 +6,7 @@ as a [B, 1 or Hq, Nq, Nk] bool mask or float bias, because that is the only othe
 Rows with no allowed key are set to 0 afterwards: SDPA's own backends disagree there (math gives NaN,
 cuDNN returned non-zero values on torch 2.11). ``lse`` is not exposed by SDPA: with ``return_lse`` it is
 computed separately in float32, chunked. NaN in the inputs propagates as PyTorch's chosen kernel lets
-it (on the H200 its float32 kernel's NaN pattern differed from the contract's; attnlab does not patch it).
+it (on the recorded GPU its float32 kernel's NaN pattern differed from the contract's; attnlab does not patch it).
 """
 
 from __future__ import annotations

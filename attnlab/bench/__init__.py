@@ -21,7 +21,7 @@ compiled FlexAttention (``flex``).
 What one measurement is
 -----------------------
 For each case (shapes, dtype, masks) the harness draws several input sets (q, k, v; masks shared), enough
-that together they are at least 4x the L2 (60 MB on an H200; at least 2 sets, at most 8), so that rotating
+that together they are at least 4x the L2 (tens of MB on data-center GPUs; at least 2 sets, at most 8), so that rotating
 among them keeps the timed calls from reading a warm L2. For each competitor:
 
 1. the first call runs on set 0 (it also pays JIT, autotuning and compilation); its output is checked with

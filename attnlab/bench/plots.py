@@ -196,7 +196,7 @@ def decode_config_label(d: pd.DataFrame) -> list[str]:
             for b, hq, hkv, nk, m in zip(d["B"], d["Hq"], d["Hkv"], d["Nk"], d["mask"])]
 
 
-def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.H200["copy_tbps"],
+def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.RECORDED_GPU["copy_tbps"],
                      backends: Iterable[str] | None = None, title: str = "",
                      read_tbps: float | None = None) -> Figure | None:
     """Decode (Nq = 1): achieved K/V bandwidth per recorded configuration (no median over batch sizes or
@@ -231,7 +231,8 @@ def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.H200[
 
 
 def bench_roofline(df: pd.DataFrame | None, *, backends: Iterable[str] | None = None,
-                   peak_tflops: float = memory.H200["bf16_tflops"], tbps: float = memory.H200["copy_tbps"],
+                   peak_tflops: float = memory.RECORDED_GPU["bf16_tflops"],
+                   tbps: float = memory.RECORDED_GPU["copy_tbps"],
                    unfused: Iterable[str] = ("torch", "sdpa-math"), title: str = "",
                    extra_peaks: Mapping[str, float] | None = None) -> Figure | None:
     """The best measured configuration of each backend on the roofline, at the intensity of the traffic

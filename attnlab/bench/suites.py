@@ -176,7 +176,7 @@ def fp32_suite(device: str = "cuda") -> list[BenchCase]:
 def memory_suite(device: str = "cuda") -> list[BenchCase]:
     """Peak extra memory against N (1024 .. 32768), B2 H16 D128 bf16, no mask; few timed calls.
 
-    The textbook holds about three bf16 score copies at its peak: 3 x 16 GiB at N 16384 fits an H200,
+    The textbook holds about three bf16 score copies at its peak: 3 x 16 GiB at N 16384 fits a 141 GB GPU,
     3 x 64 GiB at N 32768 does not, so it runs out within the range (B1 would not); once a backend has run
     out, the larger cases record it as skipped.
     """

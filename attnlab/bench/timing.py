@@ -115,7 +115,7 @@ def measure_peak(call: Callable[[int], torch.Tensor], i: int, device: torch.devi
     return a.elapsed_time(b), max(0.0, (peak - before - out_bytes) / MIB)
 
 
-#: GPU clock cycles of the sleep queued before the host-time calls (about 10 ms at the H200's 1.98 GHz).
+#: GPU clock cycles of the sleep queued before the host-time calls (about 10 ms at 2 GHz).
 HOST_SLEEP_CYCLES = 20_000_000
 
 

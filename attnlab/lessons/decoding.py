@@ -48,8 +48,8 @@ def suite_configs(cases: Iterable | None = None) -> pd.DataFrame:
 
 
 # ---- bytes against FLOPs ----------------------------------------------------------------------------------
-def decode_roofline(configs: pd.DataFrame, *, tbps: float = memory.H200["copy_tbps"],
-                    peak_tflops: float = memory.H200["bf16_tflops"]) -> pd.DataFrame:
+def decode_roofline(configs: pd.DataFrame, *, tbps: float = memory.RECORDED_GPU["copy_tbps"],
+                    peak_tflops: float = memory.RECORDED_GPU["bf16_tflops"]) -> pd.DataFrame:
     """Per configuration: FLOPs, HBM bytes of the fused forward (q, k, v read once, o and lse written), the
     arithmetic intensity, and the time the bytes take at ``tbps`` against the time the FLOPs take at
     ``peak_tflops``."""

@@ -152,7 +152,7 @@ def online_trace(s: torch.Tensor, trace: pd.DataFrame, *, component: int = 0) ->
 
 
 # ---- memory, traffic, roofline -----------------------------------------------------------------------
-def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = memory.H200["hbm_gib"] * 2**30,
+def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = memory.RECORDED_GPU["hbm_gib"] * 2**30,
                 title: str = "") -> Figure:
     """Extra memory against N from :func:`attnlab.lessons.memory.sweep`: one score matrix, the textbook version's
     modelled peak and a fused kernel's, with the GPU's memory as a horizontal line."""
@@ -163,7 +163,7 @@ def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = memory.H200["h
     ax.plot(sweep["N"], sweep["fused_extra"], marker="^", label="fused peak (model: out + lse)")
     if hbm_bytes:
         ax.axhline(hbm_bytes, color="#c0392b", linestyle="--",
-                   label=f"H200 memory (141 GB = {memory.fmt_bytes(hbm_bytes)})")
+                   label=f"{memory.RECORDED_GPU['name']} memory ({memory.fmt_bytes(hbm_bytes)})")
     binary_axis(ax)
     n_axis(ax, list(sweep["N"]))
     ax.set_ylabel("extra memory (bytes, log scale)")
@@ -173,7 +173,7 @@ def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = memory.H200["h
     return fig
 
 
-def traffic_vs_n(sweep: pd.DataFrame, *, tbps: float = memory.H200["copy_tbps"], title: str = "") -> Figure:
+def traffic_vs_n(sweep: pd.DataFrame, *, tbps: float = memory.RECORDED_GPU["copy_tbps"], title: str = "") -> Figure:
     """HBM traffic of the unfused and fused pipelines against N (left) and its time at ``tbps`` next to
     the compute time at the matmul peak (right)."""
     fig, axes = new_figure(1, 2, size=(11.0, 4.0))
@@ -199,7 +199,7 @@ def traffic_vs_n(sweep: pd.DataFrame, *, tbps: float = memory.H200["copy_tbps"],
 
 
 def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *,
-             peak_tflops: float = memory.H200["bf16_tflops"], tbps: float = memory.H200["copy_tbps"],
+             peak_tflops: float = memory.RECORDED_GPU["bf16_tflops"], tbps: float = memory.RECORDED_GPU["copy_tbps"],
              extra_peaks: Mapping[str, float] | None = None, colors: Sequence[object] | None = None,
              title: str = "") -> Figure:
     """The roofline ``min(peak, I * bandwidth)`` with labelled points.
@@ -406,7 +406,7 @@ def ladder_chart(lad: pd.DataFrame) -> Figure:
     ax.invert_yaxis()
     ax.set_xlim(0.97, max(1.3, float(np.nanmax(lad["speedup"])) + 0.12))
     ax.set_xlabel("speedup of the step (kernel time before / after, measured side by side)")
-    ax.set_title("rowmax ladder (float32, H200, recorded)")
+    ax.set_title("rowmax ladder (float32, recorded)")
     ax.legend(handles=[Patch(color=c, label={"yes": "kept", "no": "not kept", "opt-in": "opt-in switch"}[k])
                        for k, c in colors.items()], loc="lower right")
     fig.tight_layout()

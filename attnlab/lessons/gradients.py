@@ -173,7 +173,7 @@ def memory_table(Ns: Iterable[int], *, B: int = 1, H: int = 16, D: int = 128,
     return df
 
 
-def plot_memory(df: pd.DataFrame, *, hbm_bytes: float = memory.H200["hbm_gib"] * 2**30, title: str = ""):
+def plot_memory(df: pd.DataFrame, *, hbm_bytes: float = memory.RECORDED_GPU["hbm_gib"] * 2**30, title: str = ""):
     """Saved-for-backward bytes against N: textbook P, fused lse, and q, k, v, o for scale."""
     fig, axes = new_figure(size=(7.5, 4.2))
     ax = axes[0, 0]
@@ -181,7 +181,8 @@ def plot_memory(df: pd.DataFrame, *, hbm_bytes: float = memory.H200["hbm_gib"] *
     ax.plot(df["N"], df["fused_saved"], marker="o", label="fused: lse [B, H, N] float32")
     ax.plot(df["N"], df["qkvo"], marker="o", linestyle="--", color="grey", label="q, k, v, o (both keep them)")
     if hbm_bytes:
-        ax.axhline(hbm_bytes, color="#c0392b", linestyle=":", label=f"H200 HBM ({memory.fmt_bytes(hbm_bytes)})")
+        gpu = memory.RECORDED_GPU["name"]
+        ax.axhline(hbm_bytes, color="#c0392b", linestyle=":", label=f"{gpu} HBM ({memory.fmt_bytes(hbm_bytes)})")
     n_axis(ax, list(df["N"]))
     binary_axis(ax)
     ax.set_ylabel("bytes saved for the backward")

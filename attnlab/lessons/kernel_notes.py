@@ -140,7 +140,7 @@ def fp32_layout_log(path: Path | str | None = None) -> dict:
 
 
 # ---- launch limits and the nvcc route ----------------------------------------------------------------
-#: Per-multiprocessor limits of sm_90 (H100/H200) that bound how many blocks are resident at once.
+#: Per-multiprocessor limits of sm_90 (Hopper) that bound how many blocks are resident at once.
 SM90_LIMITS = {"threads": 2048, "blocks": 32, "registers": 65536, "shared_bytes": 228 * 1024,
                "reserved_per_block": 1024}
 

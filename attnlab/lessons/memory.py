@@ -12,8 +12,8 @@ questions about GPUs you do not have. Conventions:
   (``ceil(Nq / BLOCK_M)`` times, fewer from HBM when the L2 cache serves the re-reads) and writes O and the
   log-sum-exp, never the scores.
 
-The measured roofs come from ``data/bench/<gpu>/roofs.json`` (:func:`measured_roofs`), the older H200
-ceilings (:data:`H200`, its fallback) and anchors (:data:`ANCHORS`) are listed with their versions in
+The measured roofs come from ``data/bench/<gpu>/roofs.json`` (:func:`measured_roofs`), the older
+ceilings (:data:`RECORDED_GPU`, its fallback) and anchors (:data:`ANCHORS`) are listed with their versions in
 docs/design.md, "Measured figures".
 """
 
@@ -28,9 +28,10 @@ import pandas as pd
 
 from attnlab.paths import BENCH_DIR
 
-#: Ceilings of an NVIDIA H200 measured before ``scripts/roofs.py`` (docs/design.md, "Measured figures"):
-#: TFLOP/s and TB/s. The fallback of :func:`measured_roofs`, which reads the re-measured roofs when recorded.
-H200 = {
+#: Ceilings of the GPU the recorded data comes from, measured before ``scripts/roofs.py`` (docs/design.md,
+#: "Measured figures"): TFLOP/s and TB/s. The fallback of :func:`measured_roofs`, which reads the re-measured
+#: roofs when recorded.
+RECORDED_GPU = {
     "name": "NVIDIA H200",
     "bf16_tflops": 692.0,  # dense bf16 matmul, measured
     "fp32_tflops": 51.0,  # IEEE float32 matmul (TF32 off), measured
@@ -38,23 +39,23 @@ H200 = {
     "hbm_gib": 141e9 / 2**30,  # 141 GB of HBM3e
 }
 
-#: Where :func:`measured_roofs` looks by default: the recorded H200 data (``ATTNLAB_BENCH_DIR`` moves it).
+#: Where :func:`measured_roofs` looks by default: the recorded GPU's data (``ATTNLAB_BENCH_DIR`` moves it).
 DEFAULT_GPU_DIR = BENCH_DIR / "nvidia-h200"
 
 
 def measured_roofs(gpu_dir: Path | str | None = None) -> dict:
     """The roofs measured on one GPU (``<gpu_dir>/roofs.json``, written by ``scripts/roofs.py``), or the
-    constants of :data:`H200` when that file is absent or unreadable.
+    constants of :data:`RECORDED_GPU` when that file is absent or unreadable.
 
     Keys: ``name``; ``bf16_tflops`` (dense bf16 matmul: the roof of the tensor-core kernels);
     ``fp32_tflops`` (IEEE float32 matmul, TF32 off); ``fp32_fma_tflops`` (float32 FMAs in registers: the roof
     of the CUDA-core kernels); ``read_tbps`` (read-only stream: the memory roof); ``copy_tbps`` (a
     device-to-device copy, which reads and writes); ``hbm_gib``; and where they come from: ``source`` (the
-    file, or ``"fallback: memory.H200"``), ``commit``, ``date_utc``, ``how``. The fallback has no FMA or
+    file, or ``"fallback: memory.RECORDED_GPU"``), ``commit``, ``date_utc``, ``how``. The fallback has no FMA or
     read-only measurement, so it uses the float32 matmul rate and the copy rate for them.
     """
-    fallback = {**H200, "fp32_fma_tflops": H200["fp32_tflops"], "read_tbps": H200["copy_tbps"],
-                "source": "fallback: memory.H200", "commit": None, "date_utc": None, "how": None}
+    fallback = {**RECORDED_GPU, "fp32_fma_tflops": RECORDED_GPU["fp32_tflops"], "read_tbps": RECORDED_GPU["copy_tbps"],
+                "source": "fallback: memory.RECORDED_GPU", "commit": None, "date_utc": None, "how": None}
     path = Path(gpu_dir if gpu_dir is not None else DEFAULT_GPU_DIR) / "roofs.json"
     try:
         rec = json.loads(path.read_text())
@@ -68,7 +69,7 @@ def measured_roofs(gpu_dir: Path | str | None = None) -> dict:
         return fallback
 
 
-#: Extra memory measured on the H200 (docs/design.md), bf16, textbook torch vs a fused kernel, in MiB.
+#: Extra memory measured on the recorded GPU (docs/design.md), bf16, textbook torch vs a fused kernel, in MiB.
 ANCHORS = pd.DataFrame(
     [
         (8, 16, 1024, 64, 528.0, 16.0, "528 MiB"),
@@ -172,7 +173,7 @@ def fused_traffic(
     return Traffic(operands=total, scores=0)
 
 
-def seconds_at(nbytes: float, tbps: float = H200["copy_tbps"]) -> float:
+def seconds_at(nbytes: float, tbps: float = RECORDED_GPU["copy_tbps"]) -> float:
     """Time to move ``nbytes`` at ``tbps`` TB/s (decimal terabytes, as bandwidths are quoted)."""
     return nbytes / (tbps * 1e12)
 
@@ -210,7 +211,7 @@ def fused_peak_extra(B: int, H: int, Nq: int, Nk: int, D: int, dtype: object = "
 
 
 def sweep(Ns, *, B: int = 1, H: int = 16, D: int = 128, dtype: object = "bfloat16", causal: bool = False,
-          tbps: float = H200["copy_tbps"], peak_tflops: float = H200["bf16_tflops"]) -> pd.DataFrame:
+          tbps: float = RECORDED_GPU["copy_tbps"], peak_tflops: float = RECORDED_GPU["bf16_tflops"]) -> pd.DataFrame:
     """One row per N (Nq = Nk = N): score bytes, traffic, modelled extra memory, time at ``tbps``,
     intensity and the roofline bound of both pipelines."""
     rows = []

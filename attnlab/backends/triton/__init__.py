@@ -37,8 +37,8 @@ rows D floats apart, all in one bank. A ``keys_major`` config (float32 only) hol
 transposed: ``S^T = K Q^T`` ([BLOCK_N, BLOCK_M]), ``O^T += V^T P^T``, the running max and sum reduced
 over axis 0 (the kernel's ``KEY_AXIS``). K is then read by two threads per warp, and Q^T, built once per
 program as an exact product with the identity (a dot's result is query-contiguous), by all of them
-without conflict. On the H200 that made the float32 kernel 2.8x faster (B8 H16 N2048 D64 causal: 5.90
-to 2.13 ms). Keys-major runs one loop over its key tiles and finds the partial ones at run time.
+without conflict (docs/decisions.md, "float32 tiles"). Keys-major runs one loop over its key tiles and finds
+the partial ones at run time.
 
 Block skipping
 --------------
@@ -53,7 +53,7 @@ lengths are clamped to ``[0, N]`` as they are loaded, so no length makes an acce
 explicit bool mask or bias is data, not structure: where one is given, every visited tile reads it through
 its broadcast strides (stride 0, never materialized), a bias in the caller's dtype (converted in
 registers). The three phases (partial, full, partial) are one loop body specialized at compile time by
-``tl.static_range``.
+``tl.static_range``; the first is compiled only for a band with a left edge (without one it is empty).
 
 Where it runs
 -------------
@@ -67,8 +67,7 @@ Launches of one call signature (shapes, strides, dtypes, mask kind, alignment: :
 plan (:class:`_Plan`): its arguments and compiled kernel, with Triton's launcher called directly rather than
 through the JIT's per-call binding. :func:`attnlab.attention` goes further for a signature it has seen
 (:mod:`attnlab.calls`): the plan's fast call allocates the output and launches, with nothing validated or
-looked up again; on an H200 that brought the public call's host time to 20-37 us, 0-19% above a raw SDPA
-call's 18-31 us (data/gpu_tests/nvidia-h200-host-time-b9428a4.txt). ``FAST_LAUNCH = False`` (or
+looked up again (docs/decisions.md, "Host time of small calls"). ``FAST_LAUNCH = False`` (or
 ATTNLAB_TRITON_FAST_LAUNCH=0) sends every launch through the JIT.
 
 On CPU tensors the very same Python function runs through Triton's interpreter

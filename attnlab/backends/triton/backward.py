@@ -73,11 +73,8 @@ def dkdv_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
         if block_d <= 128:
             return [BwdConfig(16, 32, 4, 2), BwdConfig(32, 32, 8, 2)]
         return [BwdConfig(16, 16, 4, 1), BwdConfig(16, 32, 8, 1)]
-    # H200, bf16 D128 (data/gpu_tests/nvidia-h200-tune-sweep-189ca35.txt), ms for B8 H16 N4096 with ragged
-    # kv_len (B4 H16 N4096 causal): (64, 128, 8, 3) 2.27 (1.16), (64, 128, 8, 2) 2.68 (1.24), (32, 128, 8, 3)
-    # 2.68 (1.35), (32, 64, 4, 2) 2.82 (1.26), (32, 128, 8, 2) 3.52 (1.54), (64, 64, 8, 2) 4.97 (2.22); four
-    # warps with 128-key tiles (the Triton tutorial's choice) 7.2 and more. The third stage hides the
-    # streaming Q and dO loads behind the five dots.
+    # Eight warps and a third stage, which hides the streaming Q and dO loads behind the five dots (docs/decisions.md,
+    # "The backward's tiles").
     if block_d <= 64:
         return [BwdConfig(64, 128, 8, 3), BwdConfig(64, 64, 4, 3), BwdConfig(32, 128, 4, 3),
                 BwdConfig(64, 128, 8, 2)]
@@ -98,9 +95,7 @@ def dq_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
     if block_d <= 64:
         return [BwdConfig(128, 64, 8, 3), BwdConfig(128, 32, 4, 3), BwdConfig(64, 64, 4, 3)]
     if block_d <= 128:
-        # H200, bf16 D128 (the same sweep), ms for the ragged kv_len case (causal): (128, 64, 8, 3) 1.54
-        # (0.78), (64, 64, 4, 2) 1.55 (0.83), (128, 32, 8, 2) 1.58 (0.84), (64, 32, 4, 3) 1.66 (0.85),
-        # (128, 64, 8, 2) 1.77 (0.95).
+        # ordered by a sweep (docs/decisions.md, "The backward's tiles")
         return [BwdConfig(128, 64, 8, 3), BwdConfig(64, 64, 4, 2), BwdConfig(128, 32, 8, 2), BwdConfig(64, 32, 4, 3)]
     return [BwdConfig(64, 32, 8, 1), BwdConfig(64, 16, 4, 1), BwdConfig(32, 32, 4, 1)]
 

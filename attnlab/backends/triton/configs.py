@@ -111,12 +111,8 @@ def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
     """
     if dtype == torch.float32:
         # IEEE products run on the FMA units, through shared memory: keys-major tiles (see kernel_key_axis) read it
-        # without bank conflicts. H200, causal, each candidate timed beside sdpa-efficient (data/gpu_tests/
-        # nvidia-h200-fp32-layouts.txt): B8 H16 N2048 D64, (64, 32, 4, 2) keys-major rows-outer 2.13 ms
-        # (sdpa-efficient 2.16; the best query-major tile 3.58, with the D-chunked Q K^T 5.90); B1 H8 N1024
-        # D64, (32, 64, 4, 2) keys-major 0.088 to 0.113 ms (sdpa-efficient 0.107); B4 H16 N2048 D128,
-        # (32, 32, 4, 2) keys-major rows-outer 2.41 ms (query-major 6.21). One query-major candidate each
-        # keeps that orientation in the space (and in the GPU tests).
+        # without bank conflicts (docs/decisions.md, "float32 tiles"). One query-major candidate each keeps that
+        # orientation in the space (and in the GPU tests).
         if block_d <= 64:
             return [Config(64, 32, 4, 2, keys_major=True, rows_outer=True), Config(32, 64, 4, 2, keys_major=True),
                     Config(32, 64, 4, 2, keys_major=True, rows_outer=True), Config(64, 64, 8, 2, keys_major=True),
@@ -126,8 +122,7 @@ def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
                     Config(32, 64, 8, 2, qk_chunk=16)]
         return [Config(16, 64, 8, 2)]
     if block_d <= 64:
-        # (64, 64, 4, 2): small causal problems (H200, B8 H16 N1024 D64 causal: 0.070 ms of GPU time against
-        # 0.078 for (128, 64, 4, 3) and 0.094 for (128, 128, 8, 3)).
+        # (64, 64, 4, 2): for small causal problems (docs/decisions.md, "float32 tiles" and the tuned table)
         return [Config(128, 64, 4, 3), Config(128, 128, 8, 3), Config(128, 64, 8, 4), Config(64, 64, 4, 3),
                 Config(64, 64, 4, 2)]
     if block_d <= 128:
@@ -164,11 +159,8 @@ def tune_key(prob: Problem) -> tuple:
     )
 
 
-#: How long autotune warms up and times each candidate (ms, ``do_bench``'s warmup and rep). Timed longer
-#: (25 and 100 ms), bf16/fp16 D128 problems were tuned to (128, 64, 8, 3), faster under do_bench (which clears
-#: the L2 before each call), but the benchmark harness, timing the public call back to back on rotating inputs,
-#: then read B4 H16 N4096 D128 6.6% and N16384 D128 causal 12% slower than with the (64, 64, 4, 3) that 5 and
-#: 20 ms pick (H200, sdpa-flash unchanged beside them: data/gpu_tests/nvidia-h200-tune-timing-ab.txt).
+#: How long autotune warms up and times each candidate (ms, ``do_bench``'s warmup and rep): longer timings picked
+#: configs that the public call then ran slower (docs/decisions.md, "How long a tune times each candidate").
 TUNE_WARMUP_MS, TUNE_REP_MS = 5, 20
 
 

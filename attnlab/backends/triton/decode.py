@@ -34,21 +34,16 @@ MAX_BLOCK_M = 64
 MAX_SPLITS = 256
 MIN_TILES_PER_SPLIT = 4
 #: The most programs per SM the split count aims at, and what it assumes when the split kernel's occupancy
-#: is unknown (no compile yet: the notebooks' tables). Where more fit (bf16 D128 on the H200: 5), more and
-#: shorter splits were no faster: B1 Hkv8 Nk32k 43.9 us at S=74 (5 per SM) against 41.0 for the same kernel
-#: at S=64 (data/gpu_tests/nvidia-h200-decode-occupancy.txt and -decode-graph-5cb7f5f.txt, graph replay); 69.2 us
-#: at B8 Hkv8 Nk8k with S=10 and with S=8.
+#: is unknown (no compile yet: the notebooks' tables). Where more fit, more and shorter splits were no faster
+#: (docs/decisions.md, "The decode's split count").
 PROGRAMS_PER_SM = 4
 #: With ragged kv_len, when the (batch, kv head, row tile) programs alone already fill every SM (MHA at
 #: B >= 8): the host cannot see the lengths, and many short programs even the load out, so the split aims at
-#: 16 programs per SM (B16 Hkv32 Nk16k: 634 us at S=1, 596-601 at S=4-6;
-#: data/gpu_tests/nvidia-h200-tune-sweep-189ca35.txt, graph replay, bf16 D128).
+#: 16 programs per SM (docs/decisions.md, "The decode's split count").
 PROGRAMS_PER_SM_WIDE_RAGGED = 16
 #: Columns of out per merge program (a row of D columns is merged by D / MERGE_BLOCK_D programs). A second
-#: kernel merges: the split kernel merging its own states (the last split of each column to take a ticket
-#: merges the column's rows: one launch a call, 5-15 us less host time) was 6-11 us slower on the GPU at
-#: B16 Hkv8 Nk4k, B8 Hkv8 Nk8k, B1 Hkv8 Nk32k and B1 Hkv8 Nk131k, and slower back to back too (B1 Hkv8
-#: Nk32k 51.7 against 41.9 us a call: data/gpu_tests/nvidia-h200-merge-ab-87c02c2.txt).
+#: kernel merges, rather than the split kernel's last split (docs/decisions.md, "Host time of small calls, and
+#: one launch or two for the decode").
 MERGE_BLOCK_D = 32
 #: The interpreter's fixed split count when none is forced (so CPU runs exercise the merge).
 INTERPRETER_SPLITS = 3
@@ -83,12 +78,9 @@ INTERPRETER_CONFIG = DecodeConfig(16, 1, 1)
 
 
 #: The config of the contiguous cache, half types, D 128 and at most 16 packed rows: 128-key tiles, three stages
-#: (two K/V tiles, 128 KiB, in flight while one is used), one program per SM. On the H200 (bf16, graph replay)
-#: it was as fast as or faster than (64, 4, 2) at up to 4 programs per SM on every decode-suite configuration
-#: without ragged lengths: B16 Hq32 Hkv8 Nk4k 65.5 against 67.5 us (one split, no merge), B1 Hkv8 Nk32k 37.6
-#: against 37.8, B8 Hkv8 Nk8k 66.5 against 67.3, B1 Hkv32 Nk131k 468.4 against 469.6; but slower with ragged
-#: lengths, where few long programs leave SMs idle once the short sequences are done: B8 Hkv8 Nk32k 207.6
-#: against 200.9, B16 Hkv32 Nk16k 695.5 against 660.4 (data/gpu_tests/nvidia-h200-decode-deep-sweep-2.txt).
+#: (two K/V tiles, 128 KiB, in flight while one is used), one program per SM: as fast as or faster than
+#: (64, 4, 2) without ragged lengths, slower with them, where few long programs leave SMs idle once the short
+#: sequences are done (docs/decisions.md, "The decode's tiles and schedule").
 DEEP_CONFIG = DecodeConfig(128, 4, 3, per_sm=1)
 #: Shared memory a block of DEEP_CONFIG's split kernel needs (136 KiB compiled for sm_90 with triton 3.6): GPUs
 #: that give a block less (consumer GPUs: about 100 KiB) run (64, 4, 2).
@@ -97,17 +89,16 @@ DEEP_SHARED_BYTES = 144 * 1024
 
 def default_config(dtype: torch.dtype, D: int, paged: bool = False, rows: int = 16,
                    ragged: bool = False, deep_fits: bool = True) -> DecodeConfig:
-    """The GPU config for a dtype and head dim. bf16 D128 on the H200, a contiguous cache: DEEP_CONFIG, but
+    """The GPU config for a dtype and head dim. Half types, D128, a contiguous cache: DEEP_CONFIG, but
     (64, 4, 2) at up to 4 programs per SM with kv_len (``ragged``: the host cannot see whether the lengths are
     equal, and with ragged ones more, shorter splits even the load out; :func:`num_splits`), with more than 16
     packed rows (``rows``: BLOCK_M; not measured deep) and for the paged cache, whose kernel was slower at one
-    program per SM (1.03-1.18x the contiguous cache's time against 1.01-1.07x: its K/V loads gather rows block
-    by block; data/gpu_tests/nvidia-h200-paged-ab-27fec02.txt), and where a block cannot
-    have DEEP_SHARED_BYTES of shared memory (``deep_fits``). A paged cache's kernel with 16 packed rows is
-    capped at 128 registers a thread, so that 4 programs fit on an SM: with the block size a run-time value it
-    needed 149-153 (3 fit; 333 us against 246 capped at B8 Hkv32 Nk8k: data/gpu_tests/nvidia-h200-decode-occupancy.txt);
-    with the block size a compile-time constant ptxas gives it 124 for sm_90 (triton 3.6) and the cap binds no
-    more. Larger row tiles were not measured capped, and ROCm's Triton has no such option: uncapped there."""
+    program per SM (its K/V loads gather rows block by block), and where a block cannot have
+    DEEP_SHARED_BYTES of shared memory (``deep_fits``). A paged cache's kernel with 16 packed rows is capped at
+    128 registers a thread, so that 4 programs fit on an SM (with the block size a compile-time constant the
+    cap binds no more; kept for other compilers). Larger row tiles were not measured capped, and ROCm's Triton
+    has no such option: uncapped there. The measurements: docs/decisions.md, "The decode's tiles and
+    schedule"."""
     block_d = padded_head_dim(D)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2) if block_d <= 128 else DecodeConfig(16, 4, 2)
@@ -159,7 +150,7 @@ def programs_per_sm(regs: int, shared: int, num_warps: int, *, regs_per_sm: int 
                     shared_per_sm: int = 233472, threads_per_sm: int = 2048, max_programs: int = 32) -> int:
     """How many programs of a kernel using ``regs`` registers per thread and ``shared`` bytes of shared
     memory fit on one SM at once: registers are given out per warp in units of 256, and the driver keeps 1 KiB
-    of shared memory per program (the defaults are an H100/H200 SM's)."""
+    of shared memory per program (the defaults are a Hopper SM's)."""
     warp_regs = -(-max(regs, 1) * 32 // 256) * 256
     by_regs = regs_per_sm // warp_regs // num_warps
     by_shared = shared_per_sm // (shared + 1024)

@@ -132,7 +132,7 @@ if triton is not None:
                 s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
             p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 0, True)
             # V^T is loaded here, after the softmax: loaded first, the FMA dot's operand registers of it stay
-            # live across Q K^T (on the H200's compiler: 255 registers and spills)
+            # live across Q K^T (sm_90, triton 3.6: 255 registers and spills)
             v = tiles.load_tile(v_ptrs, keys, offs_d, Lk, D, 1, True, EVEN_D, False)
             acc = tl.dot(v, p, acc, input_precision=DOT_PRECISION)  # O^T += V^T P^T
         return m_i, l_i, acc

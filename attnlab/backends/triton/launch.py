@@ -87,10 +87,9 @@ def _rows_outer(prob: Problem, cfg: Config) -> bool:
     """Whether the grid runs row tiles outermost (``cfg.rows_outer``; a grid's z extent is at most 65535).
 
     Under a causal mask a row tile's work grows with its index. Launched head by head (each head's
-    tiles longest first), the last head's longest tile starts near the end and runs alone: a greedy
-    schedule of B8 H16 N2048 (64-row tiles, 528 resident programs on an H200) ends at 1.16x the
-    ideal. With row tiles outermost, the longest tiles of every head go first and the tail is short
-    tiles: 1.01x. Heads then share less of their K/V in L2, which the (compute-bound) float32
+    tiles longest first), the last head's longest tile starts near the end and runs alone; with row tiles
+    outermost, the longest tiles of every head go first and the tail is short tiles (docs/decisions.md,
+    "Row tiles outermost"). Heads then share less of their K/V in L2, which the (compute-bound) float32
     candidates afford.
     """
     return cfg.rows_outer and triton.cdiv(prob.Nq, cfg.block_m) <= 65535
@@ -308,8 +307,8 @@ def idle_hooks(runtime) -> bool:
     """Whether no Triton launch hook is set in ``runtime`` (``triton.knobs.runtime``). Then a launch hands the
     compiled launcher None for both hooks and no metadata, and a fast call int addresses: given tensors, the
     hooks and launch metadata, it asks the driver about every pointer, builds the metadata and calls both
-    hooks, 5-12 us more per call on the H200's host (data/gpu_tests/nvidia-h200-direct-launch.txt and
-    -launch-cost.txt). Triton 3.6 to 3.9 keep the hooks in a HookChain, empty when none is set; older ones hold None."""
+    hooks, several us more per call (docs/decisions.md, "Host time of small calls"). Triton 3.6 to 3.9 keep
+    the hooks in a HookChain, empty when none is set; older ones hold None."""
     return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
 
 
@@ -383,9 +382,7 @@ def autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Conf
     Each candidate launches through its own :class:`_Plan` (the JIT once, then the direct launcher), so
     that the host stays ahead of the GPU and ``do_bench`` (which clears the L2 before every call) times
     the kernel rather than the host; and the median is kept, not the mean, so that one slow call cannot
-    decide. (On the H200, JIT launches cost 97 us of host time, more than the L2 clear between two timed
-    calls; with them and the mean, fp16 B8 H16 N1024 D64 causal was once tuned to (128, 128, 8, 3),
-    0.095 ms of GPU time, over (64, 64, 4, 2), 0.070 ms.)
+    decide (docs/decisions.md, "How long a tune times each candidate").
     """
     plans: dict[Config, _Plan] = {}
 

@@ -34,7 +34,7 @@ SIZE_FIELDS = ("nq", "nk", "bh")
 
 
 def gpu_family(device: torch.device | int | None = None) -> str:
-    """``sm<major><minor>`` of a CUDA device (``sm90`` for the H100 and H200)."""
+    """``sm<major><minor>`` of a CUDA device (``sm90`` for Hopper)."""
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
 
