@@ -123,18 +123,6 @@ def test_decode_splits_and_paged_example():
     assert dl.plot_block_table(ex) is not None
 
 
-def test_parse_decode_log(tmp_path):
-    assert dl.parse_decode_log(tmp_path / "missing.txt") is None
-    log = tmp_path / "log.txt"
-    log.write_text("-- B1 Hq32 Hkv8 Nk32768: 134 MB of K/V\n"
-                   "   triton-decode                       52.6 us     2554 GB/s  splits=32\n"
-                   "     (split kernel alone)              47.9 us     2804 GB/s\n"
-                   "   triton-decode paged16              107.9 us     1244 GB/s\n")
-    df = dl.parse_decode_log(log)
-    assert list(df["variant"]) == ["triton-decode", "triton-decode paged16"]
-    assert list(df["gbps"]) == [2554.0, 1244.0]
-
-
 def test_bandwidth_table():
     df = pd.DataFrame({"case": ["c", "c", "c"], "backend": ["triton", "sdpa-cudnn", "flex"],
                        "status": ["ok", "ok", "unsupported"], "gbps": [1000.0, 2000.0, None]})
@@ -143,69 +131,65 @@ def test_bandwidth_table():
     assert dl.bandwidth_table(None) is None
 
 
-def test_parse_graph_profile(tmp_path):
-    assert dl.parse_graph_profile(tmp_path / "missing.txt") is None
-    log = tmp_path / "profile.txt"
-    log.write_text("# header\nB1 Hkv8 Nk32768 sdpa-cudnn             37.0 us      4 GB/s\n"
-                   "B1 Hkv8 Nk32768 attnlab paged16      52.8 us      3 GB/s\n"
-                   "B1 Hkv8 Nk32768 sweep bn64 w4 st2 (default S=32): S4:188.7\n")
-    df = dl.parse_graph_profile(log)
-    assert list(df["variant"]) == ["sdpa-cudnn", "paged16"]
-    assert df["gbps"].iloc[0] == pytest.approx(2 * 8 * 32768 * 128 * 2 / 37e-6 / 1e9)
+def test_recorded_decode_experiments_load_as_frames(tmp_path):
+    """Each recorded decode experiment is a CSV with its columns; an unknown name is a ValueError and a GPU
+    folder without the file gives None."""
+    columns = {"decode-deep-sweep": ["config", "variant", "S", "paged", "us", "ok"],
+               "decode-merge-ab": ["config", "way", "graph_us", "gbps", "stream_us", "host_us"],
+               "decode-pdl-ab": ["config", "way", "graph_us", "events_us", "equal"],
+               "decode-graph": ["config", "variant", "us", "gbps"],
+               "read-ceiling": ["config", "bytes", "reader", "us", "tbps", "ok"]}
+    assert set(columns) == set(dl.EXPERIMENTS)
+    for name, cols in columns.items():
+        df = dl.experiment(name)
+        assert list(df.columns) == cols and len(df) > 0, name
+    assert dl.experiment("decode-graph", tmp_path / "some-gpu") is None
+    with pytest.raises(ValueError, match="unknown decode experiment"):
+        dl.experiment("decode-run2")
 
 
-def test_parse_merge_ab_and_its_story(tmp_path):
-    assert dl.parse_merge_ab(tmp_path / "missing.txt") is None
-    log = tmp_path / "ab.txt"
-    log.write_text("# config | way | graph us | GB/s | stream us | host us | splits | regs | checked\n"
-                   "B1 Hkv8 Nk32768 | sdpa-cudnn | 37.7 | 3560 | 44.5 | 45.3 |  | ok\n"
-                   "B1 Hkv8 Nk32768 | merge-in-split | 50.1 | 2678 | 51.7 | 20.3 | 64 | 96 | ok\n"
-                   "B1 Hkv8 Nk32768 | merge-kernel | 39.5 | 3397 | 41.9 | 35.6 | 64 | 96 | ok\n"
-                   "B16 Hkv8 Nk4096 | merge-in-split | 75.6 | 3553 | 76.4 | 19.4 | 4 | 96 | ok\n"
-                   "B16 Hkv8 Nk4096 | merge-kernel | 69.4 | 3871 | 72.1 | 25.5 | 4 | 96 | ok\n"
-                   "B16 Hkv8 Nk4096 | sdpa-flash | failed: no kernel\n")
-    ab = dl.parse_merge_ab(log)
-    assert list(ab["way"]) == ["sdpa-cudnn", "merge-in-split", "merge-kernel", "merge-in-split", "merge-kernel"]
-    assert ab["config"].iloc[0] == "B1 Hq32 Hkv8 Nk32k" and ab["host_us"].iloc[1] == 20.3
+def _frame(columns: str, rows: list[tuple]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=columns.split())
+
+
+def test_merge_ab_story():
+    ab = _frame("config way graph_us gbps stream_us host_us", [
+        ("B1 Hq32 Hkv8 Nk32k", "sdpa-cudnn", 37.7, 3560, 44.5, 45.3),
+        ("B1 Hq32 Hkv8 Nk32k", "merge-in-split", 50.1, 2678, 51.7, 20.3),
+        ("B1 Hq32 Hkv8 Nk32k", "merge-kernel", 39.5, 3397, 41.9, 35.6),
+        ("B16 Hq32 Hkv8 Nk4k", "merge-in-split", 75.6, 3553, 76.4, 19.4),
+        ("B16 Hq32 Hkv8 Nk4k", "merge-kernel", 69.4, 3871, 72.1, 25.5)])
     story = dl.merge_ab_story(ab)
     assert "saves 6-15 us of host time" in story and "costs 6.2-10.6 us of GPU time" in story
     assert "most at B1 Hq32 Hkv8 Nk32k (50.1 against 39.5 us)" in story and "+4.3 to +9.8 us" in story
 
 
-def test_parse_pdl_ab_and_its_story(tmp_path):
-    assert dl.parse_pdl_ab(tmp_path / "missing.txt") is None
-    log = tmp_path / "pdl.txt"
-    log.write_text("# NVIDIA H200 torch 2.11.0+cu130\n"
-                   "B16 Hkv8 Nk4096: cudnn graph   64.0 events   67.0 ( 4005 GB/s) | pdl=0 graph   69.1 events   74.4 "
-                   "( 3610 GB/s) | pdl=1 graph   68.9 events   72.2 ( 3718 GB/s) | bitwise equal True\n"
-                   "B8 Hkv8 Nk8192 paged16 pdl=1: graph   74.4 events   77.1 | equal to dense True\n"
-                   "B1 Hkv8 Nk32768: cudnn graph   38.1 events   57.1 ( 2349 GB/s) | pdl=0 graph   39.3 events   52.0 "
-                   "( 2580 GB/s) | pdl=1 graph   38.6 events   54.0 ( 2488 GB/s) | bitwise equal True\n")
-    ab = dl.parse_pdl_ab(log)
-    assert list(ab["way"]) == ["cudnn", "pdl=0", "pdl=1"] * 2  # the paged line is not an A/B row
-    assert ab["config"].iloc[3] == "B1 Hq32 Hkv8 Nk32k" and ab["events_us"].iloc[5] == 54.0
-    story = dl.pdl_ab_story(ab)
+def test_pdl_ab_story():
+    rows = [("B16 Hq32 Hkv8 Nk4k", "cudnn", 64.0, 67.0, True), ("B16 Hq32 Hkv8 Nk4k", "pdl=0", 69.1, 74.4, True),
+            ("B16 Hq32 Hkv8 Nk4k", "pdl=1", 68.9, 72.2, True), ("B1 Hq32 Hkv8 Nk32k", "cudnn", 38.1, 57.1, True),
+            ("B1 Hq32 Hkv8 Nk32k", "pdl=0", 39.3, 52.0, True), ("B1 Hq32 Hkv8 Nk32k", "pdl=1", 38.6, 54.0, True)]
+    story = dl.pdl_ab_story(_frame("config way graph_us events_us equal", rows))
     assert "GPU time of a call by -0.7 to -0.2 us" in story and "event-timed call by -2.2 to +2.0 us" in story
     assert "across the 2 configs" in story and "equal bit for bit" in story
-    log.write_text(log.read_text().replace("bitwise equal True\nB8", "bitwise equal False\nB8", 1))
-    assert "NOT equal" in dl.pdl_ab_story(dl.parse_pdl_ab(log))
+    rows[0] = (*rows[0][:4], False)
+    assert "NOT equal" in dl.pdl_ab_story(_frame("config way graph_us events_us equal", rows))
 
 
-def test_parse_deep_sweep_and_its_table(tmp_path):
-    assert dl.parse_deep_sweep(tmp_path / "missing.txt") is None
-    log = tmp_path / "deep.txt"
-    log.write_text("# a header line\n"
-                   "bf16_b16_hq32_hkv8_nk4096_d128       default S=4 67.5 | cudnn 62.6 | 128/4/3 S1 65.5 | "
-                   "128/4/3 S1 p16 92.1 | 128/4/3 S2 71.6 | 64/4/4 S1 64.2 BAD\n"
-                   "bf16_b8_hq32_hkv8_nk32768_d128_kvlen default S=6 200.9 | cudnn 245.9 | 128/4/3 S2 207.6 | "
-                   "128/4/3 S4 201.4 | 64/4/4 S2 KeyError: x\n")
-    sweep = dl.parse_deep_sweep(log)
-    assert len(sweep) == 10  # the failed cell is skipped
-    first = sweep[sweep["config"] == "B16 Hq32 Hkv8 Nk4k"]
-    assert list(first["variant"]) == ["default", "cudnn", "128/4/3", "128/4/3", "128/4/3", "64/4/4"]
-    assert list(first["paged"]) == [0, 0, 0, 16, 0, 0] and list(first["ok"]) == [True] * 5 + [False]
-    assert set(sweep["config"]) == {"B16 Hq32 Hkv8 Nk4k", "B8 Hq32 Hkv8 Nk32k ragged"}
-    table = dl.deep_sweep_table(sweep)
+def _sweep() -> pd.DataFrame:
+    nan = float("nan")
+    return _frame("config variant S paged us ok", [
+        ("B16 Hq32 Hkv8 Nk4k", "default", 4, 0, 67.5, True), ("B16 Hq32 Hkv8 Nk4k", "cudnn", nan, 0, 62.6, True),
+        ("B16 Hq32 Hkv8 Nk4k", "128/4/3", 1, 0, 65.5, True), ("B16 Hq32 Hkv8 Nk4k", "128/4/3", 1, 16, 92.1, True),
+        ("B16 Hq32 Hkv8 Nk4k", "128/4/3", 1, 64, 88.6, True), ("B16 Hq32 Hkv8 Nk4k", "128/4/3", 2, 0, 71.6, True),
+        ("B16 Hq32 Hkv8 Nk4k", "64/4/4", 1, 0, 64.2, False),
+        ("B8 Hq32 Hkv8 Nk32k ragged", "default", 6, 0, 200.9, True),
+        ("B8 Hq32 Hkv8 Nk32k ragged", "cudnn", nan, 0, 245.9, True),
+        ("B8 Hq32 Hkv8 Nk32k ragged", "128/4/3", 2, 0, 207.6, True),
+        ("B8 Hq32 Hkv8 Nk32k ragged", "128/4/3", 4, 0, 201.4, True)])
+
+
+def test_deep_sweep_table():
+    table = dl.deep_sweep_table(_sweep())
     row = table.loc["B16 Hq32 Hkv8 Nk4k"]
     assert row["default S"] == 4 and row["128/4/3 S"] == 1 and row["128/4/3 us"] == 65.5  # fewest splits, dense
     assert row["128/4/3 / cudnn"] == pytest.approx(65.5 / 62.6)
@@ -213,34 +197,26 @@ def test_parse_deep_sweep_and_its_table(tmp_path):
     assert pd.isna(table.loc["B8 Hq32 Hkv8 Nk32k ragged", "64/4/4 us"])
 
 
-def test_deep_paged_ratio(tmp_path):
-    log = tmp_path / "deep.txt"
-    log.write_text("bf16_b16_hq32_hkv8_nk4096_d128       default S=4 67.5 | cudnn 62.6 | 128/4/3 S1 65.5 | "
-                   "128/4/3 S1 p16 92.1 | 128/4/3 S1 p64 88.6 | 128/4/3 S2 71.6\n")
-    ratio = dl.deep_paged_ratio(dl.parse_deep_sweep(log))
+def test_deep_paged_ratio():
+    ratio = dl.deep_paged_ratio(_sweep()[lambda d: d["config"] == "B16 Hq32 Hkv8 Nk4k"])
     assert ratio[("B16 Hq32 Hkv8 Nk4k", 16)] == pytest.approx(92.1 / 65.5)
     assert ratio[("B16 Hq32 Hkv8 Nk4k", 64)] == pytest.approx(88.6 / 65.5) and len(ratio) == 2
 
 
-def test_parse_read_ceiling_and_its_table(tmp_path):
-    assert dl.parse_read_ceiling(tmp_path / "missing.txt") is None
-    log = tmp_path / "ceiling.txt"
-    log.write_text("# header\n# NVIDIA H200\n"
-                   "B1 Hkv8 Nk32k (128 MiB), TB/s: torch.sum 3.52\n"
-                   "    8192/8/3 P128 46.5us 2.88\n"
-                   "    4096/4/4 P528 37.4us 3.59\n"
-                   "    4096/4/4 P1056 30.0us 4.47 BAD\n"
-                   "B16 Hkv8 Nk4k (256 MiB), TB/s: torch.sum 3.85\n"
-                   "    8192/8/3 P264 67.8us 3.96\n")
-    reads = dl.parse_read_ceiling(log)
-    assert len(reads) == 6 and list(reads["ok"]) == [True, True, True, False, True, True]
-    assert reads["us"].iloc[0] == pytest.approx(128 * 2**20 / 3.52e6)
-    assert set(reads["config"]) == {"B1 Hq32 Hkv8 Nk32k", "B16 Hq32 Hkv8 Nk4k"}
-    graph = tmp_path / "graph.txt"
-    graph.write_text("B1 Hkv8 Nk32768 sdpa-cudnn             38.1 us   3520 GB/s\n"
-                     "B1 Hkv8 Nk32768 attnlab auto          38.4 us   3494 GB/s\n")
-    table = dl.ceiling_table(dl.parse_graph_profile(graph), reads)
+def test_ceiling_table():
+    mib = 2**20
+    reads = _frame("config bytes reader us tbps ok", [
+        ("B1 Hq32 Hkv8 Nk32k", 128 * mib, "torch.sum", 128 * mib / 3.52e6, 3.52, True),
+        ("B1 Hq32 Hkv8 Nk32k", 128 * mib, "stream 8192/8/3 P128", 46.5, 2.88, True),
+        ("B1 Hq32 Hkv8 Nk32k", 128 * mib, "stream 4096/4/4 P528", 37.4, 3.59, True),
+        ("B1 Hq32 Hkv8 Nk32k", 128 * mib, "stream 4096/4/4 P1056", 30.0, 4.47, False),
+        ("B16 Hq32 Hkv8 Nk4k", 256 * mib, "stream 8192/8/3 P264", 67.8, 3.96, True)])
+    graph = _frame("config variant us gbps", [("B1 Hq32 Hkv8 Nk32k", "sdpa-cudnn", 38.1, 3520.0),
+                                               ("B1 Hq32 Hkv8 Nk32k", "auto", 38.4, 3494.0)])
+    table = dl.ceiling_table(graph, reads)
     assert list(table.index) == ["B1 Hq32 Hkv8 Nk32k"]  # the other config has no graph time
     row = table.loc["B1 Hq32 Hkv8 Nk32k"]
     assert row["fastest read"] == "stream 4096/4/4 P528" and row["read us"] == 37.4  # the BAD read is not counted
     assert row["x read"] == pytest.approx(38.4 / 37.4) and row["K/V MiB"] == 128 and row["cudnn us"] == 38.1
+
+

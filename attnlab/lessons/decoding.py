@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import seaborn as sns
 import torch
 
 import attnlab
+from attnlab import paths
 from attnlab.backends.triton import decode as dec
 from attnlab.figure_style import new_figure
 from attnlab.lessons import memory
@@ -254,75 +254,29 @@ def bandwidth_table(df: pd.DataFrame | None, backends: Iterable[str] | None = No
     return d.pivot_table(index="case", columns="backend", values="gbps", aggfunc="median", sort=False)
 
 
-_CONFIG = re.compile(r"^-- (B\d+ Hq\d+ Hkv\d+ Nk\d+)")
-_ROW = re.compile(r"^   (\S.*?)\s{2,}([\d.]+) us\s+(\d+) GB/s")
+#: The decode experiments recorded as structured files: ``data/experiments/<gpu>/<name>.csv`` (its JSON beside it
+#: says which run and log it comes from). ``decode-deep-sweep``: config, variant (``default``, ``cudnn`` or
+#: ``block_n/warps/stages``), split count ``S`` (empty for cuDNN), ``paged`` block size (0: contiguous), ``us``
+#: (CUDA-graph replay), ``ok``. ``decode-merge-ab``: config, way (``merge-in-split``, ``merge-kernel``, SDPA),
+#: ``graph_us``, ``gbps``, ``stream_us``, ``host_us``. ``decode-pdl-ab``: config, way (``cudnn``, ``pdl=0``,
+#: ``pdl=1``), ``graph_us``, ``events_us``, ``equal``. ``decode-graph``: config, variant, ``us``, ``gbps`` (graph
+#: replay). ``read-ceiling``: config, ``bytes`` of K/V, ``reader``, ``us``, ``tbps``, ``ok``.
+EXPERIMENTS = ("decode-deep-sweep", "decode-merge-ab", "decode-pdl-ab", "decode-graph", "read-ceiling")
 
 
-def _log_lines(path: str | Path) -> list[str] | None:
-    """The lines of the GPU log at ``path``, or None if there is no such file (the data is not recorded)."""
-    path = Path(path)
-    return path.read_text().splitlines() if path.is_file() else None
-
-
-def parse_decode_log(path: str | Path) -> pd.DataFrame | None:
-    """The top-level timing rows (3-space indent: not the sweeps) of a raw decode GPU log such as
-    data/gpu_tests/nvidia-h200-decode-run2.txt: config, variant, us, GB/s. None if the file is missing."""
-    lines = _log_lines(path)
-    if lines is None:
-        return None
-    rows, config = [], None
-    for line in lines:
-        if m := _CONFIG.match(line):
-            config = m.group(1)
-        elif config and (m := _ROW.match(line)):
-            rows.append({"config": config, "variant": m.group(1).strip(), "us": float(m.group(2)),
-                         "gbps": float(m.group(3))})
-    return pd.DataFrame(rows) if rows else None
-
-
-_GRAPH_ROW = re.compile(r"^B(\d+) Hkv(\d+) Nk(\d+) (sdpa-\S+|attnlab \S+)\s+([\d.]+) us")
-
-
-def parse_graph_profile(path: str | Path, *, Hq: int = 32, D: int = 128, itemsize: int = 2) -> pd.DataFrame | None:
-    """The GPU-only decode times of a scripts/decode_profile.py log (CUDA-graph replay, so no host time in
-    them): config, variant, us, and GB/s of K/V read recomputed from the shape. None if the file is missing."""
-    def row(m: re.Match) -> dict:
-        B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
-        us = float(m.group(5))
-        return {"config": config_label(B, Hq, Hkv, Nk), "variant": m.group(4).replace("attnlab ", ""), "us": us,
-                "gbps": 2 * B * Hkv * Nk * D * itemsize / (us * 1e-6) / 1e9}
-
-    return _matched_rows(path, _GRAPH_ROW, row)
-
-
-_CEILING_SIZE = re.compile(r"^B(\d+) Hkv(\d+) Nk(\d+)k \((\d+) MiB\), TB/s: torch\.sum ([\d.]+)")
-_CEILING_ROW = re.compile(r"^\s+(\d+/\d+/\d+) P(\d+) ([\d.]+)us ([\d.]+)( BAD)?$")
-
-
-def parse_read_ceiling(path: str | Path, *, Hq: int = 32) -> pd.DataFrame | None:
-    """The reads of a scripts/read_ceiling.py log (data/gpu_tests/nvidia-h200-read-ceiling.txt): per config,
-    ``bytes`` (the K/V bytes of that decode shape), ``reader`` (``torch.sum`` or ``stream
-    chunk/warps/stages P<programs>``), ``us`` (CUDA-graph replay), ``tbps`` and ``ok`` (the sum agreed with
-    float64). None if the file is missing."""
-    lines = _log_lines(path)
-    if lines is None:
-        return None
-    rows, config, nbytes = [], None, 0
-    for line in lines:
-        if m := _CEILING_SIZE.match(line):
-            B, Hkv, Nk = int(m.group(1)), int(m.group(2)), int(m.group(3)) * 1024
-            config, nbytes, tbps = config_label(B, Hq, Hkv, Nk), int(m.group(4)) * 2**20, float(m.group(5))
-            rows.append({"config": config, "bytes": nbytes, "reader": "torch.sum", "us": nbytes / tbps / 1e6,
-                         "tbps": tbps, "ok": True})
-        elif (m := _CEILING_ROW.match(line)) and config is not None:
-            rows.append({"config": config, "bytes": nbytes, "reader": f"stream {m.group(1)} P{m.group(2)}",
-                         "us": float(m.group(3)), "tbps": float(m.group(4)), "ok": m.group(5) is None})
-    return pd.DataFrame(rows) if rows else None
+def experiment(name: str, gpu_dir: Path | str | None = None) -> pd.DataFrame | None:
+    """The rows of the recorded decode experiment ``name`` (:data:`EXPERIMENTS`) of one GPU (by default the
+    recorded one), or None when it is not recorded there."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown decode experiment {name!r}; recorded ones: {', '.join(EXPERIMENTS)}")
+    gpu = Path(gpu_dir).name if gpu_dir is not None else memory.DEFAULT_GPU_DIR.name
+    path = (Path(gpu_dir) if gpu_dir is not None else paths.DATA_DIR / "experiments" / gpu) / f"{name}.csv"
+    return pd.read_csv(path) if path.is_file() else None
 
 
 def ceiling_table(graph: pd.DataFrame, reads: pd.DataFrame) -> pd.DataFrame:
-    """Per config in both logs: the fastest correct pure read of its K/V bytes (:func:`parse_read_ceiling`)
-    against attnlab's decode and SDPA's cuDNN kernel on those bytes (:func:`parse_graph_profile`), all GPU time
+    """Per config in both experiments: the fastest correct pure read of its K/V bytes (``read-ceiling``)
+    against attnlab's decode and SDPA's cuDNN kernel on those bytes (``decode-graph``), all GPU time
     alone; ``x read`` is the decode's time over the read's."""
     best = reads[reads["ok"]].sort_values("us").groupby("config", sort=False).head(1).set_index("config")
     g = graph.pivot_table(index="config", columns="variant", values="us", sort=False)
@@ -336,54 +290,6 @@ def ceiling_table(graph: pd.DataFrame, reads: pd.DataFrame) -> pd.DataFrame:
                      "attnlab us": auto, "attnlab TB/s": r["bytes"] / auto / 1e6, "cudnn us": cudnn,
                      "x read": auto / r["us"]})
     return pd.DataFrame(rows).set_index("config")
-
-
-def _matched_rows(path: str | Path, pattern: re.Pattern, row) -> pd.DataFrame | None:
-    """``row(match)`` of every line of the log at ``path`` that ``pattern`` matches, as a frame; None if the file
-    is missing or no line matches."""
-    lines = _log_lines(path)
-    if lines is None:
-        return None
-    rows = [row(m) for line in lines if (m := pattern.match(line))]
-    return pd.DataFrame(rows) if rows else None
-
-
-_AB_ROW = re.compile(r"^B(\d+) Hkv(\d+) Nk(\d+) \| (merge-in-split|merge-kernel|sdpa-\S+) \| ([\d.]+) \| (\d+) \| "
-                     r"([\d.]+) \| ([\d.]+) \|")
-
-
-def parse_merge_ab(path: str | Path, *, Hq: int = 32) -> pd.DataFrame | None:
-    """The rows of a merge A/B log (data/gpu_tests/nvidia-h200-merge-ab-87c02c2.txt): the split states merged
-    by the split kernel itself (``merge-in-split``: one launch a call) or by a second kernel (``merge-kernel``),
-    beside SDPA, per config: ``graph_us`` (CUDA-graph replay: the GPU alone), ``gbps`` of K/V read,
-    ``stream_us`` (back-to-back calls: host and GPU overlapped) and ``host_us`` (the host alone). None if the
-    file is missing."""
-    def row(m: re.Match) -> dict:
-        B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
-        return {"config": config_label(B, Hq, Hkv, Nk), "way": m.group(4), "graph_us": float(m.group(5)),
-                "gbps": float(m.group(6)), "stream_us": float(m.group(7)), "host_us": float(m.group(8))}
-
-    return _matched_rows(path, _AB_ROW, row)
-
-
-_PDL_ROW = re.compile(r"^B(\d+) Hkv(\d+) Nk(\d+): (.*) \| bitwise equal (True|False)$")
-_PDL_PART = re.compile(r"(cudnn|pdl=[01]) graph +([\d.]+) events +([\d.]+)")
-
-
-def parse_pdl_ab(path: str | Path, *, Hq: int = 32) -> pd.DataFrame | None:
-    """The rows of a PDL A/B log (data/gpu_tests/nvidia-h200-decode-pdl-ab.txt): per config and way (``cudnn``,
-    ``pdl=0``: the merge as a plain second launch, ``pdl=1``: by programmatic dependent launch), ``graph_us``
-    (CUDA-graph replay) and ``events_us`` (event-timed public calls back to back), and whether both launches'
-    outputs were equal bit for bit. None if the file is missing."""
-    lines = _log_lines(path)
-    if lines is None:
-        return None
-    rows = []
-    for m in filter(None, map(_PDL_ROW.match, lines)):
-        B, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3))
-        rows += [{"config": config_label(B, Hq, Hkv, Nk), "way": way, "graph_us": float(g), "events_us": float(e),
-                  "equal": m.group(5) == "True"} for way, g, e in _PDL_PART.findall(m.group(4))]
-    return pd.DataFrame(rows) if rows else None
 
 
 def pdl_ab_story(ab: pd.DataFrame) -> str:
@@ -413,37 +319,6 @@ def merge_ab_story(ab: pd.DataFrame) -> str:
 
 
 # ---- pipeline depth against the split count ----------------------------------------------------------------
-_DEEP_CASE = re.compile(r"^bf16_b(\d+)_hq(\d+)_hkv(\d+)_nk(\d+)_d\d+(_kvlen)?\s+(.*)$")
-_DEEP_CELL = re.compile(r"^(?:default S=(\d+)|cudnn|(\d+)/(\d+)/(\d+) S(\d+)(?: p(\d+))?) ([\d.]+)( BAD| DIFFERS)?$")
-
-
-def parse_deep_sweep(path: str | Path) -> pd.DataFrame | None:
-    """The cells of a scripts/decode_deep_sweep.py log (data/gpu_tests/nvidia-h200-decode-deep-sweep-2.txt):
-    per config (``ragged``: seeded kv_len), ``variant`` (``default``, ``cudnn`` or ``block_n/warps/stages``),
-    split count ``S`` (None for cuDNN), ``paged`` block size (0: the contiguous cache), ``us`` (CUDA-graph
-    replay) and ``ok`` (the output agreed). None if the file is missing."""
-    lines = _log_lines(path)
-    if lines is None:
-        return None
-    rows = []
-    for m in filter(None, map(_DEEP_CASE.match, lines)):
-        B, Hq, Hkv, Nk = (int(m.group(i)) for i in (1, 2, 3, 4))
-        label = config_label(B, Hq, Hkv, Nk) + (" ragged" if m.group(5) else "")
-        for cell in m.group(6).split(" | "):
-            c = _DEEP_CELL.match(cell.strip())
-            if c is None:
-                continue
-            if c.group(1):
-                variant, S = "default", int(c.group(1))
-            elif c.group(2):
-                variant, S = f"{c.group(2)}/{c.group(3)}/{c.group(4)}", int(c.group(5))
-            else:
-                variant, S = "cudnn", None
-            rows.append({"config": label, "variant": variant, "S": S, "paged": int(c.group(6) or 0),
-                         "us": float(c.group(7)), "ok": c.group(8) is None})
-    return pd.DataFrame(rows) if rows else None
-
-
 def deep_sweep_table(sweep: pd.DataFrame, variants: Iterable[str] = ("128/4/3", "64/4/4")) -> pd.DataFrame:
     """Per config (contiguous cache): the default's and cuDNN's us, and each of ``variants`` at its fewest
     splits (about one program per SM), with its split count and its time over cuDNN's."""

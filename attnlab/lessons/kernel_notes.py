@@ -116,27 +116,24 @@ def reads_per_query(family: str, N: int, D: int) -> dict[str, float]:
             "K+V bytes per row (fp16)": (k_passes + 1) * N * D * 2 / per_tile}
 
 
-def fp32_layout_log(path: Path | str | None = None) -> dict:
-    """Figures of the float32 Triton layout experiments (``data/gpu_tests/nvidia-h200-fp32-layouts.txt``).
+def fp32_layouts(path: Path | str | None = None) -> dict:
+    """Figures of the float32 Triton layout experiments, recorded in ``data/experiments/<gpu>/fp32-layouts.json``
+    (converted once from the ncu log its ``source_log`` names).
 
     ``bank_conflict_frac``: shared-load bank conflicts over shared-load wavefronts in the first ncu section
-    of the query-major variant (var0), None when the log has no such section; ``query_major_ratio``: per case
+    of the query-major variant (var0), None when the log had no such section; ``query_major_ratio``: per case
     ("B8 H16 N2048"), attnlab's (then query-major) kernel's speed relative to sdpa-efficient in the log's first
-    run. A missing log raises FileNotFoundError (with the default path: how to point attnlab at its data).
+    run; ``source_log``; ``path``. A missing file raises FileNotFoundError (with the default path: how to point
+    attnlab at its data).
     """
-    import re
+    import json
 
-    p = Path(path) if path is not None else data_file("gpu_tests", "nvidia-h200-fp32-layouts.txt")
-    text = p.read_text()  # a missing log is an error, not a paragraph the notebook silently leaves out
-    ratios: dict[str, float] = {}
-    for case, ratio in re.findall(r"case (B\d+ H\d+ N\d+): attnlab triton [\d.]+ ms .*?ratio ([\d.]+)", text):
-        ratios.setdefault(case, float(ratio))
-    frac = None
-    ncu = re.search(r"ncu: var0.*?bank_conflicts_pipe_lsu_mem_shared_op_ld\.sum\s+([\d,]+).*?"
-                    r"wavefronts_mem_shared_op_ld\.sum\s+([\d,]+)", text, re.S)
-    if ncu:
-        frac = int(ncu.group(1).replace(",", "")) / int(ncu.group(2).replace(",", ""))
-    return {"bank_conflict_frac": frac, "query_major_ratio": ratios, "path": p}
+    from attnlab.lessons.memory import DEFAULT_GPU_DIR
+
+    p = Path(path) if path is not None else data_file("experiments", DEFAULT_GPU_DIR.name, "fp32-layouts.json")
+    rec = json.loads(p.read_text())  # a missing file is an error, not a paragraph the notebook silently leaves out
+    return {"bank_conflict_frac": rec["bank_conflict_frac"], "query_major_ratio": rec["query_major_ratio"],
+            "source_log": rec["source_log"], "path": p}
 
 
 # ---- launch limits and the nvcc route ----------------------------------------------------------------
