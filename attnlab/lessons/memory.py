@@ -28,7 +28,7 @@ import pandas as pd
 
 from attnlab.paths import BENCH_DIR
 
-#: Ceilings of the GPU the recorded data comes from, measured before ``scripts/roofs.py`` (docs/design.md,
+#: Ceilings of the GPU the recorded data comes from, measured before ``tools/roofs.py`` (docs/design.md,
 #: "Measured figures"): TFLOP/s and TB/s. The fallback of :func:`measured_roofs`, which reads the re-measured
 #: roofs when recorded.
 RECORDED_GPU = {
@@ -44,7 +44,7 @@ DEFAULT_GPU_DIR = BENCH_DIR / "nvidia-h200"
 
 
 def measured_roofs(gpu_dir: Path | str | None = None) -> dict:
-    """The roofs measured on one GPU (``<gpu_dir>/roofs.json``, written by ``scripts/roofs.py``), or the
+    """The roofs measured on one GPU (``<gpu_dir>/roofs.json``, written by ``tools/roofs.py``), or the
     constants of :data:`RECORDED_GPU` when that file is absent or unreadable.
 
     Keys: ``name``; ``bf16_tflops`` (dense bf16 matmul: the roof of the tensor-core kernels);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call: the GPU tests, then the benchmark suites given as arguments (each a quoted argument list for
 # `python -m attnlab bench`), each with its log under $OUT. Usage on the GPU machine:
-#   ATTNLAB_COMMIT=<sha> bash scripts/gpu_session.sh TEST_SECONDS "--suite latency ..." "--suite dense ..."
+#   ATTNLAB_COMMIT=<sha> bash tools/gpu_session.sh TEST_SECONDS "--suite latency ..." "--suite dense ..."
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/attnlab-out}

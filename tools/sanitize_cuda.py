@@ -4,8 +4,8 @@ naive, tiled, rowmax (cp.async and element loads, with and without split keys + 
 GQA, masks, bottom-right causal with lengths, strided views, D 40/64/128/256. Run on a GPU from the
 repository root (a script, not a test):
 
-    PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_cuda.py
-    PYTHONPATH=. compute-sanitizer --tool racecheck --error-exitcode 3 python3 scripts/sanitize_cuda.py
+    PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 3 python3 tools/sanitize_cuda.py
+    PYTHONPATH=. compute-sanitizer --tool racecheck --error-exitcode 3 python3 tools/sanitize_cuda.py
 """
 
 import sys

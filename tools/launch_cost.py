@@ -13,7 +13,6 @@ import tempfile
 
 import torch
 import triton
-from decode_profile import decode_inputs  # scripts/, beside this one
 from host_time import host_us
 
 import attnlab
@@ -21,6 +20,7 @@ from attnlab import calls as _calls
 from attnlab.backends.triton import decode as _decode
 from attnlab.backends.triton import launch as _launch
 from attnlab.backends.triton.launch import launcher, run_compiled
+from attnlab.bench.replay import decode_inputs
 
 
 def _kernel_with(n: int):

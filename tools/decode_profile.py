@@ -2,7 +2,7 @@
 replay) of attnlab and SDPA, a sweep of split counts and key tiles, and the paged caches. One call, stdout.
 
 ``--graph-only``: the CUDA-graph times of every decode-suite configuration without ragged lengths, no sweep
-and no profile (what notebook 10 reads from data/gpu_tests/nvidia-h200-decode-graph.txt)."""
+and no profile (what notebook 10 reads, converted to data/experiments/nvidia-h200/decode-graph.csv)."""
 
 from __future__ import annotations
 
@@ -16,41 +16,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnlab
 from attnlab.backends.triton import decode as td
+from attnlab.bench.replay import graph_us
 from attnlab.paged import paged_kv, to_paged
 from attnlab.problem import make_problem
-
-
-def graph_us(fn, calls=20, reps=20):
-    """GPU time per call with the host out of the way: ``calls`` calls captured in one CUDA graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / calls)
-    return best
-
-
-def decode_inputs(B: int, Hkv: int, Nk: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Seeded bf16 decode inputs: q [B, 32, 1, 128], k and v [B, Hkv, Nk, 128] (the other scripts' shapes)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    return q, k, v
 
 
 def case_inputs(case) -> tuple:

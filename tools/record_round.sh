@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call that re-records benchmark suites and, optionally, runs GPU tests first; logs and a tarball of
 # the suites under $OUT. Usage on the GPU machine:
-#   ATTNLAB_COMMIT=<sha> bash scripts/record_round.sh "<suites>" <bench deadline s> [pytest args...]
+#   ATTNLAB_COMMIT=<sha> bash tools/record_round.sh "<suites>" <bench deadline s> [pytest args...]
 # Write the sha out as computed on your own checkout: the device machine's copy of .git may be stale, so
 # $(git rev-parse HEAD) evaluated there can name an older commit than the working tree it runs.
 set -u
