@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from attnlab import backends as _backends
-from attnlab import calls as _calls
+from attnlab import fast_calls as _calls
 from attnlab.masks import plain_int
 from attnlab.paged import gather_paged, paged_kv, paged_placeholders
 from attnlab.problem import make_problem
@@ -83,6 +83,16 @@ def attention(
     ``flash_attn_with_kvcache`` convention). q keeps its layout. ``triton-decode`` (auto's choice for a few
     query rows on a GPU) reads the caches in place; other backends, and calls that need gradients, gather
     them to dense k and v first.
+
+    A call takes one of three routes:
+
+    1. **the fast call** (no gradient, not traced, a signature seen before: :mod:`attnlab.fast_calls`): the
+       backend's cached launch, nothing validated or looked up again;
+    2. **the whole way** (no gradient, not traced, a new signature): validate (:func:`attnlab.problem.make_problem`),
+       pick the backend (:func:`attnlab.backends.resolve`), run it, and remember its fast call;
+    3. **the op** (a gradient is needed, or ``torch.compile`` traces the call): the custom op
+       ``attnlab::attention`` with its autograd formula, run eagerly as a ``torch.autograd.Function`` when no
+       tracing or dispatch mode needs the dispatcher.
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}")

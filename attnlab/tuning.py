@@ -42,7 +42,7 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
                          "one fixed config)")
     if backward is None:
         backward = any(t.requires_grad for t in (q, k, v))
-    from attnlab import calls
+    from attnlab import fast_calls as calls
     from attnlab.backends.triton import backward as triton_backward
     from attnlab.backends.triton import configs, launch
 

@@ -168,9 +168,9 @@ FAST_CASES = {
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 @pytest.mark.parametrize("case", list(FAST_CASES))
 def test_repeated_calls_take_the_fast_path_and_agree(case, backend):
-    """The second call of a signature runs the cached fast call (attnlab.calls); it must give what the whole
+    """The second call of a signature runs the cached fast call (attnlab.fast_calls); it must give what the whole
     way gives, on new values: new q, k, v and new GPU lengths (out-of-range ones too, clamped)."""
-    from attnlab import calls
+    from attnlab import fast_calls as calls
 
     _available("triton")
     kw = dict(FAST_CASES[case])
@@ -221,7 +221,7 @@ def test_repeated_calls_take_the_fast_path_and_agree(case, backend):
 
 def test_a_new_signature_never_reuses_a_fast_call():
     """Strides, dtype, a mask's presence or a length's kind change the signature: each takes the whole way."""
-    from attnlab import calls
+    from attnlab import fast_calls as calls
 
     _available("triton")
     calls.clear()
@@ -248,7 +248,7 @@ def test_a_new_signature_never_reuses_a_fast_call():
 @pytest.mark.parametrize("backend", ["triton-decode", "auto"])
 def test_repeated_decode_calls_take_the_fast_path_and_agree(kw, backend):
     """The split-KV decode path's fast call (split and merge launched directly) against the whole way."""
-    from attnlab import calls
+    from attnlab import fast_calls as calls
 
     _available("triton-decode")
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -376,7 +376,7 @@ def test_decode_split_states_are_held_grown_and_counted(monkeypatch):
         need[name] = td.workspace_bytes(make_problem(*x), plan.n_split)
     assert need["large"] > need["small"]
     monkeypatch.setattr(td, "HOLD_WORKSPACE", False)
-    from attnlab import calls
+    from attnlab import fast_calls as calls
 
     calls.clear()
     want = {n: attnlab.attention(*x, backend="triton-decode") for n, x in (("small", small), ("large", large))}
@@ -419,7 +419,7 @@ def test_decode_call_while_the_held_states_are_busy(monkeypatch):
     are not touched), and the same out."""
     import threading
 
-    from attnlab import calls
+    from attnlab import fast_calls as calls
     from attnlab.backends.triton import decode as td
 
     _available("triton")

@@ -420,7 +420,7 @@ def test_merge_by_dependent_launch_matches_a_plain_launch_gpu(monkeypatch):
     for pdl in (False, True):
         monkeypatch.setattr(td, "PDL", pdl)
         td._PLANS.clear()
-        attnlab.calls.clear()
+        attnlab.fast_calls.clear()
         runs[pdl] = [attnlab.attention(q, k, v, backend="triton-decode", return_lse=True, **kw)
                      for i in range(20) for q, k, v, kw in [sets[i % 2]]]
         plan = next(iter(td._PLANS.values()))

@@ -16,7 +16,7 @@ import triton
 from host_time import host_us
 
 import attnlab
-from attnlab import calls as _calls
+from attnlab import fast_calls as _calls
 from attnlab.backends.triton import decode as _decode
 from attnlab.backends.triton import launch as _launch
 from attnlab.backends.triton.launch import launcher, run_compiled

@@ -64,7 +64,7 @@ class Backend:
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
         """After :meth:`forward` (or :meth:`forward_paged`, with ``paged``) ran ``prob`` into ``out`` and
         ``lse``: a function that runs another call of ``prob``'s signature without validating or planning again
-        (:data:`attnlab.calls.FastCall`), or None (the default: every call takes the whole way)."""
+        (:data:`attnlab.fast_calls.FastCall`), or None (the default: every call takes the whole way)."""
         return None
 
     def forward_paged(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None) -> None:

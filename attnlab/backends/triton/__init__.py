@@ -66,7 +66,7 @@ and kernel source (:mod:`~attnlab.backends.triton.tune_cache`, ``$ATTNLAB_CACHE_
 Launches of one call signature (shapes, strides, dtypes, mask kind, alignment: :func:`call_signature`) share a
 plan (:class:`_Plan`): its arguments and compiled kernel, with Triton's launcher called directly rather than
 through the JIT's per-call binding. :func:`attnlab.attention` goes further for a signature it has seen
-(:mod:`attnlab.calls`): the plan's fast call allocates the output and launches, with nothing validated or
+(:mod:`attnlab.fast_calls`): the plan's fast call allocates the output and launches, with nothing validated or
 looked up again (docs/decisions.md, "Host time of small calls"). ``FAST_LAUNCH = False`` (or
 ATTNLAB_TRITON_FAST_LAUNCH=0) sends every launch through the JIT.
 

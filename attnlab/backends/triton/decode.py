@@ -19,7 +19,7 @@ from attnlab.backends.triton import kernel as _kern
 from attnlab.backends.triton import launch as _launch
 from attnlab.backends.triton.configs import padded_head_dim, pow2_bucket
 from attnlab.backends.triton.kernel import triton
-from attnlab.calls import evict_oldest, tensor_key
+from attnlab.fast_calls import evict_oldest, tensor_key
 from attnlab.paged import PagedKV, paged_kv
 from attnlab.problem import Problem
 

@@ -17,7 +17,7 @@ from attnlab.backends.triton import kernel as _k
 from attnlab.backends.triton.configs import Config, config_for, kernel_key_axis, kernel_qk_chunk, padded_head_dim
 from attnlab.backends.triton.interpreter import interpreter
 from attnlab.backends.triton.kernel import LOG2E, triton
-from attnlab.calls import evict_oldest
+from attnlab.fast_calls import evict_oldest
 from attnlab.problem import Problem
 
 
@@ -174,7 +174,7 @@ class _Plan:
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """After a launch for ``prob`` into ``out`` and ``lse``: a function ``(q, k, v, kv_len, q_len, mask,
         block_table) -> (out, lse or None)`` (the table unused here) for a later call of the signature
-        (:mod:`attnlab.calls`). It allocates out and lse as this call's were (so the compiled kernel of their
+        (:mod:`attnlab.fast_calls`). It allocates out and lse as this call's were (so the compiled kernel of their
         layout applies), puts the call's tensors into the fixed arguments and calls the launcher; None once TF32
         or autotune switched since (take the whole way).
         None here when there is no compiled kernel of that layout to call directly."""

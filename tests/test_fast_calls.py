@@ -1,4 +1,4 @@
-"""attnlab.calls on the host: which calls have a signature, what it holds, and the cached entry's lengths."""
+"""attnlab.fast_calls on the host: which calls have a signature, what it holds, and the cached entry's lengths."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import calls
+from attnlab import fast_calls as calls
 
 
 def _sig(q, k, v, **kw):
