@@ -25,6 +25,7 @@ import torch
 from attnlab import backends as _backends
 from attnlab import fast_calls as _calls
 from attnlab.masks import plain_int
+from attnlab.options import Options, op_function
 from attnlab.paged import gather_paged, paged_kv, paged_placeholders
 from attnlab.problem import make_problem
 from attnlab.textbook_backward import sum_to_shape, textbook_backward
@@ -103,12 +104,8 @@ def attention(
     if block_table is not None and needs_grad:  # the caches get their gradients through a differentiable gather
         k, v = gather_paged(q, k, v, block_table, layout, kv_len)
         block_table = None
-    has_window = window is not None
-    if has_window and (not isinstance(window, (tuple, list)) or len(window) != 2):
+    if window is not None and (not isinstance(window, (tuple, list)) or len(window) != 2):
         raise TypeError(f"window must be a pair (left, right) of ints or None; got {window!r}")
-    left, right = window if has_window else (None, None)
-    args = (q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale, layout,
-            backend, return_lse, needs_grad)
     if not (needs_grad or torch.compiler.is_compiling()):
         key = None if _poison else _calls.signature(q, k, v, kv_len, q_len, mask, block_table, causal, window,
                                                      align, scale, layout, backend, return_lse)
@@ -117,7 +114,9 @@ def attention(
             got = entry(q, k, v, kv_len, q_len, mask, block_table)
             if got is not None:
                 return got if return_lse else got[0]
-        out, lse, prob, be, out_bhnd, paged = _run(*args)
+        opts = Options.of(causal, window, align, scale, layout)
+        out, lse, prob, be, out_bhnd, paged = _run(q, k, v, kv_len, q_len, mask, block_table, opts, backend,
+                                                   return_lse, needs_grad)
         # A paged call only when its caches were read in place through the caller's own table (not gathered
         # to dense, not a contiguous copy of a strided table).
         if key is not None and (block_table is None or (paged is not None and paged.block_table is block_table)):
@@ -125,16 +124,18 @@ def attention(
             if fast is not None:
                 _calls.remember(key, fast, prob, kv_len, q_len)
     else:
+        opts = Options.of(causal, window, align, scale, layout)
         if torch.compiler.is_compiling():
             # The op takes lengths as tensors: Python ints and lists become (host) tensors, validated in the op.
-            lengths = (_lengths_arg(kv_len), _lengths_arg(q_len))
-            out, lse = torch.ops.attnlab.attention(*args[:3], *lengths, *args[5:])
+            kv_len, q_len = _lengths_arg(kv_len), _lengths_arg(q_len)
         else:
             # Validate first (the same TypeError/ValueError as without grad); the forward then takes the lengths
             # as validated (int32 on q's device), not converted again.
-            spec = _problem(*args[:6], *args[7:14]).spec
-            args = (*args[:3], spec.kv_len, spec.q_len, *args[5:])
-            out, lse = _EagerAttention.apply(*args) if _plain_eager(q, k, v) else torch.ops.attnlab.attention(*args)
+            spec = _problem(q, k, v, kv_len, q_len, mask, opts).spec
+            kv_len, q_len = spec.kv_len, spec.q_len
+        args = (q, k, v, kv_len, q_len, mask, block_table, *opts.flat(), backend, return_lse, needs_grad)
+        eager = not torch.compiler.is_compiling() and _plain_eager(q, k, v)
+        out, lse = _EagerAttention.apply(*args) if eager else torch.ops.attnlab.attention(*args)
     return (out, lse) if return_lse else out
 
 
@@ -166,29 +167,26 @@ def _lengths_arg(value: Any) -> Any:
     )
 
 
-def _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout):
-    return make_problem(q, k, v, causal=causal, window=(left, right) if has_window else None, align=align,
-                        kv_len=kv_len, q_len=q_len, mask=mask, scale=scale, layout=layout)
+def _problem(q, k, v, kv_len, q_len, mask, opts: Options):
+    return make_problem(q, k, v, kv_len=kv_len, q_len=q_len, mask=mask, **opts.keywords())
 
 
-def _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale, layout,
-         backend, want_lse, needs_grad):
+def _run(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str, want_lse: bool, needs_grad: bool):
     """Validate, pick the backend, run it: (out, lse, the problem, the backend, out as [B, H, N, D], the paged
     cache read in place or None). lse is None unless ``want_lse`` or ``needs_grad`` (the kernels' backward
     starts from the forward's lse)."""
-    masks = (causal, has_window, left, right, align, scale, layout)
     paged = None
     if block_table is not None and backend == "auto" and q.device.type == "cpu":
         # no CPU backend auto picks reads a paged cache in place: gather now, so auto sees the real k and v
-        k, v = gather_paged(q, k, v, block_table, layout, kv_len)
+        k, v = gather_paged(q, k, v, block_table, opts.layout, kv_len)
         block_table = None
     if block_table is not None:
-        kd, vd = paged_placeholders(q, k, v, block_table, layout)
-        prob = _problem(q, kd, vd, kv_len, q_len, mask, *masks)
+        kd, vd = paged_placeholders(q, k, v, block_table, opts.layout)
+        prob = _problem(q, kd, vd, kv_len, q_len, mask, opts)
         paged = paged_kv(k, v, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk, dtype=prob.dtype,
                          device=prob.device, kv_len=prob.spec.kv_len)
     else:
-        prob = _problem(q, k, v, kv_len, q_len, mask, *masks)
+        prob = _problem(q, k, v, kv_len, q_len, mask, opts)
     be = _backends.resolve(backend, prob, needs_grad=needs_grad)
     if paged is not None and not be.reads_paged:  # this backend takes dense k and v: gather them
         kd, vd = paged.dense()  # [B, Hkv, Nk, D], the placeholders' shape: nothing validated changes
@@ -218,42 +216,47 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, ri
     return out, lse, prob, be, out_bhnd, paged
 
 
-def _attention_impl(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
-    mask: torch.Tensor | None, block_table: torch.Tensor | None, causal: bool, has_window: bool, left: int | None,
-    right: int | None, align: str | None, scale: float | None, layout: str, backend: str, want_lse: bool,
-    needs_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse, *_ = _run(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale,
-                        layout, backend, want_lse, needs_grad)
+_Tensor, _OptTensor = torch.Tensor, torch.Tensor | None
+#: The op's parameters around the options' flat ones (:func:`attnlab.options.op_function`).
+_OP_BEFORE = [("q", _Tensor), ("k", _Tensor), ("v", _Tensor), ("kv_len", _OptTensor), ("q_len", _OptTensor),
+              ("mask", _OptTensor), ("block_table", _OptTensor)]
+_OP_AFTER = [("backend", str), ("want_lse", bool), ("needs_grad", bool)]
+_ARG_NAMES = tuple(n for n, _ in (*_OP_BEFORE, *Options.FLAT, *_OP_AFTER))
+
+
+def _attention_body(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str, want_lse: bool,
+                    needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse, *_ = _run(q, k, v, kv_len, q_len, mask, block_table, opts, backend, want_lse, needs_grad)
     return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)  # the schema's empty lse
 
 
-_attention_op = torch.library.custom_op("attnlab::attention", mutates_args=())(_attention_impl)
-
-
-@_attention_op.register_fake
-def _(q, k, v, kv_len, q_len, mask, block_table, causal, has_window, left, right, align, scale, layout, backend,
-      want_lse, needs_grad):
+def _attention_fake(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str, want_lse: bool,
+                    needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if not (want_lse or needs_grad):
         return out, q.new_empty((0,), dtype=torch.float32)
-    B, Hq, Nq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhnd" else (q.shape[0], q.shape[2], q.shape[1])
+    bhnd = opts.layout == "bhnd"
+    B, Hq, Nq = (q.shape[0], q.shape[1], q.shape[2]) if bhnd else (q.shape[0], q.shape[2], q.shape[1])
     return out, q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
-def _attention_backward_impl(
+_attention_impl = op_function("attention", _OP_BEFORE, _OP_AFTER, tuple[_Tensor, _Tensor], _attention_body)
+_attention_op = torch.library.custom_op("attnlab::attention", mutates_args=())(_attention_impl)
+_attention_op.register_fake(op_function("attention_fake", _OP_BEFORE, _OP_AFTER, tuple[_Tensor, _Tensor],
+                                        _attention_fake))
+
+
+def _attention_backward_body(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
-    mask: torch.Tensor | None, causal: bool, has_window: bool, left: int | None, right: int | None,
-    align: str | None, scale: float | None, layout: str, backend: str, mask_grad: bool,
+    mask: torch.Tensor | None, opts: Options, backend: str, mask_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dmask) in the caller's layout; dmask is empty unless ``mask_grad``.
 
     The kernel backends (Triton, CUDA) take the Triton backward kernels from the saved out and lse; the
     backends built from PyTorch ops, and any call whose bias needs a gradient, the chunked PyTorch backward.
     """
-    prob = _problem(q, k, v, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout)
+    prob = _problem(q, k, v, kv_len, q_len, mask, opts)
     be = _backends.resolve(backend, prob, needs_grad=True)
     if be.kernel_backward and not mask_grad and _triton_backward_available():
         from attnlab.backends.triton.backward import backward as kernel_backward
@@ -267,25 +270,30 @@ def _attention_backward_impl(
             dmask)
 
 
+_BWD_BEFORE = [("dout", _Tensor), ("dlse", _OptTensor), ("q", _Tensor), ("k", _Tensor), ("v", _Tensor),
+               ("out", _Tensor), ("lse", _Tensor), ("kv_len", _OptTensor), ("q_len", _OptTensor), ("mask", _OptTensor)]
+_BWD_AFTER = [("backend", str), ("mask_grad", bool)]
+_BWD_RETURNS = tuple[_Tensor, _Tensor, _Tensor, _Tensor]
+
+
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, opts: Options, backend: str,
+                             mask_grad: bool):
+    dmask = torch.empty_like(mask) if mask_grad else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+
+
+_attention_backward_impl = op_function("attention_backward", _BWD_BEFORE, _BWD_AFTER, _BWD_RETURNS,
+                                       _attention_backward_body)
 _attention_backward_op = torch.library.custom_op("attnlab::attention_backward", mutates_args=())(
     _attention_backward_impl)
+_attention_backward_op.register_fake(op_function("attention_backward_fake", _BWD_BEFORE, _BWD_AFTER, _BWD_RETURNS,
+                                                 _attention_backward_fake))
 
 
 def _triton_backward_available() -> bool:
     from attnlab.backends.triton.kernel import IMPORT_ERROR
 
     return IMPORT_ERROR is None
-
-
-@_attention_backward_op.register_fake
-def _(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, causal, has_window, left, right, align, scale, layout,
-      backend, mask_grad):
-    dmask = torch.empty_like(mask) if mask_grad else q.new_empty((0,))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
-
-
-_ARG_NAMES = ("q", "k", "v", "kv_len", "q_len", "mask", "block_table", "causal", "has_window", "left", "right",
-              "align", "scale", "layout", "backend", "want_lse", "needs_grad")
 
 
 def _bias_needs_grad(mask: torch.Tensor | None) -> bool:
@@ -298,8 +306,7 @@ def _setup_context(ctx, inputs, output) -> None:
     mask = a["mask"]
     ctx.mask_grad = _bias_needs_grad(mask)
     ctx.want_lse = a["want_lse"]
-    ctx.options = tuple(a[n] for n in ("causal", "has_window", "left", "right", "align", "scale", "layout",
-                                       "backend"))
+    ctx.options = (*(a[n] for n, _ in Options.FLAT), a["backend"])  # the backward op's flat options, backend
     ctx.save_for_backward(a["q"], a["k"], a["v"], *output, a["kv_len"], a["q_len"], mask)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient tensor: dlse is None
 
@@ -313,8 +320,8 @@ def _backward(ctx, dout, dlse, backward_op=None):
     backward_op = backward_op or torch.ops.attnlab.attention_backward
     dq, dk, dv, dmask = backward_op(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, *ctx.options, ctx.mask_grad)
     # One gradient per op input: q, k, v, kv_len, q_len, mask, block_table (gathered before the op whenever a
-    # gradient is needed, so always None here), then the ten non-tensor arguments.
-    return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, None, *([None] * 10))
+    # gradient is needed, so always None here), then the non-tensor arguments.
+    return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, None, *([None] * (len(_ARG_NAMES) - 7)))
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)

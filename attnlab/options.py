@@ -1,0 +1,75 @@
+"""The keywords of one attention call that shape its problem (the mask band, the scale, the layout), as one value.
+
+:func:`attnlab.attention` makes one :class:`Options` on the way to its custom op; the op, its backward and
+:func:`~attnlab.problem.make_problem` all take it. The op's flat argument list (a custom op takes only
+tensors and scalars) is generated from :data:`Options.FLAT` at the op boundary, so a keyword added here reaches
+the op, its fake implementation and its autograd formula without another list to edit.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Options:
+    """The band (``causal``, ``window`` as (left, right), ``align``), ``scale`` and ``layout`` of a call."""
+
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    align: str | None = None
+    scale: float | None = None
+    layout: str = "bhnd"
+
+    #: The op's flat parameters for these options, with the types its schema takes (``window`` is split in
+    #: three: a custom op has no optional pair).
+    FLAT: ClassVar[tuple[tuple[str, Any], ...]] = (
+        ("causal", bool), ("has_window", bool), ("left", int | None), ("right", int | None),
+        ("align", str | None), ("scale", float | None), ("layout", str),
+    )
+
+    @classmethod
+    def of(cls, causal: bool = False, window: Any = None, align: str | None = None, scale: float | None = None,
+           layout: str = "bhnd") -> Options:
+        """The options of the public keywords; a window that is not a pair is a TypeError here (its values
+        are validated with the rest of the problem)."""
+        if window is not None:
+            if not isinstance(window, (tuple, list)) or len(window) != 2:
+                raise TypeError(f"window must be a pair (left, right) of ints or None; got {window!r}")
+            window = (window[0], window[1])
+        return cls(causal, window, align, scale, layout)
+
+    def keywords(self) -> dict[str, Any]:
+        """As :func:`~attnlab.problem.make_problem`'s keywords."""
+        return {"causal": self.causal, "window": self.window, "align": self.align, "scale": self.scale,
+                "layout": self.layout}
+
+    def flat(self) -> tuple:
+        """The values of :data:`FLAT`, in order."""
+        left, right = self.window if self.window is not None else (None, None)
+        return (self.causal, self.window is not None, left, right, self.align, self.scale, self.layout)
+
+    @classmethod
+    def from_flat(cls, causal: bool, has_window: bool, left: int | None, right: int | None, align: str | None,
+                  scale: float | None, layout: str) -> Options:
+        """The inverse of :meth:`flat`."""
+        return cls(causal, (left, right) if has_window else None, align, scale, layout)
+
+
+def op_function(name: str, before: list[tuple[str, Any]], after: list[tuple[str, Any]], returns: Any, body):
+    """A function ``name(*before, *Options.FLAT, *after)`` whose signature (what ``torch.library.custom_op``
+    reads the op's schema from) lists every parameter with its type, and whose body is
+    ``body(*before values, Options, *after values)``."""
+    n_before, n_flat = len(before), len(Options.FLAT)
+
+    def fn(*args):
+        opts = Options.from_flat(*args[n_before:n_before + n_flat])
+        return body(*args[:n_before], opts, *args[n_before + n_flat:])
+
+    params = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=t)
+              for p, t in (*before, *Options.FLAT, *after)]
+    fn.__signature__ = inspect.Signature(params, return_annotation=returns)
+    fn.__name__ = fn.__qualname__ = name
+    return fn
