@@ -67,16 +67,9 @@ def test_gpu_lengths_out_of_range_are_clamped(backend):
 
 def _captured(call):
     """``call`` warmed up twice on a side stream, then captured in a CUDA graph: (graph, its output)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return graph, out
+    from attnlab.bench.replay import capture
+
+    return capture(call)
 
 
 @pytest.mark.parametrize("backend", KERNELS)

@@ -1,23 +1,31 @@
 """GPU time without the host: a call captured in a CUDA graph and replayed, and the seeded decode inputs the
-decode tools time it on. Used by ``tools/decode_profile.py`` and ``tools/launch_cost.py``."""
+decode tools time it on. Used by ``tools/decode_profile.py``, ``tools/launch_cost.py`` and the GPU tests."""
 
 from __future__ import annotations
 
 import torch
 
 
-def graph_us(fn, calls=20, reps=20):
-    """GPU time per call with the host out of the way: ``calls`` calls captured in one CUDA graph, replayed."""
+def capture(call, *, warmup: int = 2, calls: int = 1):
+    """``call`` warmed up ``warmup`` times on a side stream (allocations and compiles happen there), then
+    ``calls`` of it captured in one CUDA graph: (the graph, the last call's output)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
+        for _ in range(warmup):
+            call()
     torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            out = call()
+    return graph, out
+
+
+def graph_us(fn, calls: int = 20, reps: int = 20) -> float:
+    """GPU time per call with the host out of the way: ``calls`` calls captured in one CUDA graph, replayed
+    ``reps`` times, the best replay."""
+    g, _ = capture(fn, warmup=3, calls=calls)
     g.replay()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
