@@ -1,5 +1,5 @@
-"""Backends ``triton`` (the fused Triton forward kernel; the package docstring explains it) and ``triton-decode``
-(the split-KV path for a few query rows)."""
+"""Backends ``triton`` (the fused Triton forward kernel; :mod:`~attnlab.backends.triton.kernel` explains it) and
+``triton-decode`` (the split-KV path for a few query rows)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from attnlab.problem import Problem
 
 
 class TritonBackend(Backend):
-    """attnlab's fused Triton forward kernel (the :mod:`attnlab.backends.triton` docstring explains it)."""
+    """attnlab's fused Triton forward kernel (:mod:`attnlab.backends.triton.kernel` explains it)."""
 
     name = "triton"
     takes = "float32/float16/bfloat16, D 1-256, every mask; CUDA tensors compiled, CPU tensors interpreted"

@@ -145,8 +145,8 @@ def kernel_qk_chunk(cfg: Config, block_d: int) -> int:
 
 
 def kernel_key_axis(cfg: Config, dtype: torch.dtype) -> int:
-    """The kernel's KEY_AXIS: 0 (keys-major, S^T = K Q^T; why: the package docstring's "Keys-major
-    float32", :mod:`attnlab.backends.triton`) for a float32 ``keys_major`` config, else 1. Half types keep the
+    """The kernel's KEY_AXIS: 0 (keys-major, S^T = K Q^T; why: "Keys-major float32" in
+    :mod:`attnlab.backends.triton.kernel`) for a float32 ``keys_major`` config, else 1. Half types keep the
     tensor-core orientation."""
     return 0 if cfg.keys_major and dtype == torch.float32 else 1
 
