@@ -380,7 +380,9 @@ def test_decode_split_states_are_held_grown_and_counted(monkeypatch):
         attnlab.attention(*x, backend="triton-decode")  # the whole way: its fast call is made
     torch.cuda.synchronize()
     assert not td._HELD
-    key = (torch.cuda.current_device(), td._launch.stream_of(torch.cuda.current_device()))
+    from attnlab.backends.triton import runtime as truntime
+
+    key = (torch.cuda.current_device(), truntime.stream_of(torch.cuda.current_device()))
     most = 0
     for n in ("small", "large", "small", "large", "small"):
         got = attnlab.attention(*(small if n == "small" else large), backend="triton-decode")

@@ -19,6 +19,7 @@ from attnlab.backends.triton import backend as tbackend
 from attnlab.backends.triton import configs as tconfigs
 from attnlab.backends.triton import kernel as tkernel
 from attnlab.backends.triton import launch as tlaunch
+from attnlab.backends.triton import runtime as truntime
 from attnlab.cases import Case, chunk_cases, default_cases, extra_cases, long_cases, make_inputs
 from attnlab.check import _lse_atol, compare, strict_fp32, summarize, verify
 from attnlab.problem import make_problem
@@ -403,8 +404,8 @@ def test_repeated_launches_skip_the_jit_with_the_same_arguments(monkeypatch, fas
     FAST_LAUNCH off every launch goes through the JIT."""
     fake = _FakeJit(tkernel.attn_fwd_kernel)
     monkeypatch.setattr(tkernel, "attn_fwd_kernel", fake)
-    monkeypatch.setattr(tlaunch, "stream_of", lambda device: 1234)
-    monkeypatch.setattr(tlaunch, "FAST_LAUNCH", fast)
+    monkeypatch.setattr(truntime, "stream_of", lambda device: 1234)
+    monkeypatch.setattr(truntime, "FAST_LAUNCH", fast)
     q, k, v, kw = _empty_row_inputs("cpu")
     prob = make_problem(q, k, v, **kw)
     plan = tlaunch._Plan(prob, tconfigs.Config(16, 32, 4, 2))
@@ -432,7 +433,7 @@ def test_autotune_times_direct_launches_and_keeps_the_median_best(monkeypatch):
 
     fake = _FakeJit(tkernel.attn_fwd_kernel)
     monkeypatch.setattr(tkernel, "attn_fwd_kernel", fake)
-    monkeypatch.setattr(tlaunch, "stream_of", lambda device: 0)
+    monkeypatch.setattr(truntime, "stream_of", lambda device: 0)
     cfgs = [tconfigs.Config(16, 16), tconfigs.Config(32, 16), tconfigs.Config(64, 16)]
     monkeypatch.setattr(tconfigs, "candidates", lambda dtype, block_d: cfgs)
     ms_of_block_m = {16: 3.0, 32: 1.0, 64: 2.0}
@@ -483,7 +484,7 @@ def test_fast_launch_same_as_jit_gpu(dtype, monkeypatch, untuned):
     monkeypatch.setattr(tlaunch, "jit_launch", counting_launch)
     results = {}
     for fast in (False, True):
-        monkeypatch.setattr(tlaunch, "FAST_LAUNCH", fast)
+        monkeypatch.setattr(truntime, "FAST_LAUNCH", fast)
         tlaunch._PLANS.clear()
         jit_calls.clear()
         for with_lse in (True, True, True, False, False):
@@ -502,14 +503,14 @@ def test_plans_are_keyed_by_the_call_signature():
     one plan key; anything the JIT specializes on (strides, masks present, alignment) changes the key."""
     case = Case("sig", B=2, Hq=4, Hkv=2, Nq=30, Nk=33, D=16, causal=True, align="bottom_right", kv_len=(33, 9))
     q, k, v, kw = make_inputs(case, dtype=F32, device="cpu", seed=1)
-    key = tlaunch.call_signature(make_problem(q, k, v, **kw))
+    key = truntime.call_signature(make_problem(q, k, v, **kw))
     q2, k2, v2, kw2 = make_inputs(case, dtype=F32, device="cpu", seed=2)
-    assert tlaunch.call_signature(make_problem(q2, k2, v2, **kw2)) == key
-    assert tlaunch.call_signature(make_problem(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, **kw)) != key
-    assert tlaunch.call_signature(make_problem(q, k, v, **{**kw, "kv_len": None})) != key
-    assert tlaunch.call_signature(make_problem(q, k, v, **kw, scale=0.5)) != key
+    assert truntime.call_signature(make_problem(q2, k2, v2, **kw2)) == key
+    assert truntime.call_signature(make_problem(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, **kw)) != key
+    assert truntime.call_signature(make_problem(q, k, v, **{**kw, "kv_len": None})) != key
+    assert truntime.call_signature(make_problem(q, k, v, **kw, scale=0.5)) != key
     offset = torch.empty(q.numel() + 1, dtype=F32)[1:].view(q.shape).copy_(q)  # 4-byte aligned only
-    assert tlaunch.call_signature(make_problem(offset, k, v, **kw)) != key
+    assert truntime.call_signature(make_problem(offset, k, v, **kw)) != key
 
 
 @pytest.mark.gpu
@@ -531,9 +532,9 @@ def test_public_calls_reuse_one_plan_gpu(dtype, monkeypatch, untuned):
     for seed in range(4):
         q, k, v, kw = make_inputs(case, dtype=dtype, device="cuda", seed=seed)
         got = attnlab.attention(q, k, v, backend="triton", **kw)
-        monkeypatch.setattr(tlaunch, "FAST_LAUNCH", False)
+        monkeypatch.setattr(truntime, "FAST_LAUNCH", False)
         want = attnlab.attention(q, k, v, backend="triton", **kw)
-        monkeypatch.setattr(tlaunch, "FAST_LAUNCH", True)
+        monkeypatch.setattr(truntime, "FAST_LAUNCH", True)
         assert torch.equal(got, want)
     assert len(tlaunch._PLANS) == 1
     assert len(jit_calls) == 1 + 4  # the first fast-path call, then every FAST_LAUNCH=False call
@@ -549,8 +550,8 @@ def test_a_launch_with_no_hook_set_passes_no_hooks_and_no_metadata():
     kernel = SimpleNamespace(function=11, packed_metadata=(4, 1, 0), run=lambda *a: seen.append(a),
                              launch_metadata=lambda grid, stream, *args: ("meta", grid, stream))
     runtime = triton.knobs.runtime
-    assert tlaunch.idle_hooks(runtime)
-    tlaunch.run_compiled(kernel, (2, 3, 1), 99, (0x10, 5, 7))
+    assert truntime.idle_hooks(runtime)
+    truntime.run_compiled(kernel, (2, 3, 1), 99, (0x10, 5, 7))
     assert seen.pop() == (2, 3, 1, 99, 11, (4, 1, 0), None, None, None, 0x10, 5, 7)
 
     def hook(*args):
@@ -560,15 +561,15 @@ def test_a_launch_with_no_hook_set_passes_no_hooks_and_no_metadata():
     if hasattr(chain, "add"):  # a HookChain (triton >= 3.6)
         chain.add(hook)
         try:
-            assert not tlaunch.idle_hooks(runtime)
-            tlaunch.run_compiled(kernel, (2, 3, 1), 99, (0x10, 5, 7))
+            assert not truntime.idle_hooks(runtime)
+            truntime.run_compiled(kernel, (2, 3, 1), 99, (0x10, 5, 7))
             got = seen.pop()
             assert got[6] == ("meta", (2, 3, 1), 99) and got[7] is chain and got[9:] == (0x10, 5, 7)
         finally:
             chain.remove(hook)
-    assert tlaunch.idle_hooks(runtime)
-    assert tlaunch.idle_hooks(SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
-    assert not tlaunch.idle_hooks(SimpleNamespace(launch_enter_hook=hook, launch_exit_hook=None))
+    assert truntime.idle_hooks(runtime)
+    assert truntime.idle_hooks(SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    assert not truntime.idle_hooks(SimpleNamespace(launch_enter_hook=hook, launch_exit_hook=None))
 
 
 def _launcher_object(seen: list, **sizes):
@@ -580,7 +581,7 @@ def _launcher_object(seen: list, **sizes):
     attrs = dict(launch=lambda *a: seen.append(a), global_scratch_size=0, global_scratch_align=1,
                  profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=True,
                  num_ctas=1, gsan_enabled=False)
-    if tlaunch._triton_minor() >= (3, 7):  # one shared launcher, told each kernel's argument kinds
+    if truntime._triton_minor() >= (3, 7):  # one shared launcher, told each kernel's argument kinds
         attrs.update(arg_annotations=("annotations",), kernel_signature=b"signature")
     attrs.update(sizes)
     for name, value in attrs.items():
@@ -589,14 +590,14 @@ def _launcher_object(seen: list, **sizes):
 
 
 def test_the_direct_c_launch_passes_what_tritons_launcher_object_passes(monkeypatch):
-    """launch.launcher calls the C launch function with exactly the arguments the installed Triton's
+    """runtime.launcher calls the C launch function with exactly the arguments the installed Triton's
     CudaLauncher.__call__ hands it for a launch with no hooks (the real __call__ is run on the same object and
     both recordings compared), falls back to that object while a hook is set, and is not used for a kernel
     with a scratch buffer or a Triton whose interface it does not know."""
     from types import SimpleNamespace
 
     triton = pytest.importorskip("triton")
-    if tlaunch._triton_minor() is None or not (3, 5) <= tlaunch._triton_minor() <= (3, 9):
+    if truntime._triton_minor() is None or not (3, 5) <= truntime._triton_minor() <= (3, 9):
         pytest.skip(f"triton {triton.__version__}: the direct launch is not used")
     monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace())  # __call__ may look it up (no GPU here)
     seen: list = []
@@ -604,10 +605,10 @@ def test_the_direct_c_launch_passes_what_tritons_launcher_object_passes(monkeypa
     kernel = SimpleNamespace(function=11, packed_metadata=(4, 1, 0), run=run,
                              launch_metadata=lambda grid, stream, *args: ("meta", grid, stream))
     args = (0x10, 5, 7, 3.5)
-    tlaunch.run_compiled(kernel, (2, 3, 1), 99, args)  # through the launcher object's own __call__
+    truntime.run_compiled(kernel, (2, 3, 1), 99, args)  # through the launcher object's own __call__
     want = seen.pop()
-    go = tlaunch.launcher(kernel)
-    assert tlaunch._c_launch(kernel) is not None
+    go = truntime.launcher(kernel)
+    assert truntime._c_launch(kernel) is not None
     go((2, 3, 1), 99, args)
     assert seen.pop() == want
     chain = triton.knobs.runtime.launch_enter_hook
@@ -626,9 +627,9 @@ def test_the_direct_c_launch_passes_what_tritons_launcher_object_passes(monkeypa
     assert not seen
     for odd in (dict(global_scratch_size=64), dict(profile_scratch_size=64), dict(gsan_enabled=True)):
         kernel_odd = SimpleNamespace(function=11, packed_metadata=(4, 1, 0), run=_launcher_object(seen, **odd))
-        assert tlaunch._c_launch(kernel_odd) is None, odd  # the launcher object allocates the scratch
+        assert truntime._c_launch(kernel_odd) is None, odd  # the launcher object allocates the scratch
     monkeypatch.setattr(triton, "__version__", "3.10.0")
-    assert tlaunch._c_launch(kernel) is None
+    assert truntime._c_launch(kernel) is None
 
 
 def test_every_kernel_is_compiled_with_fp_fusion_said_explicitly(monkeypatch):

@@ -369,16 +369,16 @@ def test_paged_dense_view_gathers_the_table():
 def test_public_calls_reuse_one_decode_plan_gpu(dtype, monkeypatch):
     """Each attnlab.attention call makes a new Problem: the decode plan is found by the call's signature, and
     every call with fresh tensors writes what a JIT launch writes, bit for bit."""
-    from attnlab.backends.triton import launch as tlaunch
+    from attnlab.backends.triton import runtime as truntime
 
     case = Case("reuse", B=2, Hq=8, Hkv=2, Nq=3, Nk=700, D=64, causal=True, align="bottom_right", kv_len=(700, 90))
     td._PLANS.clear()
     for seed in range(3):
         q, k, v, kw = make_inputs(case, dtype=dtype, device="cuda", seed=seed)
         got = attnlab.attention(q, k, v, backend="triton-decode", **kw)
-        monkeypatch.setattr(tlaunch, "FAST_LAUNCH", False)
+        monkeypatch.setattr(truntime, "FAST_LAUNCH", False)
         want = attnlab.attention(q, k, v, backend="triton-decode", **kw)
-        monkeypatch.setattr(tlaunch, "FAST_LAUNCH", True)
+        monkeypatch.setattr(truntime, "FAST_LAUNCH", True)
         assert torch.equal(got, want)
     assert len(td._PLANS) == 1
 

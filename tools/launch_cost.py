@@ -1,5 +1,5 @@
-"""Host cost of a Triton launch by argument count (through Triton's launcher object, launch.run_compiled, and
-through its C launch function, launch.launcher), of the allocations a call makes, and of the public call beside
+"""Host cost of a Triton launch by argument count (through Triton's launcher object, runtime.run_compiled, and
+through its C launch function, runtime.launcher), of the allocations a call makes, and of the public call beside
 F.sdpa on the same tensors, with fast calls made with and without the direct C launch and (decode) with the split
 states held per stream or allocated per call (``ab``: only that part),
 on the GPU it runs on: least of 5 rounds of 200 unsynchronized calls, the GPU kept busy."""
@@ -18,8 +18,8 @@ from host_time import host_us
 import attnlab
 from attnlab import fast_calls as _calls
 from attnlab.backends.triton import decode as _decode
-from attnlab.backends.triton import launch as _launch
-from attnlab.backends.triton.launch import launcher, run_compiled
+from attnlab.backends.triton import runtime as _runtime
+from attnlab.backends.triton.runtime import launcher, run_compiled
 from attnlab.bench.replay import decode_inputs
 
 
@@ -93,7 +93,7 @@ def interleaved(fns: dict, rounds: int = 7, n: int = 200) -> dict:
 
 def _entry(q, k, v, direct: bool, **kw):
     """The fast call of ``attention(q, k, v, **kw)``'s signature, made with or without the direct C launch."""
-    _launch.DIRECT_LAUNCH = direct
+    _runtime.DIRECT_LAUNCH = direct
     _calls.clear()
     attnlab.attention(q, k, v, **kw)  # the whole way, which makes the fast call
     attnlab.attention(q, k, v, **kw)

@@ -15,8 +15,10 @@ Where the code is
   autotuning, :func:`allow_tf32`.
 * :mod:`~attnlab.backends.triton.tune_cache`: tuned configs on disk (forward and backward).
 * :mod:`~attnlab.backends.triton.tuned_table`: the shipped table of tuned configs (``tuned_table.json``).
-* :mod:`~attnlab.backends.triton.launch`: the kernel's arguments, the grid, the JIT launch and the fast
-  path of repeated launches.
+* :mod:`~attnlab.backends.triton.launch`: the forward's host side: its arguments, the grid, the JIT launch,
+  the plans of repeated launches, autotuning.
+* :mod:`~attnlab.backends.triton.runtime`: what every kernel's plans share: the launch of a compiled kernel
+  through its C launch function, the per-call arguments, the plan key.
 * :mod:`~attnlab.backends.triton.interpreter`: the CPU path.
 * :mod:`~attnlab.backends.triton.backend`: :class:`TritonBackend` and ``TritonDecodeBackend``.
 * :mod:`~attnlab.backends.triton.decode_kernels` and :mod:`~attnlab.backends.triton.decode`: the split-KV

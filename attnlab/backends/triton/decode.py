@@ -16,7 +16,7 @@ from attnlab.backends.triton import background
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton import interpreter as _interp
 from attnlab.backends.triton import kernel as _kern
-from attnlab.backends.triton import launch as _launch
+from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.configs import padded_head_dim, pow2_bucket
 from attnlab.backends.triton.kernel import triton
 from attnlab.fast_calls import evict_oldest, tensor_key
@@ -278,11 +278,11 @@ def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None
     forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
     compiled kernel's occupancy) and the paged caches' layout. The default config (``cfg`` None) follows from
     the signature alone, so it is chosen only when the plan is made."""
-    key = (_launch.call_signature(prob), cfg, n_split, None if paged is None else tuple(
+    key = (_rt.call_signature(prob), cfg, n_split, None if paged is None else tuple(
         tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
     plan = _PLANS.get(key)
     if plan is None:
-        evict_oldest(_PLANS, _launch.MAX_PLANS)
+        evict_oldest(_PLANS, _rt.MAX_PLANS)
         cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob),
                                     prob.spec.kv_len is not None, _deep_fits(prob.device.index or 0))
         plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False)
@@ -350,12 +350,12 @@ class _Kernel:
     def direct(self, key: tuple, head: int, mid: tuple, tail: tuple):
         """``go(stream, *values)``: the compiled kernel of ``key`` launched with the parameters
         ``(*values[:head], *mid, *values[head:], *tail, *constants)``, where ``values`` are the addresses that
-        change from call to call (ints) and the rest is fixed (:func:`attnlab.backends.triton.launch.launcher`).
+        change from call to call (ints) and the rest is fixed (:func:`attnlab.backends.triton.runtime.launcher`).
         None before the kernel exists."""
         kernel = self.compiled.get(key)
-        if kernel is None or not _launch.FAST_LAUNCH:
+        if kernel is None or not _rt.FAST_LAUNCH:
             return None
-        grid, constants, run = self.grid, self._constant_values(), _launch.launcher(kernel)
+        grid, constants, run = self.grid, self._constant_values(), _rt.launcher(kernel)
 
         def go(stream, *values):
             run(grid, stream, (*values[:head], *mid, *values[head:], *tail, *constants))
@@ -364,12 +364,12 @@ class _Kernel:
 
     def launch(self, args: tuple, key: tuple, device: int) -> None:
         kernel = self.compiled.get(key)
-        if kernel is None or not _launch.FAST_LAUNCH:
+        if kernel is None or not _rt.FAST_LAUNCH:
             kernel = self.fn[self.grid](*args, **self.constants, **self.options)
-            if _launch.FAST_LAUNCH and _launch.fast_launch_supported(kernel):
+            if _rt.FAST_LAUNCH and _rt.fast_launch_supported(kernel):
                 self.compiled[key] = kernel
             return
-        _launch.run_compiled(kernel, self.grid, _launch.stream_of(device), (*args, *self._constant_values()))
+        _rt.run_compiled(kernel, self.grid, _rt.stream_of(device), (*args, *self._constant_values()))
 
 
 def _explicit(prob: Problem) -> torch.Tensor | None:
@@ -509,7 +509,7 @@ class _Plan:
         write_lse = lse is not None
         split, merge = self._kernels(write_lse)
         lse_arg = lse if write_lse else out
-        key = _launch.layout_key(out, lse_arg, *self._workspace(prob, out))
+        key = _rt.layout_key(out, lse_arg, *self._workspace(prob, out))
         strides = (*out.stride(), *(lse.stride() if write_lse else (0, 0, 0)))
         merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
         # split: (q, k, v, block table, kv_len, q_len, mask; fixed; out, lse, m, l, acc; strides), merge: (m, l,
@@ -520,13 +520,13 @@ class _Plan:
             return None
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index = (prob.B, prob.Hq, prob.Nq), prob.device, prob.device.index
-        current_stream, pointers = triton.runtime.driver.active.get_current_stream, _launch.pointers
+        current_stream, pointers = triton.runtime.driver.active.get_current_stream, _rt.pointers
         _, padded = _state_rows(prob, self.n_split)
         ws_numel = workspace_bytes(prob, self.n_split) // 4
         lock = _HELD_LOCK
 
         def call(q, k, v, kv_len, q_len, mask, block_table):
-            if not _launch.FAST_LAUNCH:
+            if not _rt.FAST_LAUNCH:
                 return None  # every launch through the JIT: take the whole way
             o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
@@ -565,7 +565,7 @@ class _Plan:
         l_strides = lse.stride() if lse is not None else (0, 0, 0)
         ws_m, ws_l, ws_acc = self._workspace(prob, out)
         per_call = (out, lse_arg, ws_m, ws_l, ws_acc, *out.stride(), *l_strides)
-        key = _launch.layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
+        key = _rt.layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
         device = prob.device.index or 0
         with _interp.interpreter(decode_merge_kernel) if self.interpret else contextlib.nullcontext():
             split.launch((*_tensors(prob, paged), *self.fixed, *per_call), key, device)

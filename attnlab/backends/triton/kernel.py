@@ -64,7 +64,7 @@ config tuned on this machine, else the shipped table's (:mod:`~attnlab.backends.
 first candidate. Tuning happens on request (:func:`attnlab.tune`, or ``ATTNLAB_AUTOTUNE=1``); tuned configs
 persist on disk per GPU model, Triton version and kernel source (:mod:`~attnlab.backends.triton.tune_cache`,
 ``$ATTNLAB_CACHE_DIR`` or ``~/.cache/attnlab``). Launches of one call signature (shapes, strides, dtypes, mask
-kind, alignment: :func:`~attnlab.backends.triton.launch.call_signature`) share a plan
+kind, alignment: :func:`~attnlab.backends.triton.runtime.call_signature`) share a plan
 (:mod:`~attnlab.backends.triton.launch`): its arguments and compiled kernel, with Triton's launcher called
 directly rather than through the JIT's per-call binding. :func:`attnlab.attention` goes further for a
 signature it has seen (:mod:`attnlab.fast_calls`): the plan's fast call allocates the output and launches,

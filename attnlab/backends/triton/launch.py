@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton import kernel as _k
+from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.configs import Config, config_for, kernel_key_axis, kernel_qk_chunk, padded_head_dim
 from attnlab.backends.triton.interpreter import interpreter
 from attnlab.backends.triton.kernel import LOG2E, triton
@@ -102,13 +102,6 @@ def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
     return (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
 
 
-#: Whether repeated GPU launches of one Problem skip Triton's JIT dispatch (ATTNLAB_TRITON_FAST_LAUNCH=0:
-#: never; every launch then goes through ``kernel[grid](...)``).
-FAST_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_FAST_LAUNCH", "1") != "0"
-#: Whether fast calls made from now on call the C launch function under Triton's launcher object directly
-#: (:func:`launcher`; ATTNLAB_TRITON_DIRECT_LAUNCH=0: never, every launch goes through that object).
-DIRECT_LAUNCH: bool = os.environ.get("ATTNLAB_TRITON_DIRECT_LAUNCH", "1") != "0"
-
 class _Plan:
     """How one call signature is launched with one config: the compiled kernel of each out/lse layout seen so
     far, and the arguments that the signature fixes (sizes, strides, scalars, the constants).
@@ -118,9 +111,10 @@ class _Plan:
     kernel's launcher directly, with the arguments the JIT would pass: the JIT's per-call work (binding
     about 45 arguments, specializing each, building the cache key) is what made small problems wait for
     the host. That is sound because everything the JIT specializes on is in the plan's key
-    (:func:`call_signature`: dtypes, shapes, strides, scalars, which masks are present, and the 16-byte alignment
-    of every pointer) or in the layout key (out's and lse's strides and alignment). Only the tensors
-    themselves (their addresses) change from call to call. Launch hooks are honoured as the JIT honours them.
+    (:func:`~attnlab.backends.triton.runtime.call_signature`: dtypes, shapes, strides, scalars, which masks are
+    present, and the 16-byte alignment of every pointer) or in the layout key (out's and lse's strides and
+    alignment). Only the tensors themselves (their addresses) change from call to call. Launch hooks are honoured
+    as the JIT honours them.
     """
 
     __slots__ = ("cfg", "device", "fixed", "grid", "kernels")
@@ -133,11 +127,11 @@ class _Plan:
         self.fixed: dict[bool, tuple] = {}  # write_lse -> (mid after its 3 pointers, tail, the constants' values)
 
     def launch(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        key = layout_key(out, lse)
+        key = _rt.layout_key(out, lse)
         kernel = self.kernels.get(key)
-        if kernel is None or not FAST_LAUNCH:
+        if kernel is None or not _rt.FAST_LAUNCH:
             kernel = self._jit_launch(prob, out, lse)
-            if FAST_LAUNCH and fast_launch_supported(kernel):
+            if _rt.FAST_LAUNCH and _rt.fast_launch_supported(kernel):
                 self.kernels[key] = kernel
             return
         write_lse = lse is not None
@@ -155,7 +149,7 @@ class _Plan:
                explicit if explicit is not None else q, *mid_rest)
         # The launcher takes every parameter in signature order, the constants (which come last) too.
         args = (*_bind(head, mid, tail, out, lse), *constants)
-        run_compiled(kernel, self.grid, stream_of(self.device), args)
+        _rt.run_compiled(kernel, self.grid, _rt.stream_of(self.device), args)
 
     def _jit_launch(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """A launch through the JIT; a config that does not fit this GPU (a table made on a larger one, or the
@@ -178,9 +172,9 @@ class _Plan:
         layout applies), puts the call's tensors into the fixed arguments and calls the launcher; None once TF32
         or autotune switched since (take the whole way).
         None here when there is no compiled kernel of that layout to call directly."""
-        key = layout_key(out, lse)
+        key = _rt.layout_key(out, lse)
         kernel = self.kernels.get(key)
-        if kernel is None or not FAST_LAUNCH:  # (an empty call never gets here: it launched nothing)
+        if kernel is None or not _rt.FAST_LAUNCH:  # (an empty call never gets here: it launched nothing)
             return None
         write_lse = lse is not None
         _, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
@@ -188,12 +182,12 @@ class _Plan:
                 *(constants[n] for n in _constexpr_names()))
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.device, self.device, self.grid
-        current_stream = triton.runtime.driver.active.get_current_stream
+        current_stream, pointers = triton.runtime.driver.active.get_current_stream, _rt.pointers
         switches = (_cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY)
-        go = launcher(kernel)
+        go = _rt.launcher(kernel)
 
         def call(q, k, v, kv_len, q_len, mask, block_table):
-            if (_cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY) != switches or not FAST_LAUNCH:
+            if (_cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY) != switches or not _rt.FAST_LAUNCH:
                 return None
             o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
@@ -205,122 +199,6 @@ class _Plan:
         return call
 
 
-def layout_key(*tensors: torch.Tensor | None) -> tuple:
-    """What Triton's JIT specializes a call's output tensors on, besides the plan's signature: dtype, strides
-    and 16-byte alignment of each (None, an absent lse, counts as absent)."""
-    return tuple(None if t is None else (t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in tensors)
-
-
-def pointers(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """The tensors' device addresses. Triton's launcher (3.4 to 3.9) takes an int for a pointer parameter as
-    the address itself; given a tensor it calls ``data_ptr()`` and asks the driver whether the address is a
-    device pointer, about a microsecond per tensor on a slow host. A fast call's tensors were validated as
-    CUDA tensors on the plan's device by their signature, so that question has been answered."""
-    return tuple(t.data_ptr() for t in tensors)
-
-
-def run_compiled(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
-    """Launch ``kernel`` (what the JIT returned) on ``grid`` and ``stream`` with every parameter's value
-    ``args`` in signature order, constants too, as the JIT launches it (triton 3.4 to 3.9); pointers may be
-    tensors or their addresses as ints. Launch metadata is built and the hooks are called only when a hook
-    is set (:func:`idle_hooks`)."""
-    hooks = triton.knobs.runtime
-    if idle_hooks(hooks):
-        kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
-    else:
-        kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, kernel.launch_metadata(grid, stream, *args),
-                   hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
-
-
-def launcher(kernel) -> Callable[[tuple[int, int, int], int, tuple], None]:
-    """``go(grid, stream, args)``: :func:`run_compiled` for ``kernel``, faster when it can be.
-
-    While no launch hook is set, ``go`` calls the C function behind Triton's launcher object itself, with the
-    arguments that object's ``__call__`` would pass it (:func:`_c_launch`): that Python layer (two closures,
-    two scratch allocations of size 0, the arguments repacked) costs about as much as the C launch it wraps on
-    a slow host. Kernels with a scratch buffer, and launcher interfaces this module does not know, go through
-    :func:`run_compiled`, as every launch does once a hook is set."""
-    c_launch = _c_launch(kernel) if DIRECT_LAUNCH else None
-    runtime = triton.knobs.runtime
-
-    def go(grid: tuple[int, int, int], stream: int, args: tuple) -> None:
-        if c_launch is not None and idle_hooks(runtime):
-            c_launch(*grid, stream, args)
-        else:
-            run_compiled(kernel, grid, stream, args)
-
-    return go
-
-
-def _triton_minor() -> tuple[int, int] | None:
-    try:
-        major, minor = triton.__version__.split(".")[:2]
-        return int(major), int(minor)
-    except (AttributeError, ValueError):
-        return None
-
-
-def _c_launch(kernel) -> Callable[..., None] | None:
-    """``c(gx, gy, gz, stream, args)`` calling the C launch function of ``kernel``'s launcher object
-    (``kernel.run.launch``) with no hooks, no launch metadata and no scratch, as that object's ``__call__``
-    calls it, or None where that call is not known to be right:
-
-    * triton 3.5 and 3.6 compile a launcher per signature: ``launch(gx, gy, gz, stream, function,
-      cooperative, pdl, global_scratch, profile_scratch, kernel_metadata, launch_metadata, enter_hook,
-      exit_hook, *args)``;
-    * triton 3.7 to 3.9 share one launcher: ``launch(gx, gy, gz, stream, function, cooperative, pdl,
-      kernel_metadata, launch_metadata, enter_hook, exit_hook, global_scratch, profile_scratch,
-      arg_annotations, kernel_signature, args)``.
-
-    A kernel that needs a global or profile scratch buffer (its launcher allocates one per launch), or runs
-    under Triton's sanitizer, gets None."""
-    run = getattr(kernel, "run", None)
-    c = getattr(run, "launch", None)
-    version = _triton_minor()
-    try:
-        if c is None or version is None or run.global_scratch_size or run.profile_scratch_size:
-            return None
-        if getattr(run, "gsan_enabled", False):
-            return None
-        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
-        function, meta = kernel.function, kernel.packed_metadata
-    except AttributeError:
-        return None
-    if (3, 7) <= version <= (3, 9) and hasattr(run, "arg_annotations") and hasattr(run, "kernel_signature"):
-        annotations, signature = run.arg_annotations, run.kernel_signature
-
-        def shared(gx, gy, gz, stream, args):
-            c(gx, gy, gz, stream, function, coop, pdl, meta, None, None, None, None, None, annotations, signature,
-              args)
-
-        return shared
-    if (3, 5) <= version <= (3, 6) and not hasattr(run, "arg_annotations"):
-
-        def per_signature(gx, gy, gz, stream, args):
-            c(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
-
-        return per_signature
-    return None
-
-
-def idle_hooks(runtime) -> bool:
-    """Whether no Triton launch hook is set in ``runtime`` (``triton.knobs.runtime``). Then a launch hands the
-    compiled launcher None for both hooks and no metadata, and a fast call int addresses: given tensors, the
-    hooks and launch metadata, it asks the driver about every pointer, builds the metadata and calls both
-    hooks, several us more per call (docs/decisions.md, "Host time of small calls"). Triton 3.6 to 3.9 keep
-    the hooks in a HookChain, empty when none is set; older ones hold None."""
-    return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
-
-
-def _idle(hook) -> bool:
-    return hook is None or (type(getattr(hook, "calls", None)) is list and not hook.calls)
-
-
-def stream_of(device: int):
-    """The raw handle of the current CUDA stream of ``device``, as Triton's JIT launches on it."""
-    return triton.runtime.driver.active.get_current_stream(device)
-
-
 @functools.cache
 def _constexpr_names() -> tuple[str, ...]:
     params = _k.attn_fwd_kernel.params
@@ -329,35 +207,10 @@ def _constexpr_names() -> tuple[str, ...]:
     return names
 
 
-def fast_launch_supported(kernel) -> bool:
-    """Whether ``kernel`` (what the JIT returned) has the launcher interface of triton 3.4 to 3.9."""
-    knobs = getattr(triton, "knobs", None)
-    return (kernel is not None and knobs is not None and hasattr(knobs, "runtime")
-            and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")))
-
-
-#: Plans by call signature (:func:`call_signature`), so that every call of one shape and mask kind, each with a
-#: new Problem as attnlab.attention makes one, reuses one plan and its compiled kernel. Bounded: the oldest
-#: plan goes first.
+#: Plans by call signature (:func:`~attnlab.backends.triton.runtime.call_signature`), so that every call of one
+#: shape and mask kind, each with a new Problem as attnlab.attention makes one, reuses one plan and its compiled
+#: kernel. Bounded: the oldest plan goes first.
 _PLANS: dict[tuple, _Plan] = {}
-MAX_PLANS = 512
-
-
-def _aligned(t: torch.Tensor | None) -> bool | None:
-    return None if t is None else t.data_ptr() % 16 == 0
-
-
-def call_signature(prob: Problem) -> tuple:
-    """Everything a launch's compiled kernel and its fixed arguments depend on, besides out and lse."""
-    spec, q, k, v = prob.spec, prob.q, prob.k, prob.v
-    e = spec.explicit
-    return (
-        q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), prob.scale,
-        spec.left, spec.right, spec.align, spec.mask is not None, spec.bias is not None,
-        None if e is None else (e.dtype, e.stride()),
-        _aligned(q), _aligned(k), _aligned(v), _aligned(e), _aligned(spec.kv_len), _aligned(spec.q_len),
-        _cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY,
-    )
 
 
 def forget_plans() -> None:
@@ -368,10 +221,10 @@ def forget_plans() -> None:
 def plan_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> _Plan:
     """The plan of ``prob``'s call signature for the current TF32 and autotune settings (its config from
     config_for)."""
-    key = call_signature(prob)
+    key = _rt.call_signature(prob)
     plan = _PLANS.get(key)
     if plan is None:
-        evict_oldest(_PLANS, MAX_PLANS)
+        evict_oldest(_PLANS, _rt.MAX_PLANS)
         plan = _PLANS[key] = _Plan(prob, config_for(prob, out, lse, autotune))
     return plan
 
