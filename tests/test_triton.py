@@ -662,8 +662,8 @@ def test_every_kernel_is_compiled_with_fp_fusion_said_explicitly(monkeypatch):
     out, lse = torch.empty_like(q), torch.empty(1, 2, 16)
     launches = {"forward": seen,
                 "preprocess": tbwd._preprocess_launch(prob, out, lse, out, lse, lse, False)[3],
-                "dkdv": tbwd._dkdv_launch(prob, out, lse, lse, q, q, tbwd.BwdConfig(16, 16, 4, 2), False)[3],
-                "dq": tbwd._dq_launch(prob, out, lse, lse, q, tbwd.BwdConfig(16, 16, 4, 2), False)[3],
+                "dkdv": tbwd._dkdv_launch(prob, out, lse, lse, q, q, tconfigs.BwdConfig(16, 16, 4, 2), False)[3],
+                "dq": tbwd._dq_launch(prob, out, lse, lse, q, tconfigs.BwdConfig(16, 16, 4, 2), False)[3],
                 "decode": tdecode.DecodeConfig(64).options()}
     for name, kw in launches.items():
         assert kw.get("enable_fp_fusion") is True, name

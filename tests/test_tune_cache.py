@@ -186,7 +186,7 @@ def test_backward_configs_for_tunes_once_across_processes(cache, monkeypatch):
     monkeypatch.setattr(tbwd, "AUTOTUNE", True)
     monkeypatch.setattr(tbwd, "_fastest", lambda configs, launch: timed.append(1) or configs[-1])
     prob = _gpu_like_problem()
-    want = (tbwd.dkdv_candidates(torch.bfloat16, 64)[-1], tbwd.dq_candidates(torch.bfloat16, 64)[-1])
+    want = (tconfigs.dkdv_candidates(torch.bfloat16, 64)[-1], tconfigs.dq_candidates(torch.bfloat16, 64)[-1])
     assert tbwd.configs_for(prob, *[None] * 6) == want and timed == [1, 1]
     _forget()
     assert tbwd.configs_for(prob, *[None] * 6) == want and timed == [1, 1]

@@ -70,9 +70,9 @@ def test_the_shipped_table_parses_and_holds_candidates_only():
             assert tconfigs.Config(**e["config"]) in space, e
         for e in got["entries"].get("bwd", []):
             k = e["key"]
-            kv, q = (tbwd.BwdConfig(**c) for c in e["config"])
-            assert kv in tbwd.dkdv_candidates(getattr(torch, k["dtype"]), k["block_d"]), e
-            assert q in tbwd.dq_candidates(getattr(torch, k["dtype"]), k["block_d"]), e
+            kv, q = (tconfigs.BwdConfig(**c) for c in e["config"])
+            assert kv in tconfigs.dkdv_candidates(getattr(torch, k["dtype"]), k["block_d"]), e
+            assert q in tconfigs.dq_candidates(getattr(torch, k["dtype"]), k["block_d"]), e
 
 
 @pytest.fixture
@@ -88,8 +88,8 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(tc, "_loaded", {})
     monkeypatch.setattr(tc, "_environment", lambda index: ("NVIDIA H200", "3.6.0"))
     monkeypatch.setattr(tt, "gpu_family", lambda device=None: "sm90")
-    fwd_space, kv_space, q_space = (tconfigs.candidates(BF16, 64), tbwd.dkdv_candidates(BF16, 64),
-                                    tbwd.dq_candidates(BF16, 64))
+    fwd_space, kv_space, q_space = (tconfigs.candidates(BF16, 64), tconfigs.dkdv_candidates(BF16, 64),
+                                    tconfigs.dq_candidates(BF16, 64))
     table = json.loads(json.dumps(TABLE))
     table["sm90"]["entries"]["fwd"][0]["config"] = tconfigs.dataclasses.asdict(fwd_space[3])
     table["sm90"]["entries"]["bwd"][0]["config"] = [tconfigs.dataclasses.asdict(c) for c in (kv_space[2], q_space[1])]

@@ -21,12 +21,18 @@ import contextlib
 import dataclasses
 import os
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
 from attnlab.backends.triton import background, configs, tune_cache
-from attnlab.backends.triton.configs import fastest, padded_head_dim, pow2_bucket
+from attnlab.backends.triton.configs import (
+    BwdConfig,
+    dkdv_candidates,
+    dq_candidates,
+    fastest,
+    padded_head_dim,
+    pow2_bucket,
+)
 from attnlab.backends.triton.interpreter import interpreted_fn, interpreter
 from attnlab.backends.triton.kernel import LOG2E
 from attnlab.problem import Problem
@@ -37,16 +43,6 @@ try:
     from attnlab.backends.triton.backward_kernels import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess
 except ImportError:  # the caller finds out when it calls backward()
     triton = None
-
-
-@dataclass(frozen=True)
-class BwdConfig:
-    """Launch configuration of one backward kernel: BLOCK_M query rows by BLOCK_N keys, warps, stages."""
-
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
 
 
 #: The interpreter's configs: small tiles, so that the CPU tests' short sequences span several tiles of
@@ -62,42 +58,6 @@ AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
 _tuned: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
 #: Config pairs taken from the shipped table or the heuristic defaults, by tune key.
 _picked: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
-
-
-def dkdv_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
-    """GPU configs of the dK/dV kernel (the first is the default): a large key tile (stationary: K, V
-    and two float32 accumulators live for the whole program) and a smaller query tile that streams."""
-    if dtype == torch.float32:  # IEEE products on the FMA units: small tiles, registers are the limit
-        if block_d <= 64:
-            return [BwdConfig(32, 64, 4, 2), BwdConfig(32, 32, 4, 2), BwdConfig(16, 64, 4, 2)]
-        if block_d <= 128:
-            return [BwdConfig(16, 32, 4, 2), BwdConfig(32, 32, 8, 2)]
-        return [BwdConfig(16, 16, 4, 1), BwdConfig(16, 32, 8, 1)]
-    # Eight warps and a third stage, which hides the streaming Q and dO loads behind the five dots (docs/decisions.md,
-    # "The backward's tiles").
-    if block_d <= 64:
-        return [BwdConfig(64, 128, 8, 3), BwdConfig(64, 64, 4, 3), BwdConfig(32, 128, 4, 3),
-                BwdConfig(64, 128, 8, 2)]
-    if block_d <= 128:
-        return [BwdConfig(64, 128, 8, 3), BwdConfig(64, 128, 8, 2), BwdConfig(32, 64, 4, 2), BwdConfig(32, 128, 8, 3)]
-    return [BwdConfig(32, 64, 8, 1), BwdConfig(32, 32, 4, 1), BwdConfig(16, 64, 4, 1)]
-
-
-def dq_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
-    """GPU configs of the dQ kernel (the first is the default): a large row tile (stationary: Q, dO and
-    the dQ accumulator), key tiles streaming."""
-    if dtype == torch.float32:
-        if block_d <= 64:
-            return [BwdConfig(64, 32, 4, 2), BwdConfig(32, 32, 4, 2), BwdConfig(64, 16, 4, 2)]
-        if block_d <= 128:
-            return [BwdConfig(32, 16, 4, 2), BwdConfig(32, 32, 8, 2)]
-        return [BwdConfig(16, 16, 4, 1), BwdConfig(32, 16, 8, 1)]
-    if block_d <= 64:
-        return [BwdConfig(128, 64, 8, 3), BwdConfig(128, 32, 4, 3), BwdConfig(64, 64, 4, 3)]
-    if block_d <= 128:
-        # ordered by a sweep (docs/decisions.md, "The backward's tiles")
-        return [BwdConfig(128, 64, 8, 3), BwdConfig(64, 64, 4, 2), BwdConfig(128, 32, 8, 2), BwdConfig(64, 32, 4, 3)]
-    return [BwdConfig(64, 32, 8, 1), BwdConfig(64, 16, 4, 1), BwdConfig(32, 32, 4, 1)]
 
 
 def tune_key(prob: Problem) -> tuple:

@@ -1,6 +1,8 @@
-"""Launch configurations of the Triton kernel: :class:`Config`, the interpreter's one config, the GPU autotune
-space (:func:`candidates`), what a tuned config is remembered by (:func:`tune_key`), autotuning, and the
-TF32 opt-in. The kernel's compile-time choices that follow from a config (D chunk, orientation) are here too.
+"""Launch configurations of the Triton kernels: the forward's :class:`Config` and its GPU space
+(:func:`candidates`), the backward's :class:`BwdConfig` and its two spaces (:func:`dkdv_candidates`,
+:func:`dq_candidates`), what a tuned forward config is remembered by (:func:`tune_key`), the one order every
+kernel's config is chosen in (:func:`choose`), timing candidates (:func:`fastest`), and the TF32 opt-in. The
+forward kernel's compile-time choices that follow from a config (D chunk, orientation) are here too.
 """
 
 from __future__ import annotations
@@ -128,6 +130,54 @@ def candidates(dtype: torch.dtype, block_d: int) -> list[Config]:
     if block_d <= 128:
         return [Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3), Config(128, 32, 4, 3)]
     return [Config(64, 32, 4, 2), Config(64, 64, 8, 2), Config(128, 64, 8, 2)]
+
+
+# ---- the backward's configs (its kernels: attnlab.backends.triton.backward) --------------------------------
+@dataclass(frozen=True)
+class BwdConfig:
+    """Launch configuration of one backward kernel: BLOCK_M query rows by BLOCK_N keys, warps, stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+
+def dkdv_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
+    """GPU configs of the dK/dV kernel (the first is the default): a large key tile (stationary: K, V
+    and two float32 accumulators live for the whole program) and a smaller query tile that streams."""
+    if dtype == torch.float32:  # IEEE products on the FMA units: small tiles, registers are the limit
+        if block_d <= 64:
+            return [BwdConfig(32, 64, 4, 2), BwdConfig(32, 32, 4, 2), BwdConfig(16, 64, 4, 2)]
+        if block_d <= 128:
+            return [BwdConfig(16, 32, 4, 2), BwdConfig(32, 32, 8, 2)]
+        return [BwdConfig(16, 16, 4, 1), BwdConfig(16, 32, 8, 1)]
+    # Eight warps and a third stage, which hides the streaming Q and dO loads behind the five dots (docs/decisions.md,
+    # "The backward's tiles").
+    if block_d <= 64:
+        return [BwdConfig(64, 128, 8, 3), BwdConfig(64, 64, 4, 3), BwdConfig(32, 128, 4, 3),
+                BwdConfig(64, 128, 8, 2)]
+    if block_d <= 128:
+        return [BwdConfig(64, 128, 8, 3), BwdConfig(64, 128, 8, 2), BwdConfig(32, 64, 4, 2), BwdConfig(32, 128, 8, 3)]
+    return [BwdConfig(32, 64, 8, 1), BwdConfig(32, 32, 4, 1), BwdConfig(16, 64, 4, 1)]
+
+
+def dq_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
+    """GPU configs of the dQ kernel (the first is the default): a large row tile (stationary: Q, dO and
+    the dQ accumulator), key tiles streaming."""
+    if dtype == torch.float32:
+        if block_d <= 64:
+            return [BwdConfig(64, 32, 4, 2), BwdConfig(32, 32, 4, 2), BwdConfig(64, 16, 4, 2)]
+        if block_d <= 128:
+            return [BwdConfig(32, 16, 4, 2), BwdConfig(32, 32, 8, 2)]
+        return [BwdConfig(16, 16, 4, 1), BwdConfig(32, 16, 8, 1)]
+    if block_d <= 64:
+        return [BwdConfig(128, 64, 8, 3), BwdConfig(128, 32, 4, 3), BwdConfig(64, 64, 4, 3)]
+    if block_d <= 128:
+        # ordered by a sweep (docs/decisions.md, "The backward's tiles")
+        return [BwdConfig(128, 64, 8, 3), BwdConfig(64, 64, 4, 2), BwdConfig(128, 32, 8, 2), BwdConfig(64, 32, 4, 3)]
+    return [BwdConfig(64, 32, 8, 1), BwdConfig(64, 16, 4, 1), BwdConfig(32, 32, 4, 1)]
 
 
 def pow2_bucket(n: int) -> int:
