@@ -291,7 +291,7 @@ _attention_backward_op.register_fake(op_function("attention_backward_fake", _BWD
 
 
 def _triton_backward_available() -> bool:
-    from attnlab.backends.triton.kernel import IMPORT_ERROR
+    from attnlab.backends.triton.forward_kernel import IMPORT_ERROR
 
     return IMPORT_ERROR is None
 

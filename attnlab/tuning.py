@@ -26,7 +26,7 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
     config)}`` (``bwd`` only when tuned). Calls made afterwards use them; nothing is tuned on CPU tensors (the
     interpreter has one config) or without triton.
     """
-    from attnlab.backends.triton.kernel import IMPORT_ERROR
+    from attnlab.backends.triton.forward_kernel import IMPORT_ERROR
     from attnlab.problem import make_problem
 
     for name in ("backend", "return_lse", "block_table"):
@@ -44,15 +44,15 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
         backward = any(t.requires_grad for t in (q, k, v))
     from attnlab import fast_calls as calls
     from attnlab.backends.triton import backward as triton_backward
-    from attnlab.backends.triton import configs, launch
+    from attnlab.backends.triton import configs, forward
 
     with torch.cuda.device(prob.device), torch.no_grad():
         out = torch.empty(prob.B, prob.Hq, prob.Nq, prob.D, dtype=prob.dtype, device=prob.device)
         lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
-        chosen: dict[str, Any] = {"fwd": configs.tune(prob, launch.autotune, out, lse)}
+        chosen: dict[str, Any] = {"fwd": configs.tune(prob, forward.autotune, out, lse)}
         if backward:  # the out and lse the backward starts from
-            launch.jit_launch(prob, out, lse, chosen["fwd"], interpret=False)
+            forward.jit_launch(prob, out, lse, chosen["fwd"], interpret=False)
             chosen["bwd"] = triton_backward.tune(prob, out, lse)
-    launch.forget_plans()  # plans made before hold the configs they were made with
+    forward.forget_plans()  # plans made before hold the configs they were made with
     calls.clear()
     return chosen

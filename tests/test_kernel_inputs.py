@@ -22,7 +22,7 @@ import torch
 import attnlab
 from attnlab.backends.triton import backward as triton_bwd
 from attnlab.backends.triton import configs as tconfigs
-from attnlab.backends.triton import launch as tlaunch
+from attnlab.backends.triton import forward as tlaunch
 from attnlab.backends.triton.backend import TritonBackend
 from attnlab.check import compare
 from attnlab.problem import Problem, make_problem

@@ -17,8 +17,8 @@ import torch
 import attnlab
 from attnlab.backends.triton import backend as tbackend
 from attnlab.backends.triton import configs as tconfigs
-from attnlab.backends.triton import kernel as tkernel
-from attnlab.backends.triton import launch as tlaunch
+from attnlab.backends.triton import forward as tlaunch
+from attnlab.backends.triton import forward_kernel as tkernel
 from attnlab.backends.triton import runtime as truntime
 from attnlab.cases import Case, chunk_cases, default_cases, extra_cases, long_cases, make_inputs
 from attnlab.check import _lse_atol, compare, strict_fp32, summarize, verify

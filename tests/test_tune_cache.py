@@ -84,7 +84,7 @@ def test_key_changes_with_the_kernel_source(cache, monkeypatch):
     source is not found; tiles.band is shared by both kernels."""
     fwd, bwd = tc.kernel_source_hash("fwd"), tc.kernel_source_hash("bwd")
     assert fwd == tc.kernel_source_hash("fwd") and fwd != bwd and len(fwd) == 20
-    assert any("def attn_fwd_kernel(" in s for s in tc._jit_sources("attnlab.backends.triton.kernel"))
+    assert any("def attn_fwd_kernel(" in s for s in tc._jit_sources("attnlab.backends.triton.forward_kernel"))
     tc.store("fwd", 0, KEY, {"block_m": 64})
     tc.store("bwd", 0, KEY, [{"block_m": 16}, {"block_m": 16}])
     if not hasattr(ttiles.band, "_src"):
@@ -218,7 +218,8 @@ _GPU_RUN = textwrap.dedent("""
     import cProfile, io, json, pstats, time
     import torch
     import attnlab
-    from attnlab.backends.triton import backward, launch
+    from attnlab.backends.triton import backward
+    from attnlab.backends.triton import forward as launch
 
     calls = []
     autotune, fastest = launch.autotune, backward._fastest

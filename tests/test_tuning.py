@@ -15,7 +15,7 @@ import torch
 import attnlab
 from attnlab.backends.triton import backward as tbwd
 from attnlab.backends.triton import configs as tconfigs
-from attnlab.backends.triton import launch as tlaunch
+from attnlab.backends.triton import forward as tlaunch
 from attnlab.backends.triton import tune_cache as tc
 from attnlab.backends.triton import tuned_table as tt
 from attnlab.problem import make_problem
@@ -162,7 +162,7 @@ _COUNT_COMPILES = textwrap.dedent("""
     import json, sys
     import torch
     import attnlab
-    from attnlab.backends.triton import backward_kernels as bk, kernel as fk
+    from attnlab.backends.triton import backward_kernels as bk, forward_kernel as fk
 
     grad = sys.argv[1] == "grad"
     q = torch.randn(2, 8, 777, 64, device="cuda", dtype=torch.bfloat16, requires_grad=grad)

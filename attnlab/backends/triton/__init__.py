@@ -3,7 +3,7 @@ out by kernel: each ``*_kernel(s)`` module opens with its kernel's design; the h
 
 Where the code is
 -----------------
-* :mod:`~attnlab.backends.triton.kernel`: the @triton.jit code, in the order a program runs it:
+* :mod:`~attnlab.backends.triton.forward_kernel`: the @triton.jit code, in the order a program runs it:
   the tile bounds (``tiles.lengths``, ``tiles.key_tiles``), one inner loop per orientation
   (``_query_major_loop``, ``_keys_major_loop``) sharing ``tiles.score_mod``, ``_explicit``, ``tiles.band`` and
   ``tiles.softmax_update``, and
@@ -15,7 +15,7 @@ Where the code is
   autotuning, :func:`allow_tf32`.
 * :mod:`~attnlab.backends.triton.tune_cache`: tuned configs on disk (forward and backward).
 * :mod:`~attnlab.backends.triton.tuned_table`: the shipped table of tuned configs (``tuned_table.json``).
-* :mod:`~attnlab.backends.triton.launch`: the forward's host side: its arguments, the grid, the JIT launch,
+* :mod:`~attnlab.backends.triton.forward`: the forward's host side: its arguments, the grid, the JIT launch,
   the plans of repeated launches, autotuning.
 * :mod:`~attnlab.backends.triton.runtime`: what every kernel's plans share: the launch of a compiled kernel
   through its C launch function, the per-call arguments, the plan key.
@@ -38,7 +38,7 @@ from attnlab.backends.triton.configs import (
     config_for,
     tune_key,
 )
-from attnlab.backends.triton.kernel import LOG2E
+from attnlab.backends.triton.forward_kernel import LOG2E
 
 __all__ = ["INTERPRETER_CONFIG", "LOG2E", "Config", "TritonBackend", "allow_tf32", "candidates",
            "config_for", "tune_key"]

@@ -1,4 +1,4 @@
-"""Backends ``triton`` (the fused Triton forward kernel; :mod:`~attnlab.backends.triton.kernel` explains it) and
+"""Backends ``triton`` (the fused Triton forward kernel; :mod:`~attnlab.backends.triton.forward_kernel` explains it) and
 ``triton-decode`` (the split-KV path for a few query rows)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from attnlab import warm_start
 from attnlab.backends import Availability, Backend
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton.decode import decode_forward, decode_supported, gpu_plan
-from attnlab.backends.triton.kernel import IMPORT_ERROR
-from attnlab.backends.triton.launch import jit_launch, plan_for
+from attnlab.backends.triton.forward import jit_launch, plan_for
+from attnlab.backends.triton.forward_kernel import IMPORT_ERROR
 from attnlab.problem import Problem
 
 
 class TritonBackend(Backend):
-    """attnlab's fused Triton forward kernel (:mod:`attnlab.backends.triton.kernel` explains it)."""
+    """attnlab's fused Triton forward kernel (:mod:`attnlab.backends.triton.forward_kernel` explains it)."""
 
     name = "triton"
     takes = "float32/float16/bfloat16, D 1-256, every mask; CUDA tensors compiled, CPU tensors interpreted"

@@ -33,8 +33,8 @@ from attnlab.backends.triton.configs import (
     padded_head_dim,
     pow2_bucket,
 )
+from attnlab.backends.triton.forward_kernel import LOG2E
 from attnlab.backends.triton.interpreter import interpreted_fn, interpreter
-from attnlab.backends.triton.kernel import LOG2E
 from attnlab.problem import Problem
 
 try:

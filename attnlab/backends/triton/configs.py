@@ -102,7 +102,7 @@ def shipped_only() -> Iterator[None]:
         SHIPPED_ONLY = old
 
 
-#: Times the candidates of a problem and returns the fastest (:func:`attnlab.backends.triton.launch.autotune`).
+#: Times the candidates of a problem and returns the fastest (:func:`attnlab.backends.triton.forward.autotune`).
 Autotune = Callable[[Problem, torch.Tensor, "torch.Tensor | None"], Config]
 
 
@@ -196,7 +196,7 @@ def kernel_qk_chunk(cfg: Config, block_d: int) -> int:
 
 def kernel_key_axis(cfg: Config, dtype: torch.dtype) -> int:
     """The kernel's KEY_AXIS: 0 (keys-major, S^T = K Q^T; why: "Keys-major float32" in
-    :mod:`attnlab.backends.triton.kernel`) for a float32 ``keys_major`` config, else 1. Half types keep the
+    :mod:`attnlab.backends.triton.forward_kernel`) for a float32 ``keys_major`` config, else 1. Half types keep the
     tensor-core orientation."""
     return 0 if cfg.keys_major and dtype == torch.float32 else 1
 

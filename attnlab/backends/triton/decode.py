@@ -14,11 +14,11 @@ import torch
 
 from attnlab.backends.triton import background
 from attnlab.backends.triton import configs as _cfg
+from attnlab.backends.triton import forward_kernel as _kern
 from attnlab.backends.triton import interpreter as _interp
-from attnlab.backends.triton import kernel as _kern
 from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.configs import padded_head_dim, pow2_bucket
-from attnlab.backends.triton.kernel import triton
+from attnlab.backends.triton.forward_kernel import triton
 from attnlab.fast_calls import evict_oldest, tensor_key
 from attnlab.paged import PagedKV, paged_kv
 from attnlab.problem import Problem
@@ -502,7 +502,7 @@ class _Plan:
         return ws[:rows], ws[padded:padded + rows], ws[2 * padded:]
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
-        """As the fused forward's :meth:`attnlab.backends.triton.launch._Plan.fast_call`: ``(q, k, v, kv_len,
+        """As the fused forward's :meth:`attnlab.backends.triton.forward._Plan.fast_call`: ``(q, k, v, kv_len,
         q_len, mask, block_table) -> (out, lse or None)``, allocating out and lse as :meth:`launch` does and
         keeping the split states in the buffer held for the stream (a new one under graph capture, with
         HOLD_WORKSPACE off, or while that buffer's lock is taken); with a paged cache k and v are the caches."""

@@ -3,7 +3,7 @@
 Why a separate path
 -------------------
 Decoding reads K and V once and does almost no arithmetic per byte, so its speed is the rate at which the
-GPU streams the KV cache. The fused forward (:mod:`attnlab.backends.triton.kernel`) runs one program per (row
+GPU streams the KV cache. The fused forward (:mod:`attnlab.backends.triton.forward_kernel`) runs one program per (row
 tile, query head, batch entry): with Nq = 1, B * Hq programs each read their kv head's whole cache, so a GQA
 group reads the same K/V ``group`` times and a small batch leaves most SMs idle.
 
@@ -51,7 +51,7 @@ triton 3.4 to 3.9 and run through Triton's interpreter on CPU tensors (``attnlab
 
 from __future__ import annotations
 
-from attnlab.backends.triton.kernel import tl, triton
+from attnlab.backends.triton.forward_kernel import tl, triton
 
 try:  # grid dependency control (programmatic dependent launch): triton 3.4 and newer, NVIDIA GPUs
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

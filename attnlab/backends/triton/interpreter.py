@@ -12,7 +12,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from attnlab.backends.triton.kernel import tl
+from attnlab.backends.triton.forward_kernel import tl
 
 _interpreted: dict = {}
 _interpreter_lock = threading.Lock()

@@ -1,6 +1,6 @@
 """The runtime of every Triton kernel here: launching a compiled kernel without Triton's JIT dispatch (its C
 launch function called directly, the launcher object otherwise), the arguments that vary from call to call,
-and the key that a launch plan is kept by. The forward (:mod:`~attnlab.backends.triton.launch`) and the decode
+and the key that a launch plan is kept by. The forward (:mod:`~attnlab.backends.triton.forward`) and the decode
 (:mod:`~attnlab.backends.triton.decode`) plans use it.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from attnlab.backends.triton import configs as _cfg
-from attnlab.backends.triton.kernel import triton
+from attnlab.backends.triton.forward_kernel import triton
 from attnlab.problem import Problem
 
 #: Whether repeated GPU launches of one Problem skip Triton's JIT dispatch (ATTNLAB_TRITON_FAST_LAUNCH=0:

@@ -39,8 +39,8 @@ FORMAT = 1
 
 #: The modules whose @triton.jit functions make up each kernel (their source text is hashed).
 KERNEL_MODULES = {
-    "fwd": ("attnlab.backends.triton.kernel", "attnlab.backends.triton.tiles"),
-    "bwd": ("attnlab.backends.triton.backward_kernels", "attnlab.backends.triton.kernel",
+    "fwd": ("attnlab.backends.triton.forward_kernel", "attnlab.backends.triton.tiles"),
+    "bwd": ("attnlab.backends.triton.backward_kernels", "attnlab.backends.triton.forward_kernel",
             "attnlab.backends.triton.tiles"),
 }
 

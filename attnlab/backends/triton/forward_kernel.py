@@ -7,8 +7,8 @@ The score matrix of one (batch b, query head h) is cut into tiles of ``BLOCK_M``
 tiles of one head are neighbours in launch order (so they share that head's K/V in L2), and the row
 tiles are handed out last-first so that under a causal mask the longest rows start first. A config
 with ``rows_outer`` launches ``(Hq, B, ceil(Nq / BLOCK_M))`` instead: the longest row tiles of every
-head first, so that a causal launch does not end on one long tile (:mod:`~attnlab.backends.triton.launch`). Query head h
-reads kv head ``h // group`` (GQA/MQA, grouped). The program loads its Q tile once ([BLOCK_M, BLOCK_D],
+head first, so that a causal launch does not end on one long tile (:mod:`~attnlab.backends.triton.forward`).
+Query head h reads kv head ``h // group`` (GQA/MQA, grouped). The program loads its Q tile once ([BLOCK_M, BLOCK_D],
 D padded to a power of two ``BLOCK_D`` >= 16 with zeros), then streams K/V tiles of ``BLOCK_N`` keys
 through the online softmax and writes its [BLOCK_M, D] slice of the output and its lse once at the end.
 Every address is computed from the caller's strides (any layout, transposed views, a non-unit D
@@ -65,7 +65,7 @@ first candidate. Tuning happens on request (:func:`attnlab.tune`, or ``ATTNLAB_A
 persist on disk per GPU model, Triton version and kernel source (:mod:`~attnlab.backends.triton.tune_cache`,
 ``$ATTNLAB_CACHE_DIR`` or ``~/.cache/attnlab``). Launches of one call signature (shapes, strides, dtypes, mask
 kind, alignment: :func:`~attnlab.backends.triton.runtime.call_signature`) share a plan
-(:mod:`~attnlab.backends.triton.launch`): its arguments and compiled kernel, with Triton's launcher called
+(:mod:`~attnlab.backends.triton.forward`): its arguments and compiled kernel, with Triton's launcher called
 directly rather than through the JIT's per-call binding. :func:`attnlab.attention` goes further for a
 signature it has seen (:mod:`attnlab.fast_calls`): the plan's fast call allocates the output and launches,
 with nothing validated or looked up again (docs/decisions.md, "Host time of small calls").

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import torch
 
 from attnlab.backends.triton import configs as _cfg
-from attnlab.backends.triton import kernel as _k
+from attnlab.backends.triton import forward_kernel as _k
 from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.configs import Config, config_for, kernel_key_axis, kernel_qk_chunk, padded_head_dim
+from attnlab.backends.triton.forward_kernel import LOG2E, triton
 from attnlab.backends.triton.interpreter import interpreter
-from attnlab.backends.triton.kernel import LOG2E, triton
 from attnlab.fast_calls import evict_oldest
 from attnlab.problem import Problem
 
