@@ -5,7 +5,7 @@
 # Write the sha out as computed on your own checkout: the device machine's copy of .git may be stale, so
 # $(git rev-parse HEAD) evaluated there can name an older commit than the working tree it runs.
 set -u
-export PYTHONPATH=.:scripts PYTHONUNBUFFERED=1
+export PYTHONPATH=. PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/attnlab-out}
 suites=$1 deadline=$2
 shift 2

@@ -116,7 +116,7 @@ def take_slice(out: torch.Tensor, sl, kv: bool = False) -> torch.Tensor:
 @dataclass
 class Truth:
     """Float64 reference (and, for half types, the textbook baseline) on the checked part of set 0; for a
-    backward case also the gradients (dq, dk, dv) of both (:func:`attnlab.bench.grad.grad_truth`)."""
+    backward case also the gradients (dq, dk, dv) of both (:func:`grad_truth`)."""
 
     ref: torch.Tensor
     base: torch.Tensor | None

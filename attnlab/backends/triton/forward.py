@@ -24,7 +24,7 @@ from attnlab.problem import Problem
 def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> tuple[list, list, list, dict]:
     """The kernel's arguments for ``prob`` and ``cfg`` except those of out and lse, in signature order:
     (pointers before Out, the arguments between Lse and out's strides, those after lse's strides,
-    the compile-time constants). :func:`_launch` and :class:`_Plan` put out and lse in between."""
+    the compile-time constants). :func:`jit_launch` and :class:`_Plan` put out and lse in between."""
     spec = prob.spec
     q, k, v = prob.q, prob.k, prob.v
     D = prob.D

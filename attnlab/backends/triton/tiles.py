@@ -1,4 +1,4 @@
-"""The @triton.jit pieces that the fused forward (:mod:`~.kernel`), the backward (:mod:`~.backward_kernels`)
+"""The @triton.jit pieces that the fused forward (:mod:`~.forward_kernel`), the backward (:mod:`~.backward_kernels`)
 and the split-KV decode (:mod:`~.decode_kernels`) share, each written once: a tile load, the effective lengths, the
 band's key range and its key tiles, the three-phase loop's bounds, the scores' transform, the explicit mask
 or bias, the band predicate, and the online-softmax update. Triton inlines every one into its caller, so a
