@@ -25,7 +25,7 @@ import torch
 from attnlab import backends as _backends
 from attnlab import fast_calls as _calls
 from attnlab.masks import plain_int
-from attnlab.options import Options, op_function
+from attnlab.options import Options, define_op
 from attnlab.paged import gather_paged, paged_kv, paged_placeholders
 from attnlab.problem import make_problem
 from attnlab.textbook_backward import sum_to_shape, textbook_backward
@@ -104,8 +104,6 @@ def attention(
     if block_table is not None and needs_grad:  # the caches get their gradients through a differentiable gather
         k, v = gather_paged(q, k, v, block_table, layout, kv_len)
         block_table = None
-    if window is not None and (not isinstance(window, (tuple, list)) or len(window) != 2):
-        raise TypeError(f"window must be a pair (left, right) of ints or None; got {window!r}")
     if not (needs_grad or torch.compiler.is_compiling()):
         key = None if _poison else _calls.signature(q, k, v, kv_len, q_len, mask, block_table, causal, window,
                                                      align, scale, layout, backend, return_lse)
@@ -217,7 +215,7 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str,
 
 
 _Tensor, _OptTensor = torch.Tensor, torch.Tensor | None
-#: The op's parameters around the options' flat ones (:func:`attnlab.options.op_function`).
+#: The op's parameters around the options' flat ones (:func:`attnlab.options.define_op`).
 _OP_BEFORE = [("q", _Tensor), ("k", _Tensor), ("v", _Tensor), ("kv_len", _OptTensor), ("q_len", _OptTensor),
               ("mask", _OptTensor), ("block_table", _OptTensor)]
 _OP_AFTER = [("backend", str), ("want_lse", bool), ("needs_grad", bool)]
@@ -240,10 +238,8 @@ def _attention_fake(q, k, v, kv_len, q_len, mask, block_table, opts: Options, ba
     return out, q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
-_attention_impl = op_function("attention", _OP_BEFORE, _OP_AFTER, tuple[_Tensor, _Tensor], _attention_body)
-_attention_op = torch.library.custom_op("attnlab::attention", mutates_args=())(_attention_impl)
-_attention_op.register_fake(op_function("attention_fake", _OP_BEFORE, _OP_AFTER, tuple[_Tensor, _Tensor],
-                                        _attention_fake))
+_attention_op, _attention_impl = define_op("attnlab::attention", _OP_BEFORE, _OP_AFTER, tuple[_Tensor, _Tensor],
+                                           _attention_body, _attention_fake)
 
 
 def _attention_backward_body(
@@ -282,12 +278,9 @@ def _attention_backward_fake(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask,
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
-_attention_backward_impl = op_function("attention_backward", _BWD_BEFORE, _BWD_AFTER, _BWD_RETURNS,
-                                       _attention_backward_body)
-_attention_backward_op = torch.library.custom_op("attnlab::attention_backward", mutates_args=())(
-    _attention_backward_impl)
-_attention_backward_op.register_fake(op_function("attention_backward_fake", _BWD_BEFORE, _BWD_AFTER, _BWD_RETURNS,
-                                                 _attention_backward_fake))
+_attention_backward_op, _attention_backward_impl = define_op(
+    "attnlab::attention_backward", _BWD_BEFORE, _BWD_AFTER, _BWD_RETURNS, _attention_backward_body,
+    _attention_backward_fake)
 
 
 def _triton_backward_available() -> bool:
@@ -321,7 +314,8 @@ def _backward(ctx, dout, dlse, backward_op=None):
     dq, dk, dv, dmask = backward_op(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, *ctx.options, ctx.mask_grad)
     # One gradient per op input: q, k, v, kv_len, q_len, mask, block_table (gathered before the op whenever a
     # gradient is needed, so always None here), then the non-tensor arguments.
-    return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, None, *([None] * (len(_ARG_NAMES) - 7)))
+    return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, None,
+            *([None] * (len(_ARG_NAMES) - len(_OP_BEFORE))))
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -12,6 +12,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
 
 @dataclass(frozen=True)
 class Options:
@@ -58,7 +60,18 @@ class Options:
         return cls(causal, (left, right) if has_window else None, align, scale, layout)
 
 
-def op_function(name: str, before: list[tuple[str, Any]], after: list[tuple[str, Any]], returns: Any, body):
+def define_op(qualname: str, before: list[tuple[str, Any]], after: list[tuple[str, Any]], returns: Any, body, fake):
+    """The custom op ``qualname`` whose parameters are ``before``, :data:`Options.FLAT` and ``after``, running
+    ``body`` and, when traced, ``fake`` (both called as ``(*before values, Options, *after values)``): (the op,
+    its implementation as a plain function)."""
+    name = qualname.split("::")[-1]
+    impl = _op_function(name, before, after, returns, body)
+    op = torch.library.custom_op(qualname, mutates_args=())(impl)
+    op.register_fake(_op_function(name + "_fake", before, after, returns, fake))
+    return op, impl
+
+
+def _op_function(name: str, before: list[tuple[str, Any]], after: list[tuple[str, Any]], returns: Any, body):
     """A function ``name(*before, *Options.FLAT, *after)`` whose signature (what ``torch.library.custom_op``
     reads the op's schema from) lists every parameter with its type, and whose body is
     ``body(*before values, Options, *after values)``."""

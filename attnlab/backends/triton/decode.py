@@ -379,6 +379,14 @@ def _explicit(prob: Problem) -> torch.Tensor | None:
     return explicit.view(torch.uint8) if explicit is not None and explicit.dtype == torch.bool else explicit
 
 
+def _stand_ins(prob: Problem) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """What a warmup compiles the decode's kernels for without the real buffers: a float32 tensor standing in
+    for the split states, and the strides out will have (its [B, Hq, Nq, D] view of the caller's layout)."""
+    Hq, Nq, D = prob.Hq, prob.Nq, prob.D
+    strides = (Hq * Nq * D, Nq * D, D, 1) if prob.layout == "bhnd" else (Nq * Hq * D, D, Hq * D, 1)
+    return torch.empty(4, dtype=torch.float32, device=prob.device), strides
+
+
 def _tensors(prob: Problem, paged: PagedKV | None) -> tuple:
     """The split kernel's seven tensor arguments (placeholders stand in for absent ones; never read)."""
     spec, q = prob.spec, prob.q
@@ -451,9 +459,7 @@ class _Plan:
         first call's tensors, as a call without lse launches it, so that such a call finds it compiled), or
         None when that cannot be said (the split count then assumes PROGRAMS_PER_SM)."""
         cfg = self.cfg
-        f32 = torch.empty(4, dtype=torch.float32, device=prob.device)  # stands in for the split states
-        Hq, Nq, D = prob.Hq, prob.Nq, prob.D
-        o_strides = (Hq * Nq * D, Nq * D, D, 1) if prob.layout == "bhnd" else (Nq * Hq * D, D, Hq * D, 1)
+        f32, o_strides = _stand_ins(prob)
         args = (*_tensors(prob, paged), *self.fixed, prob.q, prob.q, f32, f32, f32, *o_strides, 0, 0, 0)
         try:
             kernel = decode_split_kernel.warmup(*args, grid=(1, 1, 1), **cfg.options(),
@@ -478,11 +484,9 @@ class _Plan:
         if n_split == 1 or not _cfg.COMPILE_AHEAD:
             return
         merge = self._merge(False, n_split)
-        f32 = torch.empty(4, dtype=torch.float32, device=prob.device)  # stands in for the split states
+        f32, o_strides = _stand_ins(prob)
         o = torch.empty(8, dtype=prob.dtype, device=prob.device)  # for out (and lse, which out stands in for)
-        Hq, Nq, D = prob.Hq, prob.Nq, prob.D
-        o_strides = (Hq * Nq * D, Nq * D, D, 1) if prob.layout == "bhnd" else (Nq * Hq * D, D, Hq * D, 1)
-        args = (f32, f32, f32, o, o, *o_strides, 0, 0, 0, Hq, Nq, D, n_split)
+        args = (f32, f32, f32, o, o, *o_strides, 0, 0, 0, prob.Hq, prob.Nq, prob.D, n_split)
         background.ahead(merge.fn, merge.grid, args, {**merge.constants, **merge.options}, prob.device)
 
     def _kernels(self, write_lse: bool) -> tuple[_Kernel, _Kernel]:
