@@ -9,10 +9,11 @@ from attnlab import backends, check, cpu_math, masks, warm_start
 from attnlab.api import attention
 from attnlab.reference import reference
 from attnlab.tuning import tune
+from attnlab.varlen import attention_varlen
 
 cpu_math.settle_vml_dispatch()  # before any parallel CPU math: pytorch/pytorch#188792
 
 __version__ = "0.1.0"
 
 warm_start.start()  # Triton's per-process start-up in the background (GPU builds; compiles nothing)
-__all__ = ["attention", "backends", "check", "masks", "reference", "tune"]
+__all__ = ["attention", "attention_varlen", "backends", "check", "masks", "reference", "tune"]

@@ -191,7 +191,7 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str,
         prob, paged = dataclasses.replace(prob, k=kd, v=vd), None
     out, out_bhnd = prob.new_out()
     want_lse = want_lse or needs_grad
-    lse = torch.empty((prob.B, prob.Hq, prob.Nq), dtype=torch.float32, device=prob.device) if want_lse else None
+    lse = prob.new_lse() if want_lse else None
     if out.numel() == 0 or prob.Nk == 0:
         out.zero_()
         if lse is not None:

@@ -70,20 +70,34 @@ class Case(ShapeDefaults):
     q_len: tuple[int, ...] | None = None
     mask: str | None = None  #: a key of MASKS
     dtypes: tuple[torch.dtype, ...] = field(default=ALL_DTYPES)
+    Dv: int | None = None  #: v's head dim (None: D)
+    #: Packed sequences (attention_varlen): one (query length, key length) per sequence; B, Nq and Nk are then
+    #: ignored (the sequences' count and longest lengths stand in for them), as are layout and view.
+    seqs: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def dv(self) -> int:
+        return self.D if self.Dv is None else self.Dv
 
     def describe(self) -> dict[str, Any]:
+        B, Nq, Nk = self.B, self.Nq, self.nk
+        if self.seqs is not None:
+            B, Nq, Nk = len(self.seqs), max((a for a, _ in self.seqs), default=0), max((b for _, b in self.seqs),
+                                                                                      default=0)
         return {
-            "case": self.name, "B": self.B, "Hq": self.Hq, "Hkv": self.hkv, "Nq": self.Nq, "Nk": self.nk,
-            "D": self.D, "layout": self.layout, "view": self.view,
+            "case": self.name, "B": B, "Hq": self.Hq, "Hkv": self.hkv, "Nq": Nq, "Nk": Nk,
+            "D": self.D, "Dv": self.dv, "layout": "packed" if self.seqs is not None else self.layout,
+            "view": self.view,
         }
 
     def scaled(self, factor: int) -> Case:
         """The same case with sequence lengths (and explicit lengths) multiplied by ``factor``."""
         f = lambda t: None if t is None else tuple(x * factor for x in t)
         win = None if self.window is None else tuple(None if w is None else w * factor for w in self.window)
+        seqs = None if self.seqs is None else tuple((a * factor, b * factor) for a, b in self.seqs)
         return replace(
             self, Nq=self.Nq * factor, Nk=None if self.Nk is None else self.Nk * factor,
-            kv_len=f(self.kv_len), q_len=f(self.q_len), window=win,
+            kv_len=f(self.kv_len), q_len=f(self.q_len), window=win, seqs=seqs,
         )
 
 
@@ -144,14 +158,35 @@ def mask_keywords(case: Any, device) -> dict[str, Any]:
 
 
 def make_inputs(case: Case, *, dtype: torch.dtype, device, seed: int):
-    """(q, k, v, keywords) for ``case``, drawn from ``seed``; keywords go to attention() and reference()."""
+    """(q, k, v, keywords) for ``case``, drawn from ``seed``; keywords go to attention() and reference(), or for
+    a packed case (``seqs``) to attention_varlen() and reference_varlen() (:func:`attnlab.check.run`)."""
     gen = torch.Generator().manual_seed(seed)
+    if case.seqs is not None:
+        return _packed_inputs(case, dtype, device, gen)
     q = _tensor((case.B, case.Hq, case.Nq, case.D), case.layout, case.view, dtype, device, gen)
     k = _tensor((case.B, case.hkv, case.nk, case.D), case.layout, case.view, dtype, device, gen)
-    v = _tensor((case.B, case.hkv, case.nk, case.D), case.layout, case.view, dtype, device, gen)
+    v = _tensor((case.B, case.hkv, case.nk, case.dv), case.layout, case.view, dtype, device, gen)
     kw: dict[str, Any] = {"layout": case.layout, **mask_keywords(case, device)}
     if case.mask is not None:
         kw["mask"] = make_mask(case.mask, case.B, case.Hq, case.Nq, case.nk, device, gen)
+    return q, k, v, kw
+
+
+def _packed_inputs(case: Case, dtype: torch.dtype, device, gen: torch.Generator):
+    """Packed q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv] and attention_varlen's keywords
+    (prefix sums int32 on ``device``, the longest lengths, the band)."""
+    lq = [a for a, _ in case.seqs]
+    lk = [b for _, b in case.seqs]
+
+    def draw(n: int, h: int, d: int) -> torch.Tensor:
+        return torch.randn(n, h, d, generator=gen).to(device=device, dtype=dtype)
+
+    q, k, v = draw(sum(lq), case.Hq, case.D), draw(sum(lk), case.hkv, case.D), draw(sum(lk), case.hkv, case.dv)
+    cu = lambda lengths: torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()],
+                                      dtype=torch.int32, device=device)
+    kw = {"cu_seqlens_q": cu(lq), "cu_seqlens_k": cu(lk), "max_seqlen_q": max(lq, default=0),
+          "max_seqlen_k": max(lk, default=0), **{k: v for k, v in mask_keywords(case, device).items()
+                                                  if k in ("causal", "window", "align")}}
     return q, k, v, kw
 
 
@@ -248,6 +283,36 @@ def chunk_cases() -> list[Case]:
 ]
 
 
+def head_dim_cases() -> list[Case]:
+    """A value head dim of its own (Dv != D): larger and smaller than D, odd, with GQA, masks and views."""
+    return [
+    Case("dv_d48_dv24_causal", B=2, Hq=2, Nq=29, D=48, Dv=24, causal=True),
+    Case("dv_d24_dv40_gqa_window", B=1, Hq=4, Hkv=2, Nq=23, Nk=37, D=24, Dv=40, window=(5, 2),
+         align="bottom_right"),
+    Case("dv_d64_dv128_kv_len", B=2, Hq=2, Nq=19, Nk=33, D=64, Dv=128, kv_len=(33, 0), dtypes=(torch.bfloat16,)),
+    Case("dv_d192_dv128_causal_br", B=1, Hq=2, Nq=17, Nk=26, D=192, Dv=128, causal=True, align="bottom_right",
+         dtypes=(torch.bfloat16, torch.float32)),
+    Case("dv_d128_dv64_bias_bnhd", B=1, Hq=2, Nq=21, Nk=30, D=128, Dv=64, mask="bias_b1qk", layout="bnhd",
+         view="transposed", dtypes=(torch.float16,)),
+    Case("dv_d16_dv7_bool", B=2, Hq=3, Hkv=1, Nq=25, D=16, Dv=7, mask="bool_b1qk", dtypes=(torch.float32,)),
+]
+
+
+def varlen_cases() -> list[Case]:
+    """Packed sequences (attention_varlen): empty sequences and sequences of one row, one long sequence among
+    short ones, Nq != Nk per sequence in both alignments, windows, GQA/MQA, Dv != D."""
+    return [
+    Case("varlen_dense", Hq=2, D=16, seqs=((5, 7), (0, 3), (17, 17), (1, 0), (33, 20))),
+    Case("varlen_causal_br_gqa", Hq=4, Hkv=2, D=32, seqs=((9, 30), (40, 40), (1, 1), (0, 0), (21, 5)),
+         causal=True, align="bottom_right"),
+    Case("varlen_causal_tl_mqa", Hq=3, Hkv=1, D=24, seqs=((30, 12), (2, 2), (45, 45)), causal=True,
+         align="top_left"),
+    Case("varlen_window_br", Hq=2, D=16, seqs=((19, 19), (3, 40), (26, 26)), window=(4, 2), align="bottom_right"),
+    Case("varlen_one_long_dv", Hq=2, D=64, Dv=40, seqs=((3, 3), (70, 70), (1, 1), (4, 4)), causal=True,
+         align="bottom_right"),
+]
+
+
 def gpu_cases() -> list[Case]:
     """The default matrix at 4x the lengths, plus every D of the issue with both alignments and Nq <> Nk."""
     cases = default_cases(scale=4)
@@ -313,6 +378,9 @@ CASE_LISTS: dict[str, CaseList] = {c.name: c for c in (
     CaseList("extra", extra_cases, cpu=True),
     CaseList("chunk", chunk_cases, cpu=True),
     CaseList("decode", decode_cases, cpu=True),
+    CaseList("head_dim", head_dim_cases, cpu=True),
+    CaseList("varlen", varlen_cases, cpu=True),
+    CaseList("varlen_gpu", lambda: [c.scaled(12) for c in varlen_cases()], cpu=False),
     CaseList("gpu", gpu_cases, cpu=False),
     CaseList("long", long_cases, cpu=False),
     CaseList("n8192", n8192_cases, cpu=False),

@@ -206,9 +206,8 @@ def verify(
     import pandas as pd
 
     from attnlab import backends as _backends
-    from attnlab.api import attention, poison_outputs
+    from attnlab.api import poison_outputs
     from attnlab.cases import default_cases, make_inputs
-    from attnlab.reference import reference
 
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if backends is None:
@@ -232,10 +231,10 @@ def verify(
         for idx, (case, dt) in enumerate(it):
             case_seed = seed + idx
             q, k, v, kw = make_inputs(case, dtype=dt, device=dev, seed=case_seed)
-            ref, ref_lse = reference(q, k, v, **kw)
+            ref, ref_lse = run_reference(q, k, v, kw)
             base = None
             if dt != torch.float32:
-                base = attention(q, k, v, backend="torch", **kw)
+                base = run_attention(q, k, v, kw, backend="torch")
             for b in backends:
                 row = {"backend": b, **case.describe(), "dtype": str(dt).replace("torch.", ""), "seed": case_seed}
                 t0 = time.perf_counter()
@@ -245,7 +244,7 @@ def verify(
                         row.update(status="skipped", passed=None, error=why)
                         rows.append(row)
                         continue
-                    out, lse = attention(q, k, v, backend=b, return_lse=True, **kw)
+                    out, lse = run_attention(q, k, v, kw, backend=b, return_lse=True)
                 except Exception as e:  # recorded, not raised: the table shows every failure
                     row.update(status="error", passed=False, error=f"{type(e).__name__}: {e}")
                     rows.append(row)
@@ -274,11 +273,42 @@ def _not_taken(name: str, q, k, v, kw) -> str | None:
     """Why backend ``name`` does not take this problem (its ``unsupported`` reason), or None. ``auto`` takes
     every problem."""
     from attnlab import backends as _backends
-    from attnlab.problem import make_problem
 
     if name == "auto":
         return None
-    return _backends.registry()[name].unsupported(make_problem(q, k, v, **kw))
+    return _backends.registry()[name].unsupported(problem_of(q, k, v, kw))
+
+
+def _packed(kw: dict) -> bool:
+    return "cu_seqlens_q" in kw
+
+
+def run_attention(q, k, v, kw: dict, **extra):
+    """:func:`attnlab.attention` of a case's inputs (:func:`attnlab.cases.make_inputs`), or
+    :func:`attnlab.attention_varlen` for a packed case; ``extra``: backend, return_lse."""
+    from attnlab.api import attention
+    from attnlab.varlen import attention_varlen
+
+    if _packed(kw):
+        names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+        rest = {n: x for n, x in kw.items() if n not in names}
+        return attention_varlen(q, k, v, *(kw[n] for n in names), **rest, **extra)
+    return attention(q, k, v, **kw, **extra)
+
+
+def run_reference(q, k, v, kw: dict):
+    """The float64 (out, lse) of a case's inputs: :func:`attnlab.reference` or, packed,
+    :func:`attnlab.reference.reference_varlen`."""
+    from attnlab.reference import reference, reference_varlen
+
+    return reference_varlen(q, k, v, **kw) if _packed(kw) else reference(q, k, v, **kw)
+
+
+def problem_of(q, k, v, kw: dict):
+    """The validated Problem of a case's inputs (packed for a packed case)."""
+    from attnlab.problem import make_packed_problem, make_problem
+
+    return make_packed_problem(q, k, v, **kw) if _packed(kw) else make_problem(q, k, v, **kw)
 
 
 def all_passed(df) -> bool:

@@ -34,9 +34,9 @@ def masked_scores(prob: Problem, i0: int, i1: int, dtype: torch.dtype) -> torch.
 
 
 def softmax_rows(s: torch.Tensor, v: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax of masked scores ``s`` [B, Hq, rows, Nk] times v [B, Hkv, Nk, D], with the empty-row rule.
+    """Softmax of masked scores ``s`` [B, Hq, rows, Nk] times v [B, Hkv, Nk, Dv], with the empty-row rule.
 
-    Returns (out [B, Hq, rows, D], lse [B, Hq, rows]) in ``s``'s dtype. A row whose scores are all -inf
+    Returns (out [B, Hq, rows, Dv], lse [B, Hq, rows]) in ``s``'s dtype. A row whose scores are all -inf
     gives out = 0 and lse = -inf; NaN in the scores propagates. (A NaN in V at a key the row does not
     attend also reaches it here, as 0 * NaN in the matmul; kernels that never load that key do not.)
     """
@@ -53,9 +53,9 @@ def softmax_rows(s: torch.Tensor, v: torch.Tensor, group: int) -> tuple[torch.Te
 
 
 def reference_forward(prob: Problem, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 (out [B, Hq, Nq, D], lse [B, Hq, Nq]) of a validated problem, as bhnd tensors."""
-    B, Hq, Nq, Nk, D = prob.B, prob.Hq, prob.Nq, prob.Nk, prob.D
-    out = torch.zeros(B, Hq, Nq, D, dtype=torch.float64, device=prob.device)
+    """float64 (out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) of a validated problem, as bhnd tensors."""
+    B, Hq, Nq, Nk, Dv = prob.B, prob.Hq, prob.Nq, prob.Nk, prob.Dv
+    out = torch.zeros(B, Hq, Nq, Dv, dtype=torch.float64, device=prob.device)
     lse = torch.full((B, Hq, Nq), float("-inf"), dtype=torch.float64, device=prob.device)
     if out.numel() == 0 or Nk == 0:
         return out, lse
@@ -99,3 +99,31 @@ def reference(
     )
     out, lse = reference_forward(prob, max_chunk_bytes)
     return prob.to_layout(out), lse
+
+
+def reference_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+    window: tuple[int | None, int | None] | None = None, align: str | None = None, scale: float | None = None,
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention over packed sequences with :func:`attnlab.attention_varlen`'s arguments: each sequence
+    on its own, as the plain reference computes it. Returns (out [total_q, Hq, Dv], lse [Hq, total_q]).
+    The prefix sums are read on the host (validated as the public call validates host prefix sums)."""
+    from attnlab.problem import make_packed_problem
+
+    make_packed_problem(q, k, v, cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), max_seqlen_q, max_seqlen_k, causal=causal,
+                        window=window, align=align, scale=scale, allow_float64=True)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o, lse = reference(q[rows].unsqueeze(0), k[keys].unsqueeze(0), v[keys].unsqueeze(0), causal=causal,
+                           window=window, align=align, scale=scale, layout="bnhd", max_chunk_bytes=max_chunk_bytes)
+        outs.append(o[0])
+        lses.append(lse[0])
+    if not outs:
+        return (torch.zeros(0, q.shape[1], v.shape[2], dtype=torch.float64, device=q.device),
+                torch.zeros(q.shape[1], 0, dtype=torch.float64, device=q.device))
+    return torch.cat(outs), torch.cat(lses, dim=1)

@@ -37,11 +37,11 @@ def textbook_backward(
     dq, dk, dv are [B, H, N, D] in ``dtype``; dbias is [B, Hq, Nq, Nk] in ``dtype`` when ``bias_grad`` (the
     caller sums it over the mask's broadcast dims), else None. Arithmetic in ``dtype``.
     """
-    B, Hq, Hkv, g, Nq, Nk, D = prob.B, prob.Hq, prob.Hkv, prob.group, prob.Nq, prob.Nk, prob.D
+    B, Hq, Hkv, g, Nq, Nk, D, Dv = prob.B, prob.Hq, prob.Hkv, prob.group, prob.Nq, prob.Nk, prob.D, prob.Dv
     dev = prob.device
     dq = torch.zeros(B, Hq, Nq, D, dtype=dtype, device=dev)
     dk = torch.zeros(B, Hkv, Nk, D, dtype=dtype, device=dev)
-    dv = torch.zeros(B, Hkv, Nk, D, dtype=dtype, device=dev)
+    dv = torch.zeros(B, Hkv, Nk, Dv, dtype=dtype, device=dev)
     dbias = torch.zeros(B, Hq, Nq, Nk, dtype=dtype, device=dev) if bias_grad else None
     if dq.numel() == 0 or Nk == 0:
         return dq, dk, dv, dbias
@@ -56,7 +56,7 @@ def textbook_backward(
         p = torch.exp(s - m)
         l = p.sum(dim=-1, keepdim=True)
         p = p / torch.where(l == 0, torch.ones_like(l), l)
-        do = dout[:, :, i0:i1].to(dtype).reshape(B, Hkv, g, r, D)
+        do = dout[:, :, i0:i1].to(dtype).reshape(B, Hkv, g, r, Dv)
         pg = p.reshape(B, Hkv, g, r, Nk)
         dv += torch.einsum("bhgrn,bhgrd->bhnd", pg, do)
         dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))  # [B, Hkv, g, r, Nk]

@@ -47,8 +47,7 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
     from attnlab.backends.triton import configs, forward
 
     with torch.cuda.device(prob.device), torch.no_grad():
-        out = torch.empty(prob.B, prob.Hq, prob.Nq, prob.D, dtype=prob.dtype, device=prob.device)
-        lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
+        out, lse = prob.new_out()[1], prob.new_lse()
         chosen: dict[str, Any] = {"fwd": configs.tune(prob, forward.autotune, out, lse)}
         if backward:  # the out and lse the backward starts from
             forward.jit_launch(prob, out, lse, chosen["fwd"], interpret=False)

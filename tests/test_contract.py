@@ -14,8 +14,7 @@ import torch
 
 from attnlab import backends
 from attnlab.cases import CASE_LISTS, make_inputs
-from attnlab.check import summarize, verify
-from attnlab.problem import make_problem
+from attnlab.check import problem_of, summarize, verify
 
 
 def _params(gpu: bool) -> list:
@@ -34,7 +33,7 @@ def _run(name: str, case, device: str) -> None:
     if not avail.available:
         pytest.skip(f"{name}: {avail.reason}")
     q, k, v, kw = make_inputs(case, dtype=case.dtypes[0], device=device, seed=0)
-    why = backend.unsupported(make_problem(q, k, v, **kw))
+    why = backend.unsupported(problem_of(q, k, v, kw))
     if why is not None:  # outside the backend's declared scope (e.g. the decode path and a prefill)
         pytest.skip(f"{name}: {why}")
     df = verify(backends=[name], cases=[case], device=device)

@@ -18,7 +18,7 @@ import torch
 from attnlab.api import attention
 from attnlab.backends.triton import backward as triton_bwd
 from attnlab.cases import Case, make_inputs
-from attnlab.check import UNIT_ROUNDOFF
+from attnlab.check import UNIT_ROUNDOFF, run_attention, run_reference
 from attnlab.problem import make_problem
 from attnlab.reference import masked_scores, reference
 
@@ -72,17 +72,35 @@ CASES = [
     (Case("decode_nq1", B=3, Hq=2, Hkv=1, Nq=1, Nk=37, D=16, causal=True, align="bottom_right",
           kv_len=(37, 1, 20)), F32),
     (Case("nk1", B=1, Hq=2, Nq=17, Nk=1, D=16), F16),
+    (Case("dv_d48_dv24_causal", B=1, Hq=2, Nq=29, D=48, Dv=24, causal=True), F32),
+    (Case("dv_d24_dv40_gqa_window_br", B=1, Hq=4, Hkv=2, Nq=23, Nk=37, D=24, Dv=40, window=(5, 2),
+          align="bottom_right"), BF16),
+    (Case("dv_d192_dv128_causal_br", B=1, Hq=1, Nq=17, Nk=26, D=192, Dv=128, causal=True, align="bottom_right"),
+     F32),
+    (Case("dv_d64_dv128_kv_len", B=2, Hq=1, Nq=19, Nk=33, D=64, Dv=128, kv_len=(33, 0)), F16),
+]
+
+#: Packed sequences (attention_varlen): empty sequences, single rows, one long among short ones, GQA/MQA,
+#: both alignments, windows, Dv != D.
+PACKED = [
+    (Case("varlen_dense", Hq=2, D=16, seqs=((5, 7), (0, 3), (17, 17), (1, 0), (33, 20))), F32),
+    (Case("varlen_causal_br_gqa", Hq=4, Hkv=2, D=32, seqs=((9, 30), (40, 40), (1, 1), (0, 0), (21, 5)),
+          causal=True, align="bottom_right"), BF16),
+    (Case("varlen_causal_tl_mqa", Hq=3, Hkv=1, D=24, seqs=((30, 12), (2, 2), (45, 45)), causal=True,
+          align="top_left"), F32),
+    (Case("varlen_window_br_dv", Hq=2, D=16, Dv=24, seqs=((19, 19), (3, 40), (26, 26)), window=(4, 2),
+          align="bottom_right"), F16),
 ]
 
 
 def _textbook(q, k, v, kw: dict) -> torch.Tensor:
     """The textbook attention in the inputs' dtype, differentiable (empty rows: out 0, gradient 0)."""
     prob = make_problem(q, k, v, **kw)
-    B, Hq, Hkv, Nq, Nk, D = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.D
+    B, Hq, Hkv, Nq, Nk, Dv = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.Dv
     s = masked_scores(prob, 0, Nq, prob.dtype)
     empty = (s == float("-inf")).all(dim=-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    o = torch.matmul(p.reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2)).reshape(B, Hq, Nq, D)
+    o = torch.matmul(p.reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2)).reshape(B, Hq, Nq, Dv)
     return prob.to_layout(o)
 
 
@@ -115,11 +133,17 @@ def _zero_where_unseen(case: Case, q, k, v, kw: dict) -> tuple[torch.Tensor, tor
 def _check(case: Case, dtype: torch.dtype, device: str, seed: int = 0) -> None:
     q, k, v, kw = make_inputs(case, dtype=dtype, device=device, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    dout = torch.randn(q.shape, generator=gen).to(device=device, dtype=dtype)
+    dout = torch.randn((*q.shape[:-1], v.shape[-1]), generator=gen).to(device=device, dtype=dtype)
     ours = _triton_grads(q, k, v, dout, kw)
     ref = _autograd(lambda a, b, c: reference(a, b, c, **kw)[0], q, k, v, dout, torch.float64)
     base = _autograd(lambda a, b, c: _textbook(a, b, c, kw), q, k, v, dout, dtype) if dtype != F32 else None
-    empty_rows, unseen_keys = _zero_where_unseen(case, q, k, v, kw)
+    _judge(ours, ref, base, _zero_where_unseen(case, q, k, v, kw), dtype)
+
+
+def _judge(ours, ref, base, zeros, dtype) -> None:
+    """Each gradient against float64 autograd: no NaN or Inf, exactly 0 where no row or key is allowed, and
+    within the dtype's tolerance (float32) or twice the textbook's error plus a floor (half types)."""
+    empty_rows, unseen_keys = zeros
     for i, name in enumerate(("dq", "dk", "dv")):
         g, g64 = ours[i].double(), ref[i]
         assert not torch.isnan(g).any(), f"{name}: NaN"
@@ -137,9 +161,56 @@ def _check(case: Case, dtype: torch.dtype, device: str, seed: int = 0) -> None:
             assert err <= bound, f"{name}: max|g - g64| = {err:.3e} > 2 * {base_err:.3e} + floor ({bound:.3e})"
 
 
+def _packed_unseen(q, k, v, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [total_q, Hq] with no allowed key, keys [total_k, Hkv] no row of their group sees) of a packed
+    call, sequence by sequence."""
+    cu_q, cu_k = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
+    band = {n: kw[n] for n in ("causal", "window", "align") if n in kw}
+    rows = torch.zeros(q.shape[:2], dtype=torch.bool)
+    keys = torch.zeros(k.shape[:2], dtype=torch.bool)
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = [x[s].unsqueeze(0) for x, s in ((q, qs), (k, ks), (v, ks))]
+        r, c = _zero_where_unseen(None, *one, {"layout": "bnhd", **band})
+        rows[qs], keys[ks] = r[0].cpu(), c[0].cpu()
+    return rows.to(q.device), keys.to(q.device)
+
+
+def _check_packed(case: Case, dtype: torch.dtype, device: str, seed: int = 0) -> None:
+    """The public packed call's gradients (backend triton: the varlen op's backward) against float64 autograd
+    of the per-sequence reference, and (half types) against the textbook's error in the same dtype."""
+    q, k, v, kw = make_inputs(case, dtype=dtype, device=device, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn((*q.shape[:-1], v.shape[-1]), generator=gen).to(device=device, dtype=dtype)
+    ours = _autograd(lambda a, b, c: run_attention(a, b, c, kw, backend="triton"), q, k, v, dout, dtype)
+    ref = _autograd(lambda a, b, c: run_reference(a, b, c, kw)[0], q, k, v, dout, torch.float64)
+    base = _autograd(lambda a, b, c: _packed_textbook(a, b, c, kw), q, k, v, dout, dtype) if dtype != F32 else None
+    _judge(ours, ref, base, _packed_unseen(q, k, v, kw), dtype)
+
+
+def _packed_textbook(q, k, v, kw: dict) -> torch.Tensor:
+    """The textbook attention of each packed sequence in the inputs' dtype, differentiable, concatenated."""
+    cu_q, cu_k = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
+    band = {n: kw[n] for n in ("causal", "window", "align") if n in kw}
+    outs = []
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if cu_k[b + 1] == cu_k[b]:  # no key: the contract's 0 (the textbook's matmul of nothing is 0 too)
+            outs.append(q.new_zeros((cu_q[b + 1] - cu_q[b], q.shape[1], v.shape[2])) * q[qs].sum())
+            continue
+        outs.append(_textbook(q[qs].unsqueeze(0), k[ks].unsqueeze(0), v[ks].unsqueeze(0),
+                              {"layout": "bnhd", **band})[0])
+    return torch.cat(outs)
+
+
 # ------------------------------------------------------------------------------------------------------
 # CPU: the interpreter
 # ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("case", "dtype"), PACKED, ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
+def test_packed_gradients_cpu(case, dtype):
+    _check_packed(case, dtype, "cpu")
+
+
 @pytest.mark.parametrize(("case", "dtype"), CASES, ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
 def test_gradients_cpu(case, dtype):
     _check(case, dtype, "cpu")
@@ -182,6 +253,12 @@ def test_rejects_wrong_shapes():
 @pytest.mark.parametrize(("case", "dtype"), CASES, ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
 def test_gradients_gpu(case, dtype):
     _check(case.scaled(8), dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("case", "dtype"), PACKED, ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
+def test_packed_gradients_gpu(case, dtype):
+    _check_packed(case.scaled(8), dtype, "cuda")
 
 
 @pytest.mark.gpu

@@ -48,7 +48,7 @@ def sdpa_inputs(prob: Problem) -> tuple[torch.Tensor | None, bool, torch.Tensor 
 
 class SdpaBackend(Backend):
     name = "sdpa"
-    takes = "every problem; masks other than plain causal are materialized for SDPA"
+    takes = "every problem; masks other than plain causal are materialized for SDPA; packed sequences padded"
     description = "torch.nn.functional.scaled_dot_product_attention with attnlab's masks translated"
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:

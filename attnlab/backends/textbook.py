@@ -16,16 +16,17 @@ from attnlab.reference import masked_scores
 
 class TextbookBackend(Backend):
     name = "torch"
-    takes = "every problem, in the input dtype (materializes the [B, Hq, Nq, Nk] scores)"
+    takes = ("every problem, in the input dtype (materializes the [B, Hq, Nq, Nk] scores); packed sequences "
+             "padded")
     description = "textbook PyTorch in the input dtype: QK^T, mask, softmax, @V (materializes the scores)"
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        B, Hq, Hkv, Nq, Nk, D = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.D
+        B, Hq, Hkv, Nq, Nk, Dv = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.Dv
         s = masked_scores(prob, 0, Nq, prob.dtype)  # [B, Hq, Nq, Nk] in the input dtype
         p = torch.softmax(s, dim=-1)
         empty = (s == float("-inf")).all(dim=-1, keepdim=True)
         p = p.masked_fill(empty, 0.0)  # softmax of an all -inf row is NaN; the contract says 0
         pv = torch.matmul(p.reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2))
-        out.copy_(pv.reshape(B, Hq, Nq, D))
+        out.copy_(pv.reshape(B, Hq, Nq, Dv))
         if lse is not None:
             lse.copy_(torch.logsumexp(s.float(), dim=-1))

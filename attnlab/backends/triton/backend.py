@@ -9,7 +9,7 @@ from attnlab import warm_start
 from attnlab.backends import Availability, Backend
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton.decode import decode_forward, decode_supported, gpu_plan
-from attnlab.backends.triton.forward import jit_launch, plan_for
+from attnlab.backends.triton.forward import autotune, jit_launch, plan_for
 from attnlab.backends.triton.forward_kernel import IMPORT_ERROR
 from attnlab.problem import Problem
 
@@ -18,7 +18,8 @@ class TritonBackend(Backend):
     """attnlab's fused Triton forward kernel (:mod:`attnlab.backends.triton.forward_kernel` explains it)."""
 
     name = "triton"
-    takes = "float32/float16/bfloat16, D 1-256, every mask; CUDA tensors compiled, CPU tensors interpreted"
+    takes = ("float32/float16/bfloat16, D and Dv 1-256, every mask, packed sequences natively; CUDA tensors "
+             "compiled, CPU tensors interpreted")
     kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.backends.triton.backward)
     description = (
         "fused Triton forward kernel: online softmax in exp2, block skipping, every mask, GQA; "
@@ -48,10 +49,14 @@ class TritonBackend(Backend):
             if not _empty(prob, out, lse):
                 jit_launch(prob, out, lse, _cfg.INTERPRETER_CONFIG, interpret=True)
             return
+        if prob.packed is not None:  # packed sequences: through the JIT (a plan's key holds no prefix sums)
+            _on_device(prob, out, lse, lambda: jit_launch(prob, out, lse, _cfg.config_for(prob, out, lse, autotune),
+                                                          interpret=False))
+            return
         _on_device(prob, out, lse, lambda: plan_for(prob, out, lse).launch(prob, out, lse))
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
-        if not prob.q.is_cuda or paged is not None or _empty_problem(prob, out):
+        if not prob.q.is_cuda or paged is not None or prob.packed is not None or _empty_problem(prob, out):
             return None  # an empty call launched nothing: no plan to build (or tune) for it
         return plan_for(prob, out, lse).fast_call(prob, out, lse)
 
@@ -61,7 +66,8 @@ class TritonDecodeBackend(TritonBackend):
     (batch, kv head) split over several programs, the query heads of a kv group packed into one tile."""
 
     name = "triton-decode"
-    takes = "Nq <= 16 query rows (decoding), float32/float16/bfloat16, D 1-256, every mask, paged caches"
+    takes = ("Nq <= 16 query rows (decoding), float32/float16/bfloat16, D 1-256 with Dv = D, every mask, paged "
+             "caches; packed sequences padded")
     description = (
         "split-KV Triton decode for Nq <= 16: keys split over programs, GQA groups packed, partial states "
         "merged by their lse"

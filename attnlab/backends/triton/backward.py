@@ -32,9 +32,11 @@ from attnlab.backends.triton.configs import (
     fastest,
     padded_head_dim,
     pow2_bucket,
+    problem_head_dim,
 )
 from attnlab.backends.triton.forward_kernel import LOG2E
 from attnlab.backends.triton.interpreter import interpreted_fn, interpreter
+from attnlab.backends.triton.runtime import batch_strides
 from attnlab.problem import Problem
 
 try:
@@ -63,7 +65,7 @@ _picked: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
 def tune_key(prob: Problem) -> tuple:
     """What a tuned pair of configs is remembered by: device, dtype, head dim, mask kind, GQA group and
     size buckets."""
-    return (prob.device.index, prob.dtype, padded_head_dim(prob.D), prob.spec.kind, prob.group,
+    return (prob.device.index, prob.dtype, problem_head_dim(prob), configs.kind_of(prob), prob.group,
             pow2_bucket(prob.Nq), pow2_bucket(prob.Nk), pow2_bucket(prob.B * prob.Hq))
 
 
@@ -77,23 +79,28 @@ def _mask_arguments(prob: Problem) -> tuple[list, list, dict]:
     if explicit is not None and explicit.dtype == torch.bool:
         explicit = explicit.view(torch.uint8)  # the kernels read a bool mask as bytes
     q = prob.q  # a placeholder pointer for whatever is absent (never read)
-    ptrs = [spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q,
-            explicit if explicit is not None else q]
+    if prob.packed is not None:  # the kernels read a packed call's prefix sums where they read lengths otherwise
+        lengths = [prob.packed.cu_k, prob.packed.cu_q]
+    else:
+        lengths = [spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q]
+    ptrs = [*lengths, explicit if explicit is not None else q]
     strides = list(explicit.stride()) if explicit is not None else [0, 0, 0, 0]
     constants = dict(
         HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
         BOTTOM_RIGHT=spec.align == "bottom_right",
         HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
         HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
+        VARLEN=prob.packed is not None,
     )
     return ptrs, strides, constants
 
 
 def _common(prob: Problem, interpret: bool) -> dict:
     """Compile-time constants shared by the dK/dV and dQ kernels."""
-    block_d = padded_head_dim(prob.D)
+    block_d, block_dv = padded_head_dim(prob.D), padded_head_dim(prob.Dv)
     return dict(
-        BLOCK_D=block_d, EVEN_D=block_d == prob.D, DOT_PRECISION="ieee",
+        BLOCK_D=block_d, EVEN_D=block_d == prob.D, BLOCK_DV=block_dv, EVEN_DV=block_dv == prob.Dv,
+        DOT_PRECISION="ieee",
         # The interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast (exactly) first.
         UPCAST=interpret and prob.dtype != torch.float32,
     )
@@ -101,7 +108,8 @@ def _common(prob: Problem, interpret: bool) -> dict:
 
 def _scalars(prob: Problem) -> list:
     spec = prob.spec
-    return [prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, prob.scale * LOG2E, prob.scale,
+    return [prob.Hq, prob.Nq, prob.Nk, prob.D, prob.Dv, prob.q.shape[2], prob.k.shape[2], prob.group,
+            prob.scale * LOG2E, prob.scale,
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0]
 
 
@@ -109,11 +117,13 @@ def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool) -> tu
     """(kernel, grid, arguments, keywords) of the preprocess."""
     block_m = INTERPRETER_CONFIG.block_m if interpret else PREPROCESS_BLOCK_M
     spec = prob.spec
+    packed = prob.packed
     grid = (triton.cdiv(prob.Nq, block_m), prob.Hq, prob.B)
-    args = (out, dout, lse, delta, lse2, spec.q_len if spec.q_len is not None else lse,
-            *out.stride(), *dout.stride(), *lse.stride(), prob.Hq, prob.Nq, prob.D)
-    kw = dict(BLOCK_M=block_m, BLOCK_D=padded_head_dim(prob.D), HAS_Q_LEN=spec.q_len is not None,
-              num_warps=1 if interpret else 4, **configs.COMPILE_OPTIONS)
+    q_len = packed.cu_q if packed is not None else spec.q_len if spec.q_len is not None else lse
+    args = (out, dout, lse, delta, lse2, q_len, *batch_strides(out, packed), *batch_strides(dout, packed),
+            *batch_strides(lse, packed), prob.Hq, prob.Nq, prob.Dv, prob.q.shape[2])
+    kw = dict(BLOCK_M=block_m, BLOCK_DV=padded_head_dim(prob.Dv), HAS_Q_LEN=spec.q_len is not None,
+              VARLEN=packed is not None, num_warps=1 if interpret else 4, **configs.COMPILE_OPTIONS)
     return bwd_preprocess, grid, args, kw
 
 
@@ -121,9 +131,10 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
     """(kernel, grid, arguments, keywords) of the dK/dV kernel with ``cfg``."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
     grid = (triton.cdiv(prob.Nk, cfg.block_n), prob.Hkv, prob.B)
+    pk = prob.packed
     args = (prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, *ptrs,
-            *prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-            *e_strides, *_scalars(prob))
+            *batch_strides(prob.q, pk), *batch_strides(prob.k, pk), *batch_strides(prob.v, pk),
+            *batch_strides(dout, pk), *batch_strides(dk, pk), *batch_strides(dv, pk), *e_strides, *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **configs.COMPILE_OPTIONS)
     return bwd_dkdv_kernel, grid, args, kw
@@ -133,9 +144,10 @@ def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> 
     """(kernel, grid, arguments, keywords) of the dQ kernel with ``cfg``."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
     grid = (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
+    pk = prob.packed
     args = (prob.q, prob.k, prob.v, dout, lse2, delta, dq, *ptrs,
-            *prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *dout.stride(), *dq.stride(),
-            *e_strides, *_scalars(prob))
+            *batch_strides(prob.q, pk), *batch_strides(prob.k, pk), *batch_strides(prob.v, pk),
+            *batch_strides(dout, pk), *batch_strides(dq, pk), *e_strides, *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **configs.COMPILE_OPTIONS)
     return bwd_dq_kernel, grid, args, kw
@@ -182,7 +194,7 @@ MAX_AHEAD = 64
 
 def _ahead_key(prob: Problem, out: torch.Tensor) -> tuple:
     spec = prob.spec
-    return (tune_key(prob), prob.q.stride(), prob.k.stride(), prob.v.stride(), out.stride(), spec.kind,
+    return (tune_key(prob), prob.q.stride(), prob.k.stride(), prob.v.stride(), out.stride(), configs.kind_of(prob),
             spec.align, spec.explicit is not None and (spec.explicit.dtype, spec.explicit.stride()))
 
 
@@ -232,7 +244,7 @@ def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig
     else the shipped table's, else each space's first candidate. With ``AUTOTUNE`` a key tuned nowhere yet is
     tuned now, which overwrites dq, dk, dv (the final launch comes after)."""
     key = tune_key(prob)
-    block_d = padded_head_dim(prob.D)
+    block_d = problem_head_dim(prob)
     kv_space, q_space = dkdv_candidates(prob.dtype, block_d), dq_candidates(prob.dtype, block_d)
 
     def parse(value: list) -> tuple[BwdConfig, BwdConfig] | None:
@@ -244,7 +256,7 @@ def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig
 
 
 def _tune(prob: Problem, dout, delta, lse2, dq, dk, dv, key: tuple) -> tuple[BwdConfig, BwdConfig]:
-    block_d = padded_head_dim(prob.D)
+    block_d = problem_head_dim(prob)
     kv_space, q_space = dkdv_candidates(prob.dtype, block_d), dq_candidates(prob.dtype, block_d)
     got = (
         _fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False)),
@@ -258,7 +270,7 @@ def tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> tuple[BwdConfig
     """Tune ``prob``'s backward key now, given the forward's out and lse (a random upstream gradient, scratch
     gradients); keep the winners in this process and on disk, and return them."""
     dout = torch.randn_like(out)
-    delta = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=prob.device)
     lse2 = torch.empty_like(delta)
     _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
     dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
@@ -287,8 +299,9 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
              dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of attention for ``prob`` given the upstream gradient ``dout``.
 
-    ``out`` and ``dout`` are [B, Hq, Nq, D] (any strides), ``lse`` float32 [B, Hq, Nq] as the forward wrote
-    them (natural log, -inf for rows with no allowed key). Returns tensors shaped like ``prob.q``,
+    ``out`` and ``dout`` are [B, Hq, Nq, Dv] (any strides), ``lse`` float32 [B, Hq, Nq] as the forward wrote
+    them (natural log, -inf for rows with no allowed key); for a packed call [1, Hq, total, Dv] and
+    [1, Hq, total]. Returns tensors shaped like ``prob.q``,
     ``prob.k``, ``prob.v`` ([B, H, N, D], q's dtype, laid out like the inputs where they are dense). The
     bias, if any, is a constant. Rows with no allowed key and padding rows give dq = 0; keys no row sees
     give dk = dv = 0. Nothing is launched for an empty problem. ``dlse`` ([B, Hq, Nq], or None) is the
@@ -296,24 +309,28 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
     """
     if triton is None:
         raise RuntimeError("the Triton backward needs triton (not importable)")
-    B, Hq, Nq, D = prob.B, prob.Hq, prob.Nq, prob.D
-    _check("out", out, (B, Hq, Nq, D), prob)
-    _check("dout", dout, (B, Hq, Nq, D), prob)
-    _check("lse", lse, (B, Hq, Nq), prob)
+    packed = prob.packed
+    rows = (1, prob.Hq, prob.q.shape[2]) if packed is not None else (prob.B, prob.Hq, prob.Nq)
+    _check("out", out, (*rows, prob.Dv), prob)
+    _check("dout", dout, (*rows, prob.Dv), prob)
+    _check("lse", lse, rows, prob)
     if dout.dtype != prob.dtype:
         dout = dout.to(prob.dtype)
     if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum(): laid out as out, so one compiled variant
         dout = torch.empty_like(out).copy_(dout)
     if lse.dtype != torch.float32:
         lse = lse.float()
-    dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
+    # A packed call whose sequences were not checked on the host may leave rows or keys out (a too small
+    # max_seqlen): their gradients start as zeros rather than uninitialized.
+    new = torch.zeros_like if packed is not None and not packed.checked else torch.empty_like
+    dq, dk, dv = new(prob.q), new(prob.k), new(prob.v)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     interpret = not prob.q.is_cuda
     spec = prob.spec
     if interpret and spec.kv_len is not None and not bool(spec.kv_len.any()):  # host tensor: no sync
         return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=prob.device)
+    delta = torch.empty(rows, dtype=torch.float32, device=prob.device)  # [B, Hq, Nq]; packed [1, Hq, total]
     lse2 = torch.empty_like(delta)
     if interpret:
         with interpreter(bwd_preprocess):
@@ -328,7 +345,7 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
         _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
         _minus_dlse(delta, dlse)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
-        block_d = padded_head_dim(prob.D)
+        block_d = problem_head_dim(prob)
         kv_done = _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False), kv_cfg,
                                   dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel")
         q_done = _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False), q_cfg,

@@ -120,6 +120,16 @@ if triton is not None:
         ok = (row_i < Nq) & (key_j < Nk)
         return tiles.apply_explicit(s, e_base + row_i.to(tl.int64) * s_ei + key_j.to(tl.int64) * s_ej, ok, HAS_MASK)
 
+    @triton.jit
+    def _row_base(b64, h64, q0, Hq, Nq, Tq, VARLEN: tl.constexpr):
+        """Where row 0 of (batch b, head h) is in Delta and Lse2: contiguous [B, Hq, Nq], or for a packed call
+        [Hq, Tq] with the sequence's first row at q0."""
+        if VARLEN:
+            base = h64 * Tq + q0.to(tl.int64)
+        else:
+            base = (b64 * Hq + h64) * Nq
+        return base
+
     # -----------------------------------------------------------------------------------------------
     # 1. Preprocess: Delta = rowsum(dO * O), and the base-2 lse
     # -----------------------------------------------------------------------------------------------
@@ -129,32 +139,37 @@ if triton is not None:
         s_ob, s_oh, s_on, s_od,
         s_gb, s_gh, s_gn, s_gd,
         s_lb, s_lh, s_ln,
-        Hq, Nq, D,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Q_LEN: tl.constexpr,
+        Hq, Nq, Dv, Tq,
+        BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_Q_LEN: tl.constexpr, VARLEN: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2)
         i0 = pid_m * BLOCK_M
+        zero = i0 * 0
+        # (QLen stands in for the keys' prefix sums too: only the rows are used here)
+        q0, _, Lq, _, _ = tiles.sequence(QLen, QLen, b, zero, Nq, Nq, Tq, Tq, VARLEN, False, HAS_Q_LEN, False)
+        n_rows = Nq
+        if VARLEN:
+            n_rows = Lq  # a packed sequence's rows end at its length: the next sequence follows
         offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         rows = i0 + offs_m
-        b64, h64, i64 = b.to(tl.int64), h.to(tl.int64), i0.to(tl.int64)
-        o = _load_rows(O + b64 * s_ob + h64 * s_oh + i64 * s_on, offs_m, Nq - i0, offs_d, D, s_on, s_od,
+        b64, h64, i64 = b.to(tl.int64), h.to(tl.int64), (q0 + i0).to(tl.int64)
+        o = _load_rows(O + b64 * s_ob + h64 * s_oh + i64 * s_on, offs_m, n_rows - i0, offs_dv, Dv, s_on, s_od,
                        True, False, True)
-        do = _load_rows(DO + b64 * s_gb + h64 * s_gh + i64 * s_gn, offs_m, Nq - i0, offs_d, D, s_gn, s_gd,
+        do = _load_rows(DO + b64 * s_gb + h64 * s_gh + i64 * s_gn, offs_m, n_rows - i0, offs_dv, Dv, s_gn, s_gd,
                         True, False, True)
         delta = tl.sum(o * do, 1)
-        lse = tl.load(Lse + b64 * s_lb + h64 * s_lh + rows * s_ln, mask=rows < Nq, other=float("-inf"))
-        live = lse != float("-inf")
-        if HAS_Q_LEN:
-            live = live & (rows < tl.load(QLen + b))  # rows lie in [0, Nq): the same as with q_len clamped
+        lse = tl.load(Lse + b64 * s_lb + h64 * s_lh + (q0.to(tl.int64) + rows) * s_ln, mask=rows < n_rows,
+                      other=float("-inf"))
+        live = (lse != float("-inf")) & (rows < Lq)  # Lq: the row's length, clamped to [0, Nq]
         # +inf for a row with no allowed key or a padding row: then every p = exp2(s - lse2) is 0
         lse2 = tl.where(live, lse * 1.4426950408889634, float("inf"))
         delta = tl.where(live, delta, 0.0)
-        out_ptrs = (b64 * Hq + h64) * Nq + rows  # Delta and Lse2 are contiguous [B, Hq, Nq]
-        tl.store(Delta + out_ptrs, delta, mask=rows < Nq)
-        tl.store(Lse2 + out_ptrs, lse2, mask=rows < Nq)
+        out_ptrs = _row_base(b64, h64, q0, Hq, Nq, Tq, VARLEN) + rows
+        tl.store(Delta + out_ptrs, delta, mask=rows < n_rows)
+        tl.store(Lse2 + out_ptrs, lse2, mask=rows < n_rows)
 
     # -----------------------------------------------------------------------------------------------
     # 2. dK and dV: a key tile stationary, query tiles streaming
@@ -162,18 +177,20 @@ if triton is not None:
     @triton.jit
     def _dkdv_row_tile(
         dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, m0, keys, Lk, off, win_left, win_right,
-        Nq, Nk, D, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PARTIAL: tl.constexpr,
+        Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
+        EVEN_DV: tl.constexpr, PARTIAL: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """dK and dV updated with the query rows ``[m0, m0 + BLOCK_M)`` of one head (scores held as S^T)."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         rows = m0 + offs_m
         m64 = m0.to(tl.int64)
         q = _load_rows(q_base + m64 * s_qn, offs_m, Nq - m0, offs_d, D, s_qn, s_qd, PARTIAL, EVEN_D, UPCAST)
-        do = _load_rows(do_base + m64 * s_gn, offs_m, Nq - m0, offs_d, D, s_gn, s_gd, PARTIAL, EVEN_D, UPCAST)
+        do = _load_rows(do_base + m64 * s_gn, offs_m, Nq - m0, offs_dv, Dv, s_gn, s_gd, PARTIAL, EVEN_DV, UPCAST)
         if PARTIAL:
             lse2 = tl.load(lse2_base + rows, mask=rows < Nq, other=float("inf"))
             delta = tl.load(delta_base + rows, mask=rows < Nq, other=0.0)
@@ -204,11 +221,12 @@ if triton is not None:
         s_dkb, s_dkh, s_dkn, s_dkd,
         s_dvb, s_dvh, s_dvn, s_dvd,
         s_eb, s_eh, s_ei, s_ej,
-        Hq, Nq, Nk, D, group, qk_scale, scale, win_left, win_right,
+        Hq, Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, scale, win_left, win_right,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
     ):
         # ---- which tile: key tile pid_n of kv head kvh, batch b -----------------------------------------
         pid_n = tl.program_id(0)
@@ -216,28 +234,34 @@ if triton is not None:
         b = tl.program_id(2)
         n0 = pid_n * BLOCK_N
         zero = n0 * 0
-        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        q0, k0, Lq, Lk, off = tiles.sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN, HAS_KV_LEN, HAS_Q_LEN,
+                                             BOTTOM_RIGHT)
+        row_base_nq = Nq  # Delta and Lse2 are laid out by the bound, not by a packed sequence's length
+        if VARLEN:  # a packed sequence's rows and keys end at its own lengths: the next sequence follows
+            Nq = Lq
+            Nk = Lk
         t_lo, f_lo, f_hi, t_hi = _query_tiles(n0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
                                               HAS_LEFT, HAS_RIGHT)
 
         # ---- the stationary K and V tiles; dK and dV accumulators --------------------------------------
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         keys = n0 + offs_n
-        b64, kvh64, n64 = b.to(tl.int64), kvh.to(tl.int64), n0.to(tl.int64)
+        b64, kvh64, n64 = b.to(tl.int64), kvh.to(tl.int64), (k0 + n0).to(tl.int64)
         k = _load_rows(K + b64 * s_kb + kvh64 * s_kh + n64 * s_kn, offs_n, Nk - n0, offs_d, D, s_kn, s_kd,
                        True, EVEN_D, UPCAST)
-        v = _load_rows(V + b64 * s_vb + kvh64 * s_vh + n64 * s_vn, offs_n, Nk - n0, offs_d, D, s_vn, s_vd,
-                       True, EVEN_D, UPCAST)
+        v = _load_rows(V + b64 * s_vb + kvh64 * s_vh + n64 * s_vn, offs_n, Nk - n0, offs_dv, Dv, s_vn, s_vd,
+                       True, EVEN_DV, UPCAST)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
         # ---- every query head of the group, each in three phases of row tiles ---------------------------
         for g in range(0, group):
             h64 = (kvh * group + g).to(tl.int64)
-            q_base = Q + b64 * s_qb + h64 * s_qh
-            do_base = DO + b64 * s_gb + h64 * s_gh
-            row0 = (b64 * Hq + h64) * Nq  # Lse2 and Delta are contiguous [B, Hq, Nq]
+            q_base = Q + b64 * s_qb + h64 * s_qh + q0.to(tl.int64) * s_qn
+            do_base = DO + b64 * s_gb + h64 * s_gh + q0.to(tl.int64) * s_gn
+            row0 = _row_base(b64, h64, q0, Hq, row_base_nq, Tq, VARLEN)
             e_base = Explicit + b64 * s_eb + h64 * s_eh
             # partial [t_lo, f_lo) (rows above a band's right edge: none without one), full, partial [f_hi, t_hi)
             for phase in tl.static_range(0 if HAS_RIGHT else 1, 3):
@@ -245,18 +269,21 @@ if triton is not None:
                 for t in range(t_begin, t_end):
                     dk, dv = _dkdv_row_tile(
                         dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, zero + t * BLOCK_M,
-                        keys, Lk, off, win_left, win_right, Nq, Nk, D, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale,
-                        BLOCK_M, BLOCK_D, EVEN_D, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                        keys, Lk, off, win_left, win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale,
+                        BLOCK_M, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK,
+                        HAS_BIAS,
                         Q.dtype.element_ty, DOT_PRECISION, UPCAST,
                     )
 
         # ---- epilogue: dK = scale * sum dS^T Q; keys no row sees keep 0 --------------------------------
         dk = dk * scale
-        kv_ok = (keys < Nk)[:, None] & (offs_d < D)[None, :]
-        dk_ptrs = DK + b64 * s_dkb + kvh64 * s_dkh + keys.to(tl.int64)[:, None] * s_dkn + offs_d[None, :] * s_dkd
-        dv_ptrs = DV + b64 * s_dvb + kvh64 * s_dvh + keys.to(tl.int64)[:, None] * s_dvn + offs_d[None, :] * s_dvd
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_ok)
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
+        in_keys = (keys < Nk)[:, None]
+        dk_ptrs = (DK + b64 * s_dkb + kvh64 * s_dkh + (k0.to(tl.int64) + keys)[:, None] * s_dkn
+                   + offs_d[None, :] * s_dkd)
+        dv_ptrs = (DV + b64 * s_dvb + kvh64 * s_dvh + (k0.to(tl.int64) + keys)[:, None] * s_dvn
+                   + offs_dv[None, :] * s_dvd)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=in_keys & (offs_d < D)[None, :])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_keys & (offs_dv < Dv)[None, :])
 
     # -----------------------------------------------------------------------------------------------
     # 3. dQ: a row tile stationary, key tiles streaming
@@ -264,18 +291,20 @@ if triton is not None:
     @triton.jit
     def _dq_key_tile(
         dq, q, do, lse2, delta, k_base, v_base, e_base, n0, rows, Lk, off, win_left, win_right,
-        Nq, Nk, D, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PARTIAL: tl.constexpr,
+        Nq, Nk, D, Dv, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
+        EVEN_DV: tl.constexpr, PARTIAL: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """dQ updated with the keys ``[n0, n0 + BLOCK_N)``."""
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         keys = n0 + offs_n
         n64 = n0.to(tl.int64)
         k = _load_rows(k_base + n64 * s_kn, offs_n, Lk - n0, offs_d, D, s_kn, s_kd, PARTIAL, EVEN_D, UPCAST)
-        v = _load_rows(v_base + n64 * s_vn, offs_n, Lk - n0, offs_d, D, s_vn, s_vd, PARTIAL, EVEN_D, UPCAST)
+        v = _load_rows(v_base + n64 * s_vn, offs_n, Lk - n0, offs_dv, Dv, s_vn, s_vd, PARTIAL, EVEN_DV, UPCAST)
         s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)  # base 2
         if HAS_MASK or HAS_BIAS:
             s = _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 1, HAS_MASK)
@@ -295,11 +324,12 @@ if triton is not None:
         s_gb, s_gh, s_gn, s_gd,
         s_dqb, s_dqh, s_dqn, s_dqd,
         s_eb, s_eh, s_ei, s_ej,
-        Hq, Nq, Nk, D, group, qk_scale, scale, win_left, win_right,
+        Hq, Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, scale, win_left, win_right,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
     ):
         # ---- which tile: row tile pid_m (last first) of query head h, batch b; kv head h // group --------
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -307,25 +337,31 @@ if triton is not None:
         b = tl.program_id(2)
         i0 = pid_m * BLOCK_M
         zero = i0 * 0
-        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        q0, k0, Lq, Lk, off = tiles.sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN, HAS_KV_LEN, HAS_Q_LEN,
+                                             BOTTOM_RIGHT)
+        row_base_nq = Nq  # Delta and Lse2 are laid out by the bound, not by a packed sequence's length
+        if VARLEN:  # a packed sequence's rows and keys end at its own lengths: the next sequence follows
+            Nq = Lq
+            Nk = Lk
         t_lo, f_lo, f_hi, t_hi = tiles.key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
                                             HAS_LEFT, HAS_RIGHT)
 
         # ---- the stationary row tile: Q, dO, Lse2, Delta -----------------------------------------------
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         rows = i0 + offs_m
-        b64, h64, i64 = b.to(tl.int64), h.to(tl.int64), i0.to(tl.int64)
+        b64, h64, i64 = b.to(tl.int64), h.to(tl.int64), (q0 + i0).to(tl.int64)
         kvh64 = (h // group).to(tl.int64)
         q = _load_rows(Q + b64 * s_qb + h64 * s_qh + i64 * s_qn, offs_m, Nq - i0, offs_d, D, s_qn, s_qd,
                        True, EVEN_D, UPCAST)
-        do = _load_rows(DO + b64 * s_gb + h64 * s_gh + i64 * s_gn, offs_m, Nq - i0, offs_d, D, s_gn, s_gd,
-                        True, EVEN_D, UPCAST)
-        row0 = (b64 * Hq + h64) * Nq
+        do = _load_rows(DO + b64 * s_gb + h64 * s_gh + i64 * s_gn, offs_m, Nq - i0, offs_dv, Dv, s_gn, s_gd,
+                        True, EVEN_DV, UPCAST)
+        row0 = _row_base(b64, h64, q0, Hq, row_base_nq, Tq, VARLEN)
         lse2 = tl.load(Lse2 + row0 + rows, mask=rows < Nq, other=float("inf"))
         delta = tl.load(Delta + row0 + rows, mask=rows < Nq, other=0.0)
-        k_base = K + b64 * s_kb + kvh64 * s_kh
-        v_base = V + b64 * s_vb + kvh64 * s_vh
+        k_base = K + b64 * s_kb + kvh64 * s_kh + k0.to(tl.int64) * s_kn
+        v_base = V + b64 * s_vb + kvh64 * s_vh + k0.to(tl.int64) * s_vn
         e_base = Explicit + b64 * s_eb + h64 * s_eh
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
@@ -335,13 +371,13 @@ if triton is not None:
             for t in range(t_begin, t_end):
                 dq = _dq_key_tile(
                     dq, q, do, lse2, delta, k_base, v_base, e_base, zero + t * BLOCK_N, rows, Lk, off,
-                    win_left, win_right, Nq, Nk, D, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale,
-                    BLOCK_N, BLOCK_D, EVEN_D, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                    win_left, win_right, Nq, Nk, D, Dv, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale,
+                    BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
                     Q.dtype.element_ty, DOT_PRECISION, UPCAST,
                 )
 
         # ---- epilogue: dQ = scale * sum dS K; empty and padding rows give 0 ----------------------------
         dq = dq * scale
-        dq_ptrs = (DQ + b64 * s_dqb + h64 * s_dqh + rows.to(tl.int64)[:, None] * s_dqn
+        dq_ptrs = (DQ + b64 * s_dqb + h64 * s_dqh + (q0.to(tl.int64) + rows)[:, None] * s_dqn
                    + offs_d[None, :] * s_dqd)
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows < Nq)[:, None] & (offs_d < D)[None, :])

@@ -189,6 +189,12 @@ def padded_head_dim(D: int) -> int:
     return max(16, pow2_bucket(D))
 
 
+def problem_head_dim(prob: Problem) -> int:
+    """The head dim a problem's configs are chosen and tuned for: the larger of D and Dv, padded (the one that
+    bounds the tiles' registers)."""
+    return padded_head_dim(max(prob.D, prob.Dv))
+
+
 def kernel_qk_chunk(cfg: Config, block_d: int) -> int:
     """The kernel's QK_CHUNK for ``cfg``: 0 (one dot) unless a chunk of at least 16 splits BLOCK_D."""
     return cfg.qk_chunk if 16 <= cfg.qk_chunk < block_d else 0
@@ -201,10 +207,15 @@ def kernel_key_axis(cfg: Config, dtype: torch.dtype) -> int:
     return 0 if cfg.keys_major and dtype == torch.float32 else 1
 
 
+def kind_of(prob: Problem) -> str:
+    """The mask kind a problem's configs are keyed by: its spec's, with ``+varlen`` for a packed call."""
+    return prob.spec.kind + ("+varlen" if prob.packed is not None else "")
+
+
 def tune_key(prob: Problem) -> tuple:
     """What a tuned config is remembered by: device, dtype, head dim, mask kind and size buckets."""
     return (
-        prob.device.index, prob.dtype, padded_head_dim(prob.D), prob.spec.kind,
+        prob.device.index, prob.dtype, problem_head_dim(prob), kind_of(prob),
         TF32, pow2_bucket(prob.Nq), pow2_bucket(prob.Nk), pow2_bucket(prob.B * prob.Hq),
     )
 
@@ -276,7 +287,7 @@ def next_fitting(space: list, cfg, what: str):
 
 def fall_back(prob: Problem, cfg: Config) -> Config | None:
     """The forward's next candidate after ``cfg``, which did not fit this GPU; kept for ``prob``'s tune key."""
-    nxt = next_fitting(candidates(prob.dtype, padded_head_dim(prob.D)), cfg, "the forward")
+    nxt = next_fitting(candidates(prob.dtype, problem_head_dim(prob)), cfg, "the forward")
     if nxt is not None:
         key = tune_key(prob)
         (_tuned if key in _tuned else _picked)[key] = nxt
@@ -322,7 +333,7 @@ def config_for(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, autot
     heuristic default (the first candidate); with ``AUTOTUNE``, a key tuned nowhere yet is tuned now by
     ``autotune(prob, out, lse)`` (the launch module's, which times each candidate's launch)."""
     key = tune_key(prob)
-    space = candidates(prob.dtype, padded_head_dim(prob.D))
+    space = candidates(prob.dtype, problem_head_dim(prob))
 
     def parse(value: dict) -> Config | None:
         cfg = Config(**value)
@@ -337,8 +348,7 @@ def tune(prob: Problem, autotune: Autotune, out: torch.Tensor | None = None,
     """Tune ``prob``'s key now with ``autotune`` (into ``out`` and ``lse``, or scratch ones), keep the winner in
     this process and on disk, return it."""
     if out is None:
-        out = torch.empty(prob.B, prob.Hq, prob.Nq, prob.D, dtype=prob.dtype, device=prob.device)
-        lse = torch.empty(prob.B, prob.Hq, prob.Nq, dtype=torch.float32, device=prob.device)
+        out, lse = prob.new_out()[1], prob.new_lse()
     key = tune_key(prob)
     cfg = _tuned[key] = _tune(prob, out, lse, key, autotune)
     return cfg

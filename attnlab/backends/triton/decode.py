@@ -217,6 +217,8 @@ def decode_supported(prob: Problem) -> str | None:
         return f"runs on CUDA tensors (compiled) or CPU tensors (interpreter); got {prob.device}"
     if prob.Nq > MAX_DECODE_NQ:
         return f"the decode path takes Nq <= {MAX_DECODE_NQ} query rows; got Nq={prob.Nq} (a prefill)"
+    if prob.Dv != prob.D:
+        return f"the decode kernels take one head dim for q, k and v; got D={prob.D}, Dv={prob.Dv}"
     if prob.B > 65535 or prob.Hkv * row_tiles(prob) > 65535:
         return f"grid limit: B and Hkv * row tiles must be at most 65535; got B={prob.B}, Hkv={prob.Hkv}"
     if prob.device.type == "cuda" and prob.dtype == torch.bfloat16:

@@ -25,17 +25,20 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
     """The kernel's arguments for ``prob`` and ``cfg`` except those of out and lse, in signature order:
     (pointers before Out, the arguments between Lse and out's strides, those after lse's strides,
     the compile-time constants). :func:`jit_launch` and :class:`_Plan` put out and lse in between."""
-    spec = prob.spec
+    spec, packed = prob.spec, prob.packed
     q, k, v = prob.q, prob.k, prob.v
-    D = prob.D
-    block_d = padded_head_dim(D)
+    D, Dv = prob.D, prob.Dv
+    block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
     explicit = spec.explicit
     if explicit is not None and explicit.dtype == torch.bool:
         explicit = explicit.view(torch.uint8)  # the kernel reads a bool mask as bytes
     e = explicit if explicit is not None else q  # a placeholder pointer when absent (never read)
     e_strides = explicit.stride() if explicit is not None else (0, 0, 0, 0)
-    kv_len = spec.kv_len if spec.kv_len is not None else q
-    q_len = spec.q_len if spec.q_len is not None else q
+    if packed is not None:  # the kernel reads a packed call's prefix sums where it reads lengths otherwise
+        kv_len, q_len = packed.cu_k, packed.cu_q
+    else:
+        kv_len = spec.kv_len if spec.kv_len is not None else q
+        q_len = spec.q_len if spec.q_len is not None else q
     left = spec.left if spec.left is not None else 0
     right = spec.right if spec.right is not None else 0
     if dtype_is_f32 := prob.dtype == torch.float32:
@@ -43,10 +46,13 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
     else:
         precision = "ieee"  # ignored for half types (their products are exact in float32)
     head = [q, k, v]
-    mid = [kv_len, q_len, e, *q.stride(), *k.stride(), *v.stride()]
-    tail = [*e_strides, prob.Nq, prob.Nk, D, prob.group, prob.scale * LOG2E, left, right]
+    mid = [kv_len, q_len, e, *_rt.batch_strides(q, packed), *_rt.batch_strides(k, packed),
+           *_rt.batch_strides(v, packed)]
+    tail = [*e_strides, prob.Nq, prob.Nk, D, Dv, q.shape[2], k.shape[2], prob.group, prob.scale * LOG2E, left,
+            right]
     constants = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=(block_d == D),
+        BLOCK_DV=block_dv, EVEN_DV=(block_dv == Dv),
         HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
         BOTTOM_RIGHT=spec.align == "bottom_right",
         HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
@@ -58,16 +64,18 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
         QK_CHUNK=kernel_qk_chunk(cfg, block_d),
         KEY_AXIS=kernel_key_axis(cfg, prob.dtype),
         ROWS_OUTER=_rows_outer(prob, cfg),
+        VARLEN=packed is not None,
     )
     return head, mid, tail, constants
 
 
-def _bind(head: Sequence, mid: Sequence, tail: Sequence, out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
+def _bind(head: Sequence, mid: Sequence, tail: Sequence, out: torch.Tensor, lse: torch.Tensor | None,
+          packed=None) -> tuple:
     """The kernel's run-time arguments in signature order: :func:`_arguments`' parts with out and lse (and
     their strides) in between; without lse, out stands in for its pointer (never written) with strides 0."""
     if lse is None:
-        return (*head, out, out, *mid, *out.stride(), 0, 0, 0, *tail)
-    return (*head, out, lse, *mid, *out.stride(), *lse.stride(), *tail)
+        return (*head, out, out, *mid, *_rt.batch_strides(out, packed), 0, 0, 0, *tail)
+    return (*head, out, lse, *mid, *_rt.batch_strides(out, packed), *_rt.batch_strides(lse, packed), *tail)
 
 
 def jit_launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: Config, interpret: bool):
@@ -78,8 +86,8 @@ def jit_launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: 
     head, mid, tail, constants = _arguments(prob, cfg, interpret, lse is not None)
     with interpreter(_k.attn_fwd_kernel) if interpret else contextlib.nullcontext(_k.attn_fwd_kernel) as kernel:
         return kernel[_grid(prob, cfg)](
-            *_bind(head, mid, tail, out, lse), **constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **_cfg.COMPILE_OPTIONS,
+            *_bind(head, mid, tail, out, lse, prob.packed), **constants, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **_cfg.COMPILE_OPTIONS,
         )
 
 
@@ -99,7 +107,7 @@ def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
     """One program per (row tile, query head, batch entry)."""
     if _rows_outer(prob, cfg):
         return (prob.Hq, prob.B, triton.cdiv(prob.Nq, cfg.block_m))
-    return (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
+    return (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)  # packed: B sequences of at most Nq rows
 
 
 class _Plan:
@@ -245,4 +253,5 @@ def autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Conf
             plan = plans[cfg] = _Plan(prob, cfg)
         plan.launch(prob, out, lse)
 
-    return _cfg.fastest(_cfg.candidates(prob.dtype, padded_head_dim(prob.D)), launch, f"dtype={prob.dtype}, D={prob.D}")
+    return _cfg.fastest(_cfg.candidates(prob.dtype, _cfg.problem_head_dim(prob)), launch,
+                        f"dtype={prob.dtype}, D={prob.D}, Dv={prob.Dv}")

@@ -128,29 +128,30 @@ if triton is not None:
     # ---- query-major: S = Q K^T [BLOCK_M, BLOCK_N], O += P V --------------------------------------------
 
     @triton.jit
-    def _query_major_loop(q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, rows, zero,
+    def _query_major_loop(q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, offs_dv, rows, zero,
                           Lk, off, t_lo, t_hi, f_lo, f_hi,
-                          Nq, Nk, D, qk_scale, win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                          Nq, Nk, D, Dv, qk_scale, win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei,
+                          s_ej, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                           HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           UPCAST_DOT: tl.constexpr, QK_CHUNK: tl.constexpr):
         """Three phases over key tiles: partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi), one loop
-        body specialized at compile time by ``tl.static_range``; returns (m_i, l_i, acc [BLOCK_M, BLOCK_D])."""
+        body specialized at compile time by ``tl.static_range``; returns (m_i, l_i, acc [BLOCK_M, BLOCK_DV])."""
         tile_m = offs_m[:, None]
         tile_n = offs_n[None, :]
         if QK_CHUNK == 0:
             q = _load_q(q_tile, offs_m, offs_d, rows, Nq, D, s_qn, s_qd, UPCAST_DOT)
-        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 1)
+        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_DV, 1)
         for phase in tl.static_range(0 if HAS_LEFT else 1, 3):  # phase 0 needs a band's left edge: else empty
             t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
             for t in range(t_begin, t_end):
                 n0 = zero + t * BLOCK_N  # (a tensor also in the interpreter, where t is an int)
                 keys = n0 + offs_n
                 k_ptrs = k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
-                v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
+                v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd
                 # partial tiles (phase != 1) read no key past Lk; full tiles load without a predicate
-                v = tiles.load_tile(v_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
+                v = tiles.load_tile(v_ptrs, keys, offs_dv, Lk, Dv, 0, phase != 1, EVEN_DV, UPCAST_DOT)
                 # s = scale * log2(e) * q k^T (+ log2(e) * bias), in base 2
                 if QK_CHUNK == 0:
                     k = tiles.load_tile(k_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
@@ -178,16 +179,17 @@ if triton is not None:
     # ---- keys-major (float32): S^T = K Q^T [BLOCK_N, BLOCK_M], O^T += V^T P^T -----------------------------
 
     @triton.jit
-    def _keys_major_loop(q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, rows, zero,
+    def _keys_major_loop(q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, offs_dv, rows, zero,
                          Lk, off, t_lo, t_hi, f_lo, f_hi,
-                         Nq, Nk, D, qk_scale, win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                         Nq, Nk, D, Dv, qk_scale, win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei,
+                         s_ej, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                          HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One loop over [t_lo, t_hi): every K/V load carries the Lk bound, and the band predicate runs behind
         a run-time branch, for partial tiles only. (That branch also splits the loop body for ptxas: as one
         block, Q K^T's operand loads and P V's were scheduled together, and a (64, 32) tile took 255
-        registers and spilled instead of 128.) Returns (m_i, l_i, acc^T [BLOCK_D, BLOCK_M])."""
+        registers and spilled instead of 128.) Returns (m_i, l_i, acc^T [BLOCK_DV, BLOCK_M])."""
         tile_m = offs_m[None, :]
         tile_n = offs_n[:, None]
         # Q^T is built once, 16 columns of D at a time, as exact products with the identity (q * 1 + 0 * ...):
@@ -199,12 +201,12 @@ if triton is not None:
             qc = _load_q(q_tile, offs_m, offs_c, rows, Nq, D, s_qn, s_qd, False)
             eye = tl.where(offs_d[:, None] == offs_c[None, :], 1.0, 0.0)
             q_t = tl.dot(eye, tl.trans(qc), q_t, input_precision="ieee")
-        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 0)  # acc: O^T
+        m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_DV, 0)  # acc: O^T
         for t in range(t_lo, t_hi):
             n0 = zero + t * BLOCK_N  # (a tensor also in the interpreter, where t is an int)
             keys = n0 + offs_n
             k_ptrs = k_base + n0.to(tl.int64) * s_kn + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
-            v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[None, :] * s_vn + offs_d[:, None] * s_vd
+            v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[None, :] * s_vn + offs_dv[:, None] * s_vd
             k = tiles.load_tile(k_ptrs, keys, offs_d, Lk, D, 0, True, EVEN_D, False)
             s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # s^T, in base 2 after the scale
             s = _explicit(tiles.score_mod(s, qk_scale), e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej,
@@ -214,30 +216,31 @@ if triton is not None:
             p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 0, True)
             # V^T is loaded here, after the softmax: loaded first, the FMA dot's operand registers of it stay
             # live across Q K^T (sm_90, triton 3.6: 255 registers and spills)
-            v = tiles.load_tile(v_ptrs, keys, offs_d, Lk, D, 1, True, EVEN_D, False)
+            v = tiles.load_tile(v_ptrs, keys, offs_dv, Lk, Dv, 1, True, EVEN_DV, False)
             acc = tl.dot(v, p, acc, input_precision=DOT_PRECISION)  # O^T += V^T P^T
         return m_i, l_i, acc
 
     # ---- epilogue ---------------------------------------------------------------------------------------
 
     @triton.jit
-    def _epilogue(acc, m_i, l_i, offs_m, offs_d, rows, Lq, Out, Lse, b64, h, i0, Nq, D, s_ob, s_oh, s_on, s_od,
-                  s_lb, s_lh, s_ln,
+    def _epilogue(acc, m_i, l_i, offs_m, offs_dv, rows, Lq, Out, Lse, b64, h, q0, i0, Nq, Dv, s_ob, s_oh, s_on,
+                  s_od, s_lb, s_lh, s_ln,
                   KEY_AXIS: tl.constexpr, WRITE_LSE: tl.constexpr):
         """Normalize and store the output tile (transposed when keys-major) and lse; empty rows and padding
-        rows give 0 and lse = -inf."""
+        rows give 0 and lse = -inf. Row i of the tile is row ``q0 + i0 + i`` of the tensors (q0: the first
+        row of a packed sequence, else 0)."""
         live = (l_i != 0.0) & (rows < Lq)  # l_i = 0: no allowed key; NaN (from NaN inputs) propagates
         l_div = tl.where(live, l_i, 1.0)
         out = tl.where(tl.expand_dims(live, KEY_AXIS), acc / tl.expand_dims(l_div, KEY_AXIS), 0.0)
         tile_m = tl.expand_dims(offs_m, KEY_AXIS)
-        tile_d = tl.expand_dims(offs_d, 1 - KEY_AXIS)
-        o_ptrs = (Out + b64 * s_ob + h.to(tl.int64) * s_oh + i0.to(tl.int64) * s_on
+        tile_d = tl.expand_dims(offs_dv, 1 - KEY_AXIS)
+        o_ptrs = (Out + b64 * s_ob + h.to(tl.int64) * s_oh + (q0 + i0).to(tl.int64) * s_on
                   + tile_m * s_on + tile_d * s_od)
-        o_ok = tl.expand_dims(rows < Nq, KEY_AXIS) & tl.expand_dims(offs_d < D, 1 - KEY_AXIS)
+        o_ok = tl.expand_dims(rows < Nq, KEY_AXIS) & tl.expand_dims(offs_dv < Dv, 1 - KEY_AXIS)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_ok)
         if WRITE_LSE:
             lse = tl.where(live, (m_i + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf"))
-            l_ptrs = Lse + b64 * s_lb + h.to(tl.int64) * s_lh + rows * s_ln
+            l_ptrs = Lse + b64 * s_lb + h.to(tl.int64) * s_lh + (q0.to(tl.int64) + rows) * s_ln
             tl.store(l_ptrs, lse, mask=rows < Nq)
 
     # ---- the kernel ---------------------------------------------------------------------------------------
@@ -251,12 +254,13 @@ if triton is not None:
         s_ob, s_oh, s_on, s_od,
         s_lb, s_lh, s_ln,
         s_eb, s_eh, s_ei, s_ej,
-        Nq, Nk, D, group, qk_scale, win_left, win_right,
+        Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, win_left, win_right,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QK_CHUNK: tl.constexpr,
-        KEY_AXIS: tl.constexpr, ROWS_OUTER: tl.constexpr,
+        KEY_AXIS: tl.constexpr, ROWS_OUTER: tl.constexpr, VARLEN: tl.constexpr,
     ):
         # ---- which tile: row tile pid_m (last first), query head h, batch b; kv head h // group ----------
         if ROWS_OUTER:  # grid (Hq, B, row tiles): the longest row tiles of every head first
@@ -270,46 +274,50 @@ if triton is not None:
         kvh = h // group
         i0 = pid_m * BLOCK_M
         zero = i0 * 0  # an int32 scalar tensor: keeps every bound below a tensor (also when Nk == 1)
-        Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        q0, k0, Lq, Lk, off = tiles.sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN, HAS_KV_LEN, HAS_Q_LEN,
+                                             BOTTOM_RIGHT)
+        if VARLEN:  # a packed sequence's rows and keys end at its own lengths: the next sequence follows
+            Nq = Lq
+            Nk = Lk
         t_lo, f_lo, f_hi, t_hi = tiles.key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                             HAS_RIGHT)
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         rows = i0 + offs_m
         b64 = b.to(tl.int64)
 
         # ---- a tile of padding rows (i0 >= Lq): zeros and lse = -inf, and nothing of Q, K, V read --------
         if i0 >= Lq:
             if KEY_AXIS == 0:
-                no_acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
+                no_acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
             else:
-                no_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                no_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
             no_rows = tl.zeros([BLOCK_M], tl.float32)  # l_i = 0: no allowed key
-            _epilogue(no_acc, no_rows, no_rows, offs_m, offs_d, rows, Lq, Out, Lse, b64, h, i0, Nq, D,
+            _epilogue(no_acc, no_rows, no_rows, offs_m, offs_dv, rows, Lq, Out, Lse, b64, h, q0, i0, Nq, Dv,
                       s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, KEY_AXIS, WRITE_LSE)
             return
 
         # ---- the tile's bases: 64-bit scalars; in-tile offsets stay 32-bit vectors -----------------------
         offs_n = tl.arange(0, BLOCK_N)
-        q_tile = Q + b64 * s_qb + h.to(tl.int64) * s_qh + i0.to(tl.int64) * s_qn
-        k_base = K + b64 * s_kb + kvh.to(tl.int64) * s_kh
-        v_base = V + b64 * s_vb + kvh.to(tl.int64) * s_vh
+        q_tile = Q + b64 * s_qb + h.to(tl.int64) * s_qh + (q0 + i0).to(tl.int64) * s_qn
+        k_base = K + b64 * s_kb + kvh.to(tl.int64) * s_kh + k0.to(tl.int64) * s_kn
+        v_base = V + b64 * s_vb + kvh.to(tl.int64) * s_vh + k0.to(tl.int64) * s_vn
         e_base = Explicit + b64 * s_eb + h.to(tl.int64) * s_eh + i0.to(tl.int64) * s_ei
 
         # ---- the key tiles, in one orientation ---------------------------------------------------------
         if KEY_AXIS == 0:
             m_i, l_i, acc = _keys_major_loop(
-                q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, rows, zero, Lk, off, t_lo, t_hi, f_lo, f_hi,
-                Nq, Nk, D, qk_scale,
+                q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, offs_dv, rows, zero, Lk, off, t_lo, t_hi,
+                f_lo, f_hi, Nq, Nk, D, Dv, qk_scale,
                 win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, BLOCK_M, BLOCK_N, BLOCK_D,
-                EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION)
+                BLOCK_DV, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION)
         else:
             m_i, l_i, acc = _query_major_loop(
-                q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, rows, zero, Lk, off, t_lo, t_hi, f_lo, f_hi,
-                Nq, Nk, D, qk_scale,
+                q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, offs_dv, rows, zero, Lk, off, t_lo, t_hi,
+                f_lo, f_hi, Nq, Nk, D, Dv, qk_scale,
                 win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, BLOCK_M, BLOCK_N, BLOCK_D,
-                EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION, UPCAST_DOT, QK_CHUNK)
+                BLOCK_DV, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION, UPCAST_DOT, QK_CHUNK)
 
-        _epilogue(acc, m_i, l_i, offs_m, offs_d, rows, Lq, Out, Lse, b64, h, i0, Nq, D, s_ob, s_oh, s_on, s_od,
-                  s_lb, s_lh, s_ln,
-                  KEY_AXIS, WRITE_LSE)
+        _epilogue(acc, m_i, l_i, offs_m, offs_dv, rows, Lq, Out, Lse, b64, h, q0, i0, Nq, Dv, s_ob, s_oh, s_on,
+                  s_od, s_lb, s_lh, s_ln, KEY_AXIS, WRITE_LSE)

@@ -13,7 +13,7 @@ import torch
 
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton.forward_kernel import triton
-from attnlab.problem import Problem
+from attnlab.problem import Packed, Problem
 
 #: Whether repeated GPU launches of one Problem skip Triton's JIT dispatch (ATTNLAB_TRITON_FAST_LAUNCH=0:
 #: never; every launch then goes through ``kernel[grid](...)``).
@@ -31,6 +31,12 @@ def layout_key(*tensors: torch.Tensor | None) -> tuple:
     """What Triton's JIT specializes a call's output tensors on, besides the plan's signature: dtype, strides
     and 16-byte alignment of each (None, an absent lse, counts as absent)."""
     return tuple(None if t is None else (t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in tensors)
+
+
+def batch_strides(t: torch.Tensor, packed: Packed | None) -> tuple[int, ...]:
+    """``t``'s strides as a kernel reads them: a packed call's tensors ([1, H, total, D] views) with batch
+    stride 0, since a sequence's place is its first row (the prefix sums), not its batch index."""
+    return (0, *t.stride()[1:]) if packed is not None else t.stride()
 
 
 def pointers(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:

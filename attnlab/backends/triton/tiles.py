@@ -59,6 +59,31 @@ if triton is not None:
         return Lk, Lq, off
 
     @triton.jit
+    def sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                 HAS_Q_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+        """(q0, k0, Lq, Lk, off) of batch entry b: its first row and first key in the tensors, its effective
+        lengths and its diagonal offset. Unpacked, q0 = k0 = 0 and the rest is :func:`lengths`. Packed
+        (``VARLEN``), QLen and KvLen are the prefix sums cu_seqlens_q and cu_seqlens_k: sequence b's rows
+        are ``[cu_q[b], cu_q[b+1])`` clamped into the Tq rows of the tensor and cut to at most Nq
+        (max_seqlen_q), its keys likewise, so that no prefix sum makes an access leave the tensors."""
+        if VARLEN:
+            q0 = tl.minimum(tl.maximum(tl.load(QLen + b), 0), Tq)
+            q1 = tl.minimum(tl.maximum(tl.load(QLen + b + 1), q0), Tq)
+            k0 = tl.minimum(tl.maximum(tl.load(KvLen + b), 0), Tk)
+            k1 = tl.minimum(tl.maximum(tl.load(KvLen + b + 1), k0), Tk)
+            Lq = tl.minimum(q1 - q0, Nq)
+            Lk = tl.minimum(k1 - k0, Nk)
+            if BOTTOM_RIGHT:
+                off = Lk - Lq
+            else:
+                off = zero
+        else:
+            q0 = zero
+            k0 = zero
+            Lk, Lq, off = lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        return q0, k0, Lq, Lk, off
+
+    @triton.jit
     def key_range(lo, i0, i_last, Lk, off, win_left, win_right, HAS_LEFT: tl.constexpr,
                    HAS_RIGHT: tl.constexpr):
         """Keys ``[lo, hi)`` that some row of ``[i0, i_last]`` may see and ``[full_lo, full_hi)`` that every

@@ -1,0 +1,148 @@
+"""attention_varlen (packed sequences) and a value head dim of its own: the public call's rules.
+
+The values and gradients of every backend are checked by tests/test_contract.py (case lists ``varlen`` and
+``head_dim``) and tests/test_triton_bwd.py (``PACKED``); here: what the call accepts and refuses, the routes it
+takes, torch.compile, and on a GPU the promises about prefix sums it never reads (no out-of-bounds access,
+rows a too small max_seqlen leaves out are 0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.reference import reference_varlen
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run pytest -m gpu on a GPU machine)")
+
+
+def packed(lq, lk, Hq=2, Hkv=2, D=16, Dv=None, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda n, h, d: torch.randn(n, h, d, generator=gen).to(device=device, dtype=dtype)
+    cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return (draw(sum(lq), Hq, D), draw(sum(lk), Hkv, D), draw(sum(lk), Hkv, Dv or D), cu(lq), cu(lk),
+            max(lq), max(lk))
+
+
+def call(args, **kw):
+    return attnlab.attention_varlen(*args, **kw)
+
+
+BAD = [
+    # (description, change to the arguments, keywords, exception, words the message must contain)
+    ("cu int64", lambda a: (*a[:3], a[3].long(), *a[4:]), {}, TypeError, ["int32"]),
+    ("cu not a tensor", lambda a: (*a[:3], [0, 3, 7], *a[4:]), {}, TypeError, ["int32 tensor"]),
+    ("cu 2-D", lambda a: (*a[:3], a[3][None], *a[4:]), {}, ValueError, ["[B + 1]"]),
+    ("cu start", lambda a: (*a[:3], a[3] + 1, *a[4:]), {}, ValueError, ["start at 0"]),
+    ("cu end", lambda a: (*a[:4], torch.tensor([0, 3, 5], dtype=torch.int32), *a[5:]), {}, ValueError,
+     ["end at", "7"]),
+    ("cu decreasing", lambda a: (*a[:3], torch.tensor([0, 8, 7, 7], dtype=torch.int32), a[4], *a[5:]), {},
+     ValueError, ["never decrease"]),
+    ("cu lengths differ", lambda a: (*a[:3], torch.tensor([0, 7], dtype=torch.int32), *a[4:]), {}, ValueError,
+     ["B + 1 entries"]),
+    ("max too small", lambda a: (*a[:5], 2, a[6]), {}, ValueError, ["max_seqlen_q", "at least", "4"]),
+    ("max negative", lambda a: (*a[:6], -1), {}, ValueError, ["max_seqlen_k", ">= 0"]),
+    ("max float", lambda a: (*a[:5], 4.0, a[6]), {}, TypeError, ["max_seqlen_q", "int"]),
+    ("rank 4", lambda a: (a[0][None], *a[1:]), {}, ValueError, ["rank 3", "[total, H, D]"]),
+    ("k/v rows", lambda a: (*a[:2], a[2][:-1], *a[3:]), {}, ValueError, ["same packed keys"]),
+    ("causal without align", lambda a: a, {"causal": True}, ValueError, ["align"]),
+    ("window without align", lambda a: a, {"window": (2, 2)}, ValueError, ["align"]),
+    ("return_lse", lambda a: a, {"return_lse": 1}, TypeError, ["return_lse"]),
+]
+
+
+@pytest.mark.parametrize("what, change, kw, exc, words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_clear_error(what, change, kw, exc, words):
+    args = change(packed([3, 4], [4, 3]))
+    with pytest.raises(exc) as err:
+        call(args, **kw)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference", "torch", "sdpa", "auto"])
+def test_lse_layout_and_empty_sequences(backend):
+    """out [total_q, Hq, Dv], lse [Hq, total_q]; a sequence without keys gives 0 and lse -inf on every route."""
+    args = packed([3, 0, 5, 2], [4, 6, 0, 1], Hq=4, Hkv=2, D=16, Dv=8)
+    out, lse = call(args, causal=True, align="bottom_right", backend=backend, return_lse=True)
+    assert out.shape == (10, 4, 8) and lse.shape == (4, 10) and lse.dtype == torch.float32
+    assert (out[3:8] == 0).all() and torch.isneginf(lse[:, 3:8]).all()  # sequence 2 has no key
+    ref, ref_lse = reference_varlen(*args, causal=True, align="bottom_right")
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+
+
+def test_no_sequence_at_all():
+    q, k, v = torch.randn(0, 2, 8), torch.randn(0, 2, 8), torch.randn(0, 2, 8)
+    cu = torch.zeros(1, dtype=torch.int32)
+    for backend in ("triton", "torch"):
+        out, lse = attnlab.attention_varlen(q, k, v, cu, cu, 0, 0, backend=backend, return_lse=True)
+        assert out.shape == (0, 2, 8) and lse.shape == (2, 0)
+
+
+def test_routes():
+    """The Triton backend runs packed (no padded copy); the others run padded and agree with it."""
+    from attnlab import varlen
+
+    assert varlen._packed_route("triton", torch.empty(1))
+    assert not varlen._packed_route("auto", torch.empty(1))  # CPU: auto's CPU choice, padded
+    assert not varlen._packed_route("sdpa", torch.empty(1))
+    args = packed([5, 9], [7, 9], Hq=4, Hkv=1, D=24, Dv=40)
+    a = call(args, window=(3, 1), align="top_left", backend="triton")
+    b = call(args, window=(3, 1), align="top_left", backend="sdpa")
+    assert (a - b).abs().max() < 1e-5
+
+
+def test_compile_sees_one_op():
+    """torch.compile of the packed route traces one attnlab op (its fake implementation gives the shapes)."""
+    args = packed([5, 9], [7, 9], Hq=2, Hkv=2, D=16)
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    fn = torch.compile(lambda *a: attnlab.attention_varlen(*a, causal=True, align="bottom_right", backend="triton"),
+                       backend=backend, fullgraph=True)
+    out = fn(*args)
+    assert [o for o in ops if "attnlab" in o] == ["attnlab.attention_varlen"], ops
+    ref, _ = reference_varlen(*args, causal=True, align="bottom_right")
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_prefix_sums_are_never_read_back_nor_trusted():
+    """Prefix sums on the GPU: a too small max_seqlen leaves rows out as 0 (lse -inf) and ignores keys past it;
+    wild values (past the total, decreasing) read nothing out of bounds (compute-sanitizer runs this too)."""
+    args = packed([40, 3, 70], [50, 3, 70], Hq=4, Hkv=2, D=64, dtype=torch.bfloat16, device="cuda")
+    q, k, v, cu_q, cu_k, _, _ = args
+    out, lse = attnlab.attention_varlen(q, k, v, cu_q, cu_k, 48, 60, causal=True, align="bottom_right",
+                                        return_lse=True)
+    torch.cuda.synchronize()
+    assert (out[43 + 48:] == 0).all() and torch.isneginf(lse[:, 43 + 48:]).all()  # rows past max_seqlen_q
+    ref, _ = reference_varlen(q[:43], k[:53], v[:53], cu_q[:3].cpu(), cu_k[:3].cpu(), 40, 50, causal=True,
+                              align="bottom_right")
+    assert (out[:43].double() - ref).abs().max() < 2e-2  # the sequences within the bounds are exact
+    wild = torch.tensor([0, 200, 5, 10**6], dtype=torch.int32, device="cuda")
+    out = attnlab.attention_varlen(q, k, v, wild, wild, 128, 128)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graph_capture():
+    """A packed call with prefix sums on the GPU is CUDA-graph safe: captured once, replayed with new data."""
+    args = packed([30, 5, 64], [30, 5, 64], Hq=4, Hkv=4, D=64, dtype=torch.float16, device="cuda")
+    q, k, v, cu_q, cu_k, mq, mk = args
+    attnlab.attention_varlen(*args, causal=True, align="bottom_right")  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attnlab.attention_varlen(*args, causal=True, align="bottom_right")
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = reference_varlen(q, k, v, cu_q.cpu(), cu_k.cpu(), mq, mk, causal=True, align="bottom_right")
+    assert (out.double() - ref).abs().max() < 5e-3
