@@ -146,3 +146,23 @@ def test_gpu_graph_capture():
     torch.cuda.synchronize()
     ref, _ = reference_varlen(q, k, v, cu_q.cpu(), cu_k.cpu(), mq, mk, causal=True, align="bottom_right")
     assert (out.double() - ref).abs().max() < 5e-3
+
+
+def test_varlen_bench_harness_checks_before_it_times(monkeypatch):
+    """The varlen suite's harness on a CPU, small: lengths as the issue draws them, the truth per document,
+    every row checked; a wrong output is a failed row with no time."""
+    from attnlab.bench import varlen as bench
+
+    lengths = bench.document_lengths(total=300, lo=4, hi=64, seed=0)
+    assert sum(lengths) == 300 and min(lengths[:-1]) >= 4 and max(lengths) <= 64
+    monkeypatch.setattr(bench, "document_lengths", lambda: lengths)
+    case = bench.VarlenCase("tiny", 4, 2, 16, 8, torch.float32)
+    broken = lambda inp: (lambda q, k, v: bench._attnlab(inp)(q, k, v) * 1.01)
+    monkeypatch.setitem(bench.COMPETITORS, "broken", broken)
+    rows = bench.run_case(case, ["attnlab", "sdpa-efficient", "broken"], torch.device("cpu"), lambda s: None)
+    by = {(r["backend"], r["mode"]): r for r in rows}
+    assert by[("attnlab", "fwd")]["passed"] and by[("attnlab", "fwd")]["ms"] > 0
+    assert by[("attnlab", "bwd")]["passed"] and by[("attnlab", "bwd")]["ms"] > 0
+    assert by[("sdpa-efficient", "fwd")]["status"] in ("ok", "error")
+    assert not by[("broken", "fwd")]["passed"] and "ms" not in by[("broken", "fwd")]
+    assert by[("attnlab", "fwd")]["allowed_pairs"] == sum(n * (n + 1) // 2 for n in lengths) * 4
