@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
+import itertools
 import json
 import math
 import sys
@@ -61,7 +63,7 @@ def document_lengths(total: int = 32768, lo: int = 64, hi: int = 8192, seed: int
     out: list[int] = []
     while sum(out) < total:
         u = float(torch.rand((), generator=gen, dtype=torch.float64))
-        out.append(min(int(round(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))))), total - sum(out)))
+        out.append(min(round(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))), total - sum(out)))
     return out
 
 
@@ -193,8 +195,8 @@ def truth(inp: Inputs, dout: torch.Tensor) -> dict[str, Any]:
 
     cu = [0, *torch.tensor(inp.lengths).cumsum(0).tolist()]
     parts: dict[str, list] = {n: [] for n in ("out", "dq", "dk", "dv", "base_out", "base_dq", "base_dk", "base_dv")}
-    for a, b in zip(cu, cu[1:]):
-        one = lambda x: x[a:b].unsqueeze(0)
+    for a, b in itertools.pairwise(cu):
+        one = functools.partial(_document, rows=slice(a, b))
         prob = make_problem(one(inp.q), one(inp.k), one(inp.v), causal=True, layout="bnhd")
         do = one(dout).transpose(1, 2)
         o64, _ = reference_forward(prob)
@@ -207,6 +209,11 @@ def truth(inp: Inputs, dout: torch.Tensor) -> dict[str, Any]:
             for n, g in zip(("dq", "dk", "dv"), grads):
                 parts[tag + n].append(prob.to_layout(g)[0])
     return {n: torch.cat(x) for n, x in parts.items()}
+
+
+def _document(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows ``rows`` of a packed [total, H, D] tensor as a [1, n, H, D] batch."""
+    return x[rows].unsqueeze(0)
 
 
 def check(got: torch.Tensor, ref: torch.Tensor, base: torch.Tensor, dtype: torch.dtype):
@@ -254,7 +261,7 @@ def run_case(case: VarlenCase, names: list[str], device: torch.device, log) -> l
         if ok:
             with torch.no_grad():
                 row["ms"], row["ms_min"], row["reps"] = timed(lambda: fn(inp.q, inp.k, inp.v), device)
-                _, row["peak_extra_mib"] = measure_peak(lambda i: fn(inp.q, inp.k, inp.v), 0, device)
+                _, row["peak_extra_mib"] = measure_peak(lambda i, fn=fn: fn(inp.q, inp.k, inp.v), 0, device)
             row["tflops"] = flops["fwd"] / row["ms"] / 1e9
         rows.append(row)
         log(f"{case.name} {name} fwd: {row.get('ms', '-')} ms ok={ok} err={err:.2e}")
