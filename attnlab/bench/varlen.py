@@ -233,7 +233,8 @@ def timed(call: Callable[[], Any], device: torch.device, reps: int = 20, warmup:
 
 
 def run_case(case: VarlenCase, names: list[str], device: torch.device, log) -> list[dict[str, Any]]:
-    from attnlab.bench.timing import free_memory, measure_peak
+    """Every competitor on ``case``'s packed batch: a forward row and a backward row each."""
+    from attnlab.bench.timing import free_memory
 
     lengths = document_lengths()
     inp = make_inputs(case, lengths, device)
@@ -257,41 +258,54 @@ def run_case(case: VarlenCase, names: list[str], device: torch.device, log) -> l
             log(f"{case.name} {name}: {type(e).__name__}: {str(e)[:200]}")
             continue
         ok, err = check(out, t["out"], t["base_out"], case.dtype)
-        row = {**base_row, "mode": "fwd", "passed": ok, "max_abs_err": err, "status": "ok" if ok else "failed"}
-        if ok:
-            with torch.no_grad():
-                row["ms"], row["ms_min"], row["reps"] = timed(lambda: fn(inp.q, inp.k, inp.v), device)
-                _, row["peak_extra_mib"] = measure_peak(lambda i, fn=fn: fn(inp.q, inp.k, inp.v), 0, device)
-            row["tflops"] = flops["fwd"] / row["ms"] / 1e9
-        rows.append(row)
-        log(f"{case.name} {name} fwd: {row.get('ms', '-')} ms ok={ok} err={err:.2e}")
         del out
-        # the backward alone: grads of one retained forward graph
-        leaves = [x.detach().requires_grad_() for x in (inp.q, inp.k, inp.v)]
-        row = {**base_row, "mode": "bwd"}
-        try:
-            out = fn(*leaves)
-            grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
-        except Exception as e:
-            rows.append({**row, "status": "error", "passed": False, "notes": f"{type(e).__name__}: {str(e)[:300]}"})
-            log(f"{case.name} {name} bwd: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        checks = [check(g, t[n], t["base_" + n], case.dtype) for n, g in zip(("dq", "dk", "dv"), grads)]
-        ok = all(c[0] for c in checks)
-        row.update(passed=ok, max_abs_err=max(c[1] for c in checks), status="ok" if ok else "failed",
-                   notes="grads: " + ", ".join(f"{n} {c[1]:.2e}{'' if c[0] else ' FAIL'}"
-                                               for n, c in zip(("dq", "dk", "dv"), checks)))
-        del grads
-        if ok:
-            step = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
-            row["ms"], row["ms_min"], row["reps"] = timed(step, device)
-            _, row["peak_extra_mib"] = measure_peak(lambda i: step(), 0, device)
-            row["tflops"] = flops["bwd"] / row["ms"] / 1e9
-        rows.append(row)
-        log(f"{case.name} {name} bwd: {row.get('ms', '-')} ms ok={ok} {row['notes']}")
-        del out, leaves
+        rows.append(_forward_row(fn, inp, ok, err, flops["fwd"], base_row, device))
+        log(f"{case.name} {name} fwd: {rows[-1].get('ms', '-')} ms ok={ok} err={err:.2e}")
+        rows.append(_backward_row(fn, inp, dout, t, case.dtype, flops["bwd"], base_row, device))
+        log(f"{case.name} {name} bwd: {rows[-1].get('ms', '-')} ms {rows[-1]['notes']}")
         free_memory(device)
     return rows
+
+
+def _forward_row(fn, inp: Inputs, ok: bool, err: float, flops: int, row: dict, device) -> dict[str, Any]:
+    """The forward's row: checked already (``ok``, ``err``), timed only when it passed."""
+    from attnlab.bench.timing import measure_peak
+
+    row = {**row, "mode": "fwd", "passed": ok, "max_abs_err": err, "status": "ok" if ok else "failed", "notes": ""}
+    if ok:
+        with torch.no_grad():
+            row["ms"], row["ms_min"], row["reps"] = timed(lambda: fn(inp.q, inp.k, inp.v), device)
+            _, row["peak_extra_mib"] = measure_peak(lambda i: fn(inp.q, inp.k, inp.v), 0, device)
+        row["tflops"] = flops / row["ms"] / 1e9
+    return row
+
+
+def _backward_row(fn, inp: Inputs, dout: torch.Tensor, t: dict, dtype: torch.dtype, flops: int, row: dict,
+                  device) -> dict[str, Any]:
+    """The backward alone: the gradients of one retained forward graph, checked, then timed if they passed."""
+    from attnlab.bench.timing import measure_peak
+
+    leaves = [x.detach().requires_grad_() for x in (inp.q, inp.k, inp.v)]
+    row = {**row, "mode": "bwd"}
+    try:
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    except Exception as e:  # a rival without this backward: recorded, not raised
+        return {**row, "status": "error", "passed": False, "notes": f"{type(e).__name__}: {str(e)[:300]}"}
+    checks = [check(g, t[n], t["base_" + n], dtype) for n, g in zip(("dq", "dk", "dv"), grads)]
+    del grads
+    ok = all(c[0] for c in checks)
+    row.update(passed=ok, max_abs_err=max(c[1] for c in checks), status="ok" if ok else "failed",
+               notes="grads: " + ", ".join(f"{n} {c[1]:.2e}{'' if c[0] else ' FAIL'}"
+                                           for n, c in zip(("dq", "dk", "dv"), checks)))
+    if ok:
+        def step():
+            return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+        row["ms"], row["ms_min"], row["reps"] = timed(step, device)
+        _, row["peak_extra_mib"] = measure_peak(lambda i: step(), 0, device)
+        row["tflops"] = flops / row["ms"] / 1e9
+    return row
 
 
 def write(path: Path, rows: list[dict[str, Any]]) -> None:
