@@ -151,7 +151,7 @@ def test_gpu_graph_capture():
 def test_varlen_bench_harness_checks_before_it_times(monkeypatch):
     """The varlen suite's harness on a CPU, small: lengths as the issue draws them, the truth per document,
     every row checked; a wrong output is a failed row with no time."""
-    from attnlab.bench import varlen as bench
+    from attnlab.bench import varlen_suite as bench
 
     lengths = bench.document_lengths(total=300, lo=4, hi=64, seed=0)
     assert sum(lengths) == 300 and min(lengths[:-1]) >= 4 and max(lengths) <= 64

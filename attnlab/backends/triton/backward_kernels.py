@@ -33,6 +33,11 @@ Three launches, each a grid of programs over tiles of the [Nq, Nk] score matrix 
    loaded once; key tiles of kv head ``h // group`` stream past and dQ += dS K accumulates in float32.
    Each dQ element is written by one program: deterministic, no atomics.
 
+With a value head dim of its own, V, dO, dV and the preprocess run over Dv (``BLOCK_DV``), Q, K, dQ, dK over
+D. Packed sequences (``VARLEN``) map programs as the forward does (:mod:`~.forward_kernel`): each finds its
+sequence's first row and key from the prefix sums and bounds every load and store by the sequence's own
+lengths; Delta and Lse2 are then [Hq, total_q].
+
 Both loops recompute S (and dP) from Q, K, V, dO: dQ's pass costs two extra products, the price of writing
 every gradient once.
 

@@ -11,6 +11,14 @@ head first, so that a causal launch does not end on one long tile (:mod:`~attnla
 Query head h reads kv head ``h // group`` (GQA/MQA, grouped). The program loads its Q tile once ([BLOCK_M, BLOCK_D],
 D padded to a power of two ``BLOCK_D`` >= 16 with zeros), then streams K/V tiles of ``BLOCK_N`` keys
 through the online softmax and writes its [BLOCK_M, D] slice of the output and its lse once at the end.
+v may have its own head dim ``Dv`` (padded to ``BLOCK_DV``): Q K^T runs over D, P V and the output over Dv.
+
+Packed sequences (``VARLEN``, :func:`attnlab.attention_varlen`): the "batch" axis of the grid is the
+sequence, ``Nq``/``Nk`` are the bounds ``max_seqlen_q``/``max_seqlen_k``, and the kernel reads the prefix sums
+where it reads the lengths otherwise. A program finds its sequence's first row and key and its lengths
+(:func:`tiles.sequence`, clamped into the tensors), adds the first row and key to its bases (batch strides
+are 0), and from then on treats the sequence's lengths as the row and key bounds, so no load or store
+crosses into the next sequence. Row tiles past a short sequence's end exit at once.
 Every address is computed from the caller's strides (any layout, transposed views, a non-unit D
 stride); the large parts of an offset (batch, head, the tile's first row or key) are 64-bit scalars, the
 in-tile parts 32-bit vectors.

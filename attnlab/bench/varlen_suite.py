@@ -20,7 +20,7 @@ forward, 2 (3 D + 2 Dv) backward), peak_extra_mib, max_abs_err, notes. The forwa
 float64 reference of each document, the gradients against float64 per document, each with the textbook's
 error in the input dtype as the baseline (FlashAttention's rule, :func:`attnlab.check.compare`).
 
-``python -m attnlab.bench.varlen --out data/bench`` writes ``<out>/<gpu>/varlen.csv`` and ``varlen.json``.
+``python -m attnlab.bench.varlen_suite --out data/bench`` writes ``<out>/<gpu>/varlen.csv`` and ``varlen.json``.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def write(path: Path, rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     from attnlab.bench.results import environment, gpu_slug
 
-    p = argparse.ArgumentParser(prog="python -m attnlab.bench.varlen", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m attnlab.bench.varlen_suite", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="data/bench", help="folder; results go to <out>/<gpu>/varlen.csv")
     p.add_argument("--backends", nargs="+", default=list(COMPETITORS), choices=list(COMPETITORS))
     p.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     env = environment("cuda", ["varlen", *(argv if argv is not None else sys.argv[1:])])
-    env["command"] = "python -m attnlab.bench.varlen " + " ".join(argv if argv is not None else sys.argv[1:])
+    env["command"] = "python -m attnlab.bench.varlen_suite " + " ".join(argv if argv is not None else sys.argv[1:])
     folder = Path(args.out) / gpu_slug(env.get("gpu", "cpu"))
     rows: list[dict[str, Any]] = []
     for case in CASES:
