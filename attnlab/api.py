@@ -63,6 +63,9 @@ def attention(
     backend: str = "auto",
     return_lse: bool = False,
     block_table: torch.Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Masked multi-head attention ``softmax(scale * q k^T + bias, masked) v``.
 
@@ -77,6 +80,12 @@ def attention(
     already on the GPU are never read back (no device sync): values outside [0, N] are clamped to it.
     Gradients: when q, k, v (or a float mask) require grad, ``auto`` picks a differentiable backend, and naming
     a backend without a backward is a ValueError rather than an output that silently carries no gradient.
+
+    Score modifiers (:mod:`attnlab.score_mods`): ``softcap=c`` caps the scaled scores at c * tanh(s / c) before
+    any bias or mask (Gemma-2); ``alibi_slopes`` (float32 [Hq] or [B, Hq]) subtracts slope * |i + Lk - Lq - j|
+    (FlashAttention's rule, never materialized); ``sinks`` ([Hq], gpt-oss) adds one virtual key of that logit
+    and value 0 to every row's softmax: lse counts it, an empty row gives 0 with lse = its sink, and the sinks
+    get a gradient.
 
     Paged KV cache: with ``block_table`` (int32 [B, max_blocks]), k and v are caches [num_blocks, block_size,
     Hkv, D] and logical key j of batch b is ``k[block_table[b, j // block_size], j % block_size]``; Nk is
@@ -100,20 +109,23 @@ def attention(
     needs_grad = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
         or getattr(v, "requires_grad", False) or getattr(mask, "requires_grad", False)
+        or getattr(sinks, "requires_grad", False)
     )
+    mods = (alibi_slopes, sinks)
     if block_table is not None and needs_grad:  # the caches get their gradients through a differentiable gather
         k, v = gather_paged(q, k, v, block_table, layout, kv_len)
         block_table = None
     if not (needs_grad or torch.compiler.is_compiling()):
-        key = None if _poison else _calls.signature(q, k, v, kv_len, q_len, mask, block_table, causal, window,
-                                                     align, scale, layout, backend, return_lse)
+        plain = not _poison and softcap is None and alibi_slopes is None and sinks is None
+        key = None if not plain else _calls.signature(q, k, v, kv_len, q_len, mask, block_table, causal, window,
+                                                      align, scale, layout, backend, return_lse)
         entry = _calls.lookup(key)
         if entry is not None:
             got = entry(q, k, v, kv_len, q_len, mask, block_table)
             if got is not None:
                 return got if return_lse else got[0]
-        opts = Options.of(causal, window, align, scale, layout)
-        out, lse, prob, be, out_bhnd, paged = _run(q, k, v, kv_len, q_len, mask, block_table, opts, backend,
+        opts = Options.of(causal, window, align, scale, layout, softcap)
+        out, lse, prob, be, out_bhnd, paged = _run(q, k, v, kv_len, q_len, mask, block_table, *mods, opts, backend,
                                                    return_lse, needs_grad)
         # A paged call only when its caches were read in place through the caller's own table (not gathered
         # to dense, not a contiguous copy of a strided table).
@@ -122,16 +134,16 @@ def attention(
             if fast is not None:
                 _calls.remember(key, fast, prob, kv_len, q_len)
     else:
-        opts = Options.of(causal, window, align, scale, layout)
+        opts = Options.of(causal, window, align, scale, layout, softcap)
         if torch.compiler.is_compiling():
             # The op takes lengths as tensors: Python ints and lists become (host) tensors, validated in the op.
             kv_len, q_len = _lengths_arg(kv_len), _lengths_arg(q_len)
         else:
             # Validate first (the same TypeError/ValueError as without grad); the forward then takes the lengths
             # as validated (int32 on q's device), not converted again.
-            spec = _problem(q, k, v, kv_len, q_len, mask, opts).spec
+            spec = _problem(q, k, v, kv_len, q_len, mask, *mods, opts).spec
             kv_len, q_len = spec.kv_len, spec.q_len
-        args = (q, k, v, kv_len, q_len, mask, block_table, *opts.flat(), backend, return_lse, needs_grad)
+        args = (q, k, v, kv_len, q_len, mask, block_table, *mods, *opts.flat(), backend, return_lse, needs_grad)
         eager = not torch.compiler.is_compiling() and _plain_eager(q, k, v)
         out, lse = _EagerAttention.apply(*args) if eager else torch.ops.attnlab.attention(*args)
     return (out, lse) if return_lse else out
@@ -165,11 +177,13 @@ def _lengths_arg(value: Any) -> Any:
     )
 
 
-def _problem(q, k, v, kv_len, q_len, mask, opts: Options):
-    return make_problem(q, k, v, kv_len=kv_len, q_len=q_len, mask=mask, **opts.keywords())
+def _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts: Options):
+    return make_problem(q, k, v, kv_len=kv_len, q_len=q_len, mask=mask, alibi_slopes=alibi_slopes, sinks=sinks,
+                        **opts.keywords())
 
 
-def _run(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str, want_lse: bool, needs_grad: bool):
+def _run(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts: Options, backend: str,
+         want_lse: bool, needs_grad: bool):
     """Validate, pick the backend, run it: (out, lse, the problem, the backend, out as [B, H, N, D], the paged
     cache read in place or None). lse is None unless ``want_lse`` or ``needs_grad`` (the kernels' backward
     starts from the forward's lse)."""
@@ -180,11 +194,11 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str,
         block_table = None
     if block_table is not None:
         kd, vd = paged_placeholders(q, k, v, block_table, opts.layout)
-        prob = _problem(q, kd, vd, kv_len, q_len, mask, opts)
+        prob = _problem(q, kd, vd, kv_len, q_len, mask, alibi_slopes, sinks, opts)
         paged = paged_kv(k, v, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk, dtype=prob.dtype,
                          device=prob.device, kv_len=prob.spec.kv_len)
     else:
-        prob = _problem(q, k, v, kv_len, q_len, mask, opts)
+        prob = _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts)
     be = _backends.resolve(backend, prob, needs_grad=needs_grad)
     if paged is not None and not be.reads_paged:  # this backend takes dense k and v: gather them
         kd, vd = paged.dense()  # [B, Hkv, Nk, D], the placeholders' shape: nothing validated changes
@@ -192,10 +206,10 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str,
     out, out_bhnd = prob.new_out()
     want_lse = want_lse or needs_grad
     lse = prob.new_lse() if want_lse else None
-    if out.numel() == 0 or prob.Nk == 0:
+    if out.numel() == 0 or prob.Nk == 0 or prob.B == 0:
         out.zero_()
         if lse is not None:
-            lse.fill_(float("-inf"))
+            lse.copy_(prob.mods.empty_lse(lse))
     else:
         if _poison:
             out.fill_(float("nan"))
@@ -217,20 +231,21 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str,
 _Tensor, _OptTensor = torch.Tensor, torch.Tensor | None
 #: The op's parameters around the options' flat ones (:func:`attnlab.options.define_op`).
 _OP_BEFORE = [("q", _Tensor), ("k", _Tensor), ("v", _Tensor), ("kv_len", _OptTensor), ("q_len", _OptTensor),
-              ("mask", _OptTensor), ("block_table", _OptTensor)]
+              ("mask", _OptTensor), ("block_table", _OptTensor), ("alibi_slopes", _OptTensor), ("sinks", _OptTensor)]
 _OP_AFTER = [("backend", str), ("want_lse", bool), ("needs_grad", bool)]
 _ARG_NAMES = tuple(n for n, _ in (*_OP_BEFORE, *Options.FLAT, *_OP_AFTER))
 
 
-def _attention_body(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str, want_lse: bool,
-                    needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse, *_ = _run(q, k, v, kv_len, q_len, mask, block_table, opts, backend, want_lse, needs_grad)
+def _attention_body(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts: Options, backend: str,
+                    want_lse: bool, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse, *_ = _run(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts, backend, want_lse,
+                        needs_grad)
     return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)  # the schema's empty lse
 
 
-def _attention_fake(q, k, v, kv_len, q_len, mask, block_table, opts: Options, backend: str, want_lse: bool,
-                    needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+def _attention_fake(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts: Options, backend: str,
+                    want_lse: bool, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if not (want_lse or needs_grad):
         return out, q.new_empty((0,), dtype=torch.float32)
     bhnd = opts.layout == "bhnd"
@@ -245,37 +260,44 @@ _attention_op, _attention_impl = define_op("attnlab::attention", _OP_BEFORE, _OP
 def _attention_backward_body(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
-    mask: torch.Tensor | None, opts: Options, backend: str, mask_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dmask) in the caller's layout; dmask is empty unless ``mask_grad``.
+    mask: torch.Tensor | None, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None, opts: Options,
+    backend: str, mask_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dmask, dsinks) in the caller's layout; dmask is empty unless ``mask_grad``, dsinks empty
+    without sinks (else in sinks' dtype).
 
     The kernel backends (Triton, CUDA) take the Triton backward kernels from the saved out and lse; the
     backends built from PyTorch ops, and any call whose bias needs a gradient, the chunked PyTorch backward.
     """
-    prob = _problem(q, k, v, kv_len, q_len, mask, opts)
+    prob = _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts)
     be = _backends.resolve(backend, prob, needs_grad=True)
+    none = q.new_empty((0,))
     if be.kernel_backward and not mask_grad and _triton_backward_available():
-        from attnlab.backends.triton.backward import backward as kernel_backward
+        from attnlab.backends.triton.backward import gradients
 
-        dq, dk, dv = kernel_backward(prob, prob.to_layout(out), lse, prob.to_layout(dout), dlse)
-        return prob.to_layout(dq), prob.to_layout(dk), prob.to_layout(dv), q.new_empty((0,))
+        dq, dk, dv, dsinks = gradients(prob, prob.to_layout(out), lse, prob.to_layout(dout), dlse)
+        return (prob.to_layout(dq), prob.to_layout(dk), prob.to_layout(dv), none,
+                none if dsinks is None else dsinks.to(sinks.dtype))
     dtype = torch.float64 if be.name == "reference" else torch.float32
-    dq, dk, dv, dbias = textbook_backward(prob, prob.to_layout(dout), dlse, dtype=dtype, bias_grad=mask_grad)
-    dmask = sum_to_shape(dbias, mask.shape).to(mask.dtype) if mask_grad else q.new_empty((0,))
+    dq, dk, dv, dbias, dsinks = textbook_backward(prob, prob.to_layout(dout), dlse, dtype=dtype,
+                                                  bias_grad=mask_grad)
+    dmask = sum_to_shape(dbias, mask.shape).to(mask.dtype) if mask_grad else none
     return (prob.to_layout(dq).to(q.dtype), prob.to_layout(dk).to(k.dtype), prob.to_layout(dv).to(v.dtype),
-            dmask)
+            dmask, none if dsinks is None else dsinks.to(sinks.dtype))
 
 
 _BWD_BEFORE = [("dout", _Tensor), ("dlse", _OptTensor), ("q", _Tensor), ("k", _Tensor), ("v", _Tensor),
-               ("out", _Tensor), ("lse", _Tensor), ("kv_len", _OptTensor), ("q_len", _OptTensor), ("mask", _OptTensor)]
+               ("out", _Tensor), ("lse", _Tensor), ("kv_len", _OptTensor), ("q_len", _OptTensor), ("mask", _OptTensor),
+               ("alibi_slopes", _OptTensor), ("sinks", _OptTensor)]
 _BWD_AFTER = [("backend", str), ("mask_grad", bool)]
-_BWD_RETURNS = tuple[_Tensor, _Tensor, _Tensor, _Tensor]
+_BWD_RETURNS = tuple[_Tensor, _Tensor, _Tensor, _Tensor, _Tensor]
 
 
-def _attention_backward_fake(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, opts: Options, backend: str,
-                             mask_grad: bool):
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, alibi_slopes, sinks,
+                             opts: Options, backend: str, mask_grad: bool):
     dmask = torch.empty_like(mask) if mask_grad else q.new_empty((0,))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask, dsinks
 
 
 _attention_backward_op, _attention_backward_impl = define_op(
@@ -300,22 +322,26 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mask_grad = _bias_needs_grad(mask)
     ctx.want_lse = a["want_lse"]
     ctx.options = (*(a[n] for n, _ in Options.FLAT), a["backend"])  # the backward op's flat options, backend
-    ctx.save_for_backward(a["q"], a["k"], a["v"], *output, a["kv_len"], a["q_len"], mask)
+    ctx.save_for_backward(a["q"], a["k"], a["v"], *output, a["kv_len"], a["q_len"], mask, a["alibi_slopes"],
+                          a["sinks"])
+    ctx.sinks_grad = a["sinks"] is not None and a["sinks"].requires_grad
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient tensor: dlse is None
 
 
 def _backward(ctx, dout, dlse, backward_op=None):
     """The op's autograd formula (``backward_op``: the backward op, or its implementation when eager)."""
-    q, k, v, out, lse, kv_len, q_len, mask = ctx.saved_tensors
+    q, k, v, out, lse, kv_len, q_len, mask, alibi_slopes, sinks = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.want_lse else None
     backward_op = backward_op or torch.ops.attnlab.attention_backward
-    dq, dk, dv, dmask = backward_op(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, *ctx.options, ctx.mask_grad)
+    dq, dk, dv, dmask, dsinks = backward_op(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, alibi_slopes,
+                                            sinks, *ctx.options, ctx.mask_grad)
     # One gradient per op input: q, k, v, kv_len, q_len, mask, block_table (gathered before the op whenever a
-    # gradient is needed, so always None here), then the non-tensor arguments.
-    return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, None,
-            *([None] * (len(_ARG_NAMES) - len(_OP_BEFORE))))
+    # gradient is needed, so always None here), alibi_slopes (never a gradient), sinks, then the non-tensor
+    # arguments.
+    return (dq, dk, dv, None, None, dmask if ctx.mask_grad else None, None, None,
+            dsinks if ctx.sinks_grad else None, *([None] * (len(_ARG_NAMES) - len(_OP_BEFORE))))
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -17,47 +17,49 @@ import torch
 
 @dataclass(frozen=True)
 class Options:
-    """The band (``causal``, ``window`` as (left, right), ``align``), ``scale`` and ``layout`` of a call."""
+    """The band (``causal``, ``window`` as (left, right), ``align``), ``scale``, ``layout`` and ``softcap`` of a
+    call."""
 
     causal: bool = False
     window: tuple[int | None, int | None] | None = None
     align: str | None = None
     scale: float | None = None
     layout: str = "bhnd"
+    softcap: float | None = None
 
     #: The op's flat parameters for these options, with the types its schema takes (``window`` is split in
     #: three: a custom op has no optional pair).
     FLAT: ClassVar[tuple[tuple[str, Any], ...]] = (
         ("causal", bool), ("has_window", bool), ("left", int | None), ("right", int | None),
-        ("align", str | None), ("scale", float | None), ("layout", str),
+        ("align", str | None), ("scale", float | None), ("layout", str), ("softcap", float | None),
     )
 
     @classmethod
     def of(cls, causal: bool = False, window: Any = None, align: str | None = None, scale: float | None = None,
-           layout: str = "bhnd") -> Options:
+           layout: str = "bhnd", softcap: float | None = None) -> Options:
         """The options of the public keywords; a window that is not a pair is a TypeError here (its values
         are validated with the rest of the problem)."""
         if window is not None:
             if not isinstance(window, (tuple, list)) or len(window) != 2:
                 raise TypeError(f"window must be a pair (left, right) of ints or None; got {window!r}")
             window = (window[0], window[1])
-        return cls(causal, window, align, scale, layout)
+        return cls(causal, window, align, scale, layout, softcap)
 
     def keywords(self) -> dict[str, Any]:
         """As :func:`~attnlab.problem.make_problem`'s keywords."""
         return {"causal": self.causal, "window": self.window, "align": self.align, "scale": self.scale,
-                "layout": self.layout}
+                "layout": self.layout, "softcap": self.softcap}
 
     def flat(self) -> tuple:
         """The values of :data:`FLAT`, in order."""
         left, right = self.window if self.window is not None else (None, None)
-        return (self.causal, self.window is not None, left, right, self.align, self.scale, self.layout)
+        return (self.causal, self.window is not None, left, right, self.align, self.scale, self.layout, self.softcap)
 
     @classmethod
     def from_flat(cls, causal: bool, has_window: bool, left: int | None, right: int | None, align: str | None,
-                  scale: float | None, layout: str) -> Options:
+                  scale: float | None, layout: str, softcap: float | None) -> Options:
         """The inverse of :meth:`flat`."""
-        return cls(causal, (left, right) if has_window else None, align, scale, layout)
+        return cls(causal, (left, right) if has_window else None, align, scale, layout, softcap)
 
 
 def define_op(qualname: str, before: list[tuple[str, Any]], after: list[tuple[str, Any]], returns: Any, body, fake):

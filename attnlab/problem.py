@@ -13,12 +13,13 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from attnlab.masks import MaskSpec, plain_int
+from attnlab.score_mods import ScoreMods
 
 LAYOUTS = ("bhnd", "bnhd")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -57,6 +58,7 @@ class Problem:
     scale: float
     layout: str
     packed: Packed | None = None
+    mods: ScoreMods = field(default_factory=ScoreMods)  #: softcap, ALiBi slopes, sinks (:mod:`attnlab.score_mods`)
 
     @property
     def B(self) -> int:
@@ -154,6 +156,9 @@ def make_problem(
     scale: float | None = None,
     layout: str = "bhnd",
     allow_float64: bool = False,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Problem:
     """Validate the arguments of :func:`attnlab.attention` and return the normalized :class:`Problem`.
 
@@ -197,7 +202,8 @@ def make_problem(
         B, Hq, Nq, Nk, device=q.device, causal=causal, window=window, align=align,
         kv_len=kv_len, q_len=q_len, mask=mask,
     )
-    return Problem(q=q, k=k, v=v, spec=spec, scale=float(scale), layout=layout)
+    mods = ScoreMods.build(B, Hq, q.device, softcap, alibi_slopes, sinks)
+    return Problem(q=q, k=k, v=v, spec=spec, scale=float(scale), layout=layout, mods=mods)
 
 
 def _prefix_sums(name: str, cu: Any, total: int, device: torch.device) -> tuple[torch.Tensor, bool]:
@@ -237,6 +243,7 @@ def make_packed_problem(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
     max_seqlen_k: Any, *, causal: bool = False, window: tuple[int | None, int | None] | None = None,
     align: str | None = None, scale: float | None = None, allow_float64: bool = False,
+    softcap: float | None = None, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> Problem:
     """Validate the arguments of :func:`attnlab.attention_varlen` into a packed :class:`Problem`.
 
@@ -272,4 +279,6 @@ def make_packed_problem(
     spec = MaskSpec.build(seqs, base.Hq, max_q, max_k, device=q.device, causal=causal, window=window,
                           align=base.spec.align)
     packed = Packed(cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, checked=host_q and host_k)
-    return Problem(q=base.q, k=base.k, v=base.v, spec=spec, scale=base.scale, layout="bnhd", packed=packed)
+    mods = ScoreMods.build(seqs, base.Hq, q.device, softcap, alibi_slopes, sinks)
+    return Problem(q=base.q, k=base.k, v=base.v, spec=spec, scale=base.scale, layout="bnhd", packed=packed,
+                   mods=mods)

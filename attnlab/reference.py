@@ -29,22 +29,40 @@ def masked_scores(prob: Problem, i0: int, i1: int, dtype: torch.dtype) -> torch.
     q = prob.q[:, :, i0:i1].to(dtype).reshape(B, Hkv, g, i1 - i0, D)
     k = prob.k.to(dtype).unsqueeze(2)  # [B, Hkv, 1, Nk, D]
     s = torch.matmul(q, k.transpose(-1, -2)).reshape(B, Hq, i1 - i0, prob.Nk) * prob.scale
+    if prob.mods.softcap is not None or prob.mods.alibi is not None:
+        s = prob.mods.scores(s, i0, *effective_lengths(prob))
     s = prob.spec.score_rows(s, i0, i1)
     return s.masked_fill(~prob.spec.allowed(i0, i1), float("-inf"))
 
 
-def softmax_rows(s: torch.Tensor, v: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def effective_lengths(prob: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Lq, Lk) of every batch entry [B]: q_len and kv_len where given, else Nq and Nk."""
+    spec = prob.spec
+    lq = spec.q_len if spec.q_len is not None else torch.full((prob.B,), prob.Nq, device=prob.device)
+    lk = spec.kv_len if spec.kv_len is not None else torch.full((prob.B,), prob.Nk, device=prob.device)
+    return lq.long(), lk.long()
+
+
+def softmax_rows(s: torch.Tensor, v: torch.Tensor, group: int,
+                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax of masked scores ``s`` [B, Hq, rows, Nk] times v [B, Hkv, Nk, Dv], with the empty-row rule.
 
     Returns (out [B, Hq, rows, Dv], lse [B, Hq, rows]) in ``s``'s dtype. A row whose scores are all -inf
     gives out = 0 and lse = -inf; NaN in the scores propagates. (A NaN in V at a key the row does not
     attend also reaches it here, as 0 * NaN in the matmul; kernels that never load that key do not.)
+    ``sinks`` [Hq]: one more key per row of that logit and value 0 (out 0 and lse = the sink for an empty row).
     """
     m = s.amax(dim=-1, keepdim=True)
+    sink = None
+    if sinks is not None:
+        sink = sinks.to(device=s.device, dtype=s.dtype).view(1, -1, 1, 1)
+        m = torch.maximum(m, sink)
     empty = m == float("-inf")  # every score -inf: no allowed key (a NaN row is not empty: it propagates)
     m_safe = torch.where(empty, torch.zeros_like(m), m)
     p = torch.exp(s - m_safe)
     l = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        l = l + torch.exp(sink - m_safe)
     B, Hq, rows, Nk = s.shape
     pv = torch.matmul(p.reshape(B, Hq // group, group, rows, Nk), v.unsqueeze(2)).reshape(B, Hq, rows, -1)
     out = torch.where(empty, torch.zeros_like(pv), pv / torch.where(empty, torch.ones_like(l), l))
@@ -64,7 +82,7 @@ def reference_forward(prob: Problem, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES)
     v = prob.v.to(torch.float64)
     for i0 in range(0, Nq, rows):
         i1 = min(Nq, i0 + rows)
-        o, l = softmax_rows(masked_scores(prob, i0, i1, torch.float64), v, prob.group)
+        o, l = softmax_rows(masked_scores(prob, i0, i1, torch.float64), v, prob.group, prob.mods.sinks)
         out[:, :, i0:i1] = o
         lse[:, :, i0:i1] = l
     return out, lse
@@ -84,6 +102,9 @@ def reference(
     scale: float | None = None,
     layout: str = "bhnd",
     block_table: torch.Tensor | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention with the same keywords as :func:`attnlab.attention`; always returns (out, lse).
@@ -95,7 +116,8 @@ def reference(
         k, v = gather_paged(q, k, v, block_table, layout, kv_len)
     prob = make_problem(
         q, k, v, causal=causal, window=window, align=align, kv_len=kv_len, q_len=q_len,
-        mask=mask, scale=scale, layout=layout, allow_float64=True,
+        mask=mask, scale=scale, layout=layout, allow_float64=True, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     out, lse = reference_forward(prob, max_chunk_bytes)
     return prob.to_layout(out), lse
@@ -105,6 +127,7 @@ def reference_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
     window: tuple[int | None, int | None] | None = None, align: str | None = None, scale: float | None = None,
+    softcap: float | None = None, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention over packed sequences with :func:`attnlab.attention_varlen`'s arguments: each sequence
@@ -113,14 +136,17 @@ def reference_varlen(
     from attnlab.problem import make_packed_problem
 
     make_packed_problem(q, k, v, cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), max_seqlen_q, max_seqlen_k, causal=causal,
-                        window=window, align=align, scale=scale, allow_float64=True)
+                        window=window, align=align, scale=scale, allow_float64=True, softcap=softcap,
+                        alibi_slopes=alibi_slopes, sinks=sinks)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
         o, lse = reference(q[rows].unsqueeze(0), k[keys].unsqueeze(0), v[keys].unsqueeze(0), causal=causal,
-                           window=window, align=align, scale=scale, layout="bnhd", max_chunk_bytes=max_chunk_bytes)
+                           window=window, align=align, scale=scale, layout="bnhd", softcap=softcap,
+                           alibi_slopes=slopes, sinks=sinks, max_chunk_bytes=max_chunk_bytes)
         outs.append(o[0])
         lses.append(lse[0])
     if not outs:

@@ -118,7 +118,7 @@ def _forward(prob: Problem, want_lse: bool, needs_grad: bool = False) -> tuple[t
     else:
         out.zero_()
         if lse is not None:
-            lse.fill_(float("-inf"))
+            lse.copy_(prob.mods.empty_lse(lse))
     return out, lse[0] if lse is not None else prob.q.new_empty((0,), dtype=torch.float32)  # the schema's empty lse
 
 

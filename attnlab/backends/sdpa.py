@@ -48,8 +48,15 @@ def sdpa_inputs(prob: Problem) -> tuple[torch.Tensor | None, bool, torch.Tensor 
 
 class SdpaBackend(Backend):
     name = "sdpa"
-    takes = "every problem; masks other than plain causal are materialized for SDPA; packed sequences padded"
+    takes = ("every problem without score modifiers; masks other than plain causal are materialized for SDPA; "
+             "packed sequences padded")
     description = "torch.nn.functional.scaled_dot_product_attention with attnlab's masks translated"
+
+    def unsupported(self, prob: Problem) -> str | None:
+        if prob.mods.any:
+            return ("SDPA takes scores as scale * q.k plus a mask only: no soft cap, ALiBi slopes or sinks (the "
+                    "reference, torch and triton backends take them)")
+        return None
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         attn_mask, is_causal, empty = sdpa_inputs(prob)

@@ -23,10 +23,13 @@ class TextbookBackend(Backend):
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         B, Hq, Hkv, Nq, Nk, Dv = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.Dv
         s = masked_scores(prob, 0, Nq, prob.dtype)  # [B, Hq, Nq, Nk] in the input dtype
+        sinks = prob.mods.sinks
+        if sinks is not None:  # the sink as one more key of value 0: a column of logits, dropped after the softmax
+            s = torch.cat([s, sinks.to(s.dtype).view(1, Hq, 1, 1).expand(B, Hq, Nq, 1)], dim=-1)
         p = torch.softmax(s, dim=-1)
         empty = (s == float("-inf")).all(dim=-1, keepdim=True)
         p = p.masked_fill(empty, 0.0)  # softmax of an all -inf row is NaN; the contract says 0
-        pv = torch.matmul(p.reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2))
+        pv = torch.matmul(p[..., :Nk].reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2))
         out.copy_(pv.reshape(B, Hq, Nq, Dv))
         if lse is not None:
             lse.copy_(torch.logsumexp(s.float(), dim=-1))

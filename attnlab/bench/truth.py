@@ -194,7 +194,7 @@ def grad_truth(inp: CaseInputs, sl) -> tuple[tuple[torch.Tensor, ...], tuple[tor
     q, k, v, kw = slice_inputs(inp, sl)
     dout = take_slice(inp.douts[0], sl)
     with torch.no_grad():
-        dq, dk, dv, _ = textbook_backward(make_problem(q, k, v, **kw), dout, None, dtype=torch.float64)
+        dq, dk, dv, *_ = textbook_backward(make_problem(q, k, v, **kw), dout, None, dtype=torch.float64)
     base = None
     if q.dtype != torch.float32:
         try:

@@ -12,7 +12,8 @@ from attnlab.problem import Problem
 
 
 class _CudaBackend(Backend):
-    takes = ("CUDA tensors, float32/float16/bfloat16 (computed in float32), D 1-256 with Dv = D, every mask; "
+    takes = ("CUDA tensors, float32/float16/bfloat16 (computed in float32), D 1-256 with Dv = D, every mask, no "
+             "score modifiers; "
              "packed sequences padded")
 
     family = ""
@@ -37,6 +38,8 @@ class _CudaBackend(Backend):
             return f"dtype {prob.dtype} (the CUDA kernels take float32, float16, bfloat16)"
         if prob.Dv != prob.D:
             return f"the CUDA kernels take one head dim for q, k and v; got D={prob.D}, Dv={prob.Dv}"
+        if prob.mods.any:
+            return "the CUDA C kernels take no score modifiers (softcap, ALiBi slopes, sinks); the triton backend does"
         if prob.B * prob.Hq > GRID_LIMITS[1] and self.family == "naive":
             return f"B*Hq = {prob.B * prob.Hq} exceeds the grid limit {GRID_LIMITS[1]} of the naive kernel"
         return None

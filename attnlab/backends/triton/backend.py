@@ -18,8 +18,8 @@ class TritonBackend(Backend):
     """attnlab's fused Triton forward kernel (:mod:`attnlab.backends.triton.forward_kernel` explains it)."""
 
     name = "triton"
-    takes = ("float32/float16/bfloat16, D and Dv 1-256, every mask, packed sequences natively; CUDA tensors "
-             "compiled, CPU tensors interpreted")
+    takes = ("float32/float16/bfloat16, D and Dv 1-256, every mask, softcap, ALiBi slopes, sinks, packed "
+             "sequences natively; CUDA tensors compiled, CPU tensors interpreted")
     kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.backends.triton.backward)
     description = (
         "fused Triton forward kernel: online softmax in exp2, block skipping, every mask, GQA; "
@@ -49,14 +49,15 @@ class TritonBackend(Backend):
             if not _empty(prob, out, lse):
                 jit_launch(prob, out, lse, _cfg.INTERPRETER_CONFIG, interpret=True)
             return
-        if prob.packed is not None:  # packed sequences: through the JIT (a plan's key holds no prefix sums)
+        if prob.packed is not None or prob.mods.any:  # through the JIT: a plan's key holds no prefix sums, no mods
             _on_device(prob, out, lse, lambda: jit_launch(prob, out, lse, _cfg.config_for(prob, out, lse, autotune),
                                                           interpret=False))
             return
         _on_device(prob, out, lse, lambda: plan_for(prob, out, lse).launch(prob, out, lse))
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
-        if not prob.q.is_cuda or paged is not None or prob.packed is not None or _empty_problem(prob, out):
+        if (not prob.q.is_cuda or paged is not None or prob.packed is not None or prob.mods.any
+                or _empty_problem(prob, out)):
             return None  # an empty call launched nothing: no plan to build (or tune) for it
         return plan_for(prob, out, lse).fast_call(prob, out, lse)
 
@@ -67,7 +68,7 @@ class TritonDecodeBackend(TritonBackend):
 
     name = "triton-decode"
     takes = ("Nq <= 16 query rows (decoding), float32/float16/bfloat16, D 1-256 with Dv = D, every mask, paged "
-             "caches; packed sequences padded")
+             "caches, no score modifiers; packed sequences padded")
     description = (
         "split-KV Triton decode for Nq <= 16: keys split over programs, GQA groups packed, partial states "
         "merged by their lse"
@@ -95,12 +96,13 @@ def _empty_problem(prob: Problem, out: torch.Tensor) -> bool:
 
 
 def _empty(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
-    """Write an empty problem's answer (out 0, lse -inf) and say so; False when there is work to launch."""
+    """Write an empty problem's answer (out 0, lse -inf or the sinks) and say so; False when there is work to
+    launch."""
     if not _empty_problem(prob, out):
         return False
     out.zero_()
     if lse is not None:
-        lse.fill_(float("-inf"))
+        lse.copy_(prob.mods.empty_lse(lse))
     return True
 
 

@@ -73,7 +73,8 @@ def tune_key(prob: Problem) -> tuple:
 # Arguments and launches
 # ---------------------------------------------------------------------------------------------------
 def _mask_arguments(prob: Problem) -> tuple[list, list, dict]:
-    """(pointers KvLen, QLen, Explicit; the explicit mask's strides; the mask constants) for the kernels."""
+    """(pointers KvLen, QLen, Explicit, Alibi; the explicit mask's and the slopes' strides; the mask and score
+    modifier constants) for the kernels."""
     spec = prob.spec
     explicit = spec.explicit
     if explicit is not None and explicit.dtype == torch.bool:
@@ -83,14 +84,17 @@ def _mask_arguments(prob: Problem) -> tuple[list, list, dict]:
         lengths = [prob.packed.cu_k, prob.packed.cu_q]
     else:
         lengths = [spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q]
-    ptrs = [*lengths, explicit if explicit is not None else q]
+    mods = prob.mods
+    ptrs = [*lengths, explicit if explicit is not None else q, mods.alibi if mods.alibi is not None else q]
     strides = list(explicit.stride()) if explicit is not None else [0, 0, 0, 0]
+    strides += list(mods.alibi.stride()) if mods.alibi is not None else [0, 0]
     constants = dict(
         HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
         BOTTOM_RIGHT=spec.align == "bottom_right",
         HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
         HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
         VARLEN=prob.packed is not None,
+        HAS_SOFTCAP=mods.softcap is not None, HAS_ALIBI=mods.alibi is not None,
     )
     return ptrs, strides, constants
 
@@ -108,9 +112,10 @@ def _common(prob: Problem, interpret: bool) -> dict:
 
 def _scalars(prob: Problem) -> list:
     spec = prob.spec
+    cap2 = prob.mods.softcap * LOG2E if prob.mods.softcap is not None else 0.0
     return [prob.Hq, prob.Nq, prob.Nk, prob.D, prob.Dv, prob.q.shape[2], prob.k.shape[2], prob.group,
             prob.scale * LOG2E, prob.scale,
-            spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0]
+            spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0, cap2]
 
 
 def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool) -> tuple:
@@ -297,7 +302,25 @@ def _minus_dlse(delta: torch.Tensor, dlse: torch.Tensor | None) -> None:
 
 def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
              dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (dq, dk, dv) of attention for ``prob`` given the upstream gradient ``dout``.
+    """The gradients (dq, dk, dv) of attention for ``prob`` given the upstream gradient ``dout`` (see
+    :func:`gradients`, which also returns the sinks')."""
+    return gradients(prob, out, lse, dout, dlse)[:3]
+
+
+def sinks_gradient(prob: Problem, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
+    """d sinks [Hq] float32 from the forward's lse and Delta - dlse (0 for rows no key reaches, before dlse):
+    ``-sum over rows of p_sink * (Delta - dlse)``, ``p_sink = exp(sink - lse)``, each row's sink counted once."""
+    sinks = prob.mods.sinks32
+    if sinks is None:
+        return None
+    p_sink = torch.exp(sinks.view(1, -1, 1) - lse).nan_to_num(nan=0.0)  # a sink of -inf in an empty row: 0
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
+def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+              dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gradients (dq, dk, dv, dsinks) of attention for ``prob`` given the upstream gradient ``dout``; dsinks
+    is float32 [Hq], or None without sinks.
 
     ``out`` and ``dout`` are [B, Hq, Nq, Dv] (any strides), ``lse`` float32 [B, Hq, Nq] as the forward wrote
     them (natural log, -inf for rows with no allowed key); for a packed call [1, Hq, total, Dv] and
@@ -324,12 +347,15 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
     # max_seqlen): their gradients start as zeros rather than uninitialized.
     new = torch.zeros_like if packed is not None and not packed.checked else torch.empty_like
     dq, dk, dv = new(prob.q), new(prob.k), new(prob.v)
-    if dq.numel() == 0 or dk.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+    no_key = dq.numel() == 0 or dk.numel() == 0
     interpret = not prob.q.is_cuda
     spec = prob.spec
-    if interpret and spec.kv_len is not None and not bool(spec.kv_len.any()):  # host tensor: no sync
-        return dq.zero_(), dk.zero_(), dv.zero_()
+    if no_key or (interpret and spec.kv_len is not None and not bool(spec.kv_len.any())):  # host tensor: no sync
+        # every row's lse is its sink alone (or -inf): the sinks' gradient is the sum of dlse
+        dsinks = None
+        if prob.mods.sinks is not None:
+            dsinks = sinks_gradient(prob, lse, -_dlse_or_zero(dlse, lse))
+        return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
     delta = torch.empty(rows, dtype=torch.float32, device=prob.device)  # [B, Hq, Nq]; packed [1, Hq, total]
     lse2 = torch.empty_like(delta)
     if interpret:
@@ -338,7 +364,7 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
             _minus_dlse(delta, dlse)
             _launch_dkdv(prob, dout, delta, lse2, dk, dv, INTERPRETER_CONFIG, True)
             _launch_dq(prob, dout, delta, lse2, dq, INTERPRETER_CONFIG, True)
-        return dq, dk, dv
+        return dq, dk, dv, sinks_gradient(prob, lse, delta)
     same = torch.cuda.current_device() == prob.q.get_device()
     _wait_ahead(prob, out)
     with contextlib.nullcontext() if same else torch.cuda.device(prob.device):
@@ -353,4 +379,10 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
         if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
             key = tune_key(prob)
             (_tuned if key in _tuned else _picked)[key] = (kv_done, q_done)
-    return dq, dk, dv
+    return dq, dk, dv, sinks_gradient(prob, lse, delta)
+
+
+def _dlse_or_zero(dlse: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if dlse is None:
+        return torch.zeros_like(like)
+    return torch.nan_to_num(dlse.float(), nan=0.0, posinf=0.0, neginf=0.0)

@@ -116,6 +116,20 @@ if triton is not None:
         return tiles.tile_ranges(lo, hi, full_lo, full_hi, BLOCK_M)
 
     @triton.jit
+    def _modified(s, rows, keys, cap2, slope2, alibi_off, KEY_AXIS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr):
+        """The score modifiers on base-2 scores (soft cap, then ALiBi) and the cap's derivative ``1 - tanh^2``
+        (1.0 without a cap), by which the gradient of a capped score reaches q and k."""
+        dcap = 1.0
+        if HAS_SOFTCAP:
+            s = tiles.softcap(s, cap2)
+            t = s / cap2
+            dcap = 1.0 - t * t
+        if HAS_ALIBI:
+            s = tiles.alibi(s, rows, keys, alibi_off, slope2, KEY_AXIS)
+        return s, dcap
+
+    @triton.jit
     def _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, KEY_AXIS: tl.constexpr, HAS_MASK: tl.constexpr):
         """The explicit mask (-inf where False) or the bias (times log2(e)) applied to base-2 scores ``s``,
         whose keys run along KEY_AXIS; ``e_base`` points at the (batch, head) of the mask. The bias is read in
@@ -182,9 +196,9 @@ if triton is not None:
     @triton.jit
     def _dkdv_row_tile(
         dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, m0, keys, Lk, off, win_left, win_right,
-        Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale,
+        Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale, cap2, slope2, alibi_off,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
-        EVEN_DV: tl.constexpr, PARTIAL: tl.constexpr,
+        EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PARTIAL: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
@@ -205,6 +219,7 @@ if triton is not None:
 
         # S^T = K Q^T in base 2, masked; P^T = exp2(S^T - lse2) (0 for rows with lse2 = +inf)
         s_t = tiles.score_mod(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale)
+        s_t, dcap = _modified(s_t, rows, keys, cap2, slope2, alibi_off, 0, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_MASK or HAS_BIAS:
             s_t = _explicit(s_t, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 0, HAS_MASK)
         if PARTIAL:
@@ -213,22 +228,24 @@ if triton is not None:
         dv = tl.dot(_operand(p_t, DTYPE, UPCAST), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T
         ds_t = p_t * (dp_t - delta[None, :])  # dS^T = P^T * (dP^T - Delta)
+        if HAS_SOFTCAP:  # through the cap: times 1 - tanh^2
+            ds_t = ds_t * dcap
         dk = tl.dot(_operand(ds_t, DTYPE, UPCAST), q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q
         return dk, dv
 
     @triton.jit
     def bwd_dkdv_kernel(
-        Q, K, V, DO, Lse2, Delta, DK, DV, KvLen, QLen, Explicit,
+        Q, K, V, DO, Lse2, Delta, DK, DV, KvLen, QLen, Explicit, Alibi,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
         s_gb, s_gh, s_gn, s_gd,
         s_dkb, s_dkh, s_dkn, s_dkd,
         s_dvb, s_dvh, s_dvn, s_dvd,
-        s_eb, s_eh, s_ei, s_ej,
-        Hq, Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, scale, win_left, win_right,
+        s_eb, s_eh, s_ei, s_ej, s_ab, s_ah,
+        Hq, Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, scale, win_left, win_right, cap2,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
@@ -268,6 +285,9 @@ if triton is not None:
             do_base = DO + b64 * s_gb + h64 * s_gh + q0.to(tl.int64) * s_gn
             row0 = _row_base(b64, h64, q0, Hq, row_base_nq, Tq, VARLEN)
             e_base = Explicit + b64 * s_eb + h64 * s_eh
+            slope2 = 0.0
+            if HAS_ALIBI:  # this query head's slope, in base 2
+                slope2 = tl.load(Alibi + b64 * s_ab + h64 * s_ah) * 1.4426950408889634
             # partial [t_lo, f_lo) (rows above a band's right edge: none without one), full, partial [f_hi, t_hi)
             for phase in tl.static_range(0 if HAS_RIGHT else 1, 3):
                 t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
@@ -275,8 +295,8 @@ if triton is not None:
                     dk, dv = _dkdv_row_tile(
                         dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, zero + t * BLOCK_M,
                         keys, Lk, off, win_left, win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale,
-                        BLOCK_M, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK,
-                        HAS_BIAS,
+                        cap2, slope2, Lk - Lq, BLOCK_M, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI,
+                        phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
                         Q.dtype.element_ty, DOT_PRECISION, UPCAST,
                     )
 
@@ -296,9 +316,9 @@ if triton is not None:
     @triton.jit
     def _dq_key_tile(
         dq, q, do, lse2, delta, k_base, v_base, e_base, n0, rows, Lk, off, win_left, win_right,
-        Nq, Nk, D, Dv, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale,
+        Nq, Nk, D, Dv, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale, cap2, slope2, alibi_off,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
-        EVEN_DV: tl.constexpr, PARTIAL: tl.constexpr,
+        EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PARTIAL: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
@@ -311,6 +331,7 @@ if triton is not None:
         k = _load_rows(k_base + n64 * s_kn, offs_n, Lk - n0, offs_d, D, s_kn, s_kd, PARTIAL, EVEN_D, UPCAST)
         v = _load_rows(v_base + n64 * s_vn, offs_n, Lk - n0, offs_dv, Dv, s_vn, s_vd, PARTIAL, EVEN_DV, UPCAST)
         s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)  # base 2
+        s, dcap = _modified(s, rows, keys, cap2, slope2, alibi_off, 1, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_MASK or HAS_BIAS:
             s = _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 1, HAS_MASK)
         if PARTIAL:
@@ -318,20 +339,22 @@ if triton is not None:
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # dP = dO V^T
         ds = p * (dp - delta[:, None])  # dS = P * (dP - Delta)
+        if HAS_SOFTCAP:  # through the cap: times 1 - tanh^2
+            ds = ds * dcap
         return tl.dot(_operand(ds, DTYPE, UPCAST), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K
 
     @triton.jit
     def bwd_dq_kernel(
-        Q, K, V, DO, Lse2, Delta, DQ, KvLen, QLen, Explicit,
+        Q, K, V, DO, Lse2, Delta, DQ, KvLen, QLen, Explicit, Alibi,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
         s_gb, s_gh, s_gn, s_gd,
         s_dqb, s_dqh, s_dqn, s_dqd,
-        s_eb, s_eh, s_ei, s_ej,
-        Hq, Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, scale, win_left, win_right,
+        s_eb, s_eh, s_ei, s_ej, s_ab, s_ah,
+        Hq, Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, scale, win_left, win_right, cap2,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
@@ -368,6 +391,9 @@ if triton is not None:
         k_base = K + b64 * s_kb + kvh64 * s_kh + k0.to(tl.int64) * s_kn
         v_base = V + b64 * s_vb + kvh64 * s_vh + k0.to(tl.int64) * s_vn
         e_base = Explicit + b64 * s_eb + h64 * s_eh
+        slope2 = 0.0
+        if HAS_ALIBI:  # the head's slope, in base 2
+            slope2 = tl.load(Alibi + b64 * s_ab + h64 * s_ah) * 1.4426950408889634
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         # partial [t_lo, f_lo) (keys left of a band's left edge: none without one), full, partial [f_hi, t_hi)
@@ -376,8 +402,9 @@ if triton is not None:
             for t in range(t_begin, t_end):
                 dq = _dq_key_tile(
                     dq, q, do, lse2, delta, k_base, v_base, e_base, zero + t * BLOCK_N, rows, Lk, off,
-                    win_left, win_right, Nq, Nk, D, Dv, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale,
-                    BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                    win_left, win_right, Nq, Nk, D, Dv, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale, cap2, slope2,
+                    Lk - Lq, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI, phase != 1,
+                    HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
                     Q.dtype.element_ty, DOT_PRECISION, UPCAST,
                 )
 

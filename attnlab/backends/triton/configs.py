@@ -208,8 +208,12 @@ def kernel_key_axis(cfg: Config, dtype: torch.dtype) -> int:
 
 
 def kind_of(prob: Problem) -> str:
-    """The mask kind a problem's configs are keyed by: its spec's, with ``+varlen`` for a packed call."""
-    return prob.spec.kind + ("+varlen" if prob.packed is not None else "")
+    """The mask kind a problem's configs are keyed by: its spec's, with ``+varlen`` for a packed call and the
+    score modifiers in play."""
+    mods = prob.mods
+    extra = [n for n, on in (("varlen", prob.packed is not None), ("softcap", mods.softcap is not None),
+                             ("alibi", mods.alibi is not None), ("sinks", mods.sinks is not None)) if on]
+    return "+".join([prob.spec.kind, *extra])
 
 
 def tune_key(prob: Problem) -> tuple:

@@ -219,6 +219,8 @@ def decode_supported(prob: Problem) -> str | None:
         return f"the decode path takes Nq <= {MAX_DECODE_NQ} query rows; got Nq={prob.Nq} (a prefill)"
     if prob.Dv != prob.D:
         return f"the decode kernels take one head dim for q, k and v; got D={prob.D}, Dv={prob.Dv}"
+    if prob.mods.any:
+        return "the decode kernels take no score modifiers yet (softcap, ALiBi slopes, sinks); the triton backend does"
     if prob.B > 65535 or prob.Hkv * row_tiles(prob) > 65535:
         return f"grid limit: B and Hkv * row tiles must be at most 65535; got B={prob.B}, Hkv={prob.Hkv}"
     if prob.device.type == "cuda" and prob.dtype == torch.bfloat16:

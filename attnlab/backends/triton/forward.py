@@ -45,14 +45,20 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
         precision = "tf32" if (_cfg.TF32 and not interpret) else "ieee"
     else:
         precision = "ieee"  # ignored for half types (their products are exact in float32)
+    mods = prob.mods
+    alibi = mods.alibi if mods.alibi is not None else q  # placeholders when absent (never read)
+    sinks = mods.sinks32 if mods.sinks is not None else q
+    a_strides = mods.alibi.stride() if mods.alibi is not None else (0, 0)
+    cap2 = mods.softcap * LOG2E if mods.softcap is not None else 0.0
     head = [q, k, v]
-    mid = [kv_len, q_len, e, *_rt.batch_strides(q, packed), *_rt.batch_strides(k, packed),
+    mid = [kv_len, q_len, e, alibi, sinks, *_rt.batch_strides(q, packed), *_rt.batch_strides(k, packed),
            *_rt.batch_strides(v, packed)]
-    tail = [*e_strides, prob.Nq, prob.Nk, D, Dv, q.shape[2], k.shape[2], prob.group, prob.scale * LOG2E, left,
-            right]
+    tail = [*e_strides, *a_strides, prob.Nq, prob.Nk, D, Dv, q.shape[2], k.shape[2], prob.group,
+            prob.scale * LOG2E, left, right, cap2]
     constants = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=(block_d == D),
         BLOCK_DV=block_dv, EVEN_DV=(block_dv == Dv),
+        HAS_SOFTCAP=mods.softcap is not None, HAS_ALIBI=mods.alibi is not None, HAS_SINKS=mods.sinks is not None,
         HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
         BOTTOM_RIGHT=spec.align == "bottom_right",
         HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
@@ -146,7 +152,7 @@ class _Plan:
         fixed = self.fixed.get(write_lse)
         if fixed is None:
             _, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
-            fixed = self.fixed[write_lse] = (mid[3:], tail, tuple(constants[n] for n in _constexpr_names()))
+            fixed = self.fixed[write_lse] = (mid[5:], tail, tuple(constants[n] for n in _constexpr_names()))
         mid_rest, tail, constants = fixed
         spec, q = prob.spec, prob.q
         explicit = spec.explicit
@@ -154,7 +160,7 @@ class _Plan:
             explicit = explicit.view(torch.uint8)
         head = (q, prob.k, prob.v)
         mid = (spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q,
-               explicit if explicit is not None else q, *mid_rest)
+               explicit if explicit is not None else q, q, q, *mid_rest)  # (a plan has no score modifier)
         # The launcher takes every parameter in signature order, the constants (which come last) too.
         args = (*_bind(head, mid, tail, out, lse), *constants)
         _rt.run_compiled(kernel, self.grid, _rt.stream_of(self.device), args)
@@ -186,7 +192,7 @@ class _Plan:
             return None
         write_lse = lse is not None
         _, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
-        rest = (*mid[3:], *out.stride(), *(lse.stride() if write_lse else (0, 0, 0)), *tail,
+        rest = (*mid[5:], *out.stride(), *(lse.stride() if write_lse else (0, 0, 0)), *tail,
                 *(constants[n] for n in _constexpr_names()))
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.device, self.device, self.grid
@@ -200,7 +206,7 @@ class _Plan:
             o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
             tensors = (q, k, v, o, o if m is None else m, q if kv_len is None else kv_len,
-                       q if q_len is None else q_len, q if mask is None else mask)
+                       q if q_len is None else q_len, q if mask is None else mask, q, q)
             go(grid, current_stream(index), (*pointers(tensors), *rest))
             return o, m
 

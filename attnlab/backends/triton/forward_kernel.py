@@ -133,15 +133,26 @@ if triton is not None:
             s = tiles.apply_explicit(s, e_ptrs, e_ok, HAS_MASK)
         return s
 
+    @triton.jit
+    def _modified(s, rows, keys, cap2, slope2, alibi_off, KEY_AXIS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr):
+        """The score modifiers on a base-2 score tile: the soft cap, then ALiBi (:mod:`attnlab.score_mods`)."""
+        if HAS_SOFTCAP:
+            s = tiles.softcap(s, cap2)
+        if HAS_ALIBI:
+            s = tiles.alibi(s, rows, keys, alibi_off, slope2, KEY_AXIS)
+        return s
+
     # ---- query-major: S = Q K^T [BLOCK_M, BLOCK_N], O += P V --------------------------------------------
 
     @triton.jit
     def _query_major_loop(q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, offs_dv, rows, zero,
                           Lk, off, t_lo, t_hi, f_lo, f_hi,
                           Nq, Nk, D, Dv, qk_scale, win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei,
-                          s_ej, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                          s_ej, cap2, slope2, alibi_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                          HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr,
+                          HAS_RIGHT: tl.constexpr,
                           HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           UPCAST_DOT: tl.constexpr, QK_CHUNK: tl.constexpr):
         """Three phases over key tiles: partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi), one loop
@@ -176,8 +187,9 @@ if triton is not None:
                                    + offs_c[None, :] * s_kd)
                         kc = tiles.load_tile(kc_ptrs, keys, offs_c, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
                         s = tl.dot(qc, tl.trans(kc), s, input_precision=DOT_PRECISION)
-                s = _explicit(tiles.score_mod(s, qk_scale), e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei,
-                              s_ej, 1, HAS_MASK, HAS_BIAS)
+                s = _modified(tiles.score_mod(s, qk_scale), rows, keys, cap2, slope2, alibi_off, 1, HAS_SOFTCAP,
+                              HAS_ALIBI)
+                s = _explicit(s, e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej, 1, HAS_MASK, HAS_BIAS)
                 if phase != 1:  # partial tile: the length and band predicate
                     s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
                 p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 1, (phase != 1) | HAS_MASK | HAS_BIAS)
@@ -190,9 +202,10 @@ if triton is not None:
     def _keys_major_loop(q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, offs_dv, rows, zero,
                          Lk, off, t_lo, t_hi, f_lo, f_hi,
                          Nq, Nk, D, Dv, qk_scale, win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei,
-                         s_ej, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                         s_ej, cap2, slope2, alibi_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr,
+                         HAS_RIGHT: tl.constexpr,
                          HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One loop over [t_lo, t_hi): every K/V load carries the Lk bound, and the band predicate runs behind
         a run-time branch, for partial tiles only. (That branch also splits the loop body for ptxas: as one
@@ -217,8 +230,9 @@ if triton is not None:
             v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[None, :] * s_vn + offs_dv[:, None] * s_vd
             k = tiles.load_tile(k_ptrs, keys, offs_d, Lk, D, 0, True, EVEN_D, False)
             s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # s^T, in base 2 after the scale
-            s = _explicit(tiles.score_mod(s, qk_scale), e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej,
-                          0, HAS_MASK, HAS_BIAS)
+            s = _modified(tiles.score_mod(s, qk_scale), rows, keys, cap2, slope2, alibi_off, 0, HAS_SOFTCAP,
+                          HAS_ALIBI)
+            s = _explicit(s, e_base, n0, tile_m, tile_n, rows, keys, Nq, Nk, s_ei, s_ej, 0, HAS_MASK, HAS_BIAS)
             if (t < f_lo) | (t >= f_hi):  # partial tile: the length and band predicate
                 s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
             p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 0, True)
@@ -232,11 +246,13 @@ if triton is not None:
 
     @triton.jit
     def _epilogue(acc, m_i, l_i, offs_m, offs_dv, rows, Lq, Out, Lse, b64, h, q0, i0, Nq, Dv, s_ob, s_oh, s_on,
-                  s_od, s_lb, s_lh, s_ln,
-                  KEY_AXIS: tl.constexpr, WRITE_LSE: tl.constexpr):
+                  s_od, s_lb, s_lh, s_ln, sink2,
+                  KEY_AXIS: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr):
         """Normalize and store the output tile (transposed when keys-major) and lse; empty rows and padding
-        rows give 0 and lse = -inf. Row i of the tile is row ``q0 + i0 + i`` of the tensors (q0: the first
-        row of a packed sequence, else 0)."""
+        rows give 0 and lse = -inf (with a sink: the sink, merged into the state here). Row i of the tile is row
+        ``q0 + i0 + i`` of the tensors (q0: the first row of a packed sequence, else 0)."""
+        if HAS_SINKS:
+            m_i, l_i, acc = tiles.with_sink(m_i, l_i, acc, sink2, KEY_AXIS)
         live = (l_i != 0.0) & (rows < Lq)  # l_i = 0: no allowed key; NaN (from NaN inputs) propagates
         l_div = tl.where(live, l_i, 1.0)
         out = tl.where(tl.expand_dims(live, KEY_AXIS), acc / tl.expand_dims(l_div, KEY_AXIS), 0.0)
@@ -247,7 +263,11 @@ if triton is not None:
         o_ok = tl.expand_dims(rows < Nq, KEY_AXIS) & tl.expand_dims(offs_dv < Dv, 1 - KEY_AXIS)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_ok)
         if WRITE_LSE:
-            lse = tl.where(live, (m_i + tl.math.log2(l_div)) * 0.6931471805599453, float("-inf"))
+            if HAS_SINKS:
+                dead = sink2 * 0.6931471805599453  # a row with no key (or a padding row): the sink alone
+            else:
+                dead = float("-inf")
+            lse = tl.where(live, (m_i + tl.math.log2(l_div)) * 0.6931471805599453, dead)
             l_ptrs = Lse + b64 * s_lb + h.to(tl.int64) * s_lh + (q0.to(tl.int64) + rows) * s_ln
             tl.store(l_ptrs, lse, mask=rows < Nq)
 
@@ -255,16 +275,18 @@ if triton is not None:
 
     @triton.jit
     def attn_fwd_kernel(
-        Q, K, V, Out, Lse, KvLen, QLen, Explicit,
+        Q, K, V, Out, Lse, KvLen, QLen, Explicit, Alibi, Sinks,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
         s_ob, s_oh, s_on, s_od,
         s_lb, s_lh, s_ln,
         s_eb, s_eh, s_ei, s_ej,
-        Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, win_left, win_right,
+        s_ab, s_ah,
+        Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, win_left, win_right, cap2,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QK_CHUNK: tl.constexpr,
@@ -294,6 +316,13 @@ if triton is not None:
         offs_dv = tl.arange(0, BLOCK_DV)
         rows = i0 + offs_m
         b64 = b.to(tl.int64)
+        slope2 = 0.0
+        if HAS_ALIBI:  # the head's slope, in base 2
+            slope2 = tl.load(Alibi + b64 * s_ab + h.to(tl.int64) * s_ah) * 1.4426950408889634
+        sink2 = 0.0
+        if HAS_SINKS:  # the head's sink logit, in base 2
+            sink2 = tl.load(Sinks + h) * 1.4426950408889634
+        alibi_off = Lk - Lq
 
         # ---- a tile of padding rows (i0 >= Lq): zeros and lse = -inf, and nothing of Q, K, V read --------
         if i0 >= Lq:
@@ -302,8 +331,8 @@ if triton is not None:
             else:
                 no_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
             no_rows = tl.zeros([BLOCK_M], tl.float32)  # l_i = 0: no allowed key
-            _epilogue(no_acc, no_rows, no_rows, offs_m, offs_dv, rows, Lq, Out, Lse, b64, h, q0, i0, Nq, Dv,
-                      s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, KEY_AXIS, WRITE_LSE)
+            _epilogue(no_acc, no_rows - float("inf"), no_rows, offs_m, offs_dv, rows, Lq, Out, Lse, b64, h, q0, i0,
+                      Nq, Dv, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, sink2, KEY_AXIS, WRITE_LSE, HAS_SINKS)
             return
 
         # ---- the tile's bases: 64-bit scalars; in-tile offsets stay 32-bit vectors -----------------------
@@ -318,14 +347,16 @@ if triton is not None:
             m_i, l_i, acc = _keys_major_loop(
                 q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, offs_dv, rows, zero, Lk, off, t_lo, t_hi,
                 f_lo, f_hi, Nq, Nk, D, Dv, qk_scale,
-                win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, BLOCK_M, BLOCK_N, BLOCK_D,
-                BLOCK_DV, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION)
+                win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, cap2, slope2, alibi_off,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+                HAS_MASK, HAS_BIAS, DOT_PRECISION)
         else:
             m_i, l_i, acc = _query_major_loop(
                 q_tile, k_base, v_base, e_base, offs_m, offs_n, offs_d, offs_dv, rows, zero, Lk, off, t_lo, t_hi,
                 f_lo, f_hi, Nq, Nk, D, Dv, qk_scale,
-                win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, BLOCK_M, BLOCK_N, BLOCK_D,
-                BLOCK_DV, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION, UPCAST_DOT, QK_CHUNK)
+                win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, cap2, slope2, alibi_off,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+                HAS_MASK, HAS_BIAS, DOT_PRECISION, UPCAST_DOT, QK_CHUNK)
 
         _epilogue(acc, m_i, l_i, offs_m, offs_dv, rows, Lq, Out, Lse, b64, h, q0, i0, Nq, Dv, s_ob, s_oh, s_on,
-                  s_od, s_lb, s_lh, s_ln, KEY_AXIS, WRITE_LSE)
+                  s_od, s_lb, s_lh, s_ln, sink2, KEY_AXIS, WRITE_LSE, HAS_SINKS)

@@ -142,9 +142,32 @@ if triton is not None:
 
     @triton.jit
     def score_mod(qk, qk_scale):
-        """Base-2 scores of a tile of products q.k: ``qk * scale * log2(e)`` (``qk_scale``). The one place a
-        transform of the scores before the bias and the masks (a soft cap) would go, for every kernel."""
+        """Base-2 scores of a tile of products q.k: ``qk * scale * log2(e)`` (``qk_scale``). The score modifiers
+        (:func:`softcap`, then :func:`alibi`) follow, then the bias and the masks."""
         return qk * qk_scale
+
+    @triton.jit
+    def softcap(s, cap2):
+        """The soft cap on base-2 scores: ``cap2 * tanh(s / cap2)`` with ``cap2 = c * log2(e)`` (the same as
+        ``c * tanh(s_e / c)`` in natural units), tanh written with exp2 (saturating to +-1, never NaN for finite s)."""
+        return cap2 * (1.0 - 2.0 / (1.0 + tl.math.exp2(s * (2.0 * 1.4426950408889634 / cap2))))
+
+    @triton.jit
+    def alibi(s, rows, keys, alibi_off, slope2, KEY_AXIS: tl.constexpr):
+        """ALiBi on base-2 scores whose keys run along ``KEY_AXIS``: ``- slope2 * |i + Lk - Lq - j|`` (``slope2`` the
+        head's slope times log2(e), ``alibi_off`` = Lk - Lq of the row's sequence, whatever the alignment)."""
+        dist = tl.expand_dims(rows, KEY_AXIS) + alibi_off - tl.expand_dims(keys, 1 - KEY_AXIS)
+        return s - slope2 * tl.abs(dist).to(tl.float32)
+
+    @triton.jit
+    def with_sink(m_i, l_i, acc, sink2, KEY_AXIS: tl.constexpr):
+        """The online-softmax state of a row tile merged with a sink: one more key of base-2 logit ``sink2`` and
+        value 0 (the denominator grows, acc is only rescaled). A row with no key gets m = sink2, l = 1."""
+        m_new = tl.maximum(m_i, sink2)
+        gone = m_new == float("-inf")  # no key and a sink of -inf: the row stays empty
+        alpha = tl.where(gone, 0.0, tl.math.exp2(m_i - m_new))
+        l_i = l_i * alpha + tl.where(gone, 0.0, tl.math.exp2(sink2 - m_new))
+        return m_new, l_i, acc * tl.expand_dims(alpha, KEY_AXIS)
 
     @triton.jit
     def apply_explicit(s, e_ptrs, e_ok, HAS_MASK: tl.constexpr):
