@@ -271,19 +271,22 @@ def _attention_backward_body(
     """
     prob = _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts)
     be = _backends.resolve(backend, prob, needs_grad=True)
-    none = q.new_empty((0,))
+
+    def none() -> torch.Tensor:  # a new empty tensor each time: an op's outputs must not alias each other
+        return q.new_empty((0,))
+
     if be.kernel_backward and not mask_grad and _triton_backward_available():
         from attnlab.backends.triton.backward import gradients
 
         dq, dk, dv, dsinks = gradients(prob, prob.to_layout(out), lse, prob.to_layout(dout), dlse)
-        return (prob.to_layout(dq), prob.to_layout(dk), prob.to_layout(dv), none,
-                none if dsinks is None else dsinks.to(sinks.dtype))
+        return (prob.to_layout(dq), prob.to_layout(dk), prob.to_layout(dv), none(),
+                none() if dsinks is None else dsinks.to(sinks.dtype))
     dtype = torch.float64 if be.name == "reference" else torch.float32
     dq, dk, dv, dbias, dsinks = textbook_backward(prob, prob.to_layout(dout), dlse, dtype=dtype,
                                                   bias_grad=mask_grad)
-    dmask = sum_to_shape(dbias, mask.shape).to(mask.dtype) if mask_grad else none
+    dmask = sum_to_shape(dbias, mask.shape).to(mask.dtype) if mask_grad else none()
     return (prob.to_layout(dq).to(q.dtype), prob.to_layout(dk).to(k.dtype), prob.to_layout(dv).to(v.dtype),
-            dmask, none if dsinks is None else dsinks.to(sinks.dtype))
+            dmask, none() if dsinks is None else dsinks.to(sinks.dtype))
 
 
 _BWD_BEFORE = [("dout", _Tensor), ("dlse", _OptTensor), ("q", _Tensor), ("k", _Tensor), ("v", _Tensor),

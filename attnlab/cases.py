@@ -74,6 +74,9 @@ class Case(ShapeDefaults):
     #: Packed sequences (attention_varlen): one (query length, key length) per sequence; B, Nq and Nk are then
     #: ignored (the sequences' count and longest lengths stand in for them), as are layout and view.
     seqs: tuple[tuple[int, int], ...] | None = None
+    softcap: float | None = None  #: the soft cap c (attnlab.score_mods)
+    alibi: str | None = None  #: ALiBi slopes drawn per head ("h": [Hq]) or per batch entry and head ("bh": [B, Hq])
+    sinks: bool = False  #: a sink logit per head, drawn
 
     @property
     def dv(self) -> int:
@@ -169,7 +172,21 @@ def make_inputs(case: Case, *, dtype: torch.dtype, device, seed: int):
     kw: dict[str, Any] = {"layout": case.layout, **mask_keywords(case, device)}
     if case.mask is not None:
         kw["mask"] = make_mask(case.mask, case.B, case.Hq, case.Nq, case.nk, device, gen)
-    return q, k, v, kw
+    return q, k, v, {**kw, **score_mod_keywords(case, case.B, dtype, device, gen)}
+
+
+def score_mod_keywords(case: Case, B: int, dtype: torch.dtype, device, gen: torch.Generator) -> dict[str, Any]:
+    """A case's score modifiers as keywords: the soft cap, ALiBi slopes in (0, 1] (float32), sinks ~ N(0, 2^2)
+    in the input dtype."""
+    kw: dict[str, Any] = {}
+    if case.softcap is not None:
+        kw["softcap"] = case.softcap
+    if case.alibi is not None:
+        shape = (case.Hq,) if case.alibi == "h" else (B, case.Hq)
+        kw["alibi_slopes"] = (torch.rand(shape, generator=gen) * 0.9 + 0.1).to(device)
+    if case.sinks:
+        kw["sinks"] = (2 * torch.randn(case.Hq, generator=gen)).to(device=device, dtype=dtype)
+    return kw
 
 
 def _packed_inputs(case: Case, dtype: torch.dtype, device, gen: torch.Generator):
@@ -187,7 +204,7 @@ def _packed_inputs(case: Case, dtype: torch.dtype, device, gen: torch.Generator)
     kw = {"cu_seqlens_q": cu(lq), "cu_seqlens_k": cu(lk), "max_seqlen_q": max(lq, default=0),
           "max_seqlen_k": max(lk, default=0), **{k: v for k, v in mask_keywords(case, device).items()
                                                   if k in ("causal", "window", "align")}}
-    return q, k, v, kw
+    return q, k, v, {**kw, **score_mod_keywords(case, len(case.seqs), dtype, device, gen)}
 
 
 def default_cases(scale: int = 1) -> list[Case]:
@@ -313,6 +330,26 @@ def varlen_cases() -> list[Case]:
 ]
 
 
+def score_mod_cases() -> list[Case]:
+    """Soft cap, ALiBi slopes and sinks, alone and together, with masks, lengths (empty rows: lse = the sink),
+    GQA, both alignments, windows (gpt-oss alternates windowed layers) and packed sequences."""
+    return [
+    Case("softcap_causal", B=2, Hq=2, Nq=33, D=32, causal=True, softcap=2.5),
+    Case("softcap_bias_nq<nk", B=1, Hq=2, Nq=19, Nk=41, D=16, mask="bias_b1qk", softcap=1.5),
+    Case("alibi_h_gqa_causal_br_kv_len", B=2, Hq=4, Hkv=2, Nq=17, Nk=40, D=16, causal=True, align="bottom_right",
+         kv_len=(40, 23), alibi="h"),
+    Case("alibi_bh_tl_nq>nk_q_len", B=2, Hq=2, Nq=35, Nk=21, D=24, causal=True, align="top_left", q_len=(35, 12),
+         alibi="bh"),
+    Case("sinks_window_q_len_kv0", B=3, Hq=2, Nq=27, D=16, window=(5, 0), q_len=(27, 9, 20), kv_len=(27, 27, 0),
+         sinks=True),
+    Case("sinks_mqa_bool", B=2, Hq=3, Hkv=1, Nq=22, D=16, mask="bool_full", sinks=True),
+    Case("all_mods_gqa_window_br", B=2, Hq=4, Hkv=2, Nq=25, Nk=31, D=32, window=(6, 0), align="bottom_right",
+         softcap=3.0, alibi="h", sinks=True),
+    Case("varlen_all_mods", Hq=4, Hkv=2, D=16, seqs=((9, 9), (0, 4), (20, 20), (5, 0)), causal=True,
+         align="bottom_right", softcap=2.0, alibi="bh", sinks=True),
+]
+
+
 def gpu_cases() -> list[Case]:
     """The default matrix at 4x the lengths, plus every D of the issue with both alignments and Nq <> Nk."""
     cases = default_cases(scale=4)
@@ -380,6 +417,8 @@ CASE_LISTS: dict[str, CaseList] = {c.name: c for c in (
     CaseList("decode", decode_cases, cpu=True),
     CaseList("head_dim", head_dim_cases, cpu=True),
     CaseList("varlen", varlen_cases, cpu=True),
+    CaseList("score_mods", score_mod_cases, cpu=True),
+    CaseList("score_mods_gpu", lambda: [c.scaled(10) for c in score_mod_cases()], cpu=False),
     CaseList("varlen_gpu", lambda: [c.scaled(12) for c in varlen_cases()], cpu=False),
     CaseList("gpu", gpu_cases, cpu=False),
     CaseList("long", long_cases, cpu=False),

@@ -41,6 +41,9 @@ def attention_varlen(
     scale: float | None = None,
     backend: str = "auto",
     return_lse: bool = False,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences: sequence b's queries ``q[cu_q[b]:cu_q[b+1]]`` attend only to its keys
     ``k[cu_k[b]:cu_k[b+1]]`` (and values), with causal and window aligned to the sequence's own lengths.
@@ -51,21 +54,24 @@ def attention_varlen(
     ``return_lse``, (out, lse [Hq, total_q] float32). An empty sequence and a row with no allowed key give 0
     (lse -inf). Prefix sums on the host are validated (start 0, end at the total, never decreasing, no
     sequence longer than its max); prefix sums on the GPU are never read back: rows that a too small
-    ``max_seqlen_q`` leaves out are 0, and nothing is read out of bounds. Differentiable in q, k and v.
+    ``max_seqlen_q`` leaves out are 0, and nothing is read out of bounds. Differentiable in q, k and v (and
+    the sinks). ``softcap``, ``alibi_slopes`` ([Hq] or [B, Hq]) and ``sinks`` as in :func:`attnlab.attention`,
+    ALiBi's distance taken within each sequence.
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
-    opts = Options.of(causal, window, align, scale, "bnhd")
+    opts = Options.of(causal, window, align, scale, "bnhd", softcap)
     prob = None
     if not torch.compiler.is_compiling():  # validate now, the same errors on both routes
         prob = make_packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   **_problem_keywords(opts))
+                                   alibi_slopes=alibi_slopes, sinks=sinks, **_problem_keywords(opts))
     if not _packed_route(backend, q):
         cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if prob is None else (prob.packed.cu_q, prob.packed.cu_k)
-        return _padded(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), opts, backend, return_lse)
-    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), *opts.flat(), backend,
-            return_lse, needs_grad)
+        return _padded(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), alibi_slopes, sinks, opts,
+                       backend, return_lse)
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), alibi_slopes, sinks,
+            *opts.flat(), backend, return_lse, needs_grad)
     if prob is not None and not needs_grad:
         out, lse = _forward(prob, return_lse)
     elif not torch.compiler.is_compiling() and _plain(q, k, v):
@@ -76,7 +82,8 @@ def attention_varlen(
 
 
 def _problem_keywords(opts: Options) -> dict[str, Any]:
-    return {"causal": opts.causal, "window": opts.window, "align": opts.align, "scale": opts.scale}
+    return {"causal": opts.causal, "window": opts.window, "align": opts.align, "scale": opts.scale,
+            "softcap": opts.softcap}
 
 
 def _packed_route(backend: str, q: torch.Tensor) -> bool:
@@ -123,23 +130,25 @@ def _forward(prob: Problem, want_lse: bool, needs_grad: bool = False) -> tuple[t
 
 
 _Tensor = torch.Tensor
+_OptTensor = torch.Tensor | None
 _BEFORE = [("q", _Tensor), ("k", _Tensor), ("v", _Tensor), ("cu_seqlens_q", _Tensor), ("cu_seqlens_k", _Tensor),
-           ("max_seqlen_q", int), ("max_seqlen_k", int)]
+           ("max_seqlen_q", int), ("max_seqlen_k", int), ("alibi_slopes", _OptTensor), ("sinks", _OptTensor)]
 _AFTER = [("backend", str), ("want_lse", bool), ("needs_grad", bool)]
 _ARG_NAMES = tuple(n for n, _ in (*_BEFORE, *Options.FLAT, *_AFTER))
 
 
-def _packed(q, k, v, cu_q, cu_k, max_q, max_k, opts: Options) -> Problem:
-    return make_packed_problem(q, k, v, cu_q, cu_k, max_q, max_k, **_problem_keywords(opts))
+def _packed(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, opts: Options) -> Problem:
+    return make_packed_problem(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes=alibi_slopes, sinks=sinks,
+                               **_problem_keywords(opts))
 
 
-def _varlen_body(q, k, v, cu_q, cu_k, max_q, max_k, opts: Options, backend: str, want_lse: bool,
-                 needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(_packed(q, k, v, cu_q, cu_k, max_q, max_k, opts), want_lse, needs_grad)
+def _varlen_body(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, opts: Options, backend: str,
+                 want_lse: bool, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(_packed(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, opts), want_lse, needs_grad)
 
 
-def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, opts: Options, backend: str, want_lse: bool,
-                 needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, opts: Options, backend: str,
+                 want_lse: bool, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     if not (want_lse or needs_grad):
         return out, q.new_empty((0,), dtype=torch.float32)
@@ -149,29 +158,34 @@ def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, opts: Options, backend: str,
 _varlen_op, _varlen_impl = define_op("attnlab::attention_varlen", _BEFORE, _AFTER, tuple[_Tensor, _Tensor],
                                      _varlen_body, _varlen_fake)
 
-_BWD_BEFORE = [("dout", _Tensor), ("dlse", _Tensor | None), ("q", _Tensor), ("k", _Tensor), ("v", _Tensor),
+_BWD_BEFORE = [("dout", _Tensor), ("dlse", _OptTensor), ("q", _Tensor), ("k", _Tensor), ("v", _Tensor),
                ("out", _Tensor), ("lse", _Tensor), ("cu_seqlens_q", _Tensor), ("cu_seqlens_k", _Tensor),
-               ("max_seqlen_q", int), ("max_seqlen_k", int)]
+               ("max_seqlen_q", int), ("max_seqlen_k", int), ("alibi_slopes", _OptTensor), ("sinks", _OptTensor)]
 
 
-def _varlen_backward_body(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts: Options,
-                          backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of a packed call by the Triton backward kernels, from the saved out and lse."""
-    from attnlab.backends.triton.backward import backward
+def _varlen_backward_body(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks,
+                          opts: Options, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks) of a packed call by the Triton backward kernels, from the saved out and lse (dsinks
+    empty without sinks)."""
+    from attnlab.backends.triton.backward import gradients
 
-    prob = _packed(q, k, v, cu_q, cu_k, max_q, max_k, opts)
+    prob = _packed(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, opts)
     bhnd = (lambda t: t.unsqueeze(0).transpose(1, 2))  # [total, H, D] -> [1, H, total, D]
-    dq, dk, dv = backward(prob, bhnd(out), lse.unsqueeze(0), bhnd(dout), None if dlse is None else dlse.unsqueeze(0))
-    return prob.to_layout(dq), prob.to_layout(dk), prob.to_layout(dv)
+    dq, dk, dv, dsinks = gradients(prob, bhnd(out), lse.unsqueeze(0), bhnd(dout),
+                                   None if dlse is None else dlse.unsqueeze(0))
+    dsinks = q.new_empty((0,)) if dsinks is None else dsinks.to(sinks.dtype)
+    return prob.to_layout(dq), prob.to_layout(dk), prob.to_layout(dv), dsinks
 
 
-def _varlen_backward_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts: Options, backend: str):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _varlen_backward_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks,
+                          opts: Options, backend: str):
+    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 _varlen_backward_op, _varlen_backward_impl = define_op(
-    "attnlab::attention_varlen_backward", _BWD_BEFORE, [("backend", str)], tuple[_Tensor, _Tensor, _Tensor],
-    _varlen_backward_body, _varlen_backward_fake)
+    "attnlab::attention_varlen_backward", _BWD_BEFORE, [("backend", str)],
+    tuple[_Tensor, _Tensor, _Tensor, _Tensor], _varlen_backward_body, _varlen_backward_fake)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -179,18 +193,23 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.want_lse = a["want_lse"]
     ctx.sizes = (a["max_seqlen_q"], a["max_seqlen_k"])
     ctx.options = (*(a[n] for n, _ in Options.FLAT), a["backend"])
-    ctx.save_for_backward(a["q"], a["k"], a["v"], *output, a["cu_seqlens_q"], a["cu_seqlens_k"])
+    ctx.save_for_backward(a["q"], a["k"], a["v"], *output, a["cu_seqlens_q"], a["cu_seqlens_k"], a["alibi_slopes"],
+                          a["sinks"])
+    ctx.sinks_grad = a["sinks"] is not None and a["sinks"].requires_grad
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse, backward_op=None):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.want_lse else None
     backward_op = backward_op or torch.ops.attnlab.attention_varlen_backward
-    dq, dk, dv = backward_op(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.sizes, *ctx.options)
-    return (dq, dk, dv, *([None] * (len(_ARG_NAMES) - 3)))
+    dq, dk, dv, dsinks = backward_op(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.sizes, alibi_slopes, sinks,
+                                     *ctx.options)
+    # one gradient per op input: q, k, v, the prefix sums, the sizes, alibi_slopes (none), sinks, the options
+    return (dq, dk, dv, None, None, None, None, None, dsinks if ctx.sinks_grad else None,
+            *([None] * (len(_ARG_NAMES) - len(_BEFORE))))
 
 
 _varlen_op.register_autograd(_backward, setup_context=_setup_context)
@@ -230,12 +249,14 @@ def _gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return spare[rows]
 
 
-def _padded(q, k, v, cu_q, cu_k, max_q: int, max_k: int, opts: Options, backend: str, want_lse: bool):
+def _padded(q, k, v, cu_q, cu_k, max_q: int, max_k: int, alibi_slopes, sinks, opts: Options, backend: str,
+            want_lse: bool):
     rows_q, len_q = _slots(cu_q, max_q, q.shape[0])
     rows_k, len_k = _slots(cu_k, max_k, k.shape[0])
     got = attention(_gather(q, rows_q), _gather(k, rows_k), _gather(v, rows_k), causal=opts.causal,
                     window=opts.window, align=opts.align or "top_left", scale=opts.scale, layout="bnhd",
-                    q_len=len_q, kv_len=len_k, backend=backend, return_lse=want_lse)
+                    q_len=len_q, kv_len=len_k, backend=backend, return_lse=want_lse, softcap=opts.softcap,
+                    alibi_slopes=alibi_slopes, sinks=sinks)
     out_p, lse_p = got if want_lse else (got, None)
     B, total = rows_q.shape[0], q.shape[0]
     flat = rows_q.reshape(-1)

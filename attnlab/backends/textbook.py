@@ -31,5 +31,9 @@ class TextbookBackend(Backend):
         p = p.masked_fill(empty, 0.0)  # softmax of an all -inf row is NaN; the contract says 0
         pv = torch.matmul(p[..., :Nk].reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2))
         out.copy_(pv.reshape(B, Hq, Nq, Dv))
-        if lse is not None:
-            lse.copy_(torch.logsumexp(s.float(), dim=-1))
+        if lse is not None:  # from float32 scores, as sdpa's: lse is not a textbook output, and scores grown by
+            # ALiBi would lose it in a half type
+            s32 = masked_scores(prob, 0, Nq, torch.float32)
+            if sinks is not None:
+                s32 = torch.cat([s32, sinks.float().view(1, Hq, 1, 1).expand(B, Hq, Nq, 1)], dim=-1)
+            lse.copy_(torch.logsumexp(s32, dim=-1))
