@@ -112,16 +112,26 @@ def unpad(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Competitors: each returns fn(q, k, v) -> packed out, and the leaves its backward differentiates
+# Competitors: each takes the inputs in a layout of its own (made before any timing) and gives them back packed
 # ---------------------------------------------------------------------------------------------------------
-def _attnlab(inp: Inputs) -> Callable:
+@dataclass
+class Rival:
+    """A competitor's call on inputs in its own layout, and the maps between that layout and the packed one."""
+
+    call: Callable[..., torch.Tensor]
+    own: Callable[[torch.Tensor], torch.Tensor] = lambda x: x  # packed [total, H, D] -> its own layout
+    packed: Callable[[torch.Tensor], torch.Tensor] = lambda x: x  # its own layout -> packed
+
+
+def _attnlab(inp: Inputs) -> Rival:
     import attnlab
 
     m = inp.max_len
-    return lambda q, k, v: attnlab.attention_varlen(q, k, v, inp.cu, inp.cu, m, m, causal=True, align="bottom_right")
+    return Rival(lambda q, k, v: attnlab.attention_varlen(q, k, v, inp.cu, inp.cu, m, m, causal=True,
+                                                          align="bottom_right"))
 
 
-def _flex(inp: Inputs) -> Callable:
+def _flex(inp: Inputs) -> Rival:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     total = inp.q.shape[0]
@@ -134,50 +144,46 @@ def _flex(inp: Inputs) -> Callable:
     block_mask = create_block_mask(document_causal, None, None, total, total, device=inp.q.device)
     compiled = torch.compile(flex_attention)
     gqa = inp.q.shape[1] != inp.k.shape[1]
-
-    def call(q, k, v):
-        one = lambda x: x.transpose(0, 1).unsqueeze(0)  # [total, H, D] -> [1, H, total, D]
-        o = compiled(one(q), one(k), one(v), block_mask=block_mask, enable_gqa=gqa)
-        return o[0].transpose(0, 1)
-
-    return call
+    return Rival(lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa),
+                 own=lambda x: x.transpose(0, 1).unsqueeze(0),  # [1, H, total, D], one long sequence
+                 packed=lambda x: x[0].transpose(0, 1))
 
 
-def _sdpa(backend_name: str) -> Callable[[Inputs], Callable]:
-    def make(inp: Inputs) -> Callable:
+def _sdpa(backend_name: str) -> Callable[[Inputs], Rival]:
+    def make(inp: Inputs) -> Rival:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
-        total = inp.q.shape[0]
         gqa = inp.q.shape[1] != inp.k.shape[1]
 
         def call(q, k, v):
             with sdpa_kernel(which):
-                o = F.scaled_dot_product_attention(pad(q, inp.rows), pad(k, inp.rows), pad(v, inp.rows),
-                                                   is_causal=True, enable_gqa=gqa)
-            return unpad(o, inp.rows, total)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
-        return call
+        return Rival(call, own=lambda x: pad(x, inp.rows), packed=lambda x: unpad(x, inp.rows, inp.q.shape[0]))
 
     return make
 
 
-def _varlen_attn(inp: Inputs) -> Callable:
+def _varlen_attn(inp: Inputs) -> Rival:
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
 
-    m, group = inp.max_len, inp.q.shape[1] // inp.k.shape[1]
+    m = inp.max_len
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        causal = {"is_causal": True}
+    elif "window_size" in params:  # (left, right): -1 unbounded, right 0 is causal
+        causal = {"window_size": [-1, 0]}
+    else:
+        raise TypeError(f"varlen_attn{inspect.signature(varlen_attn)}: no causal parameter known here")
+    return Rival(lambda q, k, v: varlen_attn(q, k, v, inp.cu, inp.cu, m, m, **causal))
 
-    def call(q, k, v):
-        if group > 1:  # varlen_attn takes one head count for q, k and v
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return varlen_attn(q, k, v, inp.cu, inp.cu, m, m, is_causal=True)
 
-    return call
-
-
-COMPETITORS: dict[str, Callable[[Inputs], Callable]] = {
+COMPETITORS: dict[str, Callable[[Inputs], Rival]] = {
     "attnlab": _attnlab, "flex": _flex, "sdpa-flash": _sdpa("flash"), "sdpa-cudnn": _sdpa("cudnn"),
     "sdpa-efficient": _sdpa("efficient"), "varlen_attn": _varlen_attn,
 }
@@ -248,9 +254,10 @@ def run_case(case: VarlenCase, names: list[str], device: torch.device, log) -> l
     for name in names:
         base_row = {**common, "backend": name}
         try:
-            fn = COMPETITORS[name](inp)
+            rival = COMPETITORS[name](inp)
+            own = [rival.own(x) for x in (inp.q, inp.k, inp.v)]
             with torch.no_grad():
-                out = fn(inp.q, inp.k, inp.v)
+                out = rival.packed(rival.call(*own))
         except Exception as e:  # a rival that does not take this problem: recorded, not raised
             for mode in ("fwd", "bwd"):
                 rows.append({**base_row, "mode": mode, "status": "error", "passed": False,
@@ -259,37 +266,39 @@ def run_case(case: VarlenCase, names: list[str], device: torch.device, log) -> l
             continue
         ok, err = check(out, t["out"], t["base_out"], case.dtype)
         del out
-        rows.append(_forward_row(fn, inp, ok, err, flops["fwd"], base_row, device))
+        rows.append(_forward_row(rival, own, ok, err, flops["fwd"], base_row, device))
         log(f"{case.name} {name} fwd: {rows[-1].get('ms', '-')} ms ok={ok} err={err:.2e}")
-        rows.append(_backward_row(fn, inp, dout, t, case.dtype, flops["bwd"], base_row, device))
+        rows.append(_backward_row(rival, own, dout, t, case.dtype, flops["bwd"], base_row, device))
         log(f"{case.name} {name} bwd: {rows[-1].get('ms', '-')} ms {rows[-1]['notes']}")
         free_memory(device)
     return rows
 
 
-def _forward_row(fn, inp: Inputs, ok: bool, err: float, flops: int, row: dict, device) -> dict[str, Any]:
+def _forward_row(rival: Rival, own: list, ok: bool, err: float, flops: int, row: dict, device) -> dict[str, Any]:
     """The forward's row: checked already (``ok``, ``err``), timed only when it passed."""
     from attnlab.bench.timing import measure_peak
 
     row = {**row, "mode": "fwd", "passed": ok, "max_abs_err": err, "status": "ok" if ok else "failed", "notes": ""}
     if ok:
         with torch.no_grad():
-            row["ms"], row["ms_min"], row["reps"] = timed(lambda: fn(inp.q, inp.k, inp.v), device)
-            _, row["peak_extra_mib"] = measure_peak(lambda i: fn(inp.q, inp.k, inp.v), 0, device)
+            row["ms"], row["ms_min"], row["reps"] = timed(lambda: rival.call(*own), device)
+            _, row["peak_extra_mib"] = measure_peak(lambda i: rival.call(*own), 0, device)
         row["tflops"] = flops / row["ms"] / 1e9
     return row
 
 
-def _backward_row(fn, inp: Inputs, dout: torch.Tensor, t: dict, dtype: torch.dtype, flops: int, row: dict,
+def _backward_row(rival: Rival, own: list, dout: torch.Tensor, t: dict, dtype: torch.dtype, flops: int, row: dict,
                   device) -> dict[str, Any]:
-    """The backward alone: the gradients of one retained forward graph, checked, then timed if they passed."""
+    """The backward alone: the gradients of one retained forward graph (in the rival's own layout, the padding
+    rows of a padded one getting no upstream gradient), checked, then timed if they passed."""
     from attnlab.bench.timing import measure_peak
 
-    leaves = [x.detach().requires_grad_() for x in (inp.q, inp.k, inp.v)]
+    leaves = [x.detach().requires_grad_() for x in own]
+    dout = rival.own(dout)
     row = {**row, "mode": "bwd"}
     try:
-        out = fn(*leaves)
-        grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        out = rival.call(*leaves)
+        grads = [rival.packed(g) for g in torch.autograd.grad(out, leaves, dout, retain_graph=True)]
     except Exception as e:  # a rival without this backward: recorded, not raised
         return {**row, "status": "error", "passed": False, "notes": f"{type(e).__name__}: {str(e)[:300]}"}
     checks = [check(g, t[n], t["base_" + n], dtype) for n, g in zip(("dq", "dk", "dv"), grads)]
