@@ -22,13 +22,16 @@ class TextbookBackend(Backend):
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         B, Hq, Hkv, Nq, Nk, Dv = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.Dv
-        s = masked_scores(prob, 0, Nq, prob.dtype)  # [B, Hq, Nq, Nk] in the input dtype
+        # The scores in the input dtype, as the textbook has them; with ALiBi in float32, as a model adds a float32
+        # bias: the distance term grows with the sequence, and a half type's rounding of it swamps the scores.
+        dtype = torch.float32 if prob.mods.alibi is not None else prob.dtype
+        s = masked_scores(prob, 0, Nq, dtype)  # [B, Hq, Nq, Nk]
         sinks = prob.mods.sinks
         if sinks is not None:  # the sink as one more key of value 0: a column of logits, dropped after the softmax
             s = torch.cat([s, sinks.to(s.dtype).view(1, Hq, 1, 1).expand(B, Hq, Nq, 1)], dim=-1)
         p = torch.softmax(s, dim=-1)
         empty = (s == float("-inf")).all(dim=-1, keepdim=True)
-        p = p.masked_fill(empty, 0.0)  # softmax of an all -inf row is NaN; the contract says 0
+        p = p.masked_fill(empty, 0.0).to(prob.dtype)  # softmax of an all -inf row is NaN; the contract says 0
         pv = torch.matmul(p[..., :Nk].reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2))
         out.copy_(pv.reshape(B, Hq, Nq, Dv))
         if lse is not None:  # from float32 scores, as sdpa's: lse is not a textbook output, and scores grown by
