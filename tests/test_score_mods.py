@@ -73,7 +73,7 @@ def test_modifiers_route_to_backends_that_take_them():
     prob = make_problem(q, k, v, softcap=5.0)
     assert resolve("auto", prob).name in ("reference", "torch")  # CPU: sdpa refuses the modifiers
     for name in ("sdpa", "triton-decode"):
-        with pytest.raises(ValueError, match="soft cap|score modifiers"):
+        with pytest.raises(ValueError, match=r"soft cap|score modifiers"):
             resolve(name, make_problem(q[:, :, :1], k, v, sinks=torch.zeros(4)))
 
 
