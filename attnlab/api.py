@@ -24,6 +24,7 @@ import torch
 
 from attnlab import backends as _backends
 from attnlab import fast_calls as _calls
+from attnlab import kv_append
 from attnlab.masks import plain_int
 from attnlab.options import Options, define_op
 from attnlab.paged import gather_paged, paged_kv, paged_placeholders
@@ -66,6 +67,8 @@ def attention(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Masked multi-head attention ``softmax(scale * q k^T + bias, masked) v``.
 
@@ -87,6 +90,11 @@ def attention(
     and value 0 to every row's softmax: lse counts it, an empty row gives 0 with lse = its sink, and the sinks
     get a gradient.
 
+    KV append (:mod:`attnlab.kv_append`): with ``k_new`` and ``v_new`` ([B, Hkv, Nnew, D] in the call's layout) and
+    ``kv_len`` (required: the lengths before the append, not modified), k and v are caches (dense, or paged
+    with ``block_table``) into which the call first writes the new keys at positions kv_len .. kv_len + Nnew - 1,
+    then attends over kv_len + Nnew keys. No gradient reaches the caches or the new tensors.
+
     Paged KV cache: with ``block_table`` (int32 [B, max_blocks]), k and v are caches [num_blocks, block_size,
     Hkv, D] and logical key j of batch b is ``k[block_table[b, j // block_size], j % block_size]``; Nk is
     max_blocks * block_size and ``kv_len`` says how many keys each sequence has (FlashAttention's
@@ -106,6 +114,10 @@ def attention(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
+    if k_new is not None or v_new is not None:  # write the step's keys first; attend over the longer sequences
+        if k_new is None:
+            raise ValueError("k_new and v_new come together; k_new is missing")
+        kv_len = kv_append.prepare(q, k, v, k_new, v_new, kv_len, block_table, layout)
     needs_grad = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
         or getattr(v, "requires_grad", False) or getattr(mask, "requires_grad", False)

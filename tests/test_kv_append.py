@@ -1,0 +1,148 @@
+"""KV append (``k_new``/``v_new``): the cache is written at each sequence's length, dense or paged, and the call
+attends over the longer sequences; lengths are checked on the host and never trusted from the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run pytest -m gpu on a GPU machine)")
+
+
+def _dense(B=3, Hq=4, Hkv=2, Nk=40, D=16, n_new=3, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)
+    return (draw(B, Hq, n_new, D), draw(B, Hkv, Nk, D), draw(B, Hkv, Nk, D), draw(B, Hkv, n_new, D),
+            draw(B, Hkv, n_new, D))
+
+
+def _expected_dense(kc, vc, kn, vn, kv_len):
+    ke, ve = kc.clone(), vc.clone()
+    for b, n in enumerate(kv_len):
+        stop = min(n + kn.shape[2], kc.shape[2])
+        ke[b, :, n:stop] = kn[b, :, :stop - n]
+        ve[b, :, n:stop] = vn[b, :, :stop - n]
+    return ke, ve
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("backend", ["triton", "reference", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dense_append_writes_then_attends(layout, backend, dtype):
+    q, kc, vc, kn, vn = _dense(dtype=dtype)
+    kv_len = [5, 0, 37]
+    T = (lambda x: x) if layout == "bhnd" else (lambda x: x.transpose(1, 2).contiguous())
+    kc2, vc2 = T(kc.clone()), T(vc.clone())
+    out = attnlab.attention(T(q), kc2, vc2, k_new=T(kn), v_new=T(vn), kv_len=torch.tensor(kv_len), causal=True,
+                            align="bottom_right", layout=layout, backend=backend)
+    ke, ve = _expected_dense(kc, vc, kn, vn, kv_len)
+    back = (lambda x: x) if layout == "bhnd" else (lambda x: x.transpose(1, 2))
+    assert torch.equal(back(kc2), ke) and torch.equal(back(vc2), ve)
+    ref, _ = attnlab.reference(q, ke, ve, kv_len=[n + 3 for n in kv_len], causal=True, align="bottom_right")
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (back(out).double() - ref).abs().max() < tol
+
+
+def test_paged_append():
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, D, nb, bs, n_new = 3, 4, 2, 16, 12, 8, 3
+    kc, vc = torch.randn(nb, bs, Hkv, D, generator=g), torch.randn(nb, bs, Hkv, D, generator=g)
+    table = torch.tensor([[3, 1, 7, 0, 2], [4, 5, 6, 8, 9], [10, 11, 0, 1, 2]], dtype=torch.int32)
+    q, kn, vn = (torch.randn(B, h, n_new, D, generator=g) for h in (Hq, Hkv, Hkv))
+    kv_len = [6, 0, 37]
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = attnlab.attention(q, kc2, vc2, k_new=kn, v_new=vn, kv_len=kv_len, block_table=table, causal=True,
+                            align="bottom_right", backend="triton-decode")
+    ke, ve = kc.clone(), vc.clone()
+    for b in range(B):
+        for t in range(n_new):
+            p = kv_len[b] + t
+            ke[table[b, p // bs], p % bs] = kn[b, :, t]
+            ve[table[b, p // bs], p % bs] = vn[b, :, t]
+    assert torch.equal(kc2, ke) and torch.equal(vc2, ve)
+    ref, _ = attnlab.reference(q, ke, ve, kv_len=[n + n_new for n in kv_len], block_table=table, causal=True,
+                               align="bottom_right")
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_writes_past_the_capacity_are_dropped():
+    """What GPU lengths may ask (the host check refuses it): the kernel writes only the positions that fit."""
+    _, kc, vc, kn, vn = _dense(Nk=8)
+    kc2, vc2 = kc.clone(), vc.clone()
+    torch.ops.attnlab.kv_append(kc2, vc2, kn, vn, torch.tensor([6, 8, 20], dtype=torch.int32), None, "bhnd")
+    ke, ve = _expected_dense(kc, vc, kn, vn, [6, 8, 20])
+    assert torch.equal(kc2, ke) and torch.equal(vc2, ve)
+
+
+BAD = [
+    ("no kv_len", dict(kv_len=None), ValueError, ["needs kv_len"]),
+    ("no v_new", dict(v_new=None), ValueError, ["v_new is missing"]),
+    ("overflow", dict(kv_len=[38, 0, 0]), ValueError, ["capacity", "[0, 40]"]),
+    ("negative", dict(kv_len=[-1, 0, 0]), ValueError, ["[0, 40]"]),
+    ("grad", dict(k_new="grad"), ValueError, ["requires grad"]),
+    ("heads", dict(k_new="heads"), ValueError, ["do not fit the caches"]),
+    ("dtype", dict(k_new="half"), TypeError, ["dtype"]),
+]
+
+
+@pytest.mark.parametrize("what, change, exc, words", BAD, ids=[b[0] for b in BAD])
+def test_bad_append_is_a_clear_error(what, change, exc, words):
+    q, kc, vc, kn, vn = _dense()
+    kw = dict(k_new=kn, v_new=vn, kv_len=[5, 0, 37])
+    kw.update(change)
+    if kw["k_new"] == "grad":
+        kw["k_new"] = kn.clone().requires_grad_()
+    elif kw["k_new"] == "heads":
+        kw["k_new"], kw["v_new"] = kn[:, :1], vn[:, :1]
+    elif kw["k_new"] == "half":
+        kw["k_new"] = kn.half()
+    with pytest.raises(exc) as err:
+        attnlab.attention(q, kc, vc, **kw)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_compile_sees_the_append_and_the_attention():
+    q, kc, vc, kn, vn = _dense()
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    kv_len = torch.tensor([5, 0, 37], dtype=torch.int32)
+    fn = torch.compile(lambda *a: attnlab.attention(a[0], a[1], a[2], k_new=a[3], v_new=a[4], kv_len=a[5],
+                                                    causal=True, align="bottom_right", backend="triton"),
+                       backend=backend, fullgraph=True)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = fn(q, kc2, vc2, kn, vn, kv_len)
+    assert {"attnlab.kv_append", "attnlab.attention"} <= {o for o in ops if "attnlab" in o}, ops
+    ke, ve = _expected_dense(kc, vc, kn, vn, [5, 0, 37])
+    assert torch.equal(kc2, ke)
+    ref, _ = attnlab.reference(q, ke, ve, kv_len=[8, 3, 40], causal=True, align="bottom_right")
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_lengths_are_clamped_and_the_call_captures():
+    """Lengths on the GPU: an append past the capacity is dropped and attends over min(kv_len + Nnew, capacity)
+    keys; the append and the attention replay from one CUDA graph."""
+    q, kc, vc, kn, vn = _dense(Nk=64, dtype=torch.bfloat16, device="cuda")
+    kv_len = torch.tensor([5, 62, 30], dtype=torch.int32, device="cuda")
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = attnlab.attention(q, kc2, vc2, k_new=kn, v_new=vn, kv_len=kv_len, causal=True, align="bottom_right")
+    ke, ve = _expected_dense(kc, vc, kn, vn, [5, 62, 30])
+    assert torch.equal(kc2, ke)
+    ref, _ = attnlab.reference(q, ke, ve, kv_len=[8, 64, 33], causal=True, align="bottom_right")
+    assert (out.double() - ref).abs().max() < 3e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attnlab.attention(q, kc2, vc2, k_new=kn, v_new=vn, kv_len=kv_len, causal=True, align="bottom_right")
+    kc2.copy_(kc)
+    vc2.copy_(vc)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(kc2, ke)
