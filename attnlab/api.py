@@ -117,7 +117,12 @@ def attention(
     if k_new is not None or v_new is not None:  # write the step's keys first; attend over the longer sequences
         if k_new is None:
             raise ValueError("k_new and v_new come together; k_new is missing")
-        kv_len = kv_append.prepare(q, k, v, k_new, v_new, kv_len, block_table, layout)
+        append = kv_append.check(q, k, v, k_new, v_new, kv_len, block_table, layout)
+        if not torch.compiler.is_compiling():  # the whole call's checks before the caches change
+            _check_call(q, k, v, append.after, q_len, mask, block_table, alibi_slopes, sinks,
+                        Options.of(causal, window, align, scale, layout, softcap))
+        append.write()
+        kv_len = append.after
     needs_grad = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
         or getattr(v, "requires_grad", False) or getattr(mask, "requires_grad", False)
@@ -159,6 +164,18 @@ def attention(
         eager = not torch.compiler.is_compiling() and _plain_eager(q, k, v)
         out, lse = _EagerAttention.apply(*args) if eager else torch.ops.attnlab.attention(*args)
     return (out, lse) if return_lse else out
+
+
+def _check_call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts: Options) -> None:
+    """Every check the call's problem (and paged cache) gets, without running it: a KV append runs this before
+    it writes, so that a call refused afterwards has not changed the caches."""
+    if block_table is None:
+        _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts)
+        return
+    kd, vd = paged_placeholders(q, k, v, block_table, opts.layout)
+    prob = _problem(q, kd, vd, kv_len, q_len, mask, alibi_slopes, sinks, opts)
+    paged_kv(k, v, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk, dtype=prob.dtype,
+             device=prob.device, kv_len=prob.spec.kv_len)
 
 
 def _plain_eager(*tensors: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,9 +22,38 @@ import torch
 from attnlab.masks import plain_int
 
 
-def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: Any, v_new: Any, kv_len: Any,
-            block_table: torch.Tensor | None, layout: str) -> torch.Tensor:
-    """Validate an append and write it; return the lengths after it (int32 [B] on q's device)."""
+@dataclass(frozen=True)
+class Append:
+    """A validated append, not yet written: the tensors, the lengths before it (int32 [B] on q's device), the
+    number of new positions and the cache's capacity."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    before: torch.Tensor
+    block_table: torch.Tensor | None
+    layout: str
+    n_new: int
+    cap: int
+
+    @property
+    def after(self) -> torch.Tensor:
+        """The lengths the attention then covers: kv_len + Nnew, at most the capacity."""
+        return (self.before + self.n_new).clamp(max=self.cap)
+
+    def write(self) -> None:
+        """Write the new keys and values into the caches (the op ``attnlab::kv_append``)."""
+        if self.n_new and self.before.numel() and self.k_new.numel():
+            torch.ops.attnlab.kv_append(self.k_cache, self.v_cache, self.k_new, self.v_new, self.before,
+                                        self.block_table, self.layout)
+
+
+def check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: Any, v_new: Any, kv_len: Any,
+          block_table: torch.Tensor | None, layout: str) -> Append:
+    """Validate an append (nothing is written): types, dtypes, devices, shapes against the caches and the
+    block table, and host lengths against the capacity. Under ``torch.compile`` lengths are taken as GPU
+    lengths are (clamped, never read)."""
     if layout not in ("bhnd", "bnhd"):
         raise ValueError(f"layout must be one of ('bhnd', 'bnhd'); got {layout!r}")
     if kv_len is None:
@@ -45,27 +75,31 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new
     kn, vn = (k_new, v_new) if layout == "bhnd" else (k_new.transpose(1, 2), v_new.transpose(1, 2))
     B, Hkv, n_new, D = kn.shape
     if block_table is not None:
-        if k_cache.dim() != 4 or block_table.dim() != 2:
-            raise ValueError("a paged append needs caches [num_blocks, block_size, Hkv, D] and a block table [B, n]")
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+            raise ValueError("a paged append needs an int32 block table [B, max_blocks]")
+        if block_table.device != q.device or block_table.shape[0] != B:
+            raise ValueError(f"the block table must be [B={B}, max_blocks] on q's device; got "
+                             f"{list(block_table.shape)} on {block_table.device}")
+        if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
+            raise ValueError("a paged append needs caches [num_blocks, block_size, Hkv, D]")
         cap = block_table.shape[1] * k_cache.shape[1]
         heads, dims = (k_cache.shape[2], k_cache.shape[3]), v_cache.shape[3]
     else:
         kc = k_cache if layout == "bhnd" else k_cache.transpose(1, 2)
         vc = v_cache if layout == "bhnd" else v_cache.transpose(1, 2)
-        if kc.dim() != 4 or kc.shape[0] != B:
+        if kc.dim() != 4 or vc.dim() != 4 or kc.shape[0] != B or kc.shape[:3] != vc.shape[:3]:
             raise ValueError(f"the dense caches must be [B={B}, ...] in the call's layout; got {list(k_cache.shape)}")
         cap = kc.shape[2]
         heads, dims = (kc.shape[1], kc.shape[3]), vc.shape[3]
     if heads != (Hkv, D) or dims != vn.shape[3]:
         raise ValueError(f"k_new/v_new (Hkv={Hkv}, D={D}, Dv={vn.shape[3]}) do not fit the caches "
                          f"(Hkv={heads[0]}, D={heads[1]}, Dv={dims})")
-    if torch.compiler.is_compiling():  # traced: a tensor of lengths, taken as the GPU's are (clamped, not read)
-        lengths = kv_len.to(device=q.device, dtype=torch.int32).clamp(min=0)
+    if torch.compiler.is_compiling():  # traced: lengths as the GPU's are (clamped, never read)
+        t = torch.as_tensor(kv_len, device=q.device).to(torch.int32)
+        before = (t.expand(B) if t.dim() == 0 else t).clamp(min=0)
     else:
-        lengths = _lengths(kv_len, B, cap, n_new, q.device)
-    if n_new and B and Hkv:
-        torch.ops.attnlab.kv_append(k_cache, v_cache, k_new, v_new, lengths, block_table, layout)
-    return (lengths + n_new).clamp_(max=cap)
+        before = _lengths(kv_len, B, cap, n_new, q.device)
+    return Append(k_cache, v_cache, k_new, v_new, before, block_table, layout, n_new, cap)
 
 
 def _lengths(kv_len: Any, B: int, cap: int, n_new: int, device: torch.device) -> torch.Tensor:
@@ -119,7 +153,7 @@ def _kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor
         cap, nb, bs, table = kc.shape[2], 1, 1, kv_len
     block_d = max(padded_head_dim(D), padded_head_dim(vn.shape[3]))
     args = (kn, vn, k_cache, v_cache, kv_len, table, *kn.stride(), *vn.stride(), *kc.stride(), *vc.stride(),
-            table.stride(0) if paged else 0, cap, nb, D, vn.shape[3])
+            table.stride(0) if paged else 0, table.stride(1) if paged else 0, cap, nb, D, vn.shape[3])
     interpret = not k_cache.is_cuda
     with interpreter(kv_append_kernel) if interpret else contextlib.nullcontext(kv_append_kernel) as kernel:
         kernel[(n_new, Hkv, B)](*args, BLOCK_D=block_d, BLOCK_SIZE=bs, PAGED=paged, num_warps=1, **COMPILE_OPTIONS)

@@ -77,7 +77,7 @@ def reference_forward(prob: Problem, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES)
     lse = torch.full((B, Hq, Nq), float("-inf"), dtype=torch.float64, device=prob.device)
     if out.numel() == 0 or Nk == 0:
         if prob.mods.sinks is not None:  # no key at all: every row's lse is its sink
-            lse = prob.mods.sinks.to(device=prob.device, dtype=torch.float64).view(1, Hq, 1).expand(B, Hq, Nq)
+            lse = prob.mods.sinks.to(device=prob.device, dtype=torch.float64).view(1, Hq, 1).expand(B, Hq, Nq).clone()
         return out, lse
     # Per row of the chunk: the float64 scores and their exponentials (8 + 8 bytes) and the bool predicate.
     rows = max(1, max_chunk_bytes // max(1, B * Hq * Nk * 17))

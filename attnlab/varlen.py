@@ -52,9 +52,10 @@ def attention_varlen(
     int32 [B + 1]; ``max_seqlen_q`` / ``max_seqlen_k`` bound every sequence's length. ``align`` ("top_left" or
     "bottom_right") is required with ``causal`` or ``window``. Returns out [total_q, Hq, Dv] or, with
     ``return_lse``, (out, lse [Hq, total_q] float32). An empty sequence and a row with no allowed key give 0
-    (lse -inf). Prefix sums on the host are validated (start 0, end at the total, never decreasing, no
-    sequence longer than its max); prefix sums on the GPU are never read back: rows that a too small
-    ``max_seqlen_q`` leaves out are 0, and nothing is read out of bounds. Differentiable in q, k and v (and
+    (lse -inf, or the head's sink with ``sinks``). Prefix sums on the host are validated (start 0, end at the
+    total, never decreasing, no sequence longer than its max); prefix sums on the GPU, and any under
+    ``torch.compile``, are never read back: rows that a too small ``max_seqlen_q`` leaves out are 0, and
+    nothing is read out of bounds. Differentiable in q, k and v (and
     the sinks). ``softcap``, ``alibi_slopes`` ([Hq] or [B, Hq]) and ``sinks`` as in :func:`attnlab.attention`,
     ALiBi's distance taken within each sequence.
     """
@@ -62,7 +63,11 @@ def attention_varlen(
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
     opts = Options.of(causal, window, align, scale, "bnhd", softcap)
     prob = None
-    if not torch.compiler.is_compiling():  # validate now, the same errors on both routes
+    if (causal or window is not None) and align is None:  # (traced too: the one check that needs no tensor)
+        raise ValueError("attention_varlen needs align='top_left' or 'bottom_right' with causal or window: a "
+                         "sequence's query and key lengths may differ, and the prefix sums may be on the GPU")
+    if not torch.compiler.is_compiling():  # validate now, the same errors on both routes (traced: prefix sums
+        # are taken as GPU ones are, clamped and never read, on either route)
         prob = make_packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    alibi_slopes=alibi_slopes, sinks=sinks, **_problem_keywords(opts))
     if not _packed_route(backend, q):

@@ -146,3 +146,54 @@ def test_gpu_lengths_are_clamped_and_the_call_captures():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(kc2, ke)
+
+
+def test_a_refused_call_leaves_the_caches_unchanged():
+    """Every check of the call runs before the append writes: a bad block table id, a wrong head dim of q, a
+    table of the wrong batch size are errors with the caches as they were."""
+    g = torch.Generator().manual_seed(2)
+    kc, vc = torch.randn(6, 4, 2, 16, generator=g), torch.randn(6, 4, 2, 16, generator=g)
+    kn, vn = torch.randn(1, 2, 2, 16, generator=g), torch.randn(1, 2, 2, 16, generator=g)
+    q = torch.randn(1, 4, 2, 16, generator=g)
+    table = torch.tensor([[2, 99]], dtype=torch.int32)
+    for args, words in (((q, table), "block_table ids"), ((q[..., :8], torch.tensor([[2, 3]], dtype=torch.int32)),
+                                                          "head dim"),
+                        ((q, torch.tensor([[2, 3], [4, 5]], dtype=torch.int32)), "[B=1")):
+        kc2, vc2 = kc.clone(), vc.clone()
+        with pytest.raises(ValueError, match=words.replace("[", r"\[")):
+            attnlab.attention(args[0], kc2, vc2, k_new=kn, v_new=vn, kv_len=[3], block_table=args[1])
+        assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+
+
+def test_a_strided_block_table():
+    """A transposed (non-contiguous) block table is read through both its strides."""
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(9, 4, 2, 16, generator=g), torch.randn(9, 4, 2, 16, generator=g)
+    kn, vn = torch.randn(2, 2, 3, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g)
+    q = torch.randn(2, 4, 3, 16, generator=g)
+    table = torch.tensor([[3, 4], [1, 5], [7, 6], [0, 8]], dtype=torch.int32).t()  # strides (1, 2)
+    kc2, vc2 = kc.clone(), vc.clone()
+    attnlab.attention(q, kc2, vc2, k_new=kn, v_new=vn, kv_len=[6, 0], block_table=table, causal=True,
+                      align="bottom_right")
+    ke = kc.clone()
+    for b, n in enumerate([6, 0]):
+        for t in range(3):
+            p = n + t
+            ke[table[b, p // 4], p % 4] = kn[b, :, t]
+    assert torch.equal(kc2, ke)
+
+
+@pytest.mark.parametrize("kv_len", [5, [5, 0, 37], "scalar tensor"])
+def test_compile_takes_every_kind_of_lengths(kv_len):
+    q, kc, vc, kn, vn = _dense()
+    kv = torch.tensor(5) if kv_len == "scalar tensor" else kv_len
+    fn = torch.compile(lambda *a: attnlab.attention(*a, k_new=kn, v_new=vn, kv_len=kv, causal=True,
+                                                    align="bottom_right", backend="triton"),
+                       backend="eager", fullgraph=True)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = fn(q, kc2, vc2)
+    lens = [5, 5, 5] if not isinstance(kv, list) else kv
+    ke, ve = _expected_dense(kc, vc, kn, vn, lens)
+    assert torch.equal(kc2, ke)
+    ref, _ = attnlab.reference(q, ke, ve, kv_len=[n + 3 for n in lens], causal=True, align="bottom_right")
+    assert (out.double() - ref).abs().max() < 1e-5

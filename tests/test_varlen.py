@@ -166,3 +166,48 @@ def test_varlen_bench_harness_checks_before_it_times(monkeypatch):
     assert by[("sdpa-efficient", "fwd")]["status"] in ("ok", "error")
     assert not by[("broken", "fwd")]["passed"] and "ms" not in by[("broken", "fwd")]
     assert by[("attnlab", "fwd")]["allowed_pairs"] == sum(n * (n + 1) // 2 for n in lengths) * 4
+
+
+def test_rows_left_out_take_no_part_in_the_sinks_gradient():
+    """Prefix sums never read back (as on a GPU) with a max_seqlen_q shorter than a sequence: the rows it leaves
+    out are 0 with lse -inf, and the sinks' gradient sums over the rows computed only (as if the sequences had
+    been cut there)."""
+    import dataclasses
+
+    from attnlab.backends.triton.backward import gradients
+    from attnlab.problem import make_packed_problem
+    from attnlab.varlen import _forward
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(20, 4, 16, generator=g), torch.randn(20, 2, 16, generator=g), torch.randn(20, 2, 16,
+                                                                                                      generator=g)
+    sinks = torch.randn(4, generator=g)
+    cu = torch.tensor([0, 10, 20], dtype=torch.int32)
+    prob = make_packed_problem(q, k, v, cu, cu, 10, 10, sinks=sinks)
+    prob = dataclasses.replace(prob, packed=dataclasses.replace(prob.packed, max_q=6, checked=False))
+    out, lse = _forward(prob, True, needs_grad=True)
+    assert (out[6:10] == 0).all() and torch.isneginf(lse[:, 6:10]).all()
+    dout = torch.randn(out.shape, generator=g)
+    bhnd = lambda t: t.unsqueeze(0).transpose(1, 2)
+    *_, dsinks = gradients(prob, bhnd(out), lse.unsqueeze(0), bhnd(dout))
+    keep = torch.cat([torch.arange(0, 6), torch.arange(10, 16)])  # the rows computed
+    cut = torch.tensor([0, 6, 12], dtype=torch.int32)
+    s64 = sinks.double().requires_grad_()
+    ref, _ = reference_varlen(q[keep].double(), k.double(), v.double(), cut, cu, 6, 10, sinks=s64)
+    (ref * dout[keep].double()).sum().backward()
+    assert torch.isfinite(dsinks).all() and (dsinks.double() - s64.grad).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_repeated_calls_keep_their_value_head_dim():
+    """Calls seen before take the cached fast path only where it allocates the output's true shape: a value
+    head dim of its own (Dv 32 < D 64, and Dv 96 > D 64) gives the right shape and values on every repeat."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for dv in (32, 96):
+        q, k = (torch.randn(2, 4, 100, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(2, 4, 100, dv, generator=g, device="cuda", dtype=torch.bfloat16)
+        ref, _ = attnlab.reference(q, k, v, causal=True)
+        for _ in range(3):
+            out = attnlab.attention(q, k, v, causal=True)
+            assert out.shape == (2, 4, 100, dv) and (out.double() - ref).abs().max() < 3e-2

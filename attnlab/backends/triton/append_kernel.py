@@ -20,7 +20,7 @@ if triton is not None:
         s_vb, s_vh, s_vt, s_vd,
         s_cb, s_ch, s_cn, s_cd,
         s_wb, s_wh, s_wn, s_wd,
-        s_tb, cap, num_blocks, D, Dv,
+        s_tb, s_tc, cap, num_blocks, D, Dv,
         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
     ):
         t = tl.program_id(0)
@@ -30,7 +30,7 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         fits = (offs_d * 0 + p) < cap  # (a vector: the interpreter takes no scalar mask)
         if PAGED:  # s_cb/s_wb are the caches' block strides, s_cn/s_wn their slot strides
-            blk = tl.load(Table + b * s_tb + tl.minimum(p, cap - 1) // BLOCK_SIZE)
+            blk = tl.load(Table + b * s_tb + (tl.minimum(p, cap - 1) // BLOCK_SIZE) * s_tc)
             blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
             k_dst = KCache + blk * s_cb + (p % BLOCK_SIZE) * s_cn + h * s_ch
             v_dst = VCache + blk * s_wb + (p % BLOCK_SIZE) * s_wn + h * s_wh

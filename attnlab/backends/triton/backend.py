@@ -57,7 +57,7 @@ class TritonBackend(Backend):
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
         if (not prob.q.is_cuda or paged is not None or prob.packed is not None or prob.mods.any
-                or _empty_problem(prob, out)):
+                or prob.Dv != prob.D or _empty_problem(prob, out)):  # (a fast call allocates out like q)
             return None  # an empty call launched nothing: no plan to build (or tune) for it
         return plan_for(prob, out, lse).fast_call(prob, out, lse)
 

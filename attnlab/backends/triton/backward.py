@@ -313,7 +313,9 @@ def sinks_gradient(prob: Problem, lse: torch.Tensor, delta: torch.Tensor) -> tor
     sinks = prob.mods.sinks32
     if sinks is None:
         return None
-    p_sink = torch.exp(sinks.view(1, -1, 1) - lse).nan_to_num(nan=0.0)  # a sink of -inf in an empty row: 0
+    sink = sinks.view(1, -1, 1)
+    # a row no sequence covers (lse -inf: rows a too small max_seqlen leaves out) has no sink share; NaN propagates
+    p_sink = torch.where(lse == float("-inf"), torch.zeros_like(lse), torch.exp(sink - lse))
     return -(p_sink * delta).sum(dim=(0, 2))
 
 
@@ -356,7 +358,9 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         if prob.mods.sinks is not None:
             dsinks = sinks_gradient(prob, lse, -_dlse_or_zero(dlse, lse))
         return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
-    delta = torch.empty(rows, dtype=torch.float32, device=prob.device)  # [B, Hq, Nq]; packed [1, Hq, total]
+    # [B, Hq, Nq]; packed [1, Hq, total], zeros where a too small max_seqlen may leave rows unwritten
+    delta = (torch.zeros if packed is not None and not packed.checked else torch.empty)(
+        rows, dtype=torch.float32, device=prob.device)
     lse2 = torch.empty_like(delta)
     if interpret:
         with interpreter(bwd_preprocess):

@@ -160,7 +160,7 @@ class _Plan:
             explicit = explicit.view(torch.uint8)
         head = (q, prob.k, prob.v)
         mid = (spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q,
-               explicit if explicit is not None else q, q, q, *mid_rest)  # (a plan has no score modifier)
+               explicit if explicit is not None else q, q, q, *mid_rest)  # (no plan is made with modifiers)
         # The launcher takes every parameter in signature order, the constants (which come last) too.
         args = (*_bind(head, mid, tail, out, lse), *constants)
         _rt.run_compiled(kernel, self.grid, _rt.stream_of(self.device), args)
@@ -252,6 +252,13 @@ def autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Conf
     decide (docs/decisions.md, "How long a tune times each candidate").
     """
     plans: dict[Config, _Plan] = {}
+    if prob.packed is not None or prob.mods.any:  # no plan takes these: every candidate through the JIT
+
+        def launch(cfg: Config) -> None:
+            jit_launch(prob, out, lse, cfg, interpret=False)
+
+        return _cfg.fastest(_cfg.candidates(prob.dtype, _cfg.problem_head_dim(prob)), launch,
+                            f"dtype={prob.dtype}, D={prob.D}, Dv={prob.Dv}")
 
     def launch(cfg: Config) -> None:
         plan = plans.get(cfg)

@@ -165,7 +165,7 @@ def call_signature(prob: Problem) -> tuple:
     spec, q, k, v = prob.spec, prob.q, prob.k, prob.v
     e = spec.explicit
     return (
-        q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), prob.scale,
+        q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), prob.scale,
         spec.left, spec.right, spec.align, spec.mask is not None, spec.bias is not None,
         None if e is None else (e.dtype, e.stride()),
         _aligned(q), _aligned(k), _aligned(v), _aligned(e), _aligned(spec.kv_len), _aligned(spec.q_len),
