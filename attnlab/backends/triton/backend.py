@@ -68,7 +68,7 @@ class TritonDecodeBackend(TritonBackend):
 
     name = "triton-decode"
     takes = ("Nq <= 16 query rows (decoding), float32/float16/bfloat16, D 1-256 with Dv = D, every mask, paged "
-             "caches, no score modifiers; packed sequences padded")
+             "caches, softcap, ALiBi slopes, sinks; packed sequences padded")
     description = (
         "split-KV Triton decode for Nq <= 16: keys split over programs, GQA groups packed, partial states "
         "merged by their lse"
@@ -82,7 +82,7 @@ class TritonDecodeBackend(TritonBackend):
         _on_device(prob, out, lse, lambda: decode_forward(prob, out, lse))
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
-        if not prob.q.is_cuda or _empty_problem(prob, out):
+        if not prob.q.is_cuda or prob.mods.any or _empty_problem(prob, out):
             return None
         return gpu_plan(prob, paged=paged).fast_call(prob, out, lse)
 

@@ -219,8 +219,6 @@ def decode_supported(prob: Problem) -> str | None:
         return f"the decode path takes Nq <= {MAX_DECODE_NQ} query rows; got Nq={prob.Nq} (a prefill)"
     if prob.Dv != prob.D:
         return f"the decode kernels take one head dim for q, k and v; got D={prob.D}, Dv={prob.Dv}"
-    if prob.mods.any:
-        return "the decode kernels take no score modifiers yet (softcap, ALiBi slopes, sinks); the triton backend does"
     if prob.B > 65535 or prob.Hkv * row_tiles(prob) > 65535:
         return f"grid limit: B and Hkv * row tiles must be at most 65535; got B={prob.B}, Hkv={prob.Hkv}"
     if prob.device.type == "cuda" and prob.dtype == torch.bfloat16:
@@ -264,7 +262,7 @@ def decode_forward(
     if out.numel() == 0 or prob.Nk == 0:
         out.zero_()
         if lse is not None:
-            lse.fill_(float("-inf"))
+            lse.copy_(prob.mods.empty_lse(lse))
         return
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be at least 1; got {splits}")
@@ -392,12 +390,18 @@ def _stand_ins(prob: Problem) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
 
 
 def _tensors(prob: Problem, paged: PagedKV | None) -> tuple:
-    """The split kernel's seven tensor arguments (placeholders stand in for absent ones; never read)."""
-    spec, q = prob.spec, prob.q
+    """The split kernel's nine tensor arguments (placeholders stand in for absent ones; never read)."""
+    spec, q, mods = prob.spec, prob.q, prob.mods
     k, v, bt = (prob.k, prob.v, q) if paged is None else (paged.k_cache, paged.v_cache, paged.block_table)
     e = _explicit(prob)
     return (q, k, v, bt, spec.kv_len if spec.kv_len is not None else q,
-            spec.q_len if spec.q_len is not None else q, e if e is not None else q)
+            spec.q_len if spec.q_len is not None else q, e if e is not None else q,
+            mods.alibi if mods.alibi is not None else q, _sinks(prob))
+
+
+def _sinks(prob: Problem) -> torch.Tensor:
+    """The sinks as the kernels read them (float32), or q standing in (never read)."""
+    return prob.mods.sinks32 if prob.mods.sinks is not None else prob.q
 
 
 class _Plan:
@@ -419,13 +423,17 @@ class _Plan:
             k_strides, v_strides = (k0, k2, k1, k3), (v0, v2, v1, v3)
             s_bt, nb = bt.stride(0), paged.num_blocks
         e_strides = (0, 0, 0, 0) if _explicit(prob) is None else _explicit(prob).stride()
+        mods = prob.mods
+        a_strides = mods.alibi.stride() if mods.alibi is not None else (0, 0)
         n_rt = row_tiles(prob, interpret)
-        # Everything but the seven tensors, which change from call to call (see _tensors).
+        # Everything but the nine tensors, which change from call to call (see _tensors).
         self.fixed = (
-            *q.stride(), *k_strides, *v_strides, s_bt, *e_strides,
+            *q.stride(), *k_strides, *v_strides, s_bt, *e_strides, *a_strides,
             prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, prob.scale * _kern.LOG2E,
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
+            mods.softcap * _kern.LOG2E if mods.softcap is not None else 0.0,
         )
+        self.has_sinks = mods.sinks is not None
         self.block_d = padded_head_dim(prob.D)
         self.cfg = cfg
         self.pdl = PDL and not interpret and _has_pdl(prob.device.index or 0)
@@ -456,6 +464,8 @@ class _Plan:
             PAGED=paged is not None, FINAL=final,
             # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast first (exact)
             UPCAST=self.interpret and prob.dtype != torch.float32, DOT_PRECISION="ieee", PDL=self.pdl and not final,
+            HAS_SOFTCAP=prob.mods.softcap is not None, HAS_ALIBI=prob.mods.alibi is not None,
+            HAS_SINKS=prob.mods.sinks is not None,
         )
 
     def _resident(self, prob: Problem, paged: PagedKV | None, n_rt: int, device: int) -> int | None:
@@ -477,7 +487,7 @@ class _Plan:
         merge_d = min(MERGE_BLOCK_D, self.block_d)
         return _Kernel(merge_fn, (self.merge_rows, self.block_d // merge_d, 1),
                        dict(BLOCK_S=min(64, pow2_bucket(n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse,
-                            PDL=self.pdl),
+                            PDL=self.pdl, HAS_SINKS=self.has_sinks),
                        dict(num_warps=2, num_stages=1, **({"launch_pdl": True} if self.pdl else {}),
                             **_cfg.COMPILE_OPTIONS))
 
@@ -490,7 +500,7 @@ class _Plan:
         merge = self._merge(False, n_split)
         f32, o_strides = _stand_ins(prob)
         o = torch.empty(8, dtype=prob.dtype, device=prob.device)  # for out (and lse, which out stands in for)
-        args = (f32, f32, f32, o, o, *o_strides, 0, 0, 0, prob.Hq, prob.Nq, prob.D, n_split)
+        args = (f32, f32, f32, o, o, _sinks(prob), *o_strides, 0, 0, 0, prob.Hq, prob.Nq, prob.D, n_split)
         background.ahead(merge.fn, merge.grid, args, {**merge.constants, **merge.options}, prob.device)
 
     def _kernels(self, write_lse: bool) -> tuple[_Kernel, _Kernel]:
@@ -520,10 +530,11 @@ class _Plan:
         key = _rt.layout_key(out, lse_arg, *self._workspace(prob, out))
         strides = (*out.stride(), *(lse.stride() if write_lse else (0, 0, 0)))
         merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
-        # split: (q, k, v, block table, kv_len, q_len, mask; fixed; out, lse, m, l, acc; strides), merge: (m, l,
-        # acc, out, lse; strides and sizes)
-        go_split = split.direct(key, 7, self.fixed, strides)
-        go_merge = merge.direct(key, 5, (), (*strides, *merge_tail)) if self.n_split > 1 else None
+        # split: (q, k, v, block table, kv_len, q_len, mask, slopes, sinks; fixed; out, lse, m, l, acc; strides),
+        # merge: (m, l, acc, out, lse, sinks; strides and sizes). A fast call has no modifier (attnlab.attention
+        # takes the whole way with one): q's address stands in for the slopes and the sinks.
+        go_split = split.direct(key, 9, self.fixed, strides)
+        go_merge = merge.direct(key, 6, (), (*strides, *merge_tail)) if self.n_split > 1 else None
         if go_split is None or (self.n_split > 1 and go_merge is None):
             return None
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
@@ -542,7 +553,7 @@ class _Plan:
             # (placeholders, never read, stand in for absent tensors)
             *tensors, o_ptr, l_ptr = pointers((q, k, v, q if block_table is None else block_table,
                                                q if kv_len is None else kv_len, q if q_len is None else q_len,
-                                               q if mask is None else mask, o, o if m is None else m))
+                                               q if mask is None else mask, q, q, o, o if m is None else m))
             if go_merge is None:
                 go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr)
                 return o, m
@@ -557,7 +568,7 @@ class _Plan:
                 ws_m = ws.data_ptr()
                 ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
                 go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
-                go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr)
+                go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr, o_ptr)
             finally:
                 if held:
                     lock.release()
@@ -578,5 +589,5 @@ class _Plan:
         with _interp.interpreter(decode_merge_kernel) if self.interpret else contextlib.nullcontext():
             split.launch((*_tensors(prob, paged), *self.fixed, *per_call), key, device)
             if S > 1:
-                merge.launch((ws_m, ws_l, ws_acc, out, lse_arg, *out.stride(), *l_strides, prob.Hq, prob.Nq,
-                              prob.D, S), key, device)
+                merge.launch((ws_m, ws_l, ws_acc, out, lse_arg, _sinks(prob), *out.stride(), *l_strides, prob.Hq,
+                              prob.Nq, prob.D, S), key, device)

@@ -30,6 +30,9 @@ Packing, splitting and the program mapping
   l = 0 (no allowed key anywhere) gives out = 0 and lse = -inf. The merge's programs are (row, block of
   MERGE_BLOCK_D columns): B1 Hq32 has 32 rows, too few programs to read 1 MiB of states quickly. With
   S = 1 the split kernel normalizes and writes out and lse itself, and no merge runs.
+* **Score modifiers** (:mod:`attnlab.score_mods`): the split kernel caps the scores and adds ALiBi per packed row
+  (each row its head's slope); a sink is counted once per row, by the merge as one more state (m = the sink,
+  l = 1, acc = 0), or by the split kernel itself when it runs alone.
 * **Programmatic dependent launch** (``PDL``, Hopper and newer): each split program tells the GPU at its start
   that the merge may launch, and the merge, launched with ``launch_pdl``, waits (``gdc_wait``) until the split
   kernel has finished and its stores are visible. The merge is then launched while the split kernel's last
@@ -86,11 +89,18 @@ if triton is not None:
 
     @triton.jit
     def _scores(q, k, e_rows, keys, rows, row_ok, Lk, Nk, off, win_left, win_right, qk_scale, s_ej,
+                cap2, slope2, alibi_off,
                 PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """Base-2 scores of one tile, [BLOCK_M packed rows, BLOCK_N keys]: -inf where the explicit mask,
-        the length or (partial tiles only) the band forbids the key. ``rows`` are query row indices."""
+                HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+        """Base-2 scores of one tile, [BLOCK_M packed rows, BLOCK_N keys]: the soft cap and ALiBi (``slope2``:
+        each packed row's head's slope, base 2), then -inf where the explicit mask, the length or (partial tiles
+        only) the band forbids the key. ``rows`` are query row indices."""
         s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)
+        if HAS_SOFTCAP:
+            s = tiles.softcap(s, cap2)
+        if HAS_ALIBI:
+            s = tiles.alibi(s, rows, keys, alibi_off, slope2[:, None], 1)
         if HAS_MASK or HAS_BIAS:
             e_ptrs = e_rows[:, None] + keys[None, :].to(tl.int64) * s_ej
             e_ok = row_ok[:, None] & (keys < Nk)[None, :]
@@ -111,11 +121,12 @@ if triton is not None:
     @triton.jit
     def _tile(m_i, l_i, acc, q, t, blk, k_base, v_base, e_rows, rows, row_ok, offs_n, offs_d,
               Lk, Nk, D, off, win_left, win_right, qk_scale,
-              s_kn, s_kblk, s_kd, s_vn, s_vblk, s_vd, s_ej,
+              s_kn, s_kblk, s_kd, s_vn, s_vblk, s_vd, s_ej, cap2, slope2, alibi_off,
               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
               PAGED: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
-              HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
         """Key tile ``t`` of the split: load K and V (dense, or paged through the tile's blocks ``blk``),
         score, update."""
         keys = t * BLOCK_N + offs_n
@@ -125,24 +136,26 @@ if triton is not None:
         v = tiles.load_tile(v_base + v_off[:, None] + offs_d[None, :] * s_vd, keys, offs_d, Lk, D, 0, PARTIAL, EVEN_D,
                        UPCAST)
         s = _scores(q, k, e_rows, keys, rows, row_ok, Lk, Nk, off, win_left, win_right, qk_scale, s_ej,
-                    PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION)
+                    cap2, slope2, alibi_off, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION,
+                    HAS_SOFTCAP, HAS_ALIBI)
         p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 1, PARTIAL or HAS_MASK or HAS_BIAS)
         return m_i, l_i, tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
     @triton.jit
     def decode_split_kernel(
-        Q, K, V, BlockTable, KvLen, QLen, Explicit,
+        Q, K, V, BlockTable, KvLen, QLen, Explicit, Alibi, Sinks,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
-        s_btb, s_eb, s_eh, s_ei, s_ej,
-        Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right,
+        s_btb, s_eb, s_eh, s_ei, s_ej, s_ab, s_ah,
+        Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right, cap2,
         Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         PAGED: tl.constexpr, FINAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         if PDL:  # the merge may launch now: it waits for this whole kernel before it reads a state
             gdc_launch_dependents()
@@ -196,6 +209,10 @@ if triton is not None:
             v_base = V + b64 * s_vb + kvh.to(tl.int64) * s_vh
         Bt = BlockTable + b64 * s_btb
         e_rows = Explicit + b64 * s_eb + heads * s_eh + rows.to(tl.int64) * s_ei
+        slope2 = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_ALIBI:  # each packed row's head's slope, base 2
+            slope2 = tl.load(Alibi + b64 * s_ab + heads * s_ah, mask=row_ok, other=0.0) * 1.4426950408889634
+        alibi_off = Lk - Lq
 
         m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_D, 1)
         # Paged: the block ids of the next tile are read one tile ahead, so that the K and V loads of a tile
@@ -212,9 +229,9 @@ if triton is not None:
                 m_i, l_i, acc = _tile(
                     m_i, l_i, acc, q, zero + t, blk, k_base, v_base, e_rows, rows, row_ok, offs_n, offs_d,
                     Lk, Nk, D, off, win_left, win_right, qk_scale,
-                    s_kn, s_kb, s_kd, s_vn, s_vb, s_vd, s_ej,
+                    s_kn, s_kb, s_kd, s_vn, s_vb, s_vd, s_ej, cap2, slope2, alibi_off,
                     BLOCK_N, BLOCK_SIZE, phase != 1, EVEN_D, PAGED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
-                    UPCAST, DOT_PRECISION,
+                    UPCAST, DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI,
                 )
                 if PAGED:
                     blk = blk_next
@@ -223,8 +240,11 @@ if triton is not None:
         ws_row = (b64 * Hq + heads) * Nq + rows  # (b, h, i) of each packed row
         d_ok = row_ok[:, None] & (offs_d < D)[None, :]
         if FINAL:
+            sink2 = tl.zeros([BLOCK_M], tl.float32)
+            if HAS_SINKS:  # each packed row's head's sink, base 2 (with several splits the merge adds it, once)
+                sink2 = tl.load(Sinks + heads, mask=row_ok, other=0.0) * 1.4426950408889634
             _store_final(Out, Lse, b64, heads, rows, offs_d, row_ok, live_row, m_i, l_i, acc, D,
-                         s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, WRITE_LSE)
+                         s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, sink2, WRITE_LSE, HAS_SINKS)
         else:
             idx = ws_row * S + split
             tl.store(WsM + idx, tl.where(live_row, m_i, float("-inf")), mask=row_ok)
@@ -233,9 +253,16 @@ if triton is not None:
 
     @triton.jit
     def _store_final(Out, Lse, b64, heads, rows, offs_d, row_ok, live_row, m_i, l_i, acc, D,
-                     s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, WRITE_LSE: tl.constexpr):
-        """out = acc / l and lse = (m + log2 l) * ln 2 of each packed row; rows with l = 0 (no allowed key)
-        and padding rows write 0 and -inf."""
+                     s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, sink2, WRITE_LSE: tl.constexpr,
+                     HAS_SINKS: tl.constexpr):
+        """out = acc / l and lse = (m + log2 l) * ln 2 of each packed row, a sink merged first; rows with l = 0
+        (no allowed key) and padding rows write 0 and -inf (with a sink: the sink)."""
+        if HAS_SINKS:
+            m_i = tl.where(live_row, m_i, float("-inf"))  # a padding row: the sink alone
+            l_i = tl.where(live_row, l_i, 0.0)
+            acc = tl.where(live_row[:, None], acc, 0.0)
+            m_i, l_i, acc = tiles.with_sink(m_i, l_i, acc, sink2, 1)
+            live_row = row_ok
         live = live_row & (l_i != 0.0)
         l_div = tl.where(live, l_i, 1.0)
         out = tl.where(live[:, None], acc / l_div[:, None], 0.0)
@@ -248,8 +275,9 @@ if triton is not None:
 
     @triton.jit
     def decode_merge_kernel(
-        WsM, WsL, WsAcc, Out, Lse, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
+        WsM, WsL, WsAcc, Out, Lse, Sinks, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, Hq, Nq, D, S,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         """One program per (b, h, i) row and BLOCK_D columns of it: combine the row's S split states with the
         lse rule (module docstring), BLOCK_S splits at a time with a running max, and write those columns of
@@ -282,6 +310,14 @@ if triton is not None:
                           mask=ok[:, None] & (offs_d < D)[None, :], other=0.0)
             l = l * alpha + tl.sum(l_s * w, 0)
             acc = acc * alpha + tl.sum(a_s * w[:, None], 0)
+            m = m_new
+        if HAS_SINKS:  # the row's head's sink, once: one more state of m = sink, l = 1, acc = 0
+            sink2 = tl.load(Sinks + h) * 1.4426950408889634
+            m_new = tl.maximum(m, sink2)
+            gone = m_new == float("-inf")
+            alpha = tl.where(gone, 0.0, tl.math.exp2(m - m_new))
+            l = l * alpha + tl.where(gone, 0.0, tl.math.exp2(sink2 - m_new))
+            acc = acc * alpha
             m = m_new
         live = l != 0.0
         l_div = tl.where(live, l, 1.0)
