@@ -349,8 +349,8 @@ def score_mod_cases() -> list[Case]:
          align="bottom_right", softcap=2.0, alibi="bh", sinks=True),
     Case("dec_nq4_all_mods_kv_len", B=3, Hq=8, Hkv=2, Nq=4, Nk=70, D=32, causal=True, align="bottom_right",
          kv_len=(70, 0, 33), softcap=4.0, alibi="bh", sinks=True),
-    Case("dec_nq1_sinks_window", B=2, Hq=4, Hkv=1, Nq=1, Nk=90, D=16, window=(25, 0), align="bottom_right",
-         sinks=True),
+    Case("dec_nq1_all_mods_window", B=2, Hq=4, Hkv=1, Nq=1, Nk=90, D=16, window=(25, 0), align="bottom_right",
+         softcap=3.0, alibi="h", sinks=True),
 ]
 
 

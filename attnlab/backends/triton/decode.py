@@ -433,7 +433,7 @@ class _Plan:
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
             mods.softcap * _kern.LOG2E if mods.softcap is not None else 0.0,
         )
-        self.has_sinks = mods.sinks is not None
+        self.has_sinks, self.has_mods = mods.sinks is not None, mods.any
         self.block_d = padded_head_dim(prob.D)
         self.cfg = cfg
         self.pdl = PDL and not interpret and _has_pdl(prob.device.index or 0)
@@ -524,6 +524,8 @@ class _Plan:
         q_len, mask, block_table) -> (out, lse or None)``, allocating out and lse as :meth:`launch` does and
         keeping the split states in the buffer held for the stream (a new one under graph capture, with
         HOLD_WORKSPACE off, or while that buffer's lock is taken); with a paged cache k and v are the caches."""
+        if self.has_mods:  # a fast call passes q's address for the slopes and sinks: none for such a plan
+            return None
         write_lse = lse is not None
         split, merge = self._kernels(write_lse)
         lse_arg = lse if write_lse else out
