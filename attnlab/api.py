@@ -26,7 +26,7 @@ from attnlab import backends as _backends
 from attnlab import fast_calls as _calls
 from attnlab import kv_append
 from attnlab.masks import plain_int
-from attnlab.options import Options, define_op
+from attnlab.options import Options, define_op, eager_function, plain_eager
 from attnlab.paged import gather_paged, paged_kv, paged_placeholders
 from attnlab.problem import make_problem
 from attnlab.textbook_backward import sum_to_shape, textbook_backward
@@ -161,7 +161,7 @@ def attention(
             spec = _problem(q, k, v, kv_len, q_len, mask, *mods, opts).spec
             kv_len, q_len = spec.kv_len, spec.q_len
         args = (q, k, v, kv_len, q_len, mask, block_table, *mods, *opts.flat(), backend, return_lse, needs_grad)
-        eager = not torch.compiler.is_compiling() and _plain_eager(q, k, v)
+        eager = not torch.compiler.is_compiling() and plain_eager(q, k, v)
         out, lse = _EagerAttention.apply(*args) if eager else torch.ops.attnlab.attention(*args)
     return (out, lse) if return_lse else out
 
@@ -176,16 +176,6 @@ def _check_call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, 
     prob = _problem(q, kd, vd, kv_len, q_len, mask, alibi_slopes, sinks, opts)
     paged_kv(k, v, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk, dtype=prob.dtype,
              device=prob.device, kv_len=prob.spec.kv_len)
-
-
-def _plain_eager(*tensors: torch.Tensor) -> bool:
-    """Whether a call that needs a gradient may skip the dispatcher: plain tensors with storage and no
-    dispatch mode active. Fake and meta tensors, and tracers such as make_fx or FlopCounterMode, go
-    through the op (its fake implementation)."""
-    if any(type(t) is not torch.Tensor or t.is_meta for t in tensors):
-        return False
-    stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    return stack is None or stack() == 0
 
 
 def _lengths_arg(value: Any) -> Any:
@@ -379,19 +369,7 @@ def _backward(ctx, dout, dlse, backward_op=None):
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerAttention(torch.autograd.Function):
-    """The op and its autograd formula, run eagerly without the dispatcher (a call that needs a gradient and
-    is not being traced). The same implementation, the same saved tensors, the same backward; what it saves is
-    torch's first-use cost of a custom op's dispatch (it imports torch._dynamo: seconds in the first training
-    step of every process)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _attention_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # as the op: no double backward (its backward has no formula)
-    def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, _attention_backward_impl)
+#: The op and its autograd formula run eagerly, without the dispatcher (a call that needs a gradient and is not
+#: being traced): the same implementation, saved tensors and backward.
+_EagerAttention = eager_function("_EagerAttention", _attention_impl, _setup_context, _backward,
+                                 _attention_backward_impl)

@@ -88,3 +88,32 @@ def _op_function(name: str, before: list[tuple[str, Any]], after: list[tuple[str
     fn.__signature__ = inspect.Signature(params, return_annotation=returns)
     fn.__name__ = fn.__qualname__ = name
     return fn
+
+
+def eager_function(name: str, impl, setup_context, backward, backward_impl) -> type:
+    """A ``torch.autograd.Function`` running an op's implementation ``impl`` and autograd formula (``backward``
+    called with ``backward_impl``) without the dispatcher: the same saved tensors and backward as the op, minus
+    torch's first-use cost of a custom op's dispatch (it imports torch._dynamo: seconds in the first training
+    step of a process). No double backward, as the op (its backward has no formula)."""
+
+    def forward(ctx, *inputs):
+        output = impl(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    @torch.autograd.function.once_differentiable
+    def run_backward(ctx, *grads):
+        return backward(ctx, *grads, backward_impl)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(run_backward)})
+
+
+def plain_eager(*tensors: torch.Tensor) -> bool:
+    """Whether a call that needs a gradient may skip the dispatcher (:func:`eager_function`): plain tensors with
+    storage and no dispatch mode active. Fake and meta tensors, and tracers such as make_fx or FlopCounterMode,
+    go through the op (its fake implementation)."""
+    if any(type(t) is not torch.Tensor or t.is_meta for t in tensors):
+        return False
+    stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return stack is None or stack() == 0

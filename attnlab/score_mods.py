@@ -29,15 +29,12 @@ class ScoreMods:
     alibi: torch.Tensor | None = None
     #: the caller's sinks [Hq] (any float dtype; its gradient is returned in that dtype)
     sinks: torch.Tensor | None = None
+    #: the sinks as the kernels read them: float32, contiguous, detached (made once per call)
+    sinks32: torch.Tensor | None = None
 
     @property
     def any(self) -> bool:
         return self.softcap is not None or self.alibi is not None or self.sinks is not None
-
-    @property
-    def sinks32(self) -> torch.Tensor | None:
-        """The sinks as the kernels read them: float32, contiguous."""
-        return None if self.sinks is None else self.sinks.detach().float().contiguous()
 
     @classmethod
     def build(cls, B: int, Hq: int, device: torch.device, softcap: Any = None, alibi_slopes: Any = None,
@@ -71,7 +68,7 @@ class ScoreMods:
             if tuple(t.shape) != (Hq,):
                 raise ValueError(f"sinks must have shape [Hq] = [{Hq}]; got {list(t.shape)}")
             sinks = t
-        return cls(softcap, alibi, sinks)
+        return cls(softcap, alibi, sinks, None if sinks is None else sinks.detach().float().contiguous())
 
     def empty_lse(self, lse: torch.Tensor) -> torch.Tensor:
         """The lse of rows with no allowed key, shaped like ``lse`` ([B, Hq, N]): -inf, or each head's sink."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from attnlab.api import attention
-from attnlab.options import Options, define_op
+from attnlab.options import Options, define_op, eager_function, plain_eager
 from attnlab.problem import Problem, make_packed_problem
 
 
@@ -79,7 +79,7 @@ def attention_varlen(
             *opts.flat(), backend, return_lse, needs_grad)
     if prob is not None and not needs_grad:
         out, lse = _forward(prob, return_lse)
-    elif not torch.compiler.is_compiling() and _plain(q, k, v):
+    elif not torch.compiler.is_compiling() and plain_eager(q, k, v):
         out, lse = _EagerVarlen.apply(*args)
     else:
         out, lse = torch.ops.attnlab.attention_varlen(*args)
@@ -100,14 +100,6 @@ def _packed_route(backend: str, q: torch.Tensor) -> bool:
     if backend == "triton":
         return True
     return backend == "auto" and q.device.type == "cuda" and IMPORT_ERROR is None
-
-
-def _plain(*tensors: torch.Tensor) -> bool:
-    """Plain tensors with storage and no dispatch mode active (see :func:`attnlab.api._plain_eager`)."""
-    if any(type(t) is not torch.Tensor or t.is_meta for t in tensors):
-        return False
-    stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    return stack is None or stack() == 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,19 +212,7 @@ def _backward(ctx, dout, dlse, backward_op=None):
 _varlen_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerVarlen(torch.autograd.Function):
-    """The op and its autograd formula run eagerly without the dispatcher (as :class:`attnlab.api._EagerAttention`)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _varlen_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, _varlen_backward_impl)
+_EagerVarlen = eager_function("_EagerVarlen", _varlen_impl, _setup_context, _backward, _varlen_backward_impl)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -167,10 +167,8 @@ if triton is not None:
         i0 = pid_m * BLOCK_M
         zero = i0 * 0
         # (QLen stands in for the keys' prefix sums too: only the rows are used here)
-        q0, _, Lq, _, _ = tiles.sequence(QLen, QLen, b, zero, Nq, Nq, Tq, Tq, VARLEN, False, HAS_Q_LEN, False)
-        n_rows = Nq
-        if VARLEN:
-            n_rows = Lq  # a packed sequence's rows end at its length: the next sequence follows
+        q0, _, Lq, _, _, n_rows, _ = tiles.sequence(QLen, QLen, b, zero, Nq, Nq, Tq, Tq, VARLEN, False, HAS_Q_LEN,
+                                                    False)
         offs_m = tl.arange(0, BLOCK_M)
         offs_dv = tl.arange(0, BLOCK_DV)
         rows = i0 + offs_m
@@ -256,12 +254,10 @@ if triton is not None:
         b = tl.program_id(2)
         n0 = pid_n * BLOCK_N
         zero = n0 * 0
-        q0, k0, Lq, Lk, off = tiles.sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN, HAS_KV_LEN, HAS_Q_LEN,
-                                             BOTTOM_RIGHT)
         row_base_nq = Nq  # Delta and Lse2 are laid out by the bound, not by a packed sequence's length
-        if VARLEN:  # a packed sequence's rows and keys end at its own lengths: the next sequence follows
-            Nq = Lq
-            Nk = Lk
+        # (Nq, Nk become the bounds of this program's rows and keys: a packed sequence's own lengths)
+        q0, k0, Lq, Lk, off, Nq, Nk = tiles.sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN, HAS_KV_LEN,
+                                                     HAS_Q_LEN, BOTTOM_RIGHT)
         t_lo, f_lo, f_hi, t_hi = _query_tiles(n0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
                                               HAS_LEFT, HAS_RIGHT)
 
@@ -365,12 +361,10 @@ if triton is not None:
         b = tl.program_id(2)
         i0 = pid_m * BLOCK_M
         zero = i0 * 0
-        q0, k0, Lq, Lk, off = tiles.sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN, HAS_KV_LEN, HAS_Q_LEN,
-                                             BOTTOM_RIGHT)
         row_base_nq = Nq  # Delta and Lse2 are laid out by the bound, not by a packed sequence's length
-        if VARLEN:  # a packed sequence's rows and keys end at its own lengths: the next sequence follows
-            Nq = Lq
-            Nk = Lk
+        # (Nq, Nk become the bounds of this program's rows and keys: a packed sequence's own lengths)
+        q0, k0, Lq, Lk, off, Nq, Nk = tiles.sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN, HAS_KV_LEN,
+                                                     HAS_Q_LEN, BOTTOM_RIGHT)
         t_lo, f_lo, f_hi, t_hi = tiles.key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N,
                                             HAS_LEFT, HAS_RIGHT)
 

@@ -304,11 +304,9 @@ if triton is not None:
         kvh = h // group
         i0 = pid_m * BLOCK_M
         zero = i0 * 0  # an int32 scalar tensor: keeps every bound below a tensor (also when Nk == 1)
-        q0, k0, Lq, Lk, off = tiles.sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN, HAS_KV_LEN, HAS_Q_LEN,
-                                             BOTTOM_RIGHT)
-        if VARLEN:  # a packed sequence's rows and keys end at its own lengths: the next sequence follows
-            Nq = Lq
-            Nk = Lk
+        # (Nq, Nk become the bounds of this program's rows and keys: a packed sequence's own lengths)
+        q0, k0, Lq, Lk, off, Nq, Nk = tiles.sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN, HAS_KV_LEN,
+                                                     HAS_Q_LEN, BOTTOM_RIGHT)
         t_lo, f_lo, f_hi, t_hi = tiles.key_tiles(i0, Lk, Lq, off, win_left, win_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                             HAS_RIGHT)
         offs_m = tl.arange(0, BLOCK_M)

@@ -61,11 +61,13 @@ if triton is not None:
     @triton.jit
     def sequence(KvLen, QLen, b, zero, Nq, Nk, Tq, Tk, VARLEN: tl.constexpr, HAS_KV_LEN: tl.constexpr,
                  HAS_Q_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
-        """(q0, k0, Lq, Lk, off) of batch entry b: its first row and first key in the tensors, its effective
-        lengths and its diagonal offset. Unpacked, q0 = k0 = 0 and the rest is :func:`lengths`. Packed
+        """(q0, k0, Lq, Lk, off, n_rows, n_keys) of batch entry b: its first row and first key in the tensors,
+        its effective lengths, its diagonal offset, and the bounds every load and store of its rows and keys
+        keeps to. Unpacked, q0 = k0 = 0, the lengths are :func:`lengths`' and the bounds Nq and Nk. Packed
         (``VARLEN``), QLen and KvLen are the prefix sums cu_seqlens_q and cu_seqlens_k: sequence b's rows
         are ``[cu_q[b], cu_q[b+1])`` clamped into the Tq rows of the tensor and cut to at most Nq
-        (max_seqlen_q), its keys likewise, so that no prefix sum makes an access leave the tensors."""
+        (max_seqlen_q), its keys likewise, and the bounds are its own lengths (the next sequence follows), so
+        that no prefix sum makes an access leave the tensors or cross into another sequence."""
         if VARLEN:
             q0 = tl.minimum(tl.maximum(tl.load(QLen + b), 0), Tq)
             q1 = tl.minimum(tl.maximum(tl.load(QLen + b + 1), q0), Tq)
@@ -77,11 +79,15 @@ if triton is not None:
                 off = Lk - Lq
             else:
                 off = zero
+            n_rows = Lq
+            n_keys = Lk
         else:
             q0 = zero
             k0 = zero
             Lk, Lq, off = lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
-        return q0, k0, Lq, Lk, off
+            n_rows = Nq
+            n_keys = Nk
+        return q0, k0, Lq, Lk, off, n_rows, n_keys
 
     @triton.jit
     def key_range(lo, i0, i_last, Lk, off, win_left, win_right, HAS_LEFT: tl.constexpr,
