@@ -109,7 +109,8 @@ def test_suites_are_well_formed():
     assert all(c.Nq == 512 and c.nk == 8192 and c.align == "bottom_right" for c in bench.prefill_suite())
     assert max(c.Nq for c in bench.memory_suite()) == 32768
     # quick is a smoke run and tuning a comparison run by name only: neither is part of --suite all
-    assert "quick" not in bench.ALL_ORDER and set(bench.ALL_ORDER) == set(bench.SUITES) - {"quick", "tuning"}
+    assert "quick" not in bench.ALL_ORDER
+    assert set(bench.ALL_ORDER) == set(bench.SUITES) - {"quick", "tuning", "scoremod", "scoremod-decode"}
     assert bench.ALL_ORDER == ("fp32", "padding", "prefill", "decode", "memory", "dense", "latency", "bias",
                                "backward")
     assert bench.recorded_suites() == bench.ALL_ORDER
@@ -538,6 +539,75 @@ def test_new_suites_are_as_the_issues_ask():
     assert [c.kv_len for c in bw if c.kv_len is not None] == [bench.padding_suite()[0].kv_len]
     assert bench.SUITES["latency"].backends and "sdpa-flash" in bench.SUITES["latency"].backends
     assert all(bench.SUITES[s].deadline_s for s in ("latency", "bias", "backward"))
+
+
+def test_the_scoremod_suites_are_as_issue_31_asks():
+    cases = {c.name: c for c in bench.scoremod_suite()}
+    big = [c for c in cases.values() if c.Hq == 16]
+    assert all((c.B, c.Nq, c.D, c.dtype, c.backward) == (4, 4096, 128, "bfloat16", True) for c in big)
+    for mask in ("full", "causal"):
+        for tag in ("softcap50", "alibi", "sinks", "plain"):
+            assert f"bf16_b4_h16_n4096_d128_{mask}_{tag}" in cases
+    assert cases["bf16_b4_h16_n4096_d128_causal_softcap50"].softcap == 50.0
+    assert cases["bf16_b4_h16_n4096_d128_full_alibi"].alibi == "h"
+    oss = [c for c in cases.values() if c.Hq == 64]
+    assert {c.sinks for c in oss} == {True, False}
+    assert all((c.hkv, c.D, c.window, c.backward) == (8, 64, (127, 0), True) for c in oss)
+    assert bench.SUITES["scoremod"].backends == ("auto", "flex", "sdpa-cudnn")
+    dec = bench.scoremod_decode_suite()
+    assert all((c.B, c.Hq, c.hkv, c.nk, c.D) == (8, 32, 8, 32768, 128) for c in dec)
+    assert {c.Nq for c in dec if c.append} == {1, 4} and all(c.Nq == c.append for c in dec if c.append)
+    assert sum(c.sinks for c in dec) == 1 and sum(c.softcap is not None for c in dec) == 1
+    plain4 = [c for c in dec if c.Nq == 4 and not c.append]  # the append call's twin over the same keys
+    assert len(plain4) == 1 and plain4[0].align == "bottom_right"
+    assert "auto-paged16" in bench.SUITES["scoremod-decode"].backends
+
+
+def test_the_rivals_score_mods_follow_the_contract():
+    """SDPA's materialized ALiBi bias and flex's score_mod give the reference's scores (FlashAttention's rule,
+    Nq != Nk, causal folded in as -inf); the textbook baseline counts the sink."""
+    from attnlab.bench.competitors import alibi_mask, flex_score_mod
+    from attnlab.bench.truth import textbook
+    from attnlab.problem import make_problem
+    from attnlab.reference import masked_scores, reference
+
+    case = bench.BenchCase("t", "m", B=2, Hq=3, Nq=5, Nk=9, D=8, dtype="float32", causal=True, align="top_left",
+                           alibi="h", softcap=4.0, sinks=True)
+    inp = bench.make_case_inputs(case, "cpu", seed=3, sets=1)
+    kw = dict(inp.kw)
+    plain = make_problem(inp.qs[0], inp.ks[0], inp.vs[0], causal=True, align="top_left")
+    alibi = make_problem(inp.qs[0], inp.ks[0], inp.vs[0], alibi_slopes=kw["alibi_slopes"])
+    bias = alibi_mask(alibi, None, True).double()
+    want = masked_scores(alibi, 0, 5, torch.float64) - masked_scores(plain, 0, 5, torch.float64)
+    assert torch.equal(torch.isinf(bias), torch.isinf(want))
+    assert torch.allclose(bias[~torch.isinf(bias)], want[~torch.isinf(want)], atol=1e-6)
+    mod = flex_score_mod(case, kw, None)
+    s = masked_scores(make_problem(inp.qs[0], inp.ks[0], inp.vs[0]), 0, 5, torch.float64)
+    b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(3).view(1, 3, 1, 1)
+    i, j = torch.arange(5).view(1, 1, 5, 1), torch.arange(9).view(1, 1, 1, 9)
+    got = mod(s, b, h, i, j)
+    full = make_problem(inp.qs[0], inp.ks[0], inp.vs[0], softcap=4.0, alibi_slopes=kw["alibi_slopes"])
+    assert torch.allclose(got, masked_scores(full, 0, 5, torch.float64), atol=1e-5)
+    ref, _ = reference(inp.qs[0], inp.ks[0], inp.vs[0], **kw)
+    assert torch.allclose(textbook(inp.qs[0], inp.ks[0], inp.vs[0], kw), ref.float(), atol=1e-5)
+
+
+def test_an_append_case_writes_the_keys_its_cache_holds():
+    """The append call's keywords: lengths Nk - n before, copies of the last n keys; the call then equals the
+    plain attention over all Nk keys, and the cache is unchanged."""
+    import attnlab
+    from attnlab.bench.competitors import call_keywords
+
+    case = bench.BenchCase("t", "a", B=2, Hq=4, Hkv=2, Nq=3, Nk=11, D=8, dtype="float32", causal=True,
+                           align="bottom_right", append=3)
+    inp = bench.make_case_inputs(case, "cpu", seed=2, sets=2)
+    kws = call_keywords(inp)
+    assert len(kws) == 2 and kws[1]["kv_len"].tolist() == [8, 8]
+    assert torch.equal(kws[1]["k_new"], inp.ks[1][:, :, 8:]) and kws[1]["k_new"].data_ptr() != inp.ks[1].data_ptr()
+    before = inp.ks[1].clone()
+    got = attnlab.attention(inp.qs[1], inp.ks[1], inp.vs[1], backend="torch", **kws[1])
+    want = attnlab.attention(inp.qs[1], inp.ks[1], inp.vs[1], backend="torch", **inp.kw)
+    assert torch.equal(inp.ks[1], before) and torch.allclose(got, want, atol=1e-6)
 
 
 def test_alibi_bias_and_sliced_truth():

@@ -181,6 +181,8 @@ from attnlab.bench.suites import (  # noqa: F401
     quick_suite,
     recorded_suites,
     row_keys,
+    scoremod_decode_suite,
+    scoremod_suite,
     suite_cases,
 )
 from attnlab.bench.timing import (  # noqa: F401

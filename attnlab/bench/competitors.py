@@ -10,6 +10,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -93,6 +94,40 @@ def _attnlab_backend(name: str, inp: CaseInputs):
     return be, prob
 
 
+def call_keywords(inp: CaseInputs) -> list[dict[str, Any]]:
+    """The keywords of attnlab's call on each input set. An ``append`` case's call writes the cache's last
+    ``append`` keys and values itself (``k_new``/``v_new``, copies made here, untimed; ``kv_len`` = Nk -
+    append on the GPU): the values those positions hold already, so every call writes the same and attends as
+    the plain call over all Nk keys (the truth)."""
+    n = inp.case.append
+    if not n:
+        return [inp.kw] * inp.sets
+    if "kv_len" in inp.kw or inp.kw.get("layout", "bhnd") != "bhnd":
+        raise Unsupported("an append case appends to a full cache in layout bhnd")
+    nk = inp.case.nk
+    before = torch.full((inp.case.B,), nk - n, dtype=torch.int32, device=inp.device)
+    return [{**inp.kw, "kv_len": before, "k_new": k[:, :, nk - n:].clone(), "v_new": v[:, :, nk - n:].clone()}
+            for k, v in zip(inp.ks, inp.vs)]
+
+
+def append_notes(inp: CaseInputs) -> list[str]:
+    n = inp.case.append
+    return [f"k_new/v_new: the call writes {n} new key(s) per sequence, then attends"] if n else []
+
+
+def _refuse_extras(inp: CaseInputs, who: str, takes_alibi: bool = False) -> None:
+    """A rival without attnlab's extras: :class:`Unsupported` for the ones it cannot express."""
+    case = inp.case
+    if case.append:
+        raise Unsupported(f"{who} has no KV append (a separate copy would be a different call)")
+    if case.sinks:
+        raise Unsupported(f"{who} has no attention sinks")
+    if case.softcap is not None and who.startswith("SDPA"):
+        raise Unsupported("SDPA has no softcap")
+    if case.alibi is not None and not takes_alibi:
+        raise Unsupported(f"{who} has no ALiBi slopes")
+
+
 def _public_prepared(name: str, be, call: Callable[[int], torch.Tensor], notes: Sequence[str] = (),
                      setup_bytes: int = 0) -> Prepared:
     """A public-call competitor's :class:`Prepared`: ``call`` timed as it is, its checked call under
@@ -125,12 +160,12 @@ def _attnlab_competitor(name: str) -> Competitor:
         from attnlab.api import attention
 
         be, _ = _attnlab_backend(name, inp)
-        qs, ks, vs, kw = inp.qs, inp.ks, inp.vs, inp.kw
+        qs, ks, vs, kws = inp.qs, inp.ks, inp.vs, call_keywords(inp)
 
         def call(i: int) -> torch.Tensor:
-            return attention(qs[i], ks[i], vs[i], backend=name, **kw)
+            return attention(qs[i], ks[i], vs[i], backend=name, **kws[i])
 
-        return _public_prepared(name, be, call)
+        return _public_prepared(name, be, call, append_notes(inp))
 
     return Competitor(name, "attnlab", prepare)
 
@@ -156,13 +191,14 @@ def _paged_competitor(name: str) -> Competitor:
             raise Unsupported(f"paged rows need layout bhnd and Nk a multiple of {block_size}")
         caches = [to_paged(k, v, block_size, seed=i) for i, (k, v) in enumerate(zip(inp.ks, inp.vs))]
         setup = sum(t.numel() * t.element_size() for c in caches for t in c)
-        qs, kw = inp.qs, inp.kw
+        qs, kws = inp.qs, call_keywords(inp)
 
         def call(i: int) -> torch.Tensor:
             kc, vc, bt = caches[i]
-            return attention(qs[i], kc, vc, block_table=bt, backend=base, **kw)
+            return attention(qs[i], kc, vc, block_table=bt, backend=base, **kws[i])
 
-        return _public_prepared(base, be, call, [f"paged cache, blocks of {block_size} keys"], setup)
+        return _public_prepared(base, be, call, [f"paged cache, blocks of {block_size} keys", *append_notes(inp)],
+                                setup)
 
     return Competitor(name, "attnlab", prepare)
 
@@ -210,6 +246,7 @@ def _sdpa_competitor(name: str) -> Competitor:
 
         if not hasattr(SDPBackend, kind):
             raise Unavailable(f"this torch has no SDPBackend.{kind}")
+        _refuse_extras(inp, "SDPA", takes_alibi=True)
         sdp = getattr(SDPBackend, kind)
         prob = make_problem(inp.qs[0], inp.ks[0], inp.vs[0], **inp.kw)
         notes: list[str] = []
@@ -225,6 +262,9 @@ def _sdpa_competitor(name: str) -> Competitor:
             notes.append("bottom-right causal as torch.nn.attention.bias.causal_lower_right")
         else:
             attn_mask, is_causal, empty = sdpa_inputs(prob)
+            if prob.mods.alibi is not None:  # the bias materialized, the mask folded in (untimed)
+                attn_mask, is_causal = alibi_mask(prob, attn_mask, is_causal), False
+                notes.append("ALiBi as a materialized float bias [B, Hq, Nq, Nk] with the mask folded in")
             setup = attn_mask.numel() * attn_mask.element_size() if attn_mask is not None else 0
         group = prob.group
         ks, vs = inp.ks, inp.vs
@@ -272,6 +312,21 @@ def _sdpa_competitor(name: str) -> Competitor:
     return Competitor(name, "torch", prepare)
 
 
+def alibi_mask(prob, attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+    """SDPA's ``attn_mask`` for ``prob``'s ALiBi slopes: the bias of the contract's rule (FlashAttention's)
+    materialized [B, Hq, Nq, Nk] in the input dtype, with the mask (``attn_mask`` or ``is_causal``) as -inf."""
+    from attnlab.reference import effective_lengths
+
+    zeros = torch.zeros(prob.B, prob.Hq, prob.Nq, prob.Nk, device=prob.device, dtype=torch.float32)
+    bias = prob.mods.scores(zeros, 0, *effective_lengths(prob))
+    if is_causal:
+        bias = bias.masked_fill(~torch.ones(prob.Nq, prob.Nk, dtype=torch.bool, device=prob.device).tril(),
+                                float("-inf"))
+    elif attn_mask is not None:
+        bias = bias.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else bias + attn_mask
+    return bias.to(prob.dtype)
+
+
 def _set_dynamo_limits() -> None:
     """Raise dynamo's recompile limit and make hitting it an error, not a silent fallback to eager."""
     import torch._dynamo.config as dcfg
@@ -285,6 +340,28 @@ def _set_dynamo_limits() -> None:
         if attr in names or hasattr(dcfg, attr):
             with contextlib.suppress(Exception):
                 setattr(dcfg, attr, True)
+
+
+def flex_score_mod(case, kw: dict[str, Any], inner: Callable | None) -> Callable | None:
+    """flex's ``score_mod`` for a case with softcap or ALiBi: the same rule as attnlab's (cap first, then
+    -slope * |i + Nk - Nq - j|, on the scaled score), after the mask's own score_mod ``inner`` if any."""
+    cap, slopes = case.softcap, kw.get("alibi_slopes")
+    if cap is None and slopes is None:
+        return inner
+    if slopes is not None and ("kv_len" in kw or "q_len" in kw):
+        raise Unsupported("flex ALiBi here assumes full lengths")
+    shift = case.nk - case.Nq
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if cap is not None:
+            score = cap * torch.tanh(score / cap)
+        if inner is not None:
+            score = inner(score, b, h, q_idx, kv_idx)
+        if slopes is not None:
+            score = score - slopes[h] * (q_idx + shift - kv_idx).abs()
+        return score
+
+    return score_mod
 
 
 #: Compile and run flex on CPU tensors too (off: compiling there is slow; on for debugging the harness).
@@ -302,7 +379,9 @@ def _flex_competitor() -> Competitor:
         import torch._dynamo
 
         case, spec = inp.case, inp.spec
+        _refuse_extras(inp, "flex", takes_alibi=True)
         mask_mod, score_mod, by_b, by_h = spec.flex_mods()
+        score_mod = flex_score_mod(case, inp.kw, score_mod)
         torch._dynamo.reset()  # one static compilation per case
         _set_dynamo_limits()
         block_mask = None

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from attnlab.bench.schema import DTYPES
-from attnlab.cases import ShapeDefaults, mask_keywords
+from attnlab.cases import ShapeDefaults, mask_keywords, score_mod_keywords
 from attnlab.masks import MaskSpec
 
 # ---------------------------------------------------------------------------------------------------------
@@ -41,6 +41,12 @@ class BenchCase(ShapeDefaults):
     q_len: tuple[int, ...] | None = None
     bias: str | None = None  #: an explicit bias: ``"alibi"`` (:func:`alibi_bias`, [1, Hq, Nq, Nk], the case dtype)
     backward: bool = False  #: timed as fwd, fwd+bwd and bwd (:mod:`attnlab.bench.grad`): three rows
+    softcap: float | None = None  #: the ``softcap`` keyword
+    alibi: str | None = None  #: ``"h"``: ``alibi_slopes`` [Hq] (seeded in [0.1, 1), float32)
+    sinks: bool = False  #: ``sinks`` [Hq] (seeded N(0, 2^2), the case dtype)
+    #: the last ``append`` keys of the cache are written by the call itself (``k_new``/``v_new``, ``kv_len`` =
+    #: Nk - append), the values they already hold: the attention is the plain one over all Nk keys
+    append: int = 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -51,7 +57,13 @@ class BenchCase(ShapeDefaults):
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
     def keywords(self, device: torch.device | str) -> dict[str, Any]:
-        """Mask keywords for :func:`attnlab.attention` / :func:`attnlab.reference` (lengths, bias on ``device``)."""
+        """Keywords for :func:`attnlab.attention` / :func:`attnlab.reference`: the mask's (lengths, bias on
+        ``device``) and the score modifiers' (seeded: the same on every call)."""
+        gen = torch.Generator().manual_seed(11)
+        return {**self.mask_keywords(device), **score_mod_keywords(self, self.B, self.torch_dtype, device, gen)}
+
+    def mask_keywords(self, device: torch.device | str) -> dict[str, Any]:
+        """The mask's keywords alone (what :class:`MaskSpec` takes)."""
         kw = mask_keywords(self, device)
         if self.bias == "alibi":
             kw["mask"] = alibi_bias(self.Hq, self.Nq, self.nk, self.dtype, str(torch.device(device)))
@@ -59,10 +71,13 @@ class BenchCase(ShapeDefaults):
             raise ValueError(f"unknown bias {self.bias!r}; the benchmark knows 'alibi'")
         return kw
 
+    @property
+    def has_mods(self) -> bool:
+        return self.softcap is not None or self.alibi is not None or self.sinks
+
     def spec(self, device: torch.device | str = "cpu") -> MaskSpec:
         """The validated :class:`MaskSpec` of this case."""
-        kw = self.keywords(device)
-        return MaskSpec.build(self.B, self.Hq, self.Nq, self.nk, device=device, **kw)
+        return MaskSpec.build(self.B, self.Hq, self.Nq, self.nk, device=device, **self.mask_keywords(device))
 
     def describe(self) -> dict[str, Any]:
         """The case's columns of a CSV row."""
@@ -262,6 +277,45 @@ def tuning_suite(device: str = "cuda") -> list[BenchCase]:
     return moved + extra
 
 
+def scoremod_suite(device: str = "cuda") -> list[BenchCase]:
+    """Score modifiers in training (fwd, fwd+bwd, bwd), bf16: softcap 50 and ALiBi on B4 H16 N4096 D128, causal
+    and not (compiled flex with the same score_mod is the rival; sdpa-cudnn too for ALiBi, given the bias
+    materialized); sinks on the same shapes and on a gpt-oss-like layer (GQA 64/8, D64, a 128-key window), each
+    beside the same call without them. Tiny shapes on a CPU."""
+    cpu = str(device).startswith("cpu")
+    B, H, N, D = (1, 2, 32, 16) if cpu else (4, 16, 4096, 128)
+    cases = []
+    for c in (False, True):
+        mask = "causal" if c else "full"
+        for tag, mods in (("softcap50", {"softcap": 50.0}), ("alibi", {"alibi": "h"}), ("sinks", {"sinks": True}),
+                          ("plain", {})):
+            cases.append(BenchCase("scoremod", f"bf16_b{B}_h{H}_n{N}_d{D}_{mask}_{tag}", B=B, Hq=H, Nq=N, D=D,
+                                   causal=c, backward=True, **mods))
+    B, Hq, Hkv, N, D, W = (1, 4, 2, 40, 16, 8) if cpu else (2, 64, 8, 4096, 64, 128)
+    for tag, sinks in (("sinks", True), ("plain", False)):
+        cases.append(BenchCase("scoremod", f"bf16_b{B}_hq{Hq}_hkv{Hkv}_n{N}_d{D}_window{W}_{tag}", B=B, Hq=Hq,
+                               Hkv=Hkv, Nq=N, D=D, window=(W - 1, 0), sinks=sinks, backward=True))
+    return cases
+
+
+def scoremod_decode_suite(device: str = "cuda") -> list[BenchCase]:
+    """Decode with score modifiers and KV append, bf16 D128, B8 Hq32 Hkv8 over 32k keys (dense and paged
+    caches): Nq 1 plain, with sinks and with softcap 50; and the call that first writes its Nnew = Nq new keys
+    (1, and 4 with bottom-right causal) beside the plain call over the same keys. Tiny shapes on a CPU."""
+    B, Hq, Hkv, Nk, D = (2, 4, 2, 64, 16) if str(device).startswith("cpu") else (8, 32, 8, 32768, 128)
+    base = f"bf16_b{B}_hq{Hq}_hkv{Hkv}_nk{Nk}_d{D}"
+    one = dict(B=B, Hq=Hq, Hkv=Hkv, Nk=Nk, D=D)
+    cases = [BenchCase("scoremod-decode", f"{base}_nq1_{tag}", Nq=1, **one, **mods)
+             for tag, mods in (("plain", {}), ("sinks", {"sinks": True}), ("softcap50", {"softcap": 50.0}))]
+    for n in (1, 4):
+        mask = {"causal": True, "align": "bottom_right"} if n > 1 else {}
+        name = f"{base}_nq{n}" + ("_causal_br" if n > 1 else "")
+        cases.append(BenchCase("scoremod-decode", f"{name}_append{n}", Nq=n, append=n, **one, **mask))
+        if n > 1:
+            cases.append(BenchCase("scoremod-decode", f"{name}_plain", Nq=n, **one, **mask))
+    return cases
+
+
 @dataclass(frozen=True)
 class Suite:
     """One benchmark suite, as data: one entry of :data:`SUITES` adds it to ``--suite``, to ``all`` (when
@@ -305,6 +359,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           deadline_s=300.0),
     Suite("quick", quick_suite),
     Suite("tuning", tuning_suite, timing=(10, 50.0, 3), backends=("triton-table", "triton-tuned", "sdpa-cudnn")),
+    Suite("scoremod", scoremod_suite, timing=(10, 50.0, 3), backends=("auto", "flex", "sdpa-cudnn")),
+    Suite("scoremod-decode", scoremod_decode_suite, backends=("auto", "auto-paged16")),
 )}
 
 

@@ -68,7 +68,7 @@ def make_case_inputs(case: BenchCase, device: torch.device | str, seed: int = 0,
         douts = [torch.randn(case.B, case.Hq, case.Nq, case.D, device=device, dtype=dt, generator=gen)
                  for _ in range(sets)]
     kw = case.keywords(device)
-    spec = MaskSpec.build(case.B, case.Hq, case.Nq, case.nk, device=device, **kw)
+    spec = MaskSpec.build(case.B, case.Hq, case.Nq, case.nk, device=device, **case.mask_keywords(device))
     return CaseInputs(case, device, qs, ks, vs, kw, spec, douts)
 
 
@@ -172,7 +172,8 @@ def make_truth(inp: CaseInputs, full_scores: int = FULL_CHECK_SCORES) -> Truth:
 
 
 def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
-    """The textbook attention in the inputs' dtype, differentiable; rows with no allowed key give 0."""
+    """The textbook attention in the inputs' dtype, differentiable; rows with no allowed key give 0. Score
+    modifiers as the contract has them: softcap and ALiBi in the scores, a sink as one more key of value 0."""
     from attnlab.problem import make_problem
     from attnlab.reference import masked_scores
 
@@ -180,7 +181,11 @@ def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, An
     B, Hq, Hkv, Nq, Nk, D = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.D
     s = masked_scores(prob, 0, Nq, prob.dtype)
     empty = (s == float("-inf")).all(dim=-1, keepdim=True)
-    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    if prob.mods.sinks is not None:  # the sink's column keeps every row's softmax finite
+        sink = prob.mods.sinks.detach().to(s.dtype).view(1, Hq, 1, 1).expand(B, Hq, Nq, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :Nk]
+    else:
+        p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     o = torch.matmul(p.reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2))
     return o.reshape(B, Hq, Nq, D)
 

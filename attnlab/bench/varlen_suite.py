@@ -341,14 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     env = environment("cuda", ["varlen", *(argv if argv is not None else sys.argv[1:])])
     env["command"] = "python -m attnlab.bench.varlen_suite " + " ".join(argv if argv is not None else sys.argv[1:])
     folder = Path(args.out) / gpu_slug(env.get("gpu", "cpu"))
+    env["lengths"] = document_lengths()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "varlen.json").write_text(json.dumps(env, indent=1, default=str) + "\n")  # first: a cut run keeps it
     rows: list[dict[str, Any]] = []
     for case in CASES:
         if case.name in args.cases:
             with contextlib.suppress(KeyboardInterrupt):
                 rows += run_case(case, args.backends, device, lambda s: print(s, flush=True))
             write(folder / "varlen.csv", rows)
-    env["lengths"] = document_lengths()
-    (folder / "varlen.json").write_text(json.dumps(env, indent=1, default=str) + "\n")
     return 0
 
 
