@@ -592,6 +592,18 @@ def test_the_rivals_score_mods_follow_the_contract():
     assert torch.allclose(textbook(inp.qs[0], inp.ks[0], inp.vs[0], kw), ref.float(), atol=1e-5)
 
 
+@pytest.mark.parametrize("mods", [{"alibi": "h"}, {"sinks": True}])
+def test_a_sliced_truth_slices_the_score_modifiers_with_the_heads(mods):
+    from attnlab.reference import reference
+
+    case = bench.BenchCase("t", "m", B=3, Hq=6, Hkv=2, Nq=6, D=8, dtype="float32", causal=True, **mods)
+    inp = bench.make_case_inputs(case, "cpu", seed=4, sets=1)
+    truth = bench.make_truth(inp, full_scores=1)
+    assert truth.sl is not None and truth.sl[1] == [3, 4, 5]
+    full, _ = reference(inp.qs[0], inp.ks[0], inp.vs[0], **inp.kw)
+    assert torch.allclose(bench.take_slice(full, truth.sl), truth.ref, atol=1e-12)
+
+
 def test_an_append_case_writes_the_keys_its_cache_holds():
     """The append call's keywords: lengths Nk - n before, copies of the last n keys; the call then equals the
     plain attention over all Nk keys, and the cache is unchanged."""

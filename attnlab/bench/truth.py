@@ -139,6 +139,11 @@ def slice_inputs(inp: CaseInputs, sl) -> tuple[torch.Tensor, torch.Tensor, torch
     for key in ("kv_len", "q_len"):
         if key in kw:
             kw[key] = kw[key].index_select(0, bs)
+    if "sinks" in kw:  # [Hq]
+        kw["sinks"] = kw["sinks"].index_select(0, qh)
+    if "alibi_slopes" in kw:  # [Hq] or [B, Hq]
+        a = kw["alibi_slopes"]
+        kw["alibi_slopes"] = a.index_select(0, qh) if a.dim() == 1 else a.index_select(0, bs).index_select(1, qh)
     m = kw.get("mask")
     if m is not None:  # broadcast to [B, Hq, Nq, Nk] from the right: batch is dim -4, heads dim -3
         if m.dim() >= 4 and m.shape[-4] > 1:
