@@ -150,3 +150,41 @@ def test_compile_sees_one_op_and_differentiates_sinks():
     out.sum().backward()
     assert [o for o in ops if "attnlab" in o] == ["attnlab.attention"], ops
     assert sinks.grad is not None and sinks.grad.shape == (4,) and (sinks.grad != 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [
+    {"softcap": 7.0, "causal": True},
+    {"alibi_slopes": "h", "window": (5, 3)},
+    {"sinks": True, "kv_len": "gpu"},
+    {"softcap": 3.0, "alibi_slopes": "bh", "sinks": True, "causal": True, "align": "bottom_right"},
+], ids=["softcap", "alibi_window", "sinks_kvlen", "all"])
+def test_repeated_gpu_calls_with_modifiers_launch_the_plan_and_agree(kw):
+    """The forward's plan (the JIT once, then the compiled kernel's launcher with the call's own slopes and
+    sinks) against the float64 reference, call after call with new inputs of one signature."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from attnlab.backends.triton import forward as fwd
+
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, Nq, Nk, D = 3, 4, 2, 70, 90, 64
+    fwd.forget_plans()
+    for _ in range(3):
+        seed = int(torch.randint(0, 999, (), generator=g))
+        q, k, v = (t.cuda() for t in qkv(B, Hq, Hkv, Nq, Nk, D, BF16, seed=seed))
+        call = dict(kw)
+        if call.get("alibi_slopes") is not None:
+            shape = (Hq,) if call["alibi_slopes"] == "h" else (B, Hq)
+            call["alibi_slopes"] = (torch.rand(shape, generator=g) + 0.1).cuda()
+        if call.get("sinks"):
+            call["sinks"] = torch.randn(Hq, generator=g).cuda()
+        if call.get("kv_len") == "gpu":
+            call["kv_len"] = torch.randint(0, Nk + 1, (B,), generator=g).cuda()
+        if "causal" in call or "window" in call:
+            call.setdefault("align", "top_left")
+        got = attnlab.attention(q, k, v, backend="triton", **call)
+        ref, _ = attnlab.reference(q, k, v, **call)
+        assert torch.isfinite(got).all()
+        assert (got.double() - ref).abs().max().item() < 2e-2
+    (plan,) = fwd._PLANS.values()  # one signature, one plan: its later calls used the compiled kernel directly
+    assert plan.kernels

@@ -49,7 +49,7 @@ class TritonBackend(Backend):
             if not _empty(prob, out, lse):
                 jit_launch(prob, out, lse, _cfg.INTERPRETER_CONFIG, interpret=True)
             return
-        if prob.packed is not None or prob.mods.any:  # through the JIT: no forward plan takes prefix sums or mods
+        if prob.packed is not None:  # through the JIT: no forward plan takes prefix sums
             _on_device(prob, out, lse, lambda: jit_launch(prob, out, lse, _cfg.config_for(prob, out, lse, autotune),
                                                           interpret=False))
             return

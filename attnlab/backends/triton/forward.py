@@ -159,8 +159,10 @@ class _Plan:
         if explicit is not None and explicit.dtype == torch.bool:
             explicit = explicit.view(torch.uint8)
         head = (q, prob.k, prob.v)
+        mods = prob.mods  # the slopes' strides, the cap and which modifiers are present are in the plan's key
         mid = (spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q,
-               explicit if explicit is not None else q, q, q, *mid_rest)  # (no plan is made with modifiers)
+               explicit if explicit is not None else q, mods.alibi if mods.alibi is not None else q,
+               mods.sinks32 if mods.sinks is not None else q, *mid_rest)
         # The launcher takes every parameter in signature order, the constants (which come last) too.
         args = (*_bind(head, mid, tail, out, lse), *constants)
         _rt.run_compiled(kernel, self.grid, _rt.stream_of(self.device), args)
@@ -252,7 +254,7 @@ def autotune(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> Conf
     decide (docs/decisions.md, "How long a tune times each candidate").
     """
     plans: dict[Config, _Plan] = {}
-    if prob.packed is not None or prob.mods.any:  # no plan takes these: every candidate through the JIT
+    if prob.packed is not None:  # no plan takes prefix sums: every candidate through the JIT
 
         def launch(cfg: Config) -> None:
             jit_launch(prob, out, lse, cfg, interpret=False)
