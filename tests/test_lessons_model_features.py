@@ -1,0 +1,71 @@
+"""Notebook 11's helpers (attnlab.lessons.model_features): each figure and claim the notebook prints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnlab.lessons import model_features as mf
+
+
+def test_the_packed_mask_is_block_diagonal_and_causal():
+    m = mf.packed_mask([2, 3])
+    want = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]).bool()
+    assert torch.equal(m, want)
+    assert mf.packed_mask([2, 3], causal=False).sum().item() == 4 + 9
+    assert mf.prefix_sums([2, 3]).tolist() == [0, 2, 5]
+
+
+def test_padding_saved_counts_tokens_and_causal_pairs():
+    t = mf.padding_saved([1, 3])
+    assert t.loc["tokens"].tolist()[:2] == [4, 6]
+    assert t.loc["causal pairs per head"].tolist()[:2] == [1 + 6, 2 * 6]
+    assert t.loc["tokens", "padded / packed"] == pytest.approx(1.5)
+
+
+def test_varlen_equals_each_document_alone():
+    assert mf.varlen_against_documents([3, 1, 6], H=2, D=8) < 1e-5
+
+
+def test_softcap_curve_and_its_gradient():
+    c = mf.softcap_curve(10.0, lo=-50, hi=50, n=11)
+    assert c["capped"].abs().max() < 10.0 and c.loc[5, "capped"] == 0.0 and c.loc[5, "gradient"] == 1.0
+    assert c.loc[0, "gradient"] == pytest.approx(1 - math.tanh(5.0) ** 2)
+    assert mf.softcap_gradient_check(cap=2.0) < 1e-5
+
+
+def test_alibi_penalty_follows_the_contract_and_equals_a_bias():
+    p = mf.alibi_penalty(0.5, Nq=2, Nk=4)  # query i sits at key i + 2
+    assert p.tolist() == [[-1.0, -0.5, 0.0, -0.5], [-1.5, -1.0, -0.5, 0.0]]
+    assert mf.alibi_slopes(8).tolist()[0] == pytest.approx(0.5) and mf.alibi_slopes(8).dtype == torch.float32
+    assert mf.alibi_as_bias_check() < 1e-5
+
+
+def test_a_sink_takes_weight_and_gives_an_empty_row_its_value_as_lse():
+    t = mf.sink_rows(sink=0.75)
+    plain, sunk = t.xs("no sink"), t.xs("sink 0.75")
+    assert plain.loc[2, "lse"] == float("-inf") and sunk.loc[2, "lse"] == pytest.approx(0.75)
+    assert (sunk["|out|"][2], plain["|out|"][2]) == (0.0, 0.0)
+    assert plain.loc[0, "weight on keys"] == pytest.approx(1.0) and 0 < sunk.loc[0, "weight on keys"] < 1
+    # the sink's share is exp(sink - lse)
+    assert 1 - sunk.loc[1, "weight on keys"] == pytest.approx(math.exp(0.75 - sunk.loc[1, "lse"]))
+
+
+def test_the_decode_loop_writes_each_step_and_matches_the_whole_sequence():
+    loop = mf.decode_loop(steps=3, prompt=4, capacity=8)
+    assert loop["written into the cache"].all()
+    assert loop["keys attended"].tolist() == [5, 6, 7]
+    assert loop["max |out - whole sequence|"].max() < 1e-5
+
+
+def test_recorded_speed_tables_read_the_suites():
+    speed = mf.speed_table()
+    if speed is None:
+        pytest.skip("no recorded scoremod suite")
+    assert {"flex", "sdpa-cudnn"} <= set(speed["rival"]) and (speed["rival / attnlab"] > 0).all()
+    row = speed[(speed["feature"] == "softcap50 (full)") & (speed["pass"] == "forward")].iloc[0]
+    assert row["rival / attnlab"] == pytest.approx(row["rival ms"] / row["attnlab ms"])
+    cost = mf.modifier_cost()
+    assert cost is not None and {"sinks", "softcap", "append 1", "append 4"} <= set(cost["with"])
