@@ -24,6 +24,19 @@ def test_blog_table_ratios_come_from_the_suite():
     t = fp32_story.blog_vs_gpu(_suite())
     assert t["recorded (x rowmax)"].tolist() == pytest.approx([6.0, 24.0, 3.0, 1.0])
     assert t["blog (x rowmax)"].tolist() == [4.0, 3.2, 1.4, 1.0]
+    story = fp32_story.order_story(t)
+    assert story["blog"] == ["cuda-rowmax", "cuda-tiled", "cuda-naive", "torch"]
+    assert story["recorded"] == ["cuda-rowmax", "cuda-tiled", "torch", "cuda-naive"] and not story["same"]
+    assert story["naive slower than PyTorch (recorded)"] and not story["naive slower than PyTorch (blog)"]
+
+
+def test_blog_table_says_which_rows_waited_for_the_host():
+    suite = _suite().assign(host_us=lambda d: d["ms"] * 1e3 * 0.9, peak_extra_mib=2.0)
+    suite.loc[suite["backend"] == "cuda-naive", "host_us"] = 1.0
+    t = fp32_story.blog_vs_gpu(suite).set_index("attnlab backend")
+    assert t.loc["cuda-rowmax", "host-bound"] and not t.loc["cuda-naive", "host-bound"]
+    assert t["peak extra MiB"].tolist() == [2.0] * 4
+    assert fp32_story.blog_vs_gpu(_suite())["host us"].isna().all()  # not recorded: not guessed
 
 
 def test_fair_fp32_is_relative_to_sdpa_efficient_and_names_the_unsupported():

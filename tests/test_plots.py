@@ -124,6 +124,10 @@ def test_kernel_notes_and_thread_maps():
     assert kn.excerpt_text(text, "b", "c") == "b\n#pragma x\n    c"
     with pytest.raises(ValueError, match="not found"):
         kn.excerpt_text(text, "zzz")
+    with pytest.raises(ValueError, match="'zzz' not found after 'b'"):  # a lost end anchor fails too
+        kn.excerpt_text(text, "b", "zzz")
+    with pytest.raises(TypeError):  # no quiet mode: a notebook cannot print a note instead of the code
+        kn.excerpt("naive", "Pass 1", strict=False)
     assert isinstance(figures.thread_map(kn.rowmax_score_map(64), title="rowmax"), Figure)
 
 

@@ -392,7 +392,7 @@ def ladder_chart(lad: pd.DataFrame) -> Figure:
     colors = {"yes": "#3d7ea6", "no": "#bbbbbb", "opt-in": "#f4a259"}
     y = np.arange(len(lad))
     for yy, row in zip(y, lad.itertuples(index=False)):
-        label = f"{row.step}: {row.change} ({row.case})"
+        label = f"{row.step}: {row.change} ({getattr(row, 'case_label', row.case)})"
         if np.isfinite(row.speedup):
             ax.barh(yy, row.speedup - 1, left=1, color=colors[row.taken], height=0.6)
             ax.text(max(row.speedup, 1) + 0.004, yy, f"{row.speedup:.3f}x  ({row.before_ms:g} -> {row.after_ms:g} ms)",

@@ -26,6 +26,8 @@ FP32_BACKENDS = ("cuda-naive", "cuda-tiled", "cuda-rowmax", "triton", "torch", "
                  "flex")
 
 LADDER_PATH = ("notes", "rowmax_ladder.csv")
+#: The ladder's case labels as the notebooks say them (the CSV keeps its short ones).
+LADDER_CASES = {"seed": "blog's (B1 H8 N1024)", "large": "large (B8 H16 N2048)"}
 
 
 def _ok(df: pd.DataFrame, case: str) -> pd.Series:
@@ -35,14 +37,41 @@ def _ok(df: pd.DataFrame, case: str) -> pd.Series:
 
 def blog_vs_gpu(fp32: pd.DataFrame, case: str = BLOG_CASE) -> pd.DataFrame:
     """The blog's table beside the recorded suite: per implementation, the blog's time relative to rowmax,
-    the recorded time (ms) and the recorded time relative to ``cuda-rowmax`` (unrounded)."""
-    ms = _ok(fp32, case)
+    the recorded time (ms: the median of the public call, host included), that time relative to
+    ``cuda-rowmax`` (unrounded), the host's time per call (us), whether the call was host-bound (the host took at
+    least 80% of the call's time: the GPU waited for it) and the peak memory beyond the output (MiB)."""
+    d = fp32[(fp32["case"] == case) & (fp32["status"] == "ok")].set_index("backend")
+    ms = d["ms"].astype(float)
     rows = []
     for b, rel in BLOG_FP32.items():
         t = ms.get(b)
+        host = _column(d, b, "host_us")
         rows.append({"implementation": BLOG_ROWS[b], "attnlab backend": b, "blog (x rowmax)": rel,
-                     "recorded ms": t, "recorded (x rowmax)": None if t is None else t / ms["cuda-rowmax"]})
+                     "recorded ms": t, "recorded (x rowmax)": None if t is None else t / ms["cuda-rowmax"],
+                     "host us": host, "host-bound": None if host is None or t is None else host >= 0.8 * t * 1e3,
+                     "peak extra MiB": _column(d, b, "peak_extra_mib")})
     return pd.DataFrame(rows).set_index("implementation")
+
+
+def _column(d: pd.DataFrame, backend: str, column: str) -> float | None:
+    """A backend's value of a suite column, or None where the row or the column is missing or empty."""
+    if backend not in d.index or column not in d.columns or pd.isna(d.loc[backend, column]):
+        return None
+    return float(d.loc[backend, column])
+
+
+def order_story(blog: pd.DataFrame) -> dict:
+    """How the recorded order of the blog's four implementations compares with the blog's: both orders
+    (fastest first), whether they agree, and whether the naive kernel is slower than the PyTorch code on
+    each side (the blog's troubleshooting table: a kernel slower than PyTorch has no tiling)."""
+    rec, pub = blog["recorded (x rowmax)"], blog["blog (x rowmax)"]
+    names = blog["attnlab backend"]
+    rec_order = [names.iloc[i] for i in rec.argsort()]
+    pub_order = [names.iloc[i] for i in pub.argsort()]
+    naive, torch_row = BLOG_ROWS["cuda-naive"], BLOG_ROWS["torch"]
+    return {"recorded": rec_order, "blog": pub_order, "same": rec_order == pub_order,
+            "naive slower than PyTorch (recorded)": bool(rec[naive] > rec[torch_row]),
+            "naive slower than PyTorch (blog)": bool(pub[naive] > pub[torch_row])}
 
 
 def fair_fp32(fp32: pd.DataFrame) -> pd.DataFrame:
@@ -64,6 +93,7 @@ def ladder(path: Path | str | None = None) -> pd.DataFrame:
     speedup (before / after) and whether it was taken."""
     d = pd.read_csv(path or data_file(*LADDER_PATH), dtype={"step": str})
     d["speedup"] = d["before_ms"] / d["after_ms"]
+    d["case_label"] = d["case"].map(LADDER_CASES).fillna(d["case"])
     return d
 
 

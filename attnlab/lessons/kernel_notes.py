@@ -44,22 +44,21 @@ def header(family: str) -> str:
     return "\n".join(lines).strip()
 
 
-def excerpt(family: str, start: str, end: str | None = None, *, max_lines: int = 40, strict: bool = True) -> str:
+def excerpt(family: str, start: str, end: str | None = None, *, max_lines: int = 40) -> str:
     """Lines of a kernel family's source from the first containing ``start`` through the first later one
-    containing ``end`` (or ``max_lines`` lines), dedented. When ``start`` is not found: ValueError, or with
-    ``strict=False`` a one-line note (so a notebook still runs after the source changed)."""
-    return excerpt_text(source(family), start, end, max_lines=max_lines, name=f"attn_{family}.cu", strict=strict)
+    containing ``end`` (or ``max_lines`` lines), dedented. A ``start`` or ``end`` that is gone from the source is
+    a ValueError: a notebook that quotes code must fail when the code it quotes has changed."""
+    return excerpt_text(source(family), start, end, max_lines=max_lines, name=f"attn_{family}.cu")
 
 
-def excerpt_text(text: str, start: str, end: str | None = None, *, max_lines: int = 40, name: str = "the text",
-                 strict: bool = True) -> str:
+def excerpt_text(text: str, start: str, end: str | None = None, *, max_lines: int = 40, name: str = "the text") -> str:
     """:func:`excerpt` on any source text (e.g. ``inspect.getsource`` of a Triton kernel)."""
     lines = text.splitlines()
     i0 = next((i for i, line in enumerate(lines) if start in line), None)
     if i0 is None:
-        if strict:
-            raise ValueError(f"{start!r} not found in {name}")
-        return f"(excerpt not found: no line containing {start!r} in {name}; the source has changed)"
+        raise ValueError(f"{start!r} not found in {name}: the source has changed; update the excerpt's anchor")
+    if end is not None and not any(end in line for line in lines[i0 + 1:]):
+        raise ValueError(f"{end!r} not found after {start!r} in {name}: the source has changed")
     i1 = min(len(lines), i0 + max_lines)
     if end is not None:
         i1 = next((i + 1 for i in range(i0 + 1, len(lines)) if end in lines[i]), i1)
