@@ -74,7 +74,7 @@ def test_precision_figures():
     assert isinstance(figures.error_vs_n(df), Figure)
     rel = df.assign(max_rel=df["max_abs"] / 2, rel_tolerance=df["tolerance"] / 2)
     assert isinstance(figures.error_vs_n(rel, relative=True), Figure)
-    ex = pd.DataFrame({"x": [-1.0, -10.0], "expf_ulp": [1.0, 1.0], "fast_exp_ulp": [3.0, 12.0]})
+    ex = pd.DataFrame({"x": [-1.0, -10.0], "cpu_exp_ulp": [1.0, 1.0], "fast_exp_emulated_ulp": [3.0, 12.0]})
     assert isinstance(figures.exp_error(ex), Figure)
 
 

@@ -275,8 +275,8 @@ def exp_error(df: pd.DataFrame) -> Figure:
     """Relative error (ulps) of expf and fast exp against x, from :func:`attnlab.lessons.precision.exp_error_table`."""
     fig, axes = new_figure(size=(6.0, 3.6))
     ax = axes[0, 0]
-    ax.plot(-df["x"], df["expf_ulp"], marker="o", label="expf")
-    ax.plot(-df["x"], df["fast_exp_ulp"], marker="s", label="fast exp, __expf (emulated)")
+    ax.plot(-df["x"], df["cpu_exp_ulp"], marker="o", label="float32 exp on this CPU (torch.exp)")
+    ax.plot(-df["x"], df["fast_exp_emulated_ulp"], marker="s", label="fast exp, __expf (emulated)")
     ax.plot(-df["x"], 2 + 1.173 * (-df["x"]), linestyle="--", color="grey", label="bound 2 + 1.173|x| ulp")
     ax.set_xscale("log")
     ax.set_yscale("log")
