@@ -152,10 +152,12 @@ def online_trace(s: torch.Tensor, trace: pd.DataFrame, *, component: int = 0) ->
 
 
 # ---- memory, traffic, roofline -----------------------------------------------------------------------
-def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = memory.RECORDED_GPU["hbm_gib"] * 2**30,
-                title: str = "") -> Figure:
+def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = -1.0, title: str = "") -> Figure:
     """Extra memory against N from :func:`attnlab.lessons.memory.sweep`: one score matrix, the textbook version's
-    modelled peak and a fused kernel's, with the GPU's memory as a horizontal line."""
+    modelled peak and a fused kernel's, with the GPU's memory as a horizontal line (``hbm_bytes``; by default
+    the memory the recorded suites saw, :func:`attnlab.lessons.memory.recorded_memory`; None: no line)."""
+    if hbm_bytes is not None and hbm_bytes < 0:
+        hbm_bytes = memory.recorded_memory()["hbm_gib"] * 2**30
     fig, axes = new_figure(size=(7.0, 4.2))
     ax = axes[0, 0]
     ax.plot(sweep["N"], sweep["score_bytes"], marker="o", label="one [B,H,N,N] score matrix")

@@ -173,8 +173,11 @@ def memory_table(Ns: Iterable[int], *, B: int = 1, H: int = 16, D: int = 128,
     return df
 
 
-def plot_memory(df: pd.DataFrame, *, hbm_bytes: float = memory.RECORDED_GPU["hbm_gib"] * 2**30, title: str = ""):
-    """Saved-for-backward bytes against N: textbook P, fused lse, and q, k, v, o for scale."""
+def plot_memory(df: pd.DataFrame, *, hbm_bytes: float | None = -1.0, title: str = ""):
+    """Saved-for-backward bytes against N: textbook P, fused lse, and q, k, v, o for scale; the GPU's memory as a
+    line (by default the memory the recorded suites saw, :func:`attnlab.lessons.memory.recorded_memory`)."""
+    if hbm_bytes is not None and hbm_bytes < 0:
+        hbm_bytes = memory.recorded_memory()["hbm_gib"] * 2**30
     fig, axes = new_figure(size=(7.5, 4.2))
     ax = axes[0, 0]
     ax.plot(df["N"], df["textbook_saved"], marker="o", label="textbook: P [B, H, N, N]")

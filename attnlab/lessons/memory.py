@@ -13,8 +13,8 @@ questions about GPUs you do not have. Conventions:
   log-sum-exp, never the scores.
 
 The measured roofs come from ``data/bench/<gpu>/roofs.json`` (:func:`measured_roofs`), the older
-ceilings (:data:`RECORDED_GPU`, its fallback) and anchors (:data:`ANCHORS`) are listed with their versions in
-docs/design.md, "Measured figures".
+ceilings (:data:`RECORDED_GPU`, its fallback) are listed with their versions in docs/design.md, "Measured
+figures"; the measured extra memory comes from the dense suite's file (:func:`recorded_anchors`).
 """
 
 from __future__ import annotations
@@ -50,13 +50,16 @@ def measured_roofs(gpu_dir: Path | str | None = None) -> dict:
     Keys: ``name``; ``bf16_tflops`` (dense bf16 matmul: the roof of the tensor-core kernels);
     ``fp32_tflops`` (IEEE float32 matmul, TF32 off); ``fp32_fma_tflops`` (float32 FMAs in registers: the roof
     of the CUDA-core kernels); ``read_tbps`` (read-only stream: the memory roof); ``copy_tbps`` (a
-    device-to-device copy, which reads and writes); ``hbm_gib``; and where they come from: ``source`` (the
+    device-to-device copy, which reads and writes); ``hbm_gib`` (the memory torch reported beside the recorded
+    suites, :func:`recorded_memory`, with ``hbm_source``); and where they come from: ``source`` (the
     file, or ``"fallback: memory.RECORDED_GPU"``), ``commit``, ``date_utc``, ``how``. The fallback has no FMA or
     read-only measurement, so it uses the float32 matmul rate and the copy rate for them.
     """
+    folder = Path(gpu_dir if gpu_dir is not None else DEFAULT_GPU_DIR)
     fallback = {**RECORDED_GPU, "fp32_fma_tflops": RECORDED_GPU["fp32_tflops"], "read_tbps": RECORDED_GPU["copy_tbps"],
-                "source": "fallback: memory.RECORDED_GPU", "commit": None, "date_utc": None, "how": None}
-    path = Path(gpu_dir if gpu_dir is not None else DEFAULT_GPU_DIR) / "roofs.json"
+                "source": "fallback: memory.RECORDED_GPU", "commit": None, "date_utc": None, "how": None,
+                **recorded_memory(folder)}
+    path = folder / "roofs.json"
     try:
         rec = json.loads(path.read_text())
         r, env = rec["roofs"], rec.get("environment", {})
@@ -69,16 +72,54 @@ def measured_roofs(gpu_dir: Path | str | None = None) -> dict:
         return fallback
 
 
-#: Extra memory measured on the recorded GPU (docs/design.md), bf16, textbook torch vs a fused kernel, in MiB.
-ANCHORS = pd.DataFrame(
-    [
-        (8, 16, 1024, 64, 528.0, 16.0, "528 MiB"),
-        (4, 16, 4096, 64, 4.1 * 1024, 32.0, "4.1 GiB"),
-        (4, 16, 4096, 128, 4.1 * 1024, 64.0, "4.1 GiB"),
-        (1, 16, 16384, 128, 16.0 * 1024, 64.0, "16 GiB"),
-    ],
-    columns=["B", "H", "N", "D", "textbook_mib", "fused_mib", "textbook_recorded_as"],
-)
+def recorded_memory(gpu_dir: Path | str | None = None) -> dict:
+    """``{"hbm_gib": ..., "hbm_source": ...}``: the GPU memory (GiB, as torch reports the device's total) that
+    the suites recorded in their environment (``<gpu_dir>/<suite>.json``, ``memory_gib``; the first suite by
+    name that has it), or the data sheet's figure of :data:`RECORDED_GPU` when none did."""
+    folder = Path(gpu_dir if gpu_dir is not None else DEFAULT_GPU_DIR)
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            gib = json.loads(path.read_text()).get("memory_gib")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(gib, (int, float)) and gib > 0:
+            return {"hbm_gib": float(gib), "hbm_source": f"{folder.name}/{path.name}"}
+    return {"hbm_gib": RECORDED_GPU["hbm_gib"], "hbm_source": "data sheet: 141 GB (memory.RECORDED_GPU)"}
+
+
+#: Score-sized tensors attnlab's textbook backend holds at its peak: the scores, the softmax's output and the
+#: copy its empty-row fix makes (a ``masked_fill`` on P). The formula itself needs two.
+TEXTBOOK_LIVE_SCORES = 3
+
+
+def recorded_anchors(gpu_dir: Path | str | None = None) -> pd.DataFrame | None:
+    """Extra memory beyond the inputs that the dense suite recorded (``<gpu_dir>/dense.csv``, bf16 cases without
+    a mask): per shape the textbook (``torch``) and the fused Triton kernel (``triton``), in MiB, each the
+    suite's ``peak_extra_mib`` (beyond the inputs and the output) plus the output. None when not recorded.
+    ``.attrs``: ``source`` and ``commit``."""
+    folder = Path(gpu_dir if gpu_dir is not None else DEFAULT_GPU_DIR)
+    path = folder / "dense.csv"
+    if not path.is_file():
+        return None
+    d = pd.read_csv(path)
+    d = d[(d["status"] == "ok") & (d["dtype"] == "bfloat16") & (d["mask"] == "dense")]
+    rows = []
+    for (B, H, N, D), g in d.groupby(["B", "Hq", "Nq", "D"]):
+        peak = g.set_index("backend")["peak_extra_mib"]
+        if {"torch", "triton"} <= set(peak.index):
+            out = qkvo_bytes(B, H, N, N, D, "bfloat16")["o"] / 2**20
+            rows.append({"B": B, "H": H, "N": N, "D": D, "textbook_mib": peak["torch"] + out,
+                         "fused_mib": peak["triton"] + out, "output_mib": out})
+    if not rows:
+        return None
+    a = pd.DataFrame(rows)
+    try:
+        a.attrs["commit"] = json.loads((folder / "dense.json").read_text()).get("commit")
+    except (OSError, ValueError):
+        a.attrs["commit"] = None
+    a.attrs["source"] = f"{folder.name}/dense.csv"
+    return a
+
 
 _SIZES = {
     "float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2, "fp8": 1,
@@ -236,27 +277,24 @@ def sweep(Ns, *, B: int = 1, H: int = 16, D: int = 128, dtype: object = "bfloat1
     return pd.DataFrame(rows)
 
 
-def anchors_vs_model(anchors: pd.DataFrame | None = None, dtype: object = "bfloat16") -> pd.DataFrame:
-    """The measured extra-memory anchors next to :func:`textbook_peak_extra` and :func:`fused_peak_extra`."""
-    a = (ANCHORS if anchors is None else anchors).copy()
+def anchors_vs_model(anchors: pd.DataFrame | None = None, dtype: object = "bfloat16", *,
+                     live_scores: int = TEXTBOOK_LIVE_SCORES) -> pd.DataFrame | None:
+    """The recorded extra memory (:func:`recorded_anchors`, or ``anchors``) next to the models: the textbook
+    holds ``live_scores`` score-sized tensors and the output (:func:`textbook_peak_extra`), the fused kernel
+    its output (no lse is asked for). ``textbook_model_error``: recorded / model - 1; ``measured_ratio``:
+    textbook over fused."""
+    a = recorded_anchors() if anchors is None else anchors.copy()
+    if a is None:
+        return None
+    attrs = dict(a.attrs)
     a["textbook_model_mib"] = [
-        textbook_peak_extra(r.B, r.H, r.N, r.N, r.D, dtype) / 2**20 for r in a.itertuples()
+        textbook_peak_extra(r.B, r.H, r.N, r.N, r.D, dtype, live_scores=live_scores) / 2**20 for r in a.itertuples()
     ]
-    a["fused_model_mib"] = [fused_peak_extra(r.B, r.H, r.N, r.N, r.D, dtype) / 2**20 for r in a.itertuples()]
+    a["fused_model_mib"] = [qkvo_bytes(r.B, r.H, r.N, r.N, r.D, dtype)["o"] / 2**20 for r in a.itertuples()]
+    a["textbook_model_error"] = a["textbook_mib"] / a["textbook_model_mib"] - 1
     a["measured_ratio"] = a["textbook_mib"] / a["fused_mib"]
-    if "textbook_recorded_as" in a:
-        a["textbook_model_as_recorded"] = [_as_recorded(m, rec) for m, rec in
-                                           zip(a["textbook_model_mib"], a["textbook_recorded_as"])]
-        a["within_rounding"] = a["textbook_model_as_recorded"] == a["textbook_recorded_as"]
+    a.attrs.update(attrs)
     return a
-
-
-def _as_recorded(mib: float, recorded: str) -> str:
-    """``mib`` written with the unit and the number of decimals of ``recorded`` (e.g. "4.1 GiB")."""
-    number, unit = recorded.split()
-    decimals = len(number.split(".")[1]) if "." in number else 0
-    value = mib / {"MiB": 1, "GiB": 1024, "TiB": 1024**2}[unit]
-    return f"{value:.{decimals}f} {unit}"
 
 
 def measured_tflops(df: pd.DataFrame, *, B: int, H: int, N: int, D: int, dtype: str = "bfloat16",
@@ -267,10 +305,13 @@ def measured_tflops(df: pd.DataFrame, *, B: int, H: int, N: int, D: int, dtype: 
     return df[sel].set_index("backend")["tflops"]
 
 
-def ratio_table(Ns, Ds, *, B: int = 1, H: int = 16, dtype: object = "bfloat16") -> pd.DataFrame:
-    """Modelled textbook / fused extra memory for each (N, D): about ``2 N / D + 1`` (scores vs output)."""
+def ratio_table(Ns, Ds, *, B: int = 1, H: int = 16, dtype: object = "bfloat16",
+                live_scores: int = 2) -> pd.DataFrame:
+    """Modelled textbook / fused extra memory beyond the inputs for each (N, D): ``k N / D + 1``, ``k`` =
+    ``live_scores`` score-sized tensors and the output against the fused kernel's output (no lse asked for)."""
     return pd.DataFrame(
-        {f"D={D}": [textbook_peak_extra(B, H, n, n, D, dtype) / fused_peak_extra(B, H, n, n, D, dtype) for n in Ns]
+        {f"D={D}": [textbook_peak_extra(B, H, n, n, D, dtype, live_scores=live_scores)
+                    / qkvo_bytes(B, H, n, n, D, dtype)["o"] for n in Ns]
          for D in Ds},
         index=pd.Index(list(Ns), name="N"),
     )
