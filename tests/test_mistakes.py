@@ -78,4 +78,6 @@ def test_small_n_verdict_reads_whatever_the_csv_holds():
             rows.append({"case": case, "backend": b, "status": "ok", "ms": ms, "Nk": n, "host_us": 90.0})
     text = perf.small_n_verdict(pd.DataFrame(rows))
     assert "in 1:" in text and "holds only in part" in text
+    assert "is not the bare kernel" in text and "90 µs of host time" in text
+    assert "kernel itself" not in text  # no claim about kernels from a row that times calls
     assert perf.small_n_verdict(None).startswith("No latency")
