@@ -116,7 +116,10 @@ def throughput_vs_n(df: pd.DataFrame | None, *, backends: Iterable[str] | None =
             gb = g[g["backend"] == b]
             if len(gb):
                 ax.plot(gb[x], gb["tflops"], marker="o", color=pal[b], label=b)
-        n_axis(ax, sorted(d[x].unique()), f"{x} (tokens)")
+        xs = sorted(d[x].unique())
+        n_axis(ax, xs, f"{x} (tokens), batch size below")
+        batch = d[d["panel"] == p].groupby(x)["B"].agg(lambda b: "/".join(map(str, sorted(set(b)))))
+        ax.set_xticklabels([f"{t.get_text()}\nB{batch.get(v, '?')}" for t, v in zip(ax.get_xticklabels(), xs)])
         ax.set_ylabel("throughput (TFLOP/s, log scale)" if log else "throughput (TFLOP/s)")
         ax.set_title(p)
     for ax in list(axes.flat)[len(panels):]:
@@ -212,8 +215,9 @@ def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.RECOR
     if d.empty:
         print("Nothing to plot for decode: no passed row with a bandwidth.")
         return None
-    d = d.sort_values(["Nk", "B", "mask"]).assign(config=lambda x: decode_config_label(x))
-    fig, axes = new_figure(size=(9.0, 4.4))
+    d = d.sort_values(["Nk", "B", "mask"])
+    d = d.assign(config=[c.replace(" ", "\n") for c in decode_config_label(d)])
+    fig, axes = new_figure(size=(11.0, 4.6))
     ax = axes[0, 0]
     sns.barplot(data=d, x="config", y="gbps", hue="backend", ax=ax, palette=backend_colors(d["backend"]),
                 errorbar=None)
@@ -223,7 +227,7 @@ def decode_bandwidth(df: pd.DataFrame | None, *, copy_tbps: float = memory.RECOR
                    label=f"measured read-only stream {read_tbps:g} TB/s")
     ax.set_xlabel("configuration (D128 bf16, one query per sequence)")
     ax.set_ylabel("K/V read bandwidth (GB/s)")
-    ax.tick_params(axis="x", labelrotation=20)
+    ax.tick_params(axis="x", labelsize=8)  # one line per field of the label: no two labels overlap
     ax.set_title(title or "decode: bandwidth per configuration, measured rates as lines")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()

@@ -170,7 +170,7 @@ def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = -1.0, title: s
     n_axis(ax, list(sweep["N"]))
     ax.set_ylabel("extra memory (bytes, log scale)")
     ax.set_title(title or "memory beyond the inputs, against N")
-    ax.legend(loc="upper left")
+    ax.legend(loc="lower right")  # the upper left holds the GPU's memory line
     fig.tight_layout()
     return fig
 

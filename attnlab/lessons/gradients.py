@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import pandas as pd
 import seaborn as sns
 import torch
+from matplotlib.ticker import MaxNLocator
 
 import attnlab
 from attnlab.figure_style import backend_colors, binary_axis, n_axis, new_figure
@@ -148,6 +149,9 @@ def plot_mask_gradients(r: dict, b: int = 0, h: int = 0):
     axes[0, 1].set(title="|dq| per query row", xlabel="query i")
     axes[0, 2].bar(range(len(dk)), dk, color="#f4a259")
     axes[0, 2].set(title="|dk| per key", xlabel="key j")
+    for ax in axes[0]:  # rows and keys are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0, 0].yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     return fig
 
@@ -190,7 +194,7 @@ def plot_memory(df: pd.DataFrame, *, hbm_bytes: float | None = -1.0, title: str 
     binary_axis(ax)
     ax.set_ylabel("bytes saved for the backward")
     ax.set_title(title or "what the forward keeps for the backward")
-    ax.legend(fontsize=8, loc="upper left", frameon=False)
+    ax.legend(fontsize=8, loc="lower right", frameon=True)  # the upper left holds the HBM line
     fig.tight_layout()
     return fig
 
