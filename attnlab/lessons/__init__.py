@@ -3,5 +3,5 @@
 kernels' sources and thread maps (:mod:`~attnlab.lessons.kernel_notes`), common mistakes
 (:mod:`~attnlab.lessons.mistakes`), the backward and a tiny training run (:mod:`~attnlab.lessons.gradients`,
 :mod:`~attnlab.lessons.training`), decode (:mod:`~attnlab.lessons.decoding`), the features models ship with
-(:mod:`~attnlab.lessons.model_features`) and the figures
-(:mod:`~attnlab.lessons.figures`)."""
+(:mod:`~attnlab.lessons.model_features`), the Triton guide's choices (:mod:`~attnlab.lessons.guide_quirks`)
+and the figures (:mod:`~attnlab.lessons.figures`)."""
