@@ -4,8 +4,7 @@ Whatever the kernel, Triton's first launch in a process hashes its own installat
 key (libtriton's hundreds of MB: about 0.4 s) and imports its Gluon language, also when the compiled kernel
 is on disk already. :func:`start` does both on a daemon thread as soon as attnlab is imported, when torch is a
 GPU build and triton is installed; GPU launches call :func:`wait` first, so the work is never done twice. The
-thread reads files and imports modules only: it touches no GPU and compiles nothing. Its first step sets how
-Triton will build its C glue (:mod:`attnlab.triton_glue`), before any launch can build it.
+thread reads files and imports modules only: it touches no GPU and compiles nothing.
 (ATTNLAB_WARM_START=0: not started.) :func:`report` says what it did, for the first-call benchmark.
 """
 
@@ -22,21 +21,12 @@ _report: dict[str, object] = {"started": False}
 
 def _warm() -> None:
     t0 = time.perf_counter()
-    for step, work in (("glue_build", _glue_build), ("triton_key", _cache_key), ("gluon", _gluon)):
+    for step, work in (("triton_key", _cache_key), ("gluon", _gluon)):
         try:
-            done = work()
-            # seconds since the thread started; a step that decides something reports its decision
-            _report[step] = round(time.perf_counter() - t0, 3) if done is None else done
+            work()
+            _report[step] = round(time.perf_counter() - t0, 3)  # seconds since the thread started
         except Exception as err:  # a triton without this piece: its first launch does what it needs
             _report[step] = f"{type(err).__name__}: {err}"
-
-
-def _glue_build() -> bool:
-    import torch
-
-    from attnlab import triton_glue
-
-    return torch.version.cuda is not None and triton_glue.install()
 
 
 def _cache_key() -> None:
