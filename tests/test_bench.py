@@ -604,6 +604,19 @@ def test_a_sliced_truth_slices_the_score_modifiers_with_the_heads(mods):
     assert torch.allclose(bench.take_slice(full, truth.sl), truth.ref, atol=1e-12)
 
 
+def test_rivals_refuse_what_they_would_time_as_another_call():
+    from attnlab.bench.competitors import Unsupported, competitors, flex_score_mod
+
+    case = bench.BenchCase("t", "a", B=1, Hq=2, Nq=1, Nk=8, D=8, dtype="float32", append=1)
+    inp = bench.make_case_inputs(case, "cpu", seed=0, sets=1)
+    (kernel,) = competitors(["triton-kernel"])
+    with pytest.raises(Unsupported, match="KV append"):
+        kernel.prepare(inp)
+    bh = bench.BenchCase("t", "b", B=2, Hq=2, Nq=4, D=8, dtype="float32", alibi="bh")
+    with pytest.raises(Unsupported, match=r"\[B, Hq\]"):
+        flex_score_mod(bh, bench.make_case_inputs(bh, "cpu", seed=0, sets=1).kw, None)
+
+
 def test_an_append_case_writes_the_keys_its_cache_holds():
     """The append call's keywords: lengths Nk - n before, copies of the last n keys; the call then equals the
     plain attention over all Nk keys, and the cache is unchanged."""

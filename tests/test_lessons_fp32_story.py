@@ -37,6 +37,9 @@ def test_blog_table_says_which_rows_waited_for_the_host():
     assert t.loc["cuda-rowmax", "host-bound"] and not t.loc["cuda-naive", "host-bound"]
     assert t["peak extra MiB"].tolist() == [2.0] * 4
     assert fp32_story.blog_vs_gpu(_suite())["host us"].isna().all()  # not recorded: not guessed
+    partial = fp32_story.blog_vs_gpu(_suite()[lambda d: d["backend"] != "cuda-naive"])
+    with pytest.raises(ValueError, match="cuda-naive"):  # no order from a missing row
+        fp32_story.order_story(partial)
 
 
 def test_fair_fp32_is_relative_to_sdpa_efficient_and_names_the_unsupported():

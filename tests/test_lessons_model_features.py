@@ -69,3 +69,20 @@ def test_recorded_speed_tables_read_the_suites():
     assert row["rival / attnlab"] == pytest.approx(row["rival ms"] / row["attnlab ms"])
     cost = mf.modifier_cost()
     assert cost is not None and {"sinks", "softcap", "append 1", "append 4"} <= set(cost["with"])
+
+
+def test_speed_tables_read_one_gpu_folder_and_keep_training_rows_without_decode(tmp_path, monkeypatch):
+    import shutil
+
+    gpu = tmp_path / "some-gpu"
+    gpu.mkdir()
+    src = mf.BENCH_DIR / "nvidia-h200"
+    if not (src / "scoremod.csv").is_file():
+        pytest.skip("no recorded scoremod suite")
+    shutil.copy(src / "scoremod.csv", gpu)
+    (tmp_path / "another-gpu").mkdir()
+    shutil.copy(src / "scoremod-decode.csv", tmp_path / "another-gpu")  # another GPU's decode rows: not mixed in
+    monkeypatch.setattr(mf, "BENCH_DIR", tmp_path)
+    cost = mf.modifier_cost()
+    assert cost is not None and set(cost["with"]) == {"sinks"}
+    assert mf.speed_table().attrs["gpu"] == "some-gpu"

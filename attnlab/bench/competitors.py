@@ -213,6 +213,8 @@ def _kernel_competitor(name: str) -> Competitor:
 
         if inp.qs[0].requires_grad:
             raise Unsupported("the kernel path has no autograd (time the public call)")
+        if inp.case.append:
+            raise Unsupported("the kernel path has no KV append (time the public call)")
         be, _ = _attnlab_backend(base, inp)
         probs = [make_problem(q, k, v, **inp.kw) for q, k, v in zip(inp.qs, inp.ks, inp.vs)]
 
@@ -251,6 +253,8 @@ def _sdpa_competitor(name: str) -> Competitor:
         prob = make_problem(inp.qs[0], inp.ks[0], inp.vs[0], **inp.kw)
         notes: list[str] = []
         if name in ("sdpa-flash", "sdpa-efficient") and prob.spec.kind == "causal_br" and prob.Nq != prob.Nk:
+            if prob.mods.alibi is not None:
+                raise Unsupported("ALiBi with bottom-right causal and Nq != Nk is not materialized for this kernel")
             # Bottom-right causal without a materialized mask: the way flash and efficient take it natively.
             from torch.nn.attention.bias import causal_lower_right
 
@@ -350,6 +354,8 @@ def flex_score_mod(case, kw: dict[str, Any], inner: Callable | None) -> Callable
         return inner
     if slopes is not None and ("kv_len" in kw or "q_len" in kw):
         raise Unsupported("flex ALiBi here assumes full lengths")
+    if slopes is not None and slopes.dim() != 1:
+        raise Unsupported("flex ALiBi here takes slopes [Hq], not [B, Hq]")
     shift = case.nk - case.Nq
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -445,6 +451,8 @@ def _config_source_competitor(name: str) -> Competitor:
         be, _ = _attnlab_backend("triton", inp)
         if inp.device.type != "cuda":
             raise Unsupported("configs are tuned for GPU launches only")
+        if inp.case.append:
+            raise Unsupported("the config-source rows compare configs, not KV append")
         qs, ks, vs, kw = inp.qs, inp.ks, inp.vs, inp.kw
         notes = []
         if name == "triton-tuned":  # tuned into a scratch cache folder: the user's persistent cache stays as it is

@@ -65,6 +65,9 @@ def order_story(blog: pd.DataFrame) -> dict:
     (fastest first), whether they agree, and whether the naive kernel is slower than the PyTorch code on
     each side (the blog's troubleshooting table: a kernel slower than PyTorch has no tiling)."""
     rec, pub = blog["recorded (x rowmax)"], blog["blog (x rowmax)"]
+    if rec.isna().any():
+        missing = blog.loc[rec.isna(), "attnlab backend"].tolist()
+        raise ValueError(f"the recorded suite has no time for {missing}: no order to compare")
     names = blog["attnlab backend"]
     rec_order = [names.iloc[i] for i in rec.argsort()]
     pub_order = [names.iloc[i] for i in pub.argsort()]

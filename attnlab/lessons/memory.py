@@ -94,7 +94,7 @@ TEXTBOOK_LIVE_SCORES = 3
 
 def recorded_anchors(gpu_dir: Path | str | None = None) -> pd.DataFrame | None:
     """Extra memory beyond the inputs that the dense suite recorded (``<gpu_dir>/dense.csv``, bf16 cases without
-    a mask): per shape the textbook (``torch``) and the fused Triton kernel (``triton``), in MiB, each the
+    a mask, MHA, Nq = Nk): per shape the textbook (``torch``) and the fused Triton kernel (``triton``), in MiB, each the
     suite's ``peak_extra_mib`` (beyond the inputs and the output) plus the output. None when not recorded.
     ``.attrs``: ``source`` and ``commit``."""
     folder = Path(gpu_dir if gpu_dir is not None else DEFAULT_GPU_DIR)
@@ -102,7 +102,8 @@ def recorded_anchors(gpu_dir: Path | str | None = None) -> pd.DataFrame | None:
     if not path.is_file():
         return None
     d = pd.read_csv(path)
-    d = d[(d["status"] == "ok") & (d["dtype"] == "bfloat16") & (d["mask"] == "dense")]
+    d = d[(d["status"] == "ok") & (d["dtype"] == "bfloat16") & (d["mask"] == "dense")
+          & (d["Hq"] == d["Hkv"]) & (d["Nq"] == d["Nk"])]  # the model's shapes: MHA, square
     rows = []
     for (B, H, N, D), g in d.groupby(["B", "Hq", "Nq", "D"]):
         peak = g.set_index("backend")["peak_extra_mib"]

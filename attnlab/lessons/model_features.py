@@ -183,9 +183,10 @@ def speed_table(gpu: str | None = None) -> pd.DataFrame | None:
     """attnlab's recorded speed with each feature: the rival's time over attnlab's (> 1: attnlab is faster),
     from the ``scoremod`` and ``varlen`` suites (``data/bench/<gpu>/``), forward and backward alone; None
     before they are recorded."""
-    sm, vl = _csv("scoremod", gpu), _csv("varlen", gpu)
+    sm = _csv("scoremod", gpu)
     if sm is None:
         return None
+    vl = _csv("varlen", sm.attrs["gpu"])  # the same GPU's folder
     rows = []
     base = "bf16_b4_h16_n4096_d128"
     for mask in ("full", "causal"):
@@ -214,10 +215,12 @@ def speed_table(gpu: str | None = None) -> pd.DataFrame | None:
 
 def modifier_cost(gpu: str | None = None) -> pd.DataFrame | None:
     """The recorded time of calls with sinks (training) and of decode with sinks, softcap or a KV append, over
-    the same call without them (< 1.05: the issue's bound for sinks)."""
-    sm, dec = _csv("scoremod", gpu), _csv("scoremod-decode", gpu)
-    if sm is None or dec is None:
+    the same call without them (< 1.05: the issue's bound for sinks), from one GPU's folder; None before the
+    scoremod suite is recorded (the decode rows are left out while only they are missing)."""
+    sm = _csv("scoremod", gpu)
+    if sm is None:
         return None
+    dec = _csv("scoremod-decode", sm.attrs["gpu"])  # the same GPU's folder; its rows only where recorded
     rows = []
     for base in ("bf16_b4_h16_n4096_d128_full", "bf16_b4_h16_n4096_d128_causal",
                  "bf16_b2_hq64_hkv8_n4096_d64_window128"):
@@ -225,7 +228,7 @@ def modifier_cost(gpu: str | None = None) -> pd.DataFrame | None:
         if a and p:
             rows.append({"call": base.removeprefix("bf16_") + ", fwd+bwd", "with": "sinks", "time / plain": a / p})
     b = "bf16_b8_hq32_hkv8_nk32768_d128"
-    for cache, backend in (("dense", "auto"), ("paged", "auto-paged16")):
+    for cache, backend in (("dense", "auto"), ("paged", "auto-paged16")) if dec is not None else ():
         plain1, plain4 = _ms(dec, f"{b}_nq1_plain", backend), _ms(dec, f"{b}_nq4_causal_br_plain", backend)
         for what, case, plain in (("sinks", f"{b}_nq1_sinks", plain1), ("softcap", f"{b}_nq1_softcap50", plain1),
                                   ("append 1", f"{b}_nq1_append1", plain1),
