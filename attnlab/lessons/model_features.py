@@ -11,7 +11,9 @@ import pandas as pd
 import torch
 
 import attnlab
+from attnlab.bench.plots import bench_dirs
 from attnlab.paths import BENCH_DIR
+from attnlab.score_mods import ScoreMods
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -93,10 +95,11 @@ def alibi_slopes(H: int) -> torch.Tensor:
 
 def alibi_penalty(slope: float, Nq: int, Nk: int) -> torch.Tensor:
     """[Nq, Nk]: what ALiBi adds to the scores of one head, ``-slope * |i + Nk - Nq - j|`` (the contract's
-    rule: distances measured from the query's own position at the end of the keys)."""
-    i = torch.arange(Nq).view(-1, 1)
-    j = torch.arange(Nk).view(1, -1)
-    return -slope * (i + Nk - Nq - j).abs().double()
+    rule: distances measured from the query's own position at the end of the keys), from the one place the
+    rule is written in PyTorch (:meth:`attnlab.score_mods.ScoreMods.scores`) applied to zero scores."""
+    mods = ScoreMods(alibi=torch.tensor([[slope]], dtype=torch.float32))
+    zeros = torch.zeros(1, 1, Nq, Nk, dtype=torch.float64)
+    return mods.scores(zeros, 0, torch.tensor([Nq]), torch.tensor([Nk]))[0, 0]
 
 
 def alibi_as_bias_check(H: int = 4, Nq: int = 6, Nk: int = 10, seed: int = 0) -> float:
@@ -162,8 +165,9 @@ def decode_loop(steps: int = 4, *, prompt: int = 6, capacity: int = 16, B: int =
 # Recorded speed
 # ---------------------------------------------------------------------------------------------------------
 def _csv(name: str, gpu: str | None) -> pd.DataFrame | None:
-    dirs = sorted(d for d in BENCH_DIR.iterdir() if d.is_dir() and d.name != "cpu") if BENCH_DIR.is_dir() else []
-    for d in dirs:
+    """``<gpu>/<name>.csv`` from the recorded GPU folders (:func:`attnlab.bench.plots.bench_dirs`: the first by
+    name that has it when ``gpu`` is None), read as written (the varlen suite has columns of its own)."""
+    for d in bench_dirs(BENCH_DIR):
         if (gpu is None or d.name == gpu) and (d / f"{name}.csv").is_file():
             df = pd.read_csv(d / f"{name}.csv")
             df.attrs["gpu"] = d.name
