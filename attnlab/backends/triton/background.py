@@ -5,11 +5,19 @@ releases the GIL, so a kernel compiled on a worker thread overlaps the caller's 
 compiles ``kernel`` for the arguments given (``JITFunction.warmup``: nothing is launched) and builds its
 launcher, so that the real launch later finds both in Triton's caches. The backward's three kernels
 (:func:`attnlab.backends.triton.backward.compile_ahead`) and the decode's merge kernel use it.
+
+Compiling is safe on several threads (Triton's own asynchronous compile mode does it); making a compiled
+kernel's launcher and loading its module is not. Every launcher is a C extension module named
+``__triton_launcher``, built and loaded on first launch, and two loaded at once on two threads can hand one
+kernel the other's launch function: a kernel then fails with "function takes exactly N arguments" or, when the
+counts agree, launches with the other's argument types. So from the first background compile on, every thread
+makes its kernels' handles one at a time (:func:`serialize_kernel_loads`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -18,6 +26,33 @@ from attnlab import warm_start
 
 _pool: ThreadPoolExecutor | None = None
 WORKERS = 3  # the backward's three kernels at once
+#: Held while a compiled kernel makes its launcher and loads its module (:func:`serialize_kernel_loads`).
+LOADS = threading.RLock()
+
+
+def serialize_kernel_loads() -> bool:
+    """Make every Triton kernel in this process load its handles (launcher and module,
+    ``CompiledKernel._init_handles``) under :data:`LOADS`, whichever thread asks: the caller's first launch and
+    a worker's compile ahead then never load at once. Done once; a Triton without that method is left as it is
+    (False). A kernel pays the lock once, at its first launch."""
+    try:
+        from triton.compiler.compiler import CompiledKernel
+    except ImportError:
+        return False
+    init = getattr(CompiledKernel, "_init_handles", None)
+    if init is None:
+        return False
+    if getattr(init, "attnlab_serialized", False):
+        return True
+
+    def init_handles(self) -> None:
+        with LOADS:
+            init(self)
+
+    init_handles.attnlab_serialized = True
+    init_handles.__wrapped__ = init
+    CompiledKernel._init_handles = init_handles
+    return True
 
 
 def _compile(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -> None:
@@ -34,6 +69,7 @@ def ahead(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -> F
     the caller's thread, so that workers never race to make it."""
     global _pool
     warm_start.wait()
+    serialize_kernel_loads()
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="attnlab-compile")
     kernel.device_caches[device.index]

@@ -256,7 +256,11 @@ def fastest(configs: list, launch, what: str):
             raise
         return True
 
-    # The first candidate on this thread (it sets up the JIT's per-device state once), the rest in parallel.
+    # The first candidate on this thread (it sets up the JIT's per-device state once), the rest in parallel,
+    # each loading its launcher in turn.
+    from attnlab.backends.triton import background
+
+    background.serialize_kernel_loads()
     first = fits(configs[0])
     with ThreadPoolExecutor(max_workers=max(1, min(len(configs) - 1, os.cpu_count() or 1))) as pool:
         oks = [first, *pool.map(fits, configs[1:])]
