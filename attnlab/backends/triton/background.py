@@ -6,12 +6,11 @@ compiles ``kernel`` for the arguments given (``JITFunction.warmup``: nothing is 
 launcher, so that the real launch later finds both in Triton's caches. The backward's three kernels
 (:func:`attnlab.backends.triton.backward.compile_ahead`) and the decode's merge kernel use it.
 
-Compiling is safe on several threads (Triton's own asynchronous compile mode does it); making a compiled
-kernel's launcher and loading its module is not. Every launcher is a C extension module named
-``__triton_launcher``, built and loaded on first launch, and two loaded at once on two threads can hand one
-kernel the other's launch function: a kernel then fails with "function takes exactly N arguments" or, when the
-counts agree, launches with the other's argument types. So from the first background compile on, every thread
-makes its kernels' handles one at a time (:func:`serialize_kernel_loads`).
+Compiling is safe on several threads (Triton's own asynchronous compile mode does it). Making a compiled
+kernel's handles (its launcher, a C extension module always named ``__triton_launcher``, built and loaded, and
+its GPU module loaded) is left to one thread at a time: from the first background compile on, every thread
+makes them under one lock (:func:`serialize_kernel_loads`). Why: docs/decisions.md, "Launchers loaded one
+thread at a time".
 """
 
 from __future__ import annotations
