@@ -133,12 +133,12 @@ def attention(
         k, v = gather_paged(q, k, v, block_table, layout, kv_len)
         block_table = None
     if not (needs_grad or torch.compiler.is_compiling()):
-        plain = not _poison and softcap is None and alibi_slopes is None and sinks is None
-        key = None if not plain else _calls.signature(q, k, v, kv_len, q_len, mask, block_table, causal, window,
-                                                      align, scale, layout, backend, return_lse)
+        key = None if _poison else _calls.signature(q, k, v, kv_len, q_len, mask, block_table, causal, window,
+                                                    align, scale, layout, backend, return_lse, softcap,
+                                                    alibi_slopes, sinks)
         entry = _calls.lookup(key)
         if entry is not None:
-            got = entry(q, k, v, kv_len, q_len, mask, block_table)
+            got = entry(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks)
             if got is not None:
                 return got if return_lse else got[0]
         opts = Options.of(causal, window, align, scale, layout, softcap)

@@ -2,7 +2,8 @@
 
 A call's *signature* is everything :func:`attnlab.attention` validates and plans from, apart from the tensors'
 addresses and the values held by GPU length tensors: the shapes, strides, dtypes, devices and 16-byte alignment
-of q, k, v and of the mask and GPU length tensors; lengths given as a Python int (by value); and the keywords.
+of q, k, v and of the mask, GPU length, ALiBi slope and sink tensors; lengths given as a Python int (by value);
+and the keywords (the softcap by value).
 The first call of a signature goes the whole way (``make_problem``, ``resolve``, the backend's launch plan).
 When the chosen backend hands back a fast call for it (:meth:`attnlab.backends.Backend.fast_call`: the Triton
 kernels on a GPU do), the later calls of that signature run it directly: the output's allocation and the
@@ -26,7 +27,8 @@ import torch
 
 from attnlab.masks import BIAS_DTYPES, device_lengths, int_lengths
 
-#: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table) -> (out, lse or None); lengths are None or
+#: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks) -> (out, lse or None);
+#: the slopes are the caller's float32 [Hq] or [B, Hq] tensor, the sinks float32 and contiguous; lengths are None or
 #: contiguous, 16-byte aligned int32 [B] GPU tensors, NOT clamped (the Triton kernels clamp every length they
 #: load: :func:`attnlab.backends.triton.tiles.lengths`; a backend whose kernels do not must clamp them itself),
 #: the same dtype and alignment as the whole way's lengths (its compiled kernels are specialized on them);
@@ -57,8 +59,20 @@ def _lengths_key(x: Any, device: int) -> Any:
     raise LookupError
 
 
+def _mod_key(t: Any, device: int, floating: bool) -> Any:
+    """None or a modifier tensor's metadata: float32 slopes that do not require grad (``floating`` False) or
+    floating sinks (``floating`` True: a call that differentiates them never comes here), on q's GPU; raises
+    LookupError for anything else (the whole way validates it, and refuses or converts it)."""
+    if t is None:
+        return None
+    if type(t) is _Tensor and t.is_cuda and t.get_device() == device and (
+            t.dtype.is_floating_point if floating else t.dtype == torch.float32 and not t.requires_grad):
+        return tensor_key(t)
+    raise LookupError
+
+
 def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, scale, layout, backend,
-              want_lse) -> tuple | None:
+              want_lse, softcap=None, alibi_slopes=None, sinks=None) -> tuple | None:
     """The call's signature, or None when the call must take the whole way (see the module docstring)."""
     if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda and k.is_cuda
             and v.is_cuda):
@@ -85,12 +99,16 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
             table_key = tensor_key(block_table)
         else:
             table_key = None
-        if scale is not None and type(scale) not in (int, float):
+        if any(x is not None and type(x) not in (int, float) for x in (scale, softcap)):
             return None  # numpy scalars, Decimal, Fraction equal a float as keys; validation decides them
         device = q.get_device()
+        if alibi_slopes is not None and alibi_slopes.dim() == 1 and alibi_slopes.stride() != (1,):
+            return None  # the whole way makes [Hq] slopes contiguous: a copy, not the caller's tensor
         return (tensor_key(q), tensor_key(k), tensor_key(v), _lengths_key(kv_len, device),
                 _lengths_key(q_len, device), mask_key, table_key, causal, window, align,
-                None if scale is None else float(scale), layout, backend, bool(want_lse))
+                None if scale is None else float(scale), layout, backend, bool(want_lse),
+                None if softcap is None else float(softcap), _mod_key(alibi_slopes, device, False),
+                _mod_key(sinks, device, True))
     except (LookupError, TypeError, ValueError, RuntimeError):  # host lengths, a malformed keyword, no storage
         return None
 
@@ -99,12 +117,14 @@ class _Entry:
     """A fast call and how to make its lengths kernel-ready: None (absent), ``(B, value)`` for an int length
     (a new int32 tensor each call, on the call's stream), True for a GPU tensor passed as given (int32,
     contiguous and 16-byte aligned, as the whole way's clamped copy is: no kernel of its own) or the limit of
-    the clamped int32 copy of any other GPU tensor (an int64 one, say)."""
+    the clamped int32 copy of any other GPU tensor (an int64 one, say); and whether the sinks go as given
+    (float32 and contiguous) or as a float32 copy, as the whole way's."""
 
-    __slots__ = ("device", "fast", "kv", "ql")
+    __slots__ = ("device", "fast", "kv", "ql", "sinks_as_given")
 
-    def __init__(self, fast: FastCall, device: int, kv: Any, ql: Any) -> None:
+    def __init__(self, fast: FastCall, device: int, kv: Any, ql: Any, sinks_as_given: bool = True) -> None:
         self.fast, self.device, self.kv, self.ql = fast, device, kv, ql
+        self.sinks_as_given = sinks_as_given
 
     def _lengths(self, how: Any, given: Any) -> torch.Tensor:
         """Lengths given as ``given`` made kernel-ready by ``how`` (never None: the caller checks)."""
@@ -114,12 +134,14 @@ class _Entry:
             return device_lengths(given, how)
         return int_lengths(how[0], how[1], torch.device("cuda", self.device))
 
-    def __call__(self, q, k, v, kv_len, q_len, mask, block_table):
+    def __call__(self, q, k, v, kv_len, q_len, mask, block_table, alibi_slopes=None, sinks=None):
         if torch.cuda.current_device() != self.device:
             return None
         kv = None if self.kv is None else self._lengths(self.kv, kv_len)
         ql = None if self.ql is None else self._lengths(self.ql, q_len)
-        return self.fast(q, k, v, kv, ql, mask, block_table)
+        if sinks is not None and not self.sinks_as_given:
+            sinks = sinks.float().contiguous()
+        return self.fast(q, k, v, kv, ql, mask, block_table, alibi_slopes, sinks)
 
 
 def lookup(key: tuple | None) -> _Entry | None:
@@ -139,8 +161,10 @@ def remember(key: tuple, fast: FastCall, prob, kv_len: Any, q_len: Any) -> None:
         as_given = given.dtype == torch.int32 and given.stride() == (1,) and given.data_ptr() % 16 == 0
         return True if as_given else limit  # (dtype, strides and alignment are in the signature)
 
+    sinks = prob.mods.sinks
+    as_given = sinks is None or (sinks.dtype == torch.float32 and sinks.stride() == (1,))
     evict_oldest(_CALLS, MAX_CALLS)
-    _CALLS[key] = _Entry(fast, prob.device.index, lengths(kv_len, prob.Nk), lengths(q_len, prob.Nq))
+    _CALLS[key] = _Entry(fast, prob.device.index, lengths(kv_len, prob.Nk), lengths(q_len, prob.Nq), as_given)
 
 
 def evict_oldest(cache: dict, limit: int) -> None:

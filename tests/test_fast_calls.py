@@ -16,7 +16,7 @@ def _sig(q, k, v, **kw):
     args = dict(kv_len=None, q_len=None, mask=None, block_table=None, causal=False, window=None, align=None,
                 scale=None, layout="bhnd", backend="auto", want_lse=False)
     args.update(kw)
-    return calls.signature(q, k, v, *args.values())
+    return calls.signature(q, k, v, **args)
 
 
 class _CudaLike(torch.Tensor):
@@ -109,3 +109,49 @@ def test_eviction_keeps_the_cache_bounded_and_tolerates_a_missing_key():
     calls.evict_oldest(cache, 3)
     assert list(cache) == [3, 4]
     calls.evict_oldest({}, 0)  # an empty cache with no room: nothing to do, no error
+
+
+def test_the_signature_holds_the_score_modifiers(monkeypatch):
+    """The softcap by value, the slopes' and the sinks' shapes, strides and dtypes: each makes its own
+    signature; values of the tensors do not."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q = torch.randn(1, 2, 8, 4)
+    slopes, sinks = torch.rand(2), torch.randn(2)
+    base = _sig(q, q, q, softcap=30.0, alibi_slopes=slopes, sinks=sinks)
+    assert base == _sig(q, q, q, softcap=30, alibi_slopes=torch.rand(2), sinks=torch.randn(2))
+    others = [
+        _sig(q, q, q),
+        _sig(q, q, q, softcap=20.0, alibi_slopes=slopes, sinks=sinks),
+        _sig(q, q, q, softcap=30.0, alibi_slopes=torch.rand(1, 2), sinks=sinks),
+        _sig(q, q, q, softcap=30.0, alibi_slopes=slopes, sinks=sinks.bfloat16()),
+        _sig(q, q, q, softcap=30.0, sinks=sinks),
+        _sig(q, q, q, softcap=30.0, alibi_slopes=slopes),
+    ]
+    assert all(s is not None and s != base for s in others)
+    assert len(set(others)) == len(others)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(softcap=np.float32(30.0)), dict(softcap=True),
+    dict(alibi_slopes=torch.rand(2).half()),  # the whole way refuses it
+    dict(alibi_slopes=torch.rand(2, requires_grad=True)),  # refused too
+    dict(alibi_slopes=torch.rand(4)[::2]),  # [Hq] with a stride: the whole way makes a contiguous copy
+    dict(sinks=torch.arange(2)),  # not floating: refused
+    dict(sinks=[0.5, 0.5]),
+])
+def test_modifiers_the_whole_way_refuses_or_copies_have_no_signature(kw, monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q = torch.randn(1, 2, 8, 4)
+    assert _sig(q, q, q, **kw) is None
+
+
+def test_an_entry_gives_the_sinks_as_float32(monkeypatch):
+    """Sinks go to the kernels in float32 and contiguous, as the whole way's copy: as given when they are."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    seen = []
+    fast = lambda *a: seen.append(a) or ("out", None)
+    f32, bf16 = torch.randn(4), torch.randn(4).bfloat16()
+    calls._Entry(fast, 0, kv=None, ql=None, sinks_as_given=True)(*[None] * 7, None, f32)
+    calls._Entry(fast, 0, kv=None, ql=None, sinks_as_given=False)(*[None] * 7, None, bf16)
+    assert seen[0][8] is f32
+    assert seen[1][8].dtype == torch.float32 and torch.equal(seen[1][8], bf16.float())

@@ -155,12 +155,41 @@ FAST_CASES = {
     "q_len_kv_len_gpu": dict(q_len="gpu32", kv_len="gpu32", causal=True, align="bottom_right"),
     "bool_mask_broadcast": dict(mask="bool"),
     "bf16_bias": dict(mask="bias", return_lse=True),
+    "softcap_alibi_heads": dict(softcap=20.0, alibi_slopes="h", causal=True),
+    "alibi_batch_sinks_f32_lse": dict(alibi_slopes="bh", sinks="f32", return_lse=True),
+    "sinks_bf16_window": dict(sinks="bf16", window=(40, 0)),
 }
+
+
+def _mod_tensors(kw: dict, B: int, Hq: int, g: torch.Generator) -> dict:
+    """Fresh ALiBi slopes ("h": [Hq], "bh": [B, Hq], float32) and sinks ("f32" or "bf16": [Hq]) for a case
+    that names them."""
+    out = dict(kw)
+    if isinstance(out.get("alibi_slopes"), str):
+        shape = (Hq,) if out["alibi_slopes"] == "h" else (B, Hq)
+        out["alibi_slopes"] = torch.rand(shape, device="cuda", generator=g) * 0.1
+    if isinstance(out.get("sinks"), str):
+        dtype = torch.float32 if out["sinks"] == "f32" else torch.bfloat16
+        out["sinks"] = torch.randn(Hq, device="cuda", generator=g).to(dtype)
+    return out
+
+
+@contextlib.contextmanager
+def _whole_way_is_an_error(monkeypatch):
+    """Inside, a call that would validate and plan again (``api._run``) fails: the fast call must serve it."""
+    import attnlab.api
+
+    def whole_way(*args, **kwargs):
+        raise AssertionError("the call took the whole way, not its fast call")
+
+    with monkeypatch.context() as m:
+        m.setattr(attnlab.api, "_run", whole_way)
+        yield
 
 
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 @pytest.mark.parametrize("case", list(FAST_CASES))
-def test_repeated_calls_take_the_fast_path_and_agree(case, backend):
+def test_repeated_calls_take_the_fast_path_and_agree(case, backend, monkeypatch):
     """The second call of a signature runs the cached fast call (attnlab.fast_calls); it must give what the whole
     way gives, on new values: new q, k, v and new GPU lengths (out-of-range ones too, clamped)."""
     from attnlab import fast_calls as calls
@@ -189,7 +218,7 @@ def test_repeated_calls_take_the_fast_path_and_agree(case, backend):
                 out[name] = lengths(out[name])
         if isinstance(out.get("mask"), str):
             out["mask"] = masks(out["mask"])
-        return out
+        return _mod_tensors(out, 2, 4, g)
 
     calls.clear()
     attnlab.attention(q, k, v, **call_kw())  # the whole way: validates, plans, remembers the signature
@@ -197,7 +226,7 @@ def test_repeated_calls_take_the_fast_path_and_agree(case, backend):
     for seed in (1, 2):
         q2, k2, v2 = _fresh(q, k, v, seed)
         kw2 = call_kw()
-        with _sync_is_an_error():
+        with _sync_is_an_error(), _whole_way_is_an_error(monkeypatch):
             got = attnlab.attention(q2, k2, v2, **kw2)
         calls.clear()  # the same call the whole way, for comparison
         want = attnlab.attention(q2, k2, v2, **kw2)
@@ -237,9 +266,13 @@ def test_a_new_signature_never_reuses_a_fast_call():
 @pytest.mark.parametrize("kw", [
     {}, dict(kv_len="gpu", causal=True, align="bottom_right", return_lse=True), dict(layout="bnhd"),
     dict(mask="bias", kv_len=333), dict(kv_len="gpu", window=(64, 0), align="bottom_right"),
-], ids=["dense", "kv_len_causal_br_lse", "bnhd", "bias_int_len", "window_br"])
+    dict(softcap=30.0, sinks="bf16"),
+    dict(alibi_slopes="bh", sinks="f32", kv_len="gpu", causal=True, align="bottom_right", return_lse=True),
+    dict(alibi_slopes="h", layout="bnhd"),
+], ids=["dense", "kv_len_causal_br_lse", "bnhd", "bias_int_len", "window_br", "softcap_sinks_bf16",
+        "alibi_batch_sinks_f32_kv_len_lse", "alibi_heads_bnhd"])
 @pytest.mark.parametrize("backend", ["triton-decode", "auto"])
-def test_repeated_decode_calls_take_the_fast_path_and_agree(kw, backend):
+def test_repeated_decode_calls_take_the_fast_path_and_agree(kw, backend, monkeypatch):
     """The split-KV decode path's fast call (split and merge launched directly) against the whole way."""
     from attnlab import fast_calls as calls
 
@@ -258,14 +291,14 @@ def test_repeated_decode_calls_take_the_fast_path_and_agree(kw, backend):
             out["kv_len"] = torch.randint(0, Nk + 50, (B,), device="cuda", generator=g)
         if out.get("mask") == "bias":
             out["mask"] = torch.randn(1, Hq, Nq, Nk, device="cuda", generator=g).to(torch.bfloat16)
-        return out
+        return _mod_tensors(out, B, Hq, g)
 
     calls.clear()
     attnlab.attention(*inputs(), **call_kw())
     assert len(calls._CALLS) == 1
     for _ in range(2):
         args, kw2 = inputs(), call_kw()
-        with _sync_is_an_error():
+        with _sync_is_an_error(), _whole_way_is_an_error(monkeypatch):
             got = attnlab.attention(*args, **kw2)
         calls.clear()
         want = attnlab.attention(*args, **kw2)

@@ -56,7 +56,7 @@ class TritonBackend(Backend):
         _on_device(prob, out, lse, lambda: plan_for(prob, out, lse).launch(prob, out, lse))
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
-        if (not prob.q.is_cuda or paged is not None or prob.packed is not None or prob.mods.any
+        if (not prob.q.is_cuda or paged is not None or prob.packed is not None
                 or prob.Dv != prob.D or _empty_problem(prob, out)):  # (a fast call allocates out like q)
             return None  # an empty call launched nothing: no plan to build (or tune) for it
         return plan_for(prob, out, lse).fast_call(prob, out, lse)
@@ -82,7 +82,7 @@ class TritonDecodeBackend(TritonBackend):
         _on_device(prob, out, lse, lambda: decode_forward(prob, out, lse))
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
-        if not prob.q.is_cuda or prob.mods.any or _empty_problem(prob, out):
+        if not prob.q.is_cuda or _empty_problem(prob, out):
             return None
         return gpu_plan(prob, paged=paged).fast_call(prob, out, lse)
 

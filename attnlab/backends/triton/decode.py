@@ -433,7 +433,7 @@ class _Plan:
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
             mods.softcap * _kern.LOG2E if mods.softcap is not None else 0.0,
         )
-        self.has_sinks, self.has_mods = mods.sinks is not None, mods.any
+        self.has_sinks = mods.sinks is not None
         self.block_d = padded_head_dim(prob.D)
         self.cfg = cfg
         self.pdl = PDL and not interpret and _has_pdl(prob.device.index or 0)
@@ -521,11 +521,10 @@ class _Plan:
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """As the fused forward's :meth:`attnlab.backends.triton.forward._Plan.fast_call`: ``(q, k, v, kv_len,
-        q_len, mask, block_table) -> (out, lse or None)``, allocating out and lse as :meth:`launch` does and
-        keeping the split states in the buffer held for the stream (a new one under graph capture, with
-        HOLD_WORKSPACE off, or while that buffer's lock is taken); with a paged cache k and v are the caches."""
-        if self.has_mods:  # a fast call passes q's address for the slopes and sinks: none for such a plan
-            return None
+        q_len, mask, block_table, alibi_slopes, sinks) -> (out, lse or None)``, allocating out and lse as
+        :meth:`launch` does and keeping the split states in the buffer held for the stream (a new one under graph
+        capture, with HOLD_WORKSPACE off, or while that buffer's lock is taken); with a paged cache k and v are
+        the caches."""
         write_lse = lse is not None
         split, merge = self._kernels(write_lse)
         lse_arg = lse if write_lse else out
@@ -533,8 +532,7 @@ class _Plan:
         strides = (*out.stride(), *(lse.stride() if write_lse else (0, 0, 0)))
         merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
         # split: (q, k, v, block table, kv_len, q_len, mask, slopes, sinks; fixed; out, lse, m, l, acc; strides),
-        # merge: (m, l, acc, out, lse, sinks; strides and sizes). A fast call has no modifier (attnlab.attention
-        # takes the whole way with one): q's address stands in for the slopes and the sinks.
+        # merge: (m, l, acc, out, lse, sinks; strides and sizes).
         go_split = split.direct(key, 9, self.fixed, strides)
         go_merge = merge.direct(key, 6, (), (*strides, *merge_tail)) if self.n_split > 1 else None
         if go_split is None or (self.n_split > 1 and go_merge is None):
@@ -546,7 +544,7 @@ class _Plan:
         ws_numel = workspace_bytes(prob, self.n_split) // 4
         lock = _HELD_LOCK
 
-        def call(q, k, v, kv_len, q_len, mask, block_table):
+        def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
             if not _rt.FAST_LAUNCH:
                 return None  # every launch through the JIT: take the whole way
             o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
@@ -555,7 +553,8 @@ class _Plan:
             # (placeholders, never read, stand in for absent tensors)
             *tensors, o_ptr, l_ptr = pointers((q, k, v, q if block_table is None else block_table,
                                                q if kv_len is None else kv_len, q if q_len is None else q_len,
-                                               q if mask is None else mask, q, q, o, o if m is None else m))
+                                               q if mask is None else mask, q if alibi_slopes is None else alibi_slopes,
+                                               q if sinks is None else sinks, o, o if m is None else m))
             if go_merge is None:
                 go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr)
                 return o, m
@@ -570,7 +569,7 @@ class _Plan:
                 ws_m = ws.data_ptr()
                 ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
                 go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
-                go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr, o_ptr)
+                go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr, tensors[-1])  # (the sinks, or q standing in)
             finally:
                 if held:
                     lock.release()

@@ -183,10 +183,10 @@ class _Plan:
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """After a launch for ``prob`` into ``out`` and ``lse``: a function ``(q, k, v, kv_len, q_len, mask,
-        block_table) -> (out, lse or None)`` (the table unused here) for a later call of the signature
-        (:mod:`attnlab.fast_calls`). It allocates out and lse as this call's were (so the compiled kernel of their
-        layout applies), puts the call's tensors into the fixed arguments and calls the launcher; None once TF32
-        or autotune switched since (take the whole way).
+        block_table, alibi_slopes, sinks) -> (out, lse or None)`` (the table unused here) for a later call of the
+        signature (:mod:`attnlab.fast_calls`). It allocates out and lse as this call's were (so the compiled kernel
+        of their layout applies), puts the call's tensors into the fixed arguments and calls the launcher; None
+        once TF32 or autotune switched since (take the whole way).
         None here when there is no compiled kernel of that layout to call directly."""
         key = _rt.layout_key(out, lse)
         kernel = self.kernels.get(key)
@@ -202,13 +202,14 @@ class _Plan:
         switches = (_cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY)
         go = _rt.launcher(kernel)
 
-        def call(q, k, v, kv_len, q_len, mask, block_table):
+        def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
             if (_cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY) != switches or not _rt.FAST_LAUNCH:
                 return None
             o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
             tensors = (q, k, v, o, o if m is None else m, q if kv_len is None else kv_len,
-                       q if q_len is None else q_len, q if mask is None else mask, q, q)
+                       q if q_len is None else q_len, q if mask is None else mask,
+                       q if alibi_slopes is None else alibi_slopes, q if sinks is None else sinks)
             go(grid, current_stream(index), (*pointers(tensors), *rest))
             return o, m
 
