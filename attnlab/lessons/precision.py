@@ -77,15 +77,22 @@ def fast_exp(x: torch.Tensor) -> torch.Tensor:
     return round_mantissa(torch.exp2(t.double()).float(), 21)
 
 
+def exp_inputs(xs: Iterable[float] = (-0.5, -2, -8, -16, -32, -64, -85)) -> list[tuple[float, torch.Tensor]]:
+    """Per magnitude ``x0``: 4096 float32 values within 1% above it (seeded), the inputs of every exp table."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for x0 in xs:
+        x = torch.tensor(x0, dtype=torch.float64) * (1 + 0.01 * torch.rand(4096, generator=g, dtype=torch.float64))
+        out.append((x0, x.float()))
+    return out
+
+
 def exp_error_table(xs: Iterable[float] = (-0.5, -2, -8, -16, -32, -64, -85)) -> pd.DataFrame:
     """Max relative error against float64, in ulps (units of 2^-23, the spacing of float32 numbers in [1, 2)),
     of float32 ``torch.exp`` on this CPU (``cpu_exp_ulp``: not CUDA's ``expf``, which this cannot run) and of
     ``__expf`` emulated in PyTorch (``fast_exp_emulated_ulp``, :func:`fast_exp`)."""
     rows = []
-    g = torch.Generator().manual_seed(0)
-    for x0 in xs:
-        x = torch.tensor(x0, dtype=torch.float64) * (1 + 0.01 * torch.rand(4096, generator=g, dtype=torch.float64))
-        x = x.float()
+    for x0, x in exp_inputs(xs):
         exact = torch.exp(x.double())
         rel = lambda y, e=exact: float(((y.double() - e).abs() / e).max()) / 2**-23
         rows.append({"x": x0, "cpu_exp_ulp": rel(torch.exp(x)), "fast_exp_emulated_ulp": rel(fast_exp(x)),
@@ -108,12 +115,14 @@ def attention_fp32(
     s = matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         n, m = s.shape[-2:]
-        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     p = exp(s - s.amax(-1, keepdim=True))
     return matmul(p / p.sum(-1, keepdim=True), v)
 
 
-def _inputs(B: int, H: int, N: int, D: int, seed: int, dtype: torch.dtype = torch.float32, Nk: int | None = None):
+def attention_inputs(B: int, H: int, N: int, D: int, seed: int, dtype: torch.dtype = torch.float32,
+                     Nk: int | None = None):
+    """Seeded q [B, H, N, D] and k, v [B, H, Nk, D] on the CPU."""
     g = torch.Generator().manual_seed(seed)
     Nk = N if Nk is None else Nk
     q = torch.randn(B, H, N, D, generator=g).to(dtype)
@@ -124,7 +133,7 @@ def _inputs(B: int, H: int, N: int, D: int, seed: int, dtype: torch.dtype = torc
 
 def tf32_effect(B: int = 1, H: int = 4, N: int = 256, D: int = 64, *, seed: int = 0) -> pd.DataFrame:
     """float32 attention with IEEE matmuls vs emulated TF32 matmuls, judged by the float32 tolerance."""
-    q, k, v = _inputs(B, H, N, D, seed)
+    q, k, v = attention_inputs(B, H, N, D, seed)
     ref, _ = reference(q, k, v, causal=True)
     rows = []
     for name, mm in (("IEEE float32 (strict_fp32)", ieee_matmul), ("TF32 tensor cores (emulated)", tf32_matmul)):
@@ -148,7 +157,7 @@ def tf32_settings() -> dict[str, str]:
 def fast_exp_effect(B: int = 1, H: int = 4, N: int = 256, D: int = 64, *, spread: float = 1.0,
                     seed: int = 0) -> pd.DataFrame:
     """float32 attention with ``expf`` vs the emulated ``__expf``; ``spread`` scales q (sharper softmax)."""
-    q, k, v = _inputs(B, H, N, D, seed)
+    q, k, v = attention_inputs(B, H, N, D, seed)
     q = q * spread
     ref, _ = reference(q, k, v, causal=True)
     rows = []
@@ -186,7 +195,7 @@ def fused_emulation(
     s = q.float() @ k.float().transpose(-1, -2)  # half products are exact in float32
     if causal:
         n, m = s.shape[-2:]
-        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     if scale_at == "scores":
         s = s * scale
     if scale_at == "exp2":
@@ -217,7 +226,7 @@ def scale_placement(Ds: Iterable[int] = (64, 128), dtypes: Iterable[torch.dtype]
     rows = []
     for dt in dtypes:
         for D in Ds:
-            q, k, v = _inputs(B, H, N, D, seed, dt)
+            q, k, v = attention_inputs(B, H, N, D, seed, dt)
             ref, _ = reference(q, k, v)
             row = {"dtype": str(dt).replace("torch.", ""), "D": D, "scale": f"1/sqrt({D})",
                    "q*scale rounded": f"{100 * scale_rounding(D, dt):.0f}%"}
@@ -247,7 +256,7 @@ def error_sweep(Ns: Iterable[int] = (64, 256, 1024), Ds: Iterable[int] = (32, 64
         atol, rtol = check.TOLERANCES[dt]
         for N in Ns:
             for D in Ds:
-                q, k, v = _inputs(B, H, N, D, seed + N + D, dt)
+                q, k, v = attention_inputs(B, H, N, D, seed + N + D, dt)
                 ref, _ = reference(q, k, v, causal=causal)
                 ref_max = float(ref.abs().max())
                 outs = {"textbook torch": attention(q, k, v, causal=causal, backend="torch")}
