@@ -1,5 +1,6 @@
 """attnlab.precision: the emulated roundings against known values."""
 
+import pytest
 import torch
 
 from attnlab.lessons import precision
@@ -36,3 +37,16 @@ def test_error_sweep_relative_columns():
     df = precision.error_sweep(Ns=(16, 32), Ds=(16,), dtypes=(torch.float32,), H=1)
     assert (df["max_rel"] == df["max_abs"] / df["ref_max"]).all()
     assert (df["rel_tolerance"] == df["tolerance"] / df["ref_max"]).all()
+
+
+def test_the_recorded_gpu_precision_reads_back_and_speaks_from_its_data(tmp_path):
+    from attnlab.lessons import precision_gpu
+
+    assert precision_gpu.recorded(tmp_path / "none.json") is None
+    rec = precision_gpu.recorded()
+    if rec is None:
+        pytest.skip("no recorded GPU precision (a wheel without data/)")
+    assert set(rec["exp"]["x"]) == {x0 for x0, _ in precision.exp_inputs()}  # the emulation's inputs
+    text = precision_gpu.verdict(rec)
+    worst = rec["exp"]["cuda_fast_expf_ulp"].max()
+    assert f"at most {worst:.1f} ulp" in text and rec["environment"]["gpu"] in text

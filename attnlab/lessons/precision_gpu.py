@@ -130,5 +130,30 @@ def recorded(path: Path | str | None = None) -> dict[str, Any] | None:
             "attention": pd.DataFrame(data["attention"])}
 
 
+def verdict(rec: dict[str, Any]) -> str:
+    """What the recorded measurement says, in sentences generated from it."""
+    env, exp, att = rec["environment"], rec["exp"], rec["attention"]
+    bound = 2 + 1.173 * exp["x"].abs()
+    worst = exp.loc[exp["cuda_fast_expf_ulp"].idxmax()]
+    over = (exp["fast_exp_emulated_ulp"] - exp["cuda_fast_expf_ulp"])
+    ieee = att[att["computation"] == "torch matmuls, IEEE products"]["max_abs"].max()
+    tf32 = att[att["computation"].str.contains("TF32")]
+    accurate = att[att["computation"].str.endswith(", expf")].set_index(["computation", "spread"])["max_abs"]
+    fast = att[att["computation"].str.endswith("__expf")]
+    fast_vs = [x / accurate[(c.replace("__expf", "expf"), sp)] for c, sp, x in
+               zip(fast["computation"], fast["spread"], fast["max_abs"])]
+    return (
+        f"{env.get('gpu', 'GPU')}, commit {str(env.get('commit', '?'))[:7]}, torch {env.get('torch', '?')}. "
+        f"CUDA's expf: at most {exp['cuda_expf_ulp'].max():.2f} ulp (the guide allows 2). "
+        f"__expf: at most {worst['cuda_fast_expf_ulp']:.1f} ulp (at x = {worst['x']:g}), within the guide's "
+        f"2 + 1.173|x| at every x: {bool((exp['cuda_fast_expf_ulp'] <= bound).all())}; the emulation is "
+        f"{'above' if (over >= 0).all() else 'not always above'} it, by {over.min():.1f} to {over.max():.1f} ulp. "
+        f"float32 attention with TF32 products: max error {tf32['max_abs'].min():.1e} to {tf32['max_abs'].max():.1e} "
+        f"against {ieee:.1e} with IEEE products; {int((~tf32['passed']).sum())} of {len(tf32)} TF32 runs fail the "
+        f"float32 tolerance. attnlab's CUDA kernels with __expf: max error {min(fast_vs):.3f}x to "
+        f"{max(fast_vs):.3f}x that with expf, every run passing: {bool(fast['passed'].all())}."
+    )
+
+
 if __name__ == "__main__":
     print(json.dumps(measure(sys.argv[1])["attention"], indent=1))
