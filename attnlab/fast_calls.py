@@ -102,7 +102,7 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
         if any(x is not None and type(x) not in (int, float) for x in (scale, softcap)):
             return None  # numpy scalars, Decimal, Fraction equal a float as keys; validation decides them
         device = q.get_device()
-        if alibi_slopes is not None and alibi_slopes.dim() == 1 and alibi_slopes.stride() != (1,):
+        if type(alibi_slopes) is _Tensor and alibi_slopes.dim() == 1 and alibi_slopes.stride() != (1,):
             return None  # the whole way makes [Hq] slopes contiguous: a copy, not the caller's tensor
         return (tensor_key(q), tensor_key(k), tensor_key(v), _lengths_key(kv_len, device),
                 _lengths_key(q_len, device), mask_key, table_key, causal, window, align,

@@ -137,7 +137,7 @@ def test_the_signature_holds_the_score_modifiers(monkeypatch):
     dict(alibi_slopes=torch.rand(2, requires_grad=True)),  # refused too
     dict(alibi_slopes=torch.rand(4)[::2]),  # [Hq] with a stride: the whole way makes a contiguous copy
     dict(sinks=torch.arange(2)),  # not floating: refused
-    dict(sinks=[0.5, 0.5]),
+    dict(sinks=[0.5, 0.5]), dict(alibi_slopes=[0.5, 0.25]),  # not tensors: the whole way says so
 ])
 def test_modifiers_the_whole_way_refuses_or_copies_have_no_signature(kw, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
