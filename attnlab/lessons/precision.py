@@ -87,6 +87,11 @@ def exp_inputs(xs: Iterable[float] = (-0.5, -2, -8, -16, -32, -64, -85)) -> list
     return out
 
 
+def ulp_error(y, exact: torch.Tensor) -> float:
+    """The max relative error of ``y`` (a tensor or array) against float64 ``exact``, in float32 ulps (2^-23)."""
+    return float(((torch.as_tensor(y).double() - exact).abs() / exact).max()) / 2**-23
+
+
 def exp_error_table(xs: Iterable[float] = (-0.5, -2, -8, -16, -32, -64, -85)) -> pd.DataFrame:
     """Max relative error against float64, in ulps (units of 2^-23, the spacing of float32 numbers in [1, 2)),
     of float32 ``torch.exp`` on this CPU (``cpu_exp_ulp``: not CUDA's ``expf``, which this cannot run) and of
@@ -94,7 +99,7 @@ def exp_error_table(xs: Iterable[float] = (-0.5, -2, -8, -16, -32, -64, -85)) ->
     rows = []
     for x0, x in exp_inputs(xs):
         exact = torch.exp(x.double())
-        rel = lambda y, e=exact: float(((y.double() - e).abs() / e).max()) / 2**-23
+        rel = lambda y, e=exact: ulp_error(y, e)
         rows.append({"x": x0, "cpu_exp_ulp": rel(torch.exp(x)), "fast_exp_emulated_ulp": rel(fast_exp(x)),
                      "exp(x)": float(math.exp(x0))})
     return pd.DataFrame(rows)
