@@ -13,9 +13,9 @@ kernels compute again where they load the lengths.
 
 The whole way is taken every time by calls that need a gradient or are being traced (they go through the
 custom op or its eager autograd twin), calls with lengths, masks or a block table on the host (validated by
-value), tensors on the CPU or of a tensor subclass, calls whose GPU is not the current one, and calls with
-poisoned outputs. A paged cache's call has a signature when its block table is on the GPU (its ids are never
-read on the host).
+value), tensors on the CPU or of a tensor subclass (sinks and slopes may be an ``nn.Parameter``), calls whose
+GPU is not the current one, and calls with poisoned outputs. A paged cache's call has a signature when its
+block table is on the GPU (its ids are never read on the host).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from attnlab.masks import BIAS_DTYPES, device_lengths, int_lengths
 FastCall = Callable[..., "tuple[torch.Tensor, torch.Tensor | None] | None"]
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 #: Entries by signature. Bounded: the oldest goes first.
 _CALLS: dict[tuple, _Entry] = {}
 MAX_CALLS = 1024
@@ -61,11 +62,14 @@ def _lengths_key(x: Any, device: int) -> Any:
 
 def _mod_key(t: Any, device: int, floating: bool) -> Any:
     """None or a modifier tensor's metadata: float32 slopes that do not require grad (``floating`` False) or
-    floating sinks (``floating`` True: a call that differentiates them never comes here), on q's GPU; raises
-    LookupError for anything else (the whole way validates it, and refuses or converts it)."""
+    floating sinks (``floating`` True: a call that differentiates them never comes here; a plain tensor or a
+    parameter), on q's GPU; raises LookupError for anything else (the whole way validates it, and refuses or
+    converts it)."""
     if t is None:
         return None
-    if type(t) is _Tensor and t.is_cuda and t.get_device() == device and (
+    # A model's learned sinks are an ``nn.Parameter`` (a subclass that computes as a plain tensor); a call that
+    # reaches here does not differentiate them.
+    if type(t) in (_Tensor, _Parameter) and t.is_cuda and t.get_device() == device and (
             t.dtype.is_floating_point if floating else t.dtype == torch.float32 and not t.requires_grad):
         return tensor_key(t)
     raise LookupError

@@ -131,6 +131,20 @@ def test_the_signature_holds_the_score_modifiers(monkeypatch):
     assert len(set(others)) == len(others)
 
 
+def test_learned_sinks_as_a_parameter_have_a_signature(monkeypatch):
+    """A model's sinks are an ``nn.Parameter``: under no_grad its calls are repeated calls like any other, with
+    the signature of the same plain tensor; other tensor subclasses still take the whole way."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q = torch.randn(1, 2, 8, 4)
+    sinks = torch.randn(2).bfloat16()
+    param = torch.nn.Parameter(sinks.clone())
+    assert _sig(q, q, q, sinks=param) == _sig(q, q, q, sinks=sinks) is not None
+    assert _sig(q, q, q, sinks=sinks.as_subclass(_CudaLike)) is None
+    frozen = torch.nn.Parameter(torch.rand(2), requires_grad=False)
+    assert _sig(q, q, q, alibi_slopes=frozen) == _sig(q, q, q, alibi_slopes=torch.rand(2)) is not None
+    assert _sig(q, q, q, alibi_slopes=torch.nn.Parameter(torch.rand(2))) is None  # requires grad: refused
+
+
 @pytest.mark.parametrize("kw", [
     dict(softcap=np.float32(30.0)), dict(softcap=True),
     dict(alibi_slopes=torch.rand(2).half()),  # the whole way refuses it

@@ -309,6 +309,36 @@ def test_repeated_decode_calls_take_the_fast_path_and_agree(kw, backend, monkeyp
         assert attnlab.check.compare(got[0], ref[0]).passed
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton-decode"])
+def test_a_models_sinks_parameter_takes_the_fast_path_under_no_grad(backend, monkeypatch):
+    """gpt-oss keeps its sinks as a bf16 ``nn.Parameter``: at inference (no_grad) its repeated calls run the fast
+    call, and give what the whole way gives."""
+    from attnlab import fast_calls as calls
+
+    _available(backend)
+    Nq = 1 if backend == "triton-decode" else 200
+    g = torch.Generator(device="cuda").manual_seed(11)
+    sinks = torch.nn.Parameter(torch.randn(4, device="cuda", generator=g).bfloat16())
+
+    def inputs(seed):
+        q, k, v = _inputs(N=200, seed=seed)
+        return q[:, :, :Nq].contiguous(), k, v
+
+    kw = dict(sinks=sinks, causal=True, align="bottom_right", backend=backend)
+    calls.clear()
+    with torch.no_grad():
+        attnlab.attention(*inputs(0), **kw)
+        assert len(calls._CALLS) == 1, "a call with parameter sinks should leave a fast call behind"
+        args = inputs(1)
+        with _sync_is_an_error(), _whole_way_is_an_error(monkeypatch):
+            got = attnlab.attention(*args, **kw)
+        calls.clear()
+        want = attnlab.attention(*args, **kw)
+    assert torch.equal(got, want)
+    ref, _ = attnlab.reference(*args, sinks=sinks.detach(), causal=True, align="bottom_right")
+    assert attnlab.check.compare(got, ref).passed
+
+
 def _decode_inputs(B=2, Hq=8, Hkv=2, Nk=4096, D=64, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
