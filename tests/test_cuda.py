@@ -5,7 +5,8 @@ naming and selection, and that ``PARAMS_DTYPE`` matches NVRTC's layout of ``stru
 argument of every kernel.
 GPU tests (``-m gpu``): every backend through ``attnlab.check.verify`` / ``summarize`` (as users call them)
 on the case matrix, larger sizes, N = 8192, the fast_exp variant at its own tolerance, and rowmax's
-split-key and element-load paths forced on the matrix.
+split-key and element-load paths forced on the matrix; the tensor-core kernel (``cuda-mma``, 16-bit inputs and
+D <= 128 only) on the same matrices in float16 and bfloat16, and its element-load path forced.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from attnlab.cases import Case, default_cases, gpu_cases, n8192_cases
 from attnlab.problem import make_problem
 
 BACKENDS = ("cuda-naive", "cuda-tiled", "cuda-rowmax")
+#: The tensor-core kernel takes what the others take except float32 and D > 128: its tests run the same matrices
+#: on the problems it takes, and check that it refuses the rest.
+MMA = "cuda-mma"
+HALF = [torch.float16, torch.bfloat16]
 
 
 def _has_nvrtc() -> bool:
@@ -52,6 +57,20 @@ def test_variant_names_are_unique_and_readable():
     assert C.Variant("naive", 0, 256, False).label == "naive_f32"
     assert C.Variant("rowmax", 2, 128, True).name_expression == "attn_rowmax<2, 128, true>"
     assert C.Variant("naive", 1, 256, False).name_expression == "attn_naive<1, false>"
+    assert len(C.variants("mma")) == 8  # float16 and bfloat16 x D 64, 128 x fast_exp
+    assert C.Variant("mma", 2, 128, False).name_expression == "attn_mma<2, 128, false>"
+
+
+def test_the_mma_kernel_refuses_float32_and_large_head_dims_with_the_reason():
+    with pytest.raises(TypeError, match=r"float16 or bfloat16.*float32 runs on cuda-rowmax"):
+        C.choose_variant("mma", torch.float32, 64)
+    with pytest.raises(ValueError, match="D = 129 exceeds the largest bucket 128"):
+        C.choose_variant("mma", torch.bfloat16, 129)
+    assert C.choose_variant("mma", torch.float16, 100).dmax == 128
+    assert C.choose_variant("mma", torch.bfloat16, 40).dmax == 64
+    from attnlab.backends import registry
+
+    assert "float16/bfloat16" in registry()[MMA].takes and "D 1-128" in registry()[MMA].takes
 
 
 @pytest.mark.parametrize(
@@ -234,7 +253,8 @@ _PARAM_DECL = re.compile(r"^const __grid_constant__ AttnParams args$")
 
 
 @pytest.mark.parametrize("family, kernel", [("naive", "attn_naive"), ("tiled", "attn_tiled"),
-                                            ("rowmax", "attn_rowmax"), ("rowmax", "attn_rowmax_merge")])
+                                            ("rowmax", "attn_rowmax"), ("rowmax", "attn_rowmax_merge"),
+                                            ("mma", "attn_mma")])
 def test_every_kernel_takes_one_attn_params(family, kernel):
     src = C.kernels_dir().joinpath(f"attn_{family}.cu").read_text()
     m = re.search(rf"\b{kernel}\((.*?)\)\s*\{{", src, re.S)
@@ -481,7 +501,7 @@ _NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(_NVCC is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize("family", ["naive", "tiled", "rowmax"])
+@pytest.mark.parametrize("family", ["naive", "tiled", "rowmax", "mma"])
 def test_each_cu_compiles_alone_with_nvcc(family):
     """``nvcc -c kernels/attn_<family>.cu`` for sm_80 and sm_90: the file's own #includes and explicit
     instantiations give every variant NVRTC compiles, and nvcc's spills are NVRTC's, except the one a
@@ -505,7 +525,7 @@ def test_each_cu_compiles_alone_with_nvcc(family):
         explained = [lb for lb in differ if lb.startswith("rowmax_") and "_d64" in lb]
         assert differ == explained, disagreements(by_nvrtc, by_nvcc)
         for r in by_nvcc:  # registers: the same launch bounds hold (their counts differ by a few across versions)
-            cap = {"naive": 255, "tiled": 128, "rowmax": 128 if r.variant.dmax <= 128 else 255}[family]
+            cap = {"naive": 255, "tiled": 128, "rowmax": 128 if r.variant.dmax <= 128 else 255, "mma": 255}[family]
             assert 0 < r.registers <= cap, (r.variant.label, arch, r.registers)
 
 
@@ -606,13 +626,73 @@ def test_rowmax_element_load_path_on_aligned_float32():
     assert bad.empty, summary
 
 
+def _mma_cases(cases: list[Case]) -> list[Case]:
+    """The cases the tensor-core kernel takes: D <= 128, and at least one 16-bit dtype."""
+    return [c for c in cases if c.D <= 128 and (c.dtypes is None or set(c.dtypes) & set(HALF))]
+
+
+def _verify_mma(cases: list[Case]):
+    df, bad, summary = _verify([MMA], _mma_cases(cases), dtypes=HALF)
+    assert (df["status"] != "skipped").all(), summary  # every row it was given is one it takes: none skipped
+    return df, bad, summary
+
+
+@pytest.mark.gpu
+def test_mma_passes_checker_on_matrix():
+    df, bad, summary = _verify_mma(_gpu_cases())
+    print(summary)
+    assert len(df) > 100
+    assert bad.empty, summary
+
+
+@pytest.mark.gpu
+def test_mma_passes_checker_default_sizes_and_8192():
+    df, bad, summary = _verify_mma(default_cases() + n8192_cases())
+    print(summary)
+    assert len(df) > 20 and bad.empty, summary
+
+
+@pytest.mark.gpu
+def test_mma_element_load_path_on_the_matrix():
+    """The element-by-element tile loads, forced on inputs that would take cp.async (and taken anyway by the
+    matrix's strided views and odd head dims)."""
+    with C.rowmax_async_copy(False):
+        df, bad, summary = _verify_mma(_gpu_cases() + default_cases())
+    print(summary)
+    assert len(df) > 100 and bad.empty, summary
+
+
+@pytest.mark.gpu
+def test_mma_fast_exp_variant():
+    names = ("causal", "bias_full", "gqa_causal_br", "q_len_causal_br", "dense_d128", "window")
+    cases = [c for c in default_cases(scale=3) if c.name in names]
+    with C.fast_exp():
+        _df, bad, summary = _verify_mma(cases)
+    print(summary)
+    assert bad.empty, summary
+
+
+@pytest.mark.gpu
+def test_mma_refuses_what_it_does_not_take_on_the_gpu():
+    import attnlab
+    from attnlab.backends import registry
+
+    q = torch.randn(1, 2, 64, 64, device="cuda")
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        attnlab.attention(q, q, q, backend=MMA)
+    big = torch.randn(1, 2, 64, 256, device="cuda", dtype=torch.bfloat16)
+    assert "D up to 128" in registry()[MMA].unsupported(make_problem(big, big, big))
+
+
 @pytest.mark.gpu
 def test_empty_rows_are_zero_and_lse_minus_inf():
     import attnlab
 
     q = torch.randn(2, 2, 40, 64, device="cuda")
     k = torch.randn(2, 2, 50, 64, device="cuda")
-    for be in BACKENDS:
+    for be in (*BACKENDS, MMA):
+        if be == MMA:
+            q, k = q.bfloat16(), k.bfloat16()
         out, lse = attnlab.attention(q, k, k, kv_len=[0, 50], q_len=[40, 10], backend=be, return_lse=True)
         assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
         assert torch.all(out[1, :, 10:] == 0) and torch.all(lse[1, :, 10:] == float("-inf"))

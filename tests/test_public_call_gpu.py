@@ -13,7 +13,7 @@ from attnlab.reference import masked_scores, softmax_rows
 
 pytestmark = pytest.mark.gpu
 
-KERNELS = ["triton", "cuda-naive", "cuda-tiled", "cuda-rowmax"]
+KERNELS = ["triton", "cuda-naive", "cuda-tiled", "cuda-rowmax", "cuda-mma"]
 
 
 def _inputs(dtype=torch.bfloat16, B=2, Hq=4, Hkv=2, N=200, D=64, seed=0):
@@ -57,7 +57,7 @@ def test_a_call_with_gpu_lengths_never_synchronizes(backend):
 @pytest.mark.parametrize("backend", KERNELS)
 def test_gpu_lengths_out_of_range_are_clamped(backend):
     _available(backend)
-    q, k, v = _inputs(dtype=torch.float32)
+    q, k, v = _inputs(dtype=torch.bfloat16 if backend == "cuda-mma" else torch.float32)  # mma: 16-bit only
     wild = torch.tensor([-5, 10**6], device="cuda")
     got = attnlab.attention(q, k, v, kv_len=wild, backend=backend)
     want = attnlab.attention(q, k, v, kv_len=[0, 200], backend=backend)

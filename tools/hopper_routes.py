@@ -13,7 +13,12 @@ What it compares, on bf16 D128 (and one D64) problems, each timed over interleav
   whole contract.
 
 Usage on the GPU: ``PYTHONPATH=. python tools/hopper_routes.py OUT.json [--ws]``; ``--interpret`` checks the route
-kernel through Triton's interpreter on the CPU (small shapes).
+kernel through Triton's interpreter on the CPU (small shapes). ``--profile [causal]`` runs one attnlab and one
+cuDNN forward (B4 H16 N4096 D128 bf16) between cudaProfilerStart and Stop, both warmed up first, for Nsight
+Compute:
+
+    ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --csv --page details python tools/hopper_routes.py --profile causal
 """
 
 from __future__ import annotations
@@ -234,8 +239,36 @@ def interpret_check() -> None:
         print("causal" if causal else "full", float((got - want).abs().max()))
 
 
+def profile(causal: bool) -> None:
+    """One warmed-up forward of attnlab's ``triton`` and one of cuDNN's, alone in the profiled region."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import attnlab
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+
+    def ours():
+        return attnlab.attention(q, k, v, causal=causal, backend="triton")
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    for _ in range(3):
+        ours(), cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    ours()
+    cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
         interpret_check()
+    elif "--profile" in sys.argv:
+        profile("causal" in sys.argv)
     else:
         run(sys.argv[1], "--ws" in sys.argv)

@@ -100,6 +100,7 @@ _BACKENDS = [
     ("attnlab.backends.cuda.backend", "CudaNaiveBackend"),
     ("attnlab.backends.cuda.backend", "CudaTiledBackend"),
     ("attnlab.backends.cuda.backend", "CudaRowmaxBackend"),
+    ("attnlab.backends.cuda.backend", "CudaMmaBackend"),
 ]
 
 #: What ``backend="auto"`` tries, by (device type, dtype class); the first that is available and supports
@@ -107,7 +108,7 @@ _BACKENDS = [
 #: that hold a NaN or an infinity (:func:`_hides_nonfinite`), which go to the float64 reference: SDPA's CPU kernel
 #: can turn a NaN row into 0, and the contract says a NaN propagates.
 AUTO_ORDER = {
-    ("cuda", "half"): ("triton-decode", "triton", "cuda-rowmax", "sdpa"),
+    ("cuda", "half"): ("triton-decode", "triton", "cuda-mma", "cuda-rowmax", "sdpa"),
     ("cuda", "float32"): ("cuda-rowmax", "triton", "sdpa"),
     ("cpu", "half"): ("sdpa", "reference"),
     ("cpu", "float32"): ("sdpa", "reference"),

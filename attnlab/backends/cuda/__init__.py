@@ -1,5 +1,5 @@
-"""The CUDA C kernels of ``kernels/`` (backends ``cuda-naive``, ``cuda-tiled``, ``cuda-rowmax``), compiled at
-run time with NVRTC through CuPy and launched zero-copy on torch tensors.
+"""The CUDA C kernels of ``kernels/`` (backends ``cuda-naive``, ``cuda-tiled``, ``cuda-rowmax``, ``cuda-mma``),
+compiled at run time with NVRTC through CuPy and launched zero-copy on torch tensors.
 
 The pieces, in the order a call goes through them:
 
@@ -10,14 +10,14 @@ The pieces, in the order a call goes through them:
 * :mod:`~attnlab.backends.cuda.sources`: the ``.cu`` files, with their includes resolved for NVRTC.
 * :mod:`~attnlab.backends.cuda.launch`: compile once per device, cache, launch on torch's stream
   (:func:`run`, :func:`prepare`).
-* :mod:`~attnlab.backends.cuda.backend`: the three backends.
+* :mod:`~attnlab.backends.cuda.backend`: the four backends.
 * :mod:`~attnlab.backends.cuda.compile_check`: ``python -m attnlab compile-check`` (NVRTC, optionally nvcc),
   no GPU needed.
 
 The names below are re-exported so that ``from attnlab.backends import cuda`` reads as one module.
 """
 
-from attnlab.backends.cuda.backend import CudaNaiveBackend, CudaRowmaxBackend, CudaTiledBackend
+from attnlab.backends.cuda.backend import CudaMmaBackend, CudaNaiveBackend, CudaRowmaxBackend, CudaTiledBackend
 from attnlab.backends.cuda.compile_check import (
     EDGE_SPILL_BYTES,
     REGISTER_CAP,
@@ -74,6 +74,7 @@ __all__ = [
     "ROWS_PER_BLOCK",
     "SMEM_OPTIN",
     "THREADS",
+    "CudaMmaBackend",
     "CudaNaiveBackend",
     "CudaRowmaxBackend",
     "CudaTiledBackend",

@@ -1,5 +1,5 @@
-"""Backends ``cuda-naive``, ``cuda-tiled``, ``cuda-rowmax``: the CUDA C kernels of ``kernels/``, compiled at
-run time with NVRTC through CuPy (:mod:`attnlab.backends.cuda.launch`)."""
+"""Backends ``cuda-naive``, ``cuda-tiled``, ``cuda-rowmax``, ``cuda-mma``: the CUDA C kernels of ``kernels/``,
+compiled at run time with NVRTC through CuPy (:mod:`attnlab.backends.cuda.launch`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from attnlab.backends import Availability, Backend, cuda_device_reason, no_cuda_reason
 from attnlab.backends.cuda.launch import run
-from attnlab.backends.cuda.variant import DTYPE_CODES, GRID_LIMITS
+from attnlab.backends.cuda.variant import DMAX_BUCKETS, DTYPE_CODES, GRID_LIMITS
 from attnlab.problem import Problem
 
 
@@ -64,3 +64,26 @@ class CudaRowmaxBackend(_CudaBackend):
     name = "cuda-rowmax"
     family = "rowmax"
     description = "tiled CUDA kernel with block-wise rowmax (one exp per score) and register micro-tiles"
+
+
+class CudaMmaBackend(_CudaBackend):
+    name = "cuda-mma"
+    family = "mma"
+    description = ("tensor-core CUDA kernel: mma.sync on 16-bit tiles staged by cp.async and read by ldmatrix, "
+                   "online softmax on the accumulator fragments")
+    takes = ("CUDA tensors of sm_80 or newer, float16/bfloat16 (float32 accumulators), D 1-128 with Dv = D, every "
+             "mask, no score modifiers; packed sequences padded")
+
+    def unsupported(self, prob: Problem) -> str | None:
+        why = super().unsupported(prob)
+        if why is not None:
+            return why
+        if prob.dtype not in (torch.float16, torch.bfloat16):
+            return (f"dtype {prob.dtype}: the tensor-core kernel takes float16 or bfloat16 (the MMA's 16-bit inputs); "
+                    "float32 runs on cuda-rowmax or triton")
+        if prob.D > DMAX_BUCKETS["mma"][-1]:
+            return f"head dim D = {prob.D}: the tensor-core kernel takes D up to {DMAX_BUCKETS['mma'][-1]}"
+        major, _ = torch.cuda.get_device_capability(prob.device)
+        if major < 8:
+            return f"compute capability {major}.x: the tensor-core kernel needs sm_80 or newer (cp.async, ldmatrix)"
+        return None

@@ -35,6 +35,7 @@ from attnlab.backends.cuda.variant import (
     choose_variant,
     launch_config,
     merge_name_expression,
+    mma_async_ok,
     rowmax_split_plan,
     validate_launch,
 )
@@ -229,6 +230,9 @@ def _plan(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | Non
             workspace = torch.empty(splits * B * Hq * Nq * (D + 2), dtype=torch.float32, device=q.device)
         else:
             split_tiles = NO_BOUND
+    elif family == "mma":
+        async_copy = _settings.rowmax_async_on() and mma_async_ok(q.dtype, D, ((q_ptr, q_st), (k_ptr, k_st),
+                                                                             (v_ptr, v_st)))
     cfg, merge_grid = c.config(B, Hq, Nq, splits)
     values = param_values(prob, out, lse, async_copy, splits, split_tiles, workspace, q_ptr, k_ptr, v_ptr,
                            q_st, k_st, v_st)

@@ -1,7 +1,7 @@
 """What can be compiled and how it is launched, in pure Python (no GPU, no CuPy): the kernel variants, the
 launch geometry checked against device limits, and rowmax's two launch-time choices.
 
-* :class:`Variant` names one compiled kernel: family (naive / tiled / rowmax), dtype, the D bucket
+* :class:`Variant` names one compiled kernel: family (naive / tiled / rowmax / mma), dtype, the D bucket
   ``dmax`` (the register and shared-memory arrays are sized for it; D itself is a run-time argument) and
   ``fast_exp``. :func:`variants` lists every variant the loader can produce; :func:`choose_variant` picks
   the one for a problem.
@@ -13,6 +13,9 @@ launch geometry checked against device limits, and rowmax's two launch-time choi
   16-byte ``cp.async`` copies or element by element, and :func:`rowmax_split_plan` whether a small grid
   splits each query tile's keys over several blocks (then ``attn_rowmax_merge`` combines their states).
   :func:`rowmax_async_copy` and :func:`rowmax_splits` force either choice (tests, benchmarks).
+* mma (see ``kernels/attn_mma.cu``): the tensor-core kernel, float16 and bfloat16 only, head dims up to 128;
+  :func:`mma_async_ok` decides whether its Q, K and V tiles travel by ``cp.async`` (the same switch,
+  :func:`rowmax_async_copy`, turns that off for a while).
 """
 
 from __future__ import annotations
@@ -26,16 +29,18 @@ import torch
 
 from attnlab.problem import Problem
 
-FAMILIES = ("naive", "tiled", "rowmax")
+FAMILIES = ("naive", "tiled", "rowmax", "mma")
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 DTYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16"}
 
 #: D buckets per family: a variant compiled for ``dmax`` serves every D <= dmax (naive needs none).
-DMAX_BUCKETS = {"naive": (256,), "tiled": (32, 64, 128, 256), "rowmax": (64, 128, 256)}
+DMAX_BUCKETS = {"naive": (256,), "tiled": (32, 64, 128, 256), "rowmax": (64, 128, 256), "mma": (64, 128)}
+#: dtype codes each family is compiled for: the tensor cores' MMA takes 16-bit inputs only.
+FAMILY_DTYPES = {"naive": (0, 1, 2), "tiled": (0, 1, 2), "rowmax": (0, 1, 2), "mma": (1, 2)}
 
 #: Threads per block and rows per block of each family (must match the kernels).
-THREADS = {"naive": 128, "tiled": 128, "rowmax": 256}
-ROWS_PER_BLOCK = {"naive": 1, "tiled": 16, "rowmax": 64}
+THREADS = {"naive": 128, "tiled": 128, "rowmax": 256, "mma": 128}
+ROWS_PER_BLOCK = {"naive": 1, "tiled": 16, "rowmax": 64, "mma": 64}
 
 #: Window sides arrive at the kernels clamped to +-NO_BOUND (2^30, as in attn_params.cuh): farther than
 #: any row is from any key, so an unbounded side needs no special case.
@@ -48,7 +53,7 @@ CUDA_MAX_THREADS = 1024
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
 
 _fast_exp = False
-_rowmax_async = True  #: let rowmax use cp.async where the inputs allow it
+_rowmax_async = True  #: let rowmax (and mma) use cp.async where the inputs allow it
 _rowmax_force_splits: int | None = None  #: None: rowmax_split_plan decides
 
 
@@ -85,8 +90,8 @@ def rowmax_forced_splits() -> int | None:
 
 @contextlib.contextmanager
 def rowmax_async_copy(enabled: bool) -> Iterator[None]:
-    """``with rowmax_async_copy(False): ...`` makes rowmax load its K/V tiles element by element even where
-    cp.async would apply (to test or time that path), then restores."""
+    """``with rowmax_async_copy(False): ...`` makes rowmax load its K/V tiles (and mma its Q, K and V tiles)
+    element by element even where cp.async would apply (to test or time that path), then restores."""
     global _rowmax_async
     old, _rowmax_async = _rowmax_async, bool(enabled)
     try:
@@ -150,6 +155,8 @@ class Variant:
             return 0  # static only: 4 + 4*256 floats
         if self.family == "tiled":
             return 4 * (16 + 32 + 32) * d
+        if self.family == "mma":
+            return 2 * (64 + 2 * 64 + 2 * 64) * d  # 16-bit q_s [64][d], k_s and v_s [2][64][d]
         bm, bn = 64, rowmax_bn(d)
         stages = 2 if d <= 128 else 1
         ld = d + 4
@@ -175,7 +182,7 @@ def variants(family: str | None = None) -> list[Variant]:
     return [
         Variant(f, dt, dm, fe)
         for f in fams
-        for dt in (0, 1, 2)
+        for dt in FAMILY_DTYPES[f]
         for dm in DMAX_BUCKETS[f]
         for fe in (False, True)
     ]
@@ -187,6 +194,9 @@ def choose_variant(family: str, dtype: torch.dtype, D: int, fast: bool | None = 
         raise ValueError(f"unknown kernel family {family!r}; one of {FAMILIES}")
     if dtype not in DTYPE_CODES:
         raise TypeError(f"the CUDA kernels take float32, float16 or bfloat16; got {dtype}")
+    if DTYPE_CODES[dtype] not in FAMILY_DTYPES[family]:
+        raise TypeError(f"the {family} kernel takes float16 or bfloat16 (the tensor cores' 16-bit inputs); got "
+                        f"{dtype} (float32 runs on cuda-rowmax or triton)")
     for dm in DMAX_BUCKETS[family]:
         if D <= dm:
             return Variant(family, DTYPE_CODES[dtype], dm, _fast_exp if fast is None else bool(fast))
@@ -276,6 +286,16 @@ def rowmax_split_plan(B: int, Hq: int, Nq: int, Nk: int, dmax: int, sm_count: in
         splits = max(1, min(-(-4 * sm_count // blocks), key_tiles // 4, 16))
     split_tiles = -(-key_tiles // splits)
     return -(-key_tiles // split_tiles), split_tiles  # no trailing split without tiles
+
+
+def mma_async_ok(dtype: torch.dtype, D: int, tensors: tuple[tuple[int, tuple], ...]) -> bool:
+    """Whether the mma kernel may copy Q, K and V rows with 16-byte cp.async: a 16-bit dtype, D a multiple of 8,
+    and for each (pointer, strides) of ``tensors`` unit stride on D and every row start 16-byte aligned (the
+    pointer, and the b/h/n strides multiples of 8 elements)."""
+    if dtype not in (torch.float16, torch.bfloat16) or D % 8 != 0:
+        return False
+    return all(st[3] == 1 and ptr % 16 == 0 and st[0] % 8 == 0 and st[1] % 8 == 0 and st[2] % 8 == 0
+               for ptr, st in tensors)
 
 
 def can_async_copy(prob: Problem) -> bool:

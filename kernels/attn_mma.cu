@@ -1,0 +1,353 @@
+// attn_mma.cu: the tensor-core kernel. The rowmax kernel's online softmax, with both products on the tensor
+// cores (mma.sync m16n8k16, float16 or bfloat16 inputs, float32 accumulators) and the tiles moved by cp.async
+// into a swizzled shared-memory layout that ldmatrix reads without bank conflicts.
+//
+// Tiling: one block per (batch*head bh, tile of BM = 64 query rows): grid (B*Hq, ceil(Nq / 64)), heaviest
+// (last) query tiles first. 128 threads = 4 warps; warp w owns the 16 query rows 16w .. 16w+15 of the tile
+// for the whole kernel. K and V stream through shared memory in tiles of BN = 64 keys, two stages deep.
+// DMAX (64 or 128) is the head dim the arrays are sized for; D <= DMAX is padded with zeros.
+//
+// Shared memory (16-bit elements, rows of DMAX elements, no padding):
+//   q_s [BM][DMAX]              the Q tile (read once into registers)
+//   k_s [2][BN][DMAX]           K tiles, row = key
+//   v_s [2][BN][DMAX]           V tiles, row = key
+// Swizzle: a row is DMAX / 8 chunks of 16 bytes; logical chunk c of row r is stored at chunk c ^ (r % 8).
+// ldmatrix has 8 lanes each read one 16-byte row of an 8 x 8 matrix, and the 8 rows of a matrix are 8
+// consecutive tile rows at the same logical chunk. Unswizzled, rows DMAX * 2 bytes apart (a multiple of 128)
+// would put all 8 reads in the same 4 banks (8-way conflict); XORed with r % 8 they land in 8 different
+// chunks of one 128-byte line: all 32 banks, one pass.
+//
+// The tensor-core instruction, mma.sync.m16n8k16.row.col: D[16x8] += A[16x16] * B[16x8], one warp. With
+// lane = 4 * g + t (g = lane / 4 the "group", t = lane % 4 the thread in the group), each thread holds
+//   A (4 registers of two 16-bit values): a0 = A[g][2t, 2t+1],   a1 = A[g+8][2t, 2t+1],
+//                                         a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9]
+//   B (2 registers):                      b0 = B[2t, 2t+1][g],   b1 = B[2t+8, 2t+9][g]
+//   C and D (4 floats):                   c0, c1 = C[g][2t, 2t+1],   c2, c3 = C[g+8][2t, 2t+1]
+// So each thread holds the accumulators of rows g and g+8 of its warp's 16, at columns 2t and 2t+1 of every
+// 8-column block; the 4 threads of a group share those two rows.
+//
+// ldmatrix.x4 loads four 8 x 8 matrices of 16-bit values; lanes 8m .. 8m+7 give the row addresses of matrix m
+// and every thread receives, per matrix, the two values at row g, columns 2t and 2t+1: exactly an A or B
+// register. With .trans it receives rows 2t and 2t+1 of column g instead.
+//   Q (A of S = Q K^T, row-major [row][d]): matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15),
+//     (rows 8-15, d 8-15) are a0 .. a3 of one 16-column slice of D; read once, kept in registers.
+//   K (B of S = Q K^T, B[d][key] = K[key][d]): stored key-major, which is B's column-major: plain ldmatrix;
+//     one x4 gives b0, b1 of two 8-key blocks.
+//   V (B of O += P V, B[key][d] = V[key][d]): stored key-major = B's row-major, so ldmatrix.trans; one x4
+//     gives b0, b1 of two 8-dim blocks.
+//
+// Online softmax on the accumulator fragments (per tile, as rowmax): S arrives as float32 fragments s[n][0..3]
+// (key block n). A thread scales and masks its 2 x 2 values per key block, takes the max over its keys, then
+// over the 4 threads of its group with two xor shuffles (distance 1 and 2): that is the tile's row max, known
+// to all four. m_new = max(m_i, tile max); alpha = exp(m_i - m_new) rescales acc and l_i; p = exp(s - m_new).
+// l_i is kept per thread (its own keys' share) and summed over the group once, at the end.
+// P stays in registers: the C fragments of key blocks 2k and 2k+1 are, value for value, the A fragment of the
+// 16-key slice k of P V (c0 c1 of block 2k = a0, c2 c3 = a1, block 2k+1's = a2, a3), so each pair is converted to
+// 16 bits (round to nearest, as the Triton kernel and FlashAttention do) and packed into one register.
+//
+// Pipeline, one barrier per tile: (A) tile t has landed, and every warp is done with tile t - 1; then tile t + 1
+// is issued by cp.async into the stage t - 1 used, and tile t is computed from the other while it travels.
+//
+// Loads: 16-byte cp.async.cg copies (no registers on the way) when the host says the rows allow it
+// (args.async_copy: D a multiple of 8, unit stride on D, 16-byte aligned rows); else element by element
+// (any strides), same layout and order. Rows past the tensor and dims past D are zero.
+//
+// Masking, lengths, windows, GQA, lse: as in the other kernels (attn_mask.cuh, attn_softmax.cuh). Key tiles run
+// over the block's structural range [lo, hi) only (causal and window tiles are skipped by construction), and
+// the per-element predicate is evaluated only in tiles that are not wholly allowed or under an explicit mask.
+//
+// Parameters: one `struct AttnParams` (attn_params.cuh), as for every kernel of attnlab. Needs sm_80 (cp.async,
+// ldmatrix, bfloat16 MMA).
+
+#include "attn_dtype.cuh"
+#include "attn_mask.cuh"
+#include "attn_params.cuh"
+#include "attn_softmax.cuh"
+
+// ---- tile shapes -------------------------------------------------------------------------------------
+
+template <int DMAX>
+struct MmaTiles {
+    static constexpr int BM = 64;                 // query rows per block
+    static constexpr int BN = 64;                 // keys per K/V tile
+    static constexpr int WARPS = 4;               // each owns 16 rows
+    static constexpr int NTHREADS = 32 * WARPS;
+    static constexpr int CHUNKS = DMAX / 8;       // 16-byte chunks per row
+    static constexpr int KN = BN / 8;             // 8-key blocks of S
+    static constexpr int DN = DMAX / 8;           // 8-dim blocks of O
+    static constexpr int DK = DMAX / 16;          // 16-dim slices of Q K^T
+};
+
+// ---- shared memory: the swizzled address of (row, 8-element chunk) --------------------------------------
+
+template <int DMAX>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+    return row * DMAX + ((chunk ^ (row & 7)) << 3);
+}
+
+__device__ __forceinline__ unsigned int shared_address(const void* p) {
+    return (unsigned int)__cvta_generic_to_shared(p);
+}
+
+// ---- cp.async (sm_80+) ---------------------------------------------------------------------------------
+
+// 16 bytes from global `src` to shared `dst`; src_bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void copy_16(unsigned short* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void copies_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void copies_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// ---- ldmatrix and mma ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned int r[4], const unsigned short* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int r[4], const unsigned short* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+}
+
+// d += a * b for one m16n8k16 tile (DTYPE 1: float16, 2: bfloat16), float32 accumulators.
+template <int DTYPE>
+__device__ __forceinline__ void mma_16816(float d[4], const unsigned int a[4], unsigned int b0, unsigned int b1) {
+    if constexpr (DTYPE == 1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Two float32 values rounded to 16 bits and packed: lo in the low half (the lower column), as ldmatrix packs.
+template <int DTYPE>
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+    unsigned int r;
+    if constexpr (DTYPE == 1) {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+// ---- tile loads ----------------------------------------------------------------------------------------
+
+// Rows [0, BM or BN) of a tile: tensor row `first + r` (r < n_rows), all DMAX dims (zero past D), into the
+// swizzled `dst`. Thread t handles chunks t, t + NTHREADS, ... of the tile (consecutive threads: consecutive
+// chunks of a row). `base`: the tensor's offset of (b, head, row 0, dim 0); `s`: its strides.
+template <int DMAX>
+__device__ __forceinline__ void load_tile(const AttnParams& args, const void* tensor, long long base,
+                                          const Strides4& s, int first, int n_rows, int rows, unsigned short* dst)
+{
+    using T = MmaTiles<DMAX>;
+    const unsigned short* src = static_cast<const unsigned short*>(tensor);
+    for (int idx = threadIdx.x; idx < rows * T::CHUNKS; idx += T::NTHREADS) {
+        const int r = idx / T::CHUNKS, c = idx % T::CHUNKS;
+        const int d0 = c * 8;
+        const bool row_in = r < n_rows;
+        const long long row_off = base + (long long)(first + r) * s.n;
+        unsigned short* to = dst + swizzled<DMAX>(r, c);
+        if (args.async_copy) {
+            const bool in = row_in && d0 < args.D;  // D % 8 == 0 here: a chunk is wholly in or out
+            copy_16(to, in ? src + row_off + d0 : src, in ? 16 : 0);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int d = d0 + e;
+                to[e] = row_in && d < args.D ? __ldg(src + row_off + (long long)d * s.d) : (unsigned short)0;
+            }
+        }
+    }
+}
+
+// ---- the kernel ----------------------------------------------------------------------------------------
+
+template <int DTYPE, int DMAX, bool FAST_EXP>
+__global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnParams args)
+{
+    static_assert(DTYPE == 1 || DTYPE == 2, "the tensor-core kernel takes float16 or bfloat16");
+    static_assert(DMAX == 64 || DMAX == 128, "head dims 64 and 128");
+    using T = MmaTiles<DMAX>;
+    constexpr int BM = T::BM, BN = T::BN, KN = T::KN, DN = T::DN, DK = T::DK;
+
+    extern __shared__ __align__(128) unsigned short smem_mma[];
+    unsigned short* q_s = smem_mma;                 // [BM][DMAX]
+    unsigned short* k_s = q_s + BM * DMAX;          // [2][BN][DMAX]
+    unsigned short* v_s = k_s + 2 * BN * DMAX;      // [2][BN][DMAX]
+
+    const int b = blockIdx.x / args.Hq;
+    const int h = blockIdx.x % args.Hq;
+    const int hk = h / args.group;
+    const int i0 = (gridDim.y - 1 - blockIdx.y) * BM;  // heaviest (last) query tiles first
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int row0 = warp * 16;  // the warp's first row in the tile
+
+    const RowRule rule = row_rule(args, b);
+    int lo, hi;
+    key_range(rule, i0, i0 + BM, &lo, &hi);
+    const int n_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
+
+    const long long q_base = offset4(args.qs, b, h, 0, 0);
+    const long long k_base = offset4(args.ks, b, hk, 0, 0);
+    const long long v_base = offset4(args.vs, b, hk, 0, 0);
+
+    // Issue tile `tile` into stage tile % 2 as one cp.async group (empty past the last tile, so that every wait
+    // counts the same groups).
+    auto issue_tile = [&](int tile) {
+        if (tile < n_tiles) {
+            const int j0 = lo + tile * BN;
+            const int stage = tile % 2;
+            load_tile<DMAX>(args, args.k, k_base, args.ks, j0, min(BN, hi - j0), BN, k_s + stage * BN * DMAX);
+            load_tile<DMAX>(args, args.v, v_base, args.vs, j0, min(BN, hi - j0), BN, v_s + stage * BN * DMAX);
+        }
+        copies_commit();
+    };
+
+    // Q first, then tile 0, both on their way at once. A block with no key tile reads nothing.
+    if (n_tiles > 0) load_tile<DMAX>(args, args.q, q_base, args.qs, i0, min(BM, args.Nq - i0), BM, q_s);
+    issue_tile(0);
+
+    float m_i[2] = {NEG_INF, NEG_INF};  // rows g and g+8 of the warp
+    float l_i[2] = {0.0f, 0.0f};        // this thread's share of the row sums
+    float acc[DN][4];
+#pragma unroll
+    for (int n = 0; n < DN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+
+    unsigned int q_frag[DK][4];  // A fragments of the warp's 16 rows, one per 16-dim slice
+    const int mat = lane / 8, mrow = lane % 8;  // the ldmatrix matrix this lane addresses, and its row in it
+
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        copies_wait_all();
+        __syncthreads();  // (A) tile `tile` (and Q) in shared memory; every warp done with tile - 1
+        issue_tile(tile + 1);
+        if (tile == 0) {
+#pragma unroll
+            for (int kk = 0; kk < DK; ++kk)  // matrices: (rows 0-7 | 8-15) x (dims 0-7 | 8-15) of the slice
+                ldmatrix_x4(q_frag[kk], q_s + swizzled<DMAX>(row0 + mrow + 8 * (mat & 1), 2 * kk + (mat >> 1)));
+        }
+        const unsigned short* k_t = k_s + (tile % 2) * BN * DMAX;
+        const unsigned short* v_t = v_s + (tile % 2) * BN * DMAX;
+        const int j0 = lo + tile * BN;
+
+        // ---- S = Q K^T: s[n] is the 16 x 8 block of keys 8n .. 8n+7 ---------------------------------------
+        float s[KN][4];
+#pragma unroll
+        for (int n = 0; n < KN; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+#pragma unroll
+            for (int n2 = 0; n2 < KN / 2; ++n2) {  // matrices: (keys 0-7 | 8-15 of the pair) x (dims 0-7 | 8-15)
+                unsigned int kb[4];
+                ldmatrix_x4(kb, k_t + swizzled<DMAX>(16 * n2 + mrow + 8 * (mat >> 1), 2 * kk + (mat & 1)));
+                mma_16816<DTYPE>(s[2 * n2], q_frag[kk], kb[0], kb[1]);
+                mma_16816<DTYPE>(s[2 * n2 + 1], q_frag[kk], kb[2], kb[3]);
+            }
+        }
+
+        // ---- scale, mask, online softmax on the fragments ---------------------------------------------------
+        const bool check_each = args.mask_kind != 0 || !tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // row g (values 0, 1 of each block), row g + 8 (values 2, 3)
+            const int i = i0 + row0 + g + 8 * r;
+            float tile_max = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < KN; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float x = s[n][2 * r + e] * args.scale;
+                    if (check_each) {
+                        const int j = j0 + 8 * n + 2 * t + e;
+                        x = structure_allows(rule, i, j) ? x + explicit_term(args, b, h, i, j) : NEG_INF;
+                    }
+                    s[n][2 * r + e] = x;
+                    tile_max = fmaxf(tile_max, x);
+                }
+            tile_max = group_max(tile_max, 4);  // the 4 threads of the group hold the row
+            const float m_new = fmaxf(m_i[r], tile_max);
+            const float m_use = safe_max(m_new);
+            const float alpha = softmax_exp<FAST_EXP>(m_i[r] - m_use);
+            float row_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < KN; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = softmax_exp<FAST_EXP>(s[n][2 * r + e] - m_use);
+                    s[n][2 * r + e] = p;
+                    row_sum += p;
+                }
+            l_i[r] = l_i[r] * alpha + row_sum;
+            m_i[r] = m_new;
+#pragma unroll
+            for (int n = 0; n < DN; ++n) {
+                acc[n][2 * r] *= alpha;
+                acc[n][2 * r + 1] *= alpha;
+            }
+        }
+
+        // ---- O += P V: P's A fragments straight from the S fragments ------------------------------------------
+#pragma unroll
+        for (int kk = 0; kk < KN / 2; ++kk) {  // keys 16kk .. 16kk+15
+            unsigned int p_frag[4];
+            p_frag[0] = pack2<DTYPE>(s[2 * kk][0], s[2 * kk][1]);
+            p_frag[1] = pack2<DTYPE>(s[2 * kk][2], s[2 * kk][3]);
+            p_frag[2] = pack2<DTYPE>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            p_frag[3] = pack2<DTYPE>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int n2 = 0; n2 < DN / 2; ++n2) {  // matrices: (keys 0-7 | 8-15) x (dims 0-7 | 8-15 of the pair)
+                unsigned int vb[4];
+                ldmatrix_x4_trans(vb, v_t + swizzled<DMAX>(16 * kk + mrow + 8 * (mat & 1), 2 * n2 + (mat >> 1)));
+                mma_16816<DTYPE>(acc[2 * n2], p_frag, vb[0], vb[1]);
+                mma_16816<DTYPE>(acc[2 * n2 + 1], p_frag, vb[2], vb[3]);
+            }
+        }
+    }
+
+    // ---- epilogue: the row sums over the group, normalize, store (empty rows: 0 and lse = -inf) -------------
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = i0 + row0 + g + 8 * r;
+        const float l = group_sum(l_i[r], 4);
+        if (i >= args.Nq) continue;
+        const float inv_l = row_inv_l(l);
+#pragma unroll
+        for (int n = 0; n < DN; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int d = 8 * n + 2 * t + e;
+                if (d < args.D) store_elem<DTYPE>(args.out, offset4(args.os, b, h, i, d), acc[n][2 * r + e] * inv_l);
+            }
+        if (t == 0 && args.lse != nullptr) store_lse(args, b, h, i, row_lse(m_i[r], l));
+    }
+}
+
+// ---- explicit instantiation for nvcc (NVRTC instantiates by name expression instead) -------------------
+#ifndef __CUDACC_RTC__
+template __global__ void attn_mma<1, 64, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<1, 64, true>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<1, 128, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<1, 128, true>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<2, 64, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<2, 64, true>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<2, 128, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<2, 128, true>(const __grid_constant__ AttnParams);
+#endif
