@@ -145,6 +145,27 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
     return r;
 }
 
+// ---- the exponential's unit ----------------------------------------------------------------------------
+
+// With FAST_EXP the scores are kept in base 2 (multiplied by log2 e once, with the scale) and exponentiated by
+// the hardware's ex2.approx, which is all __expf does after its own multiply; without it, in base e by expf.
+template <bool FAST_EXP>
+__device__ __forceinline__ float unit_exp(float x) {
+    if constexpr (FAST_EXP) {
+        float y;
+        asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+        return y;
+    } else {
+        return expf(x);
+    }
+}
+
+// Scores per nat in that unit: log2 e in base 2, 1 in base e.
+template <bool FAST_EXP>
+__device__ __forceinline__ float units_per_nat() {
+    return FAST_EXP ? 1.4426950408889634f : 1.0f;
+}
+
 // ---- tile loads ----------------------------------------------------------------------------------------
 
 // Rows [0, BM or BN) of a tile: tensor row `first + r` (r < n_rows), all DMAX dims (zero past D), into the
@@ -231,6 +252,8 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
 
+    const float units = units_per_nat<FAST_EXP>();  // m_i, l_i and the scores are in this unit
+    const float scale_u = args.scale * units;
     unsigned int q_frag[DK][4];  // A fragments of the warp's 16 rows, one per 16-dim slice
     const int mat = lane / 8, mrow = lane % 8;  // the ldmatrix matrix this lane addresses, and its row in it
 
@@ -248,20 +271,28 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
         const int j0 = lo + tile * BN;
 
         // ---- S = Q K^T: s[n] is the 16 x 8 block of keys 8n .. 8n+7 ---------------------------------------
+        // Steps (16-dim slice kk, key pair n2) in order; each step's K fragments are loaded two steps ahead
+        // (a ring of 3), so that the MMAs never wait on the ldmatrix just issued.
         float s[KN][4];
 #pragma unroll
         for (int n = 0; n < KN; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+        constexpr int S_STEPS = DK * (KN / 2);
+        // matrices of step st: (keys 0-7 | 8-15 of the pair) x (dims 0-7 | 8-15 of the slice)
+        auto k_frag = [&](unsigned int r[4], int st) {
+            const int kk = st / (KN / 2), n2 = st % (KN / 2);
+            ldmatrix_x4(r, k_t + swizzled<DMAX>(16 * n2 + mrow + 8 * (mat >> 1), 2 * kk + (mat & 1)));
+        };
+        unsigned int kb[3][4];
+        k_frag(kb[0], 0);
+        k_frag(kb[1], 1);
 #pragma unroll
-        for (int kk = 0; kk < DK; ++kk) {
-#pragma unroll
-            for (int n2 = 0; n2 < KN / 2; ++n2) {  // matrices: (keys 0-7 | 8-15 of the pair) x (dims 0-7 | 8-15)
-                unsigned int kb[4];
-                ldmatrix_x4(kb, k_t + swizzled<DMAX>(16 * n2 + mrow + 8 * (mat >> 1), 2 * kk + (mat & 1)));
-                mma_16816<DTYPE>(s[2 * n2], q_frag[kk], kb[0], kb[1]);
-                mma_16816<DTYPE>(s[2 * n2 + 1], q_frag[kk], kb[2], kb[3]);
-            }
+        for (int st = 0; st < S_STEPS; ++st) {
+            if (st + 2 < S_STEPS) k_frag(kb[(st + 2) % 3], st + 2);
+            const int kk = st / (KN / 2), n2 = st % (KN / 2);
+            mma_16816<DTYPE>(s[2 * n2], q_frag[kk], kb[st % 3][0], kb[st % 3][1]);
+            mma_16816<DTYPE>(s[2 * n2 + 1], q_frag[kk], kb[st % 3][2], kb[st % 3][3]);
         }
 
         // ---- scale, mask, online softmax on the fragments ---------------------------------------------------
@@ -274,10 +305,10 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
             for (int n = 0; n < KN; ++n)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    float x = s[n][2 * r + e] * args.scale;
+                    float x = s[n][2 * r + e] * scale_u;
                     if (check_each) {
                         const int j = j0 + 8 * n + 2 * t + e;
-                        x = structure_allows(rule, i, j) ? x + explicit_term(args, b, h, i, j) : NEG_INF;
+                        x = structure_allows(rule, i, j) ? x + units * explicit_term(args, b, h, i, j) : NEG_INF;
                     }
                     s[n][2 * r + e] = x;
                     tile_max = fmaxf(tile_max, x);
@@ -285,13 +316,13 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
             tile_max = group_max(tile_max, 4);  // the 4 threads of the group hold the row
             const float m_new = fmaxf(m_i[r], tile_max);
             const float m_use = safe_max(m_new);
-            const float alpha = softmax_exp<FAST_EXP>(m_i[r] - m_use);
+            const float alpha = unit_exp<FAST_EXP>(m_i[r] - m_use);
             float row_sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < KN; ++n)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float p = softmax_exp<FAST_EXP>(s[n][2 * r + e] - m_use);
+                    const float p = unit_exp<FAST_EXP>(s[n][2 * r + e] - m_use);
                     s[n][2 * r + e] = p;
                     row_sum += p;
                 }
@@ -305,20 +336,30 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
         }
 
         // ---- O += P V: P's A fragments straight from the S fragments ------------------------------------------
+        unsigned int p_frag[KN / 2][4];  // keys 16kk .. 16kk+15
 #pragma unroll
-        for (int kk = 0; kk < KN / 2; ++kk) {  // keys 16kk .. 16kk+15
-            unsigned int p_frag[4];
-            p_frag[0] = pack2<DTYPE>(s[2 * kk][0], s[2 * kk][1]);
-            p_frag[1] = pack2<DTYPE>(s[2 * kk][2], s[2 * kk][3]);
-            p_frag[2] = pack2<DTYPE>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            p_frag[3] = pack2<DTYPE>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        for (int kk = 0; kk < KN / 2; ++kk) {
+            p_frag[kk][0] = pack2<DTYPE>(s[2 * kk][0], s[2 * kk][1]);
+            p_frag[kk][1] = pack2<DTYPE>(s[2 * kk][2], s[2 * kk][3]);
+            p_frag[kk][2] = pack2<DTYPE>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            p_frag[kk][3] = pack2<DTYPE>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+        // Steps (16-key slice kk, dim pair n2), V fragments two steps ahead as for K.
+        constexpr int V_STEPS = (KN / 2) * (DN / 2);
+        // matrices of step st: (keys 0-7 | 8-15 of the slice) x (dims 0-7 | 8-15 of the pair), transposed
+        auto v_frag = [&](unsigned int r[4], int st) {
+            const int kk = st / (DN / 2), n2 = st % (DN / 2);
+            ldmatrix_x4_trans(r, v_t + swizzled<DMAX>(16 * kk + mrow + 8 * (mat & 1), 2 * n2 + (mat >> 1)));
+        };
+        unsigned int vb[3][4];
+        v_frag(vb[0], 0);
+        v_frag(vb[1], 1);
 #pragma unroll
-            for (int n2 = 0; n2 < DN / 2; ++n2) {  // matrices: (keys 0-7 | 8-15) x (dims 0-7 | 8-15 of the pair)
-                unsigned int vb[4];
-                ldmatrix_x4_trans(vb, v_t + swizzled<DMAX>(16 * kk + mrow + 8 * (mat & 1), 2 * n2 + (mat >> 1)));
-                mma_16816<DTYPE>(acc[2 * n2], p_frag, vb[0], vb[1]);
-                mma_16816<DTYPE>(acc[2 * n2 + 1], p_frag, vb[2], vb[3]);
-            }
+        for (int st = 0; st < V_STEPS; ++st) {
+            if (st + 2 < V_STEPS) v_frag(vb[(st + 2) % 3], st + 2);
+            const int kk = st / (DN / 2), n2 = st % (DN / 2);
+            mma_16816<DTYPE>(acc[2 * n2], p_frag[kk], vb[st % 3][0], vb[st % 3][1]);
+            mma_16816<DTYPE>(acc[2 * n2 + 1], p_frag[kk], vb[st % 3][2], vb[st % 3][3]);
         }
     }
 
@@ -336,7 +377,7 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
                 const int d = 8 * n + 2 * t + e;
                 if (d < args.D) store_elem<DTYPE>(args.out, offset4(args.os, b, h, i, d), acc[n][2 * r + e] * inv_l);
             }
-        if (t == 0 && args.lse != nullptr) store_lse(args, b, h, i, row_lse(m_i[r], l));
+        if (t == 0 && args.lse != nullptr) store_lse(args, b, h, i, row_lse(m_i[r] / units, l));
     }
 }
 

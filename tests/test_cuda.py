@@ -641,7 +641,7 @@ def _verify_mma(cases: list[Case]):
 def test_mma_passes_checker_on_matrix():
     df, bad, summary = _verify_mma(_gpu_cases())
     print(summary)
-    assert len(df) > 100
+    assert len(df) >= 100  # the matrix's cases with D <= 128, in two dtypes
     assert bad.empty, summary
 
 

@@ -111,6 +111,8 @@ def test_auto_with_grad_picks_a_backend_that_differentiates():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_through_the_public_call(backend, dtype):
     _available(backend)
+    if backend == "cuda-mma" and dtype == torch.float32:
+        pytest.skip("cuda-mma takes 16-bit inputs only (its refusal: test_cuda.py)")
     q, k, v = _inputs(dtype=dtype, N=150)
     lens = torch.tensor([150, 61], device="cuda")
     kw = dict(causal=True, kv_len=lens, q_len=lens, align="bottom_right")

@@ -30,7 +30,8 @@ def mma_cases() -> None:
             o1, _ = attnlab.attention(q, k, k, causal=True, align="bottom_right", kv_len=[300, 77], backend="cuda-mma",
                                       return_lse=True)
             mask = torch.rand(2, 1, 130, 300, device=dev) < 0.7
-            o2 = attnlab.attention(q, k, k, mask=mask, window=(50, 10), q_len=[130, 64], backend="cuda-mma")
+            o2 = attnlab.attention(q, k, k, mask=mask, window=(50, 10), align="bottom_right", q_len=[130, 64],
+                                   backend="cuda-mma")
             with C.rowmax_async_copy(False):
                 o3 = attnlab.attention(q, k, k, causal=True, backend="cuda-mma")
             qb, kb = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
