@@ -3,19 +3,21 @@
 // into a swizzled shared-memory layout that ldmatrix reads without bank conflicts.
 //
 // Tiling: one block per (batch*head bh, tile of BM = 64 query rows): grid (B*Hq, ceil(Nq / 64)), heaviest
-// (last) query tiles first. 128 threads = 4 warps; warp w owns the 16 query rows 16w .. 16w+15 of the tile
-// for the whole kernel. K and V stream through shared memory in tiles of BN = 64 keys, two stages deep.
-// DMAX (64 or 128) is the head dim the arrays are sized for; D <= DMAX is padded with zeros.
+// (last) query tiles first. 128 threads = 4 warps; warp w owns MB m-blocks of 16 query rows (MB = 1: rows
+// 16w .. 16w+15; FlashAttention-2's 32 rows per warp is MB = 2) for the whole kernel. K and V stream through
+// shared memory in tiles of BN keys (64 for D <= 64, 32 for D 128: fewer registers, more blocks per SM), two
+// stages deep. DMAX (64 or 128) is the head dim the arrays are sized for; D <= DMAX is padded with zeros.
 //
-// Shared memory (16-bit elements, rows of DMAX elements, no padding):
-//   q_s [BM][DMAX]              the Q tile (read once into registers)
+// Shared memory (16-bit elements, rows of DMAX elements, no padding; it starts 1024-byte aligned):
+//   q_s [BM][DMAX]              the Q tile (its fragments re-read for each 16-column slice)
 //   k_s [2][BN][DMAX]           K tiles, row = key
 //   v_s [2][BN][DMAX]           V tiles, row = key
 // Swizzle: a row is DMAX / 8 chunks of 16 bytes; logical chunk c of row r is stored at chunk c ^ (r % 8).
 // ldmatrix has 8 lanes each read one 16-byte row of an 8 x 8 matrix, and the 8 rows of a matrix are 8
 // consecutive tile rows at the same logical chunk. Unswizzled, rows DMAX * 2 bytes apart (a multiple of 128)
 // would put all 8 reads in the same 4 banks (8-way conflict); XORed with r % 8 they land in 8 different
-// chunks of one 128-byte line: all 32 banks, one pass.
+// chunks of one 128-byte line: all 32 banks, one pass. Every row a lane addresses has the same row % 8, so its
+// address for the next 16-column slice is its address XOR 32 bytes (chunk ^ 2): one instruction per step.
 //
 // The tensor-core instruction, mma.sync.m16n8k16.row.col: D[16x8] += A[16x16] * B[16x8], one warp. With
 // lane = 4 * g + t (g = lane / 4 the "group", t = lane % 4 the thread in the group), each thread holds
@@ -30,7 +32,7 @@
 // and every thread receives, per matrix, the two values at row g, columns 2t and 2t+1: exactly an A or B
 // register. With .trans it receives rows 2t and 2t+1 of column g instead.
 //   Q (A of S = Q K^T, row-major [row][d]): matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15),
-//     (rows 8-15, d 8-15) are a0 .. a3 of one 16-column slice of D; read once, kept in registers.
+//     (rows 8-15, d 8-15) are a0 .. a3 of one 16-column slice of D.
 //   K (B of S = Q K^T, B[d][key] = K[key][d]): stored key-major, which is B's column-major: plain ldmatrix;
 //     one x4 gives b0, b1 of two 8-key blocks.
 //   V (B of O += P V, B[key][d] = V[key][d]): stored key-major = B's row-major, so ldmatrix.trans; one x4
@@ -47,6 +49,9 @@
 //
 // Pipeline, one barrier per tile: (A) tile t has landed, and every warp is done with tile t - 1; then tile t + 1
 // is issued by cp.async into the stage t - 1 used, and tile t is computed from the other while it travels.
+// Within a tile the fragments are loaded ahead of the MMAs that read them (K and V two steps, Q one slice): the
+// asm statements keep their order, so an MMA right after its ldmatrix would wait for it.
+// With fast_exp the softmax runs in base 2 (scores times log2 e, ex2.approx); else in base e with expf.
 //
 // Loads: 16-byte cp.async.cg copies (no registers on the way) when the host says the rows allow it
 // (args.async_copy: D a multiple of 8, unit stride on D, 16-byte aligned rows); else element by element
@@ -68,9 +73,10 @@
 
 template <int DMAX>
 struct MmaTiles {
-    static constexpr int BM = 64;                 // query rows per block
-    static constexpr int BN = 64;                 // keys per K/V tile
-    static constexpr int WARPS = 4;               // each owns 16 rows
+    static constexpr int WARPS = 4;
+    static constexpr int MB = 1;                  // 16-row m-blocks per warp (chosen by measurement: decisions.md)
+    static constexpr int BM = 16 * MB * WARPS;    // query rows per block (64)
+    static constexpr int BN = DMAX <= 64 ? 64 : 32;  // keys per K/V tile
     static constexpr int NTHREADS = 32 * WARPS;
     static constexpr int CHUNKS = DMAX / 8;       // 16-byte chunks per row
     static constexpr int KN = BN / 8;             // 8-key blocks of S
@@ -107,14 +113,15 @@ __device__ __forceinline__ void copies_wait_all() {
 
 // ---- ldmatrix and mma ------------------------------------------------------------------------------------
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned int r[4], const unsigned short* p) {
+// `address`: a shared-memory address (shared_address), this lane's row of its matrix.
+__device__ __forceinline__ void ldmatrix_x4(unsigned int r[4], unsigned int address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
 
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int r[4], const unsigned short* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int r[4], unsigned int address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
 
 // d += a * b for one m16n8k16 tile (DTYPE 1: float16, 2: bfloat16), float32 accumulators.
@@ -204,9 +211,9 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
     static_assert(DTYPE == 1 || DTYPE == 2, "the tensor-core kernel takes float16 or bfloat16");
     static_assert(DMAX == 64 || DMAX == 128, "head dims 64 and 128");
     using T = MmaTiles<DMAX>;
-    constexpr int BM = T::BM, BN = T::BN, KN = T::KN, DN = T::DN, DK = T::DK;
+    constexpr int BM = T::BM, BN = T::BN, MB = T::MB, KN = T::KN, DN = T::DN, DK = T::DK;
 
-    extern __shared__ __align__(128) unsigned short smem_mma[];
+    extern __shared__ __align__(1024) unsigned short smem_mma[];  // rows at multiples of 256 bytes
     unsigned short* q_s = smem_mma;                 // [BM][DMAX]
     unsigned short* k_s = q_s + BM * DMAX;          // [2][BN][DMAX]
     unsigned short* v_s = k_s + 2 * BN * DMAX;      // [2][BN][DMAX]
@@ -217,7 +224,17 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
     const int i0 = (gridDim.y - 1 - blockIdx.y) * BM;  // heaviest (last) query tiles first
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
-    const int row0 = warp * 16;  // the warp's first row in the tile
+    const int row0 = warp * 16 * MB;  // the warp's first row in the tile; m-block mb starts 16 mb rows later
+    const int mat = lane / 8, mrow = lane % 8;  // the ldmatrix matrix this lane addresses, and its row in it
+    // This lane's ldmatrix addresses of the first step, in bytes of shared memory. Every row the lane addresses
+    // has row % 8 = mrow, so a later step's swizzled chunk is the first one XOR 2 * (its 16-column slice), and its
+    // rows 16 rows further on add a whole number of rows: address = (first ^ (slice << 5)) + rows * ROW_BYTES
+    // (rows start at multiples of 256 bytes, so the XOR stays inside the row). See the header: which matrix
+    // (mat) covers which rows and columns.
+    constexpr unsigned int ROW_BYTES = DMAX * 2;
+    const unsigned int q_lane = shared_address(q_s + swizzled<DMAX>(row0 + mrow + 8 * (mat & 1), mat >> 1));
+    const unsigned int k_lane = shared_address(k_s + swizzled<DMAX>(mrow + 8 * (mat >> 1), mat & 1));
+    const unsigned int v_lane = shared_address(v_s + swizzled<DMAX>(mrow + 8 * (mat & 1), mat >> 1));
 
     const RowRule rule = row_rule(args, b);
     int lo, hi;
@@ -244,112 +261,129 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
     if (n_tiles > 0) load_tile<DMAX>(args, args.q, q_base, args.qs, i0, min(BM, args.Nq - i0), BM, q_s);
     issue_tile(0);
 
-    float m_i[2] = {NEG_INF, NEG_INF};  // rows g and g+8 of the warp
-    float l_i[2] = {0.0f, 0.0f};        // this thread's share of the row sums
-    float acc[DN][4];
+    // The online-softmax state of the thread's rows: m-block mb, row g (r = 0) and g + 8 (r = 1).
+    float m_i[MB][2], l_i[MB][2];  // l_i: this thread's share of the row sum (its keys)
+    float acc[MB][DN][4];
 #pragma unroll
-    for (int n = 0; n < DN; ++n)
+    for (int mb = 0; mb < MB; ++mb) {
+        m_i[mb][0] = m_i[mb][1] = NEG_INF;
+        l_i[mb][0] = l_i[mb][1] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-
+        for (int n = 0; n < DN; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mb][n][e] = 0.0f;
+    }
     const float units = units_per_nat<FAST_EXP>();  // m_i, l_i and the scores are in this unit
     const float scale_u = args.scale * units;
-    unsigned int q_frag[DK][4];  // A fragments of the warp's 16 rows, one per 16-dim slice
-    const int mat = lane / 8, mrow = lane % 8;  // the ldmatrix matrix this lane addresses, and its row in it
 
     for (int tile = 0; tile < n_tiles; ++tile) {
         copies_wait_all();
         __syncthreads();  // (A) tile `tile` (and Q) in shared memory; every warp done with tile - 1
         issue_tile(tile + 1);
-        if (tile == 0) {
-#pragma unroll
-            for (int kk = 0; kk < DK; ++kk)  // matrices: (rows 0-7 | 8-15) x (dims 0-7 | 8-15) of the slice
-                ldmatrix_x4(q_frag[kk], q_s + swizzled<DMAX>(row0 + mrow + 8 * (mat & 1), 2 * kk + (mat >> 1)));
-        }
-        const unsigned short* k_t = k_s + (tile % 2) * BN * DMAX;
-        const unsigned short* v_t = v_s + (tile % 2) * BN * DMAX;
+        const unsigned int stage = (tile % 2) * BN * ROW_BYTES;
         const int j0 = lo + tile * BN;
 
-        // ---- S = Q K^T: s[n] is the 16 x 8 block of keys 8n .. 8n+7 ---------------------------------------
-        // Steps (16-dim slice kk, key pair n2) in order; each step's K fragments are loaded two steps ahead
-        // (a ring of 3), so that the MMAs never wait on the ldmatrix just issued.
-        float s[KN][4];
+        // ---- S = Q K^T: s[mb][n] is the 16 x 8 block of m-block mb and keys 8n .. 8n+7 ----------------------
+        // Steps (16-dim slice kk, key pair n2) in order. Each K fragment feeds both m-blocks; it is loaded two
+        // steps ahead (a ring of 3) and each slice's Q fragments one slice ahead (re-read from shared memory:
+        // kept in registers for the whole kernel they would not leave room for 32 rows), so that no MMA
+        // waits on the ldmatrix just issued.
+        float s[MB][KN][4];
 #pragma unroll
-        for (int n = 0; n < KN; ++n)
+        for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+            for (int n = 0; n < KN; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mb][n][e] = 0.0f;
         constexpr int S_STEPS = DK * (KN / 2);
-        // matrices of step st: (keys 0-7 | 8-15 of the pair) x (dims 0-7 | 8-15 of the slice)
+        // Q matrices of slice kk, m-block mb: (rows 0-7 | 8-15) x (dims 0-7 | 8-15 of the slice)
+        auto q_frag = [&](unsigned int r[4], int kk, int mb) {
+            ldmatrix_x4(r, (q_lane ^ (kk << 5)) + 16 * mb * ROW_BYTES);
+        };
+        // K matrices of step st: (keys 0-7 | 8-15 of the pair) x (dims 0-7 | 8-15 of the slice)
         auto k_frag = [&](unsigned int r[4], int st) {
             const int kk = st / (KN / 2), n2 = st % (KN / 2);
-            ldmatrix_x4(r, k_t + swizzled<DMAX>(16 * n2 + mrow + 8 * (mat >> 1), 2 * kk + (mat & 1)));
+            ldmatrix_x4(r, (k_lane ^ (kk << 5)) + stage + 16 * n2 * ROW_BYTES);
         };
-        unsigned int kb[3][4];
+        unsigned int qa[2][MB][4], kb[3][4];
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) q_frag(qa[0][mb], 0, mb);
         k_frag(kb[0], 0);
         k_frag(kb[1], 1);
 #pragma unroll
         for (int st = 0; st < S_STEPS; ++st) {
-            if (st + 2 < S_STEPS) k_frag(kb[(st + 2) % 3], st + 2);
             const int kk = st / (KN / 2), n2 = st % (KN / 2);
-            mma_16816<DTYPE>(s[2 * n2], q_frag[kk], kb[st % 3][0], kb[st % 3][1]);
-            mma_16816<DTYPE>(s[2 * n2 + 1], q_frag[kk], kb[st % 3][2], kb[st % 3][3]);
+            if (n2 == 0 && kk + 1 < DK) {
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) q_frag(qa[(kk + 1) % 2][mb], kk + 1, mb);
+            }
+            if (st + 2 < S_STEPS) k_frag(kb[(st + 2) % 3], st + 2);
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb) {
+                mma_16816<DTYPE>(s[mb][2 * n2], qa[kk % 2][mb], kb[st % 3][0], kb[st % 3][1]);
+                mma_16816<DTYPE>(s[mb][2 * n2 + 1], qa[kk % 2][mb], kb[st % 3][2], kb[st % 3][3]);
+            }
         }
 
         // ---- scale, mask, online softmax on the fragments ---------------------------------------------------
         const bool check_each = args.mask_kind != 0 || !tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {  // row g (values 0, 1 of each block), row g + 8 (values 2, 3)
-            const int i = i0 + row0 + g + 8 * r;
-            float tile_max = NEG_INF;
+        for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-            for (int n = 0; n < KN; ++n)
+            for (int r = 0; r < 2; ++r) {  // row g (values 0, 1 of each block), row g + 8 (values 2, 3)
+                const int i = i0 + row0 + 16 * mb + g + 8 * r;
+                float tile_max = NEG_INF;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float x = s[n][2 * r + e] * scale_u;
-                    if (check_each) {
-                        const int j = j0 + 8 * n + 2 * t + e;
-                        x = structure_allows(rule, i, j) ? x + units * explicit_term(args, b, h, i, j) : NEG_INF;
+                for (int n = 0; n < KN; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float x = s[mb][n][2 * r + e] * scale_u;
+                        if (check_each) {
+                            const int j = j0 + 8 * n + 2 * t + e;
+                            x = structure_allows(rule, i, j) ? x + units * explicit_term(args, b, h, i, j) : NEG_INF;
+                        }
+                        s[mb][n][2 * r + e] = x;
+                        tile_max = fmaxf(tile_max, x);
                     }
-                    s[n][2 * r + e] = x;
-                    tile_max = fmaxf(tile_max, x);
+                tile_max = group_max(tile_max, 4);  // the 4 threads of the group hold the row
+                const float m_new = fmaxf(m_i[mb][r], tile_max);
+                const float m_use = safe_max(m_new);
+                const float alpha = unit_exp<FAST_EXP>(m_i[mb][r] - m_use);
+                float row_sum = 0.0f;
+#pragma unroll
+                for (int n = 0; n < KN; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = unit_exp<FAST_EXP>(s[mb][n][2 * r + e] - m_use);
+                        s[mb][n][2 * r + e] = p;
+                        row_sum += p;
+                    }
+                l_i[mb][r] = l_i[mb][r] * alpha + row_sum;
+                m_i[mb][r] = m_new;
+#pragma unroll
+                for (int n = 0; n < DN; ++n) {
+                    acc[mb][n][2 * r] *= alpha;
+                    acc[mb][n][2 * r + 1] *= alpha;
                 }
-            tile_max = group_max(tile_max, 4);  // the 4 threads of the group hold the row
-            const float m_new = fmaxf(m_i[r], tile_max);
-            const float m_use = safe_max(m_new);
-            const float alpha = unit_exp<FAST_EXP>(m_i[r] - m_use);
-            float row_sum = 0.0f;
-#pragma unroll
-            for (int n = 0; n < KN; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = unit_exp<FAST_EXP>(s[n][2 * r + e] - m_use);
-                    s[n][2 * r + e] = p;
-                    row_sum += p;
-                }
-            l_i[r] = l_i[r] * alpha + row_sum;
-            m_i[r] = m_new;
-#pragma unroll
-            for (int n = 0; n < DN; ++n) {
-                acc[n][2 * r] *= alpha;
-                acc[n][2 * r + 1] *= alpha;
             }
-        }
 
         // ---- O += P V: P's A fragments straight from the S fragments ------------------------------------------
-        unsigned int p_frag[KN / 2][4];  // keys 16kk .. 16kk+15
+        unsigned int p_frag[MB][KN / 2][4];  // keys 16kk .. 16kk+15
 #pragma unroll
-        for (int kk = 0; kk < KN / 2; ++kk) {
-            p_frag[kk][0] = pack2<DTYPE>(s[2 * kk][0], s[2 * kk][1]);
-            p_frag[kk][1] = pack2<DTYPE>(s[2 * kk][2], s[2 * kk][3]);
-            p_frag[kk][2] = pack2<DTYPE>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            p_frag[kk][3] = pack2<DTYPE>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
-        // Steps (16-key slice kk, dim pair n2), V fragments two steps ahead as for K.
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+            for (int kk = 0; kk < KN / 2; ++kk) {
+                p_frag[mb][kk][0] = pack2<DTYPE>(s[mb][2 * kk][0], s[mb][2 * kk][1]);
+                p_frag[mb][kk][1] = pack2<DTYPE>(s[mb][2 * kk][2], s[mb][2 * kk][3]);
+                p_frag[mb][kk][2] = pack2<DTYPE>(s[mb][2 * kk + 1][0], s[mb][2 * kk + 1][1]);
+                p_frag[mb][kk][3] = pack2<DTYPE>(s[mb][2 * kk + 1][2], s[mb][2 * kk + 1][3]);
+            }
+        // Steps (16-key slice kk, dim pair n2), V fragments two steps ahead as for K, each feeding both m-blocks.
         constexpr int V_STEPS = (KN / 2) * (DN / 2);
-        // matrices of step st: (keys 0-7 | 8-15 of the slice) x (dims 0-7 | 8-15 of the pair), transposed
+        // V matrices of step st: (keys 0-7 | 8-15 of the slice) x (dims 0-7 | 8-15 of the pair), transposed
         auto v_frag = [&](unsigned int r[4], int st) {
             const int kk = st / (DN / 2), n2 = st % (DN / 2);
-            ldmatrix_x4_trans(r, v_t + swizzled<DMAX>(16 * kk + mrow + 8 * (mat & 1), 2 * n2 + (mat >> 1)));
+            ldmatrix_x4_trans(r, (v_lane ^ (n2 << 5)) + stage + 16 * kk * ROW_BYTES);
         };
         unsigned int vb[3][4];
         v_frag(vb[0], 0);
@@ -358,27 +392,33 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
         for (int st = 0; st < V_STEPS; ++st) {
             if (st + 2 < V_STEPS) v_frag(vb[(st + 2) % 3], st + 2);
             const int kk = st / (DN / 2), n2 = st % (DN / 2);
-            mma_16816<DTYPE>(acc[2 * n2], p_frag[kk], vb[st % 3][0], vb[st % 3][1]);
-            mma_16816<DTYPE>(acc[2 * n2 + 1], p_frag[kk], vb[st % 3][2], vb[st % 3][3]);
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb) {
+                mma_16816<DTYPE>(acc[mb][2 * n2], p_frag[mb][kk], vb[st % 3][0], vb[st % 3][1]);
+                mma_16816<DTYPE>(acc[mb][2 * n2 + 1], p_frag[mb][kk], vb[st % 3][2], vb[st % 3][3]);
+            }
         }
     }
 
     // ---- epilogue: the row sums over the group, normalize, store (empty rows: 0 and lse = -inf) -------------
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = i0 + row0 + g + 8 * r;
-        const float l = group_sum(l_i[r], 4);
-        if (i >= args.Nq) continue;
-        const float inv_l = row_inv_l(l);
+    for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-        for (int n = 0; n < DN; ++n)
+        for (int r = 0; r < 2; ++r) {
+            const int i = i0 + row0 + 16 * mb + g + 8 * r;
+            const float l = group_sum(l_i[mb][r], 4);
+            if (i >= args.Nq) continue;
+            const float inv_l = row_inv_l(l);
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int d = 8 * n + 2 * t + e;
-                if (d < args.D) store_elem<DTYPE>(args.out, offset4(args.os, b, h, i, d), acc[n][2 * r + e] * inv_l);
-            }
-        if (t == 0 && args.lse != nullptr) store_lse(args, b, h, i, row_lse(m_i[r] / units, l));
-    }
+            for (int n = 0; n < DN; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int d = 8 * n + 2 * t + e;
+                    if (d < args.D)
+                        store_elem<DTYPE>(args.out, offset4(args.os, b, h, i, d), acc[mb][n][2 * r + e] * inv_l);
+                }
+            if (t == 0 && args.lse != nullptr) store_lse(args, b, h, i, row_lse(m_i[mb][r] / units, l));
+        }
 }
 
 // ---- explicit instantiation for nvcc (NVRTC instantiates by name expression instead) -------------------

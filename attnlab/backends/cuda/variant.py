@@ -156,7 +156,8 @@ class Variant:
         if self.family == "tiled":
             return 4 * (16 + 32 + 32) * d
         if self.family == "mma":
-            return 2 * (64 + 2 * 64 + 2 * 64) * d  # 16-bit q_s [64][d], k_s and v_s [2][64][d]
+            bn = mma_bn(d)
+            return 2 * (ROWS_PER_BLOCK["mma"] + 4 * bn) * d  # 16-bit q_s [64][d], k_s and v_s [2][bn][d]
         bm, bn = 64, rowmax_bn(d)
         stages = 2 if d <= 128 else 1
         ld = d + 4
@@ -169,6 +170,11 @@ MERGE_THREADS = 128
 
 def merge_name_expression(dtype_code: int) -> str:
     return f"attn_rowmax_merge<{dtype_code}>"
+
+
+def mma_bn(dmax: int) -> int:
+    """Keys per K/V tile of the mma kernel (MmaTiles::BN)."""
+    return 64 if dmax <= 64 else 32
 
 
 def rowmax_bn(dmax: int) -> int:
