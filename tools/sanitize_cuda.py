@@ -33,9 +33,9 @@ def mma_cases() -> None:
             o2 = attnlab.attention(q, k, k, mask=mask, window=(50, 10), align="bottom_right", q_len=[130, 64],
                                    backend="cuda-mma")
             with C.rowmax_async_copy(False):
-                o3 = attnlab.attention(q, k, k, causal=True, backend="cuda-mma")
+                o3 = attnlab.attention(q, k, k, causal=True, align="bottom_right", backend="cuda-mma")
             qb, kb = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
-            o4 = attnlab.attention(qb, kb, kb, layout="bnhd", causal=True, backend="cuda-mma")
+            o4 = attnlab.attention(qb, kb, kb, layout="bnhd", causal=True, align="top_left", backend="cuda-mma")
             torch.cuda.synchronize()
             sums = [float(o.float().abs().sum()) for o in (o1, o2, o3, o4)]
             print("mma D", D, dt, "ok", *sums, flush=True)
