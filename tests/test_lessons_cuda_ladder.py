@@ -31,3 +31,10 @@ def test_recorded_ratios_are_per_case_and_dtype(tmp_path):
 
 def test_nothing_recorded_is_none(tmp_path):
     assert cuda_ladder.recorded(tmp_path / "absent.json") is None
+
+
+def test_environment_is_read_back(tmp_path):
+    path = tmp_path / "ladder.json"
+    path.write_text(json.dumps({"environment": {"gpu": "X", "commit": "abc"}, "rows": []}))
+    assert cuda_ladder.environment(path) == {"gpu": "X", "commit": "abc"}
+    assert cuda_ladder.environment(tmp_path / "absent.json") == {}

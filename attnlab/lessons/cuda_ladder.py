@@ -83,6 +83,12 @@ def measure(out: Path | str) -> list[dict]:
     return rows
 
 
+def environment(path: Path | str | None = None) -> dict:
+    """Where and at which commit the recorded ladder was measured (empty when nothing is recorded)."""
+    p = Path(path) if path is not None else RECORDED
+    return json.loads(p.read_text())["environment"] if p.exists() else {}
+
+
 def recorded(path: Path | str | None = None) -> pd.DataFrame | None:
     """The recorded ladder: one row per (case, dtype, backend) with ``graph_us``, ``host_us``, the time over
     rowmax's of the same case and dtype (``x_rowmax``) and FlashAttention-2's time over this one

@@ -433,3 +433,24 @@ def fp32_bars(fair: pd.DataFrame, colors: Mapping[str, object] | None = None) ->
     fig.suptitle("float32 IEEE (TF32 off) against float32 rivals only", fontweight="bold")
     fig.tight_layout()
     return fig
+
+
+def cuda_ladder_bars(lad: pd.DataFrame, case: str, colors: Mapping[str, object] | None = None) -> Figure:
+    """GPU time per call in graph replay of every rung of the CUDA ladder on one case
+    (:func:`attnlab.lessons.cuda_ladder.recorded`), one panel per dtype, slowest at the top."""
+    d = lad[(lad["case"] == case) & lad["graph_us"].notna()]
+    dtypes = list(dict.fromkeys(d["dtype"]))
+    fig, axes = new_figure(1, len(dtypes), size=(5.2 * len(dtypes), 3.6))
+    for ax, dt in zip(np.atleast_1d(axes).flat, dtypes):
+        t = d[d["dtype"] == dt].set_index("backend")["graph_us"].sort_values()
+        ax.barh(t.index, t.values / 1e3, color=[(colors or {}).get(b, "#3d7ea6") for b in t.index])
+        for i, v in enumerate(t.values / 1e3):
+            ax.text(v * 1.05, i, f"{v:.3g}", va="center", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlim(t.min() / 1e3 / 1.5, t.max() / 1e3 * 3)
+        ax.xaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel("ms per call, graph replay (log scale)")
+        ax.set_title(dt)
+    fig.suptitle(f"The CUDA ladder, {case.replace('_', ' ')}", fontweight="bold")
+    fig.tight_layout()
+    return fig

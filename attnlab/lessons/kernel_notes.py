@@ -13,13 +13,16 @@ import numpy as np
 
 from attnlab.paths import data_file
 
+#: The CUDA-core families (float32 math), which the per-score models and thread maps here cover.
 FAMILIES = ("naive", "tiled", "rowmax")
+#: Every family whose source can be read: the CUDA-core ones and the tensor-core kernel.
+SOURCES = (*FAMILIES, "mma")
 
 
 def kernel_path(family: str) -> Path:
     """The ``.cu`` file of a kernel family (``kernels/`` of a checkout, or the installed package)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown kernel family {family!r}; one of {FAMILIES}")
+    if family not in SOURCES:
+        raise ValueError(f"unknown kernel family {family!r}; one of {SOURCES}")
     try:
         from attnlab.backends.cuda.sources import kernels_dir
 
