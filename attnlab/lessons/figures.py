@@ -454,3 +454,27 @@ def cuda_ladder_bars(lad: pd.DataFrame, case: str, colors: Mapping[str, object] 
     fig.suptitle(f"The CUDA ladder, {case.replace('_', ' ')}", fontweight="bold")
     fig.tight_layout()
     return fig
+
+
+def route_bars(table: pd.DataFrame) -> Figure:
+    """Each Hopper route's best time over cuDNN's per case (:func:`attnlab.lessons.hopper.routes`): grouped
+    horizontal bars in the table's order, a line at cuDNN's speed."""
+    cases = list(dict.fromkeys(table.index.get_level_values("case")))
+    families = list(dict.fromkeys(table.index.get_level_values("family")))
+    x = table["x cudnn"].unstack("family").reindex(index=cases, columns=families)
+    fig, axes = new_figure(size=(8.5, 0.3 * len(cases) * len(families) + 2.0))
+    ax = np.atleast_1d(axes).flat[0]
+    height = 0.8 / len(families)
+    palette = sns.color_palette("deep", len(families))
+    for j, fam in enumerate(families):
+        pos = np.arange(len(cases)) + (j - (len(families) - 1) / 2) * height
+        ax.barh(pos, x[fam].to_numpy(), height=height, color=palette[j], label=fam)
+    ax.set_yticks(np.arange(len(cases)), cases)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", lw=1, ls="--", label="cuDNN")
+    ax.set_xlim(0.5, 1.05)
+    ax.set_xlabel("speed over cuDNN's in the same run (cuDNN time / route time)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.4, -0.14), ncol=3, fontsize=8, frameon=False)
+    ax.set_title("The forward on Hopper: routes within Triton against cuDNN (bf16)", fontweight="bold")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,84 @@
+"""The forward's Hopper routes as recorded on the GPU (``tools/hopper_routes.py``): the public Triton call, the
+same call with forced configs, TMA tensor-descriptor loads and triton's automatic warp specialization, each timed
+beside cuDNN; and Nsight Compute's view of attnlab's and cuDNN's forward kernels. Nothing is timed here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from attnlab.paths import DATA_DIR
+
+_DIR = DATA_DIR / "experiments" / "nvidia-h200"
+#: The route runs (the warp-specialized kernels ran in a process of their own) and the profile.
+ROUTE_FILES = (_DIR / "hopper-routes-e059209.json", _DIR / "hopper-routes-ws-e059209.json")
+PROFILE_FILE = _DIR / "ncu-forward-causal-e059209.csv"
+
+#: Route families by the prefix of their names in the files, as the notebook says them.
+FAMILIES = {"triton": "public call, shipped config", "triton cfg": "public call, best forced config",
+            "tma ws=False": "TMA loads", "tma ws=True": "TMA loads + warp specialization"}
+#: The profile's metrics the notebook shows, by (section, metric) in ncu's export.
+PROFILE_METRICS = {
+    ("GPU Speed Of Light Throughput", "Duration"): "duration (ns, ncu's locked clocks)",
+    ("GPU Speed Of Light Throughput", "Compute (SM) Throughput"): "SM busy (%)",
+    ("Compute Workload Analysis", "Executed Ipc Active"): "instructions per active cycle",
+    ("Warp State Statistics", "Warp Cycles Per Issued Instruction"): "cycles per issued instruction",
+    ("Occupancy", "Achieved Occupancy"): "achieved occupancy (%)",
+    ("Occupancy", "Theoretical Active Warps per SM"): "warps per SM (theoretical)",
+}
+
+
+def _family(route: str) -> str | None:
+    if route == "triton":
+        return FAMILIES["triton"]
+    if route.startswith("triton cfg"):
+        return FAMILIES["triton cfg"]
+    if route.startswith("tma"):
+        return FAMILIES["tma ws=True" if route.endswith("ws=True") else "tma ws=False"]
+    return None
+
+
+def routes(paths: tuple[Path | str, ...] = ROUTE_FILES) -> pd.DataFrame | None:
+    """The best route of each family per case by its ratio to cuDNN's time in the same run (``x cudnn``: above
+    1 is faster than cuDNN; each file is one run), with its config, time and TFLOP/s; None when the files are
+    absent. Routes that failed (the compiler refused, or the checker did) count in ``failed``."""
+    runs = []
+    for i, p in enumerate(map(Path, paths)):
+        if not p.exists():
+            return None
+        run = pd.DataFrame(json.loads(p.read_text())["rows"]).assign(run=i)
+        cudnn = run[run["route"] == "sdpa-cudnn"].set_index("case")["ms"]
+        runs.append(run.assign(**{"x cudnn": cudnn.reindex(run["case"]).to_numpy() / run["ms"].to_numpy()}))
+    df = pd.concat(runs, ignore_index=True)
+    df["family"] = df["route"].map(_family)
+    mine = df[df["family"].notna()]
+    ok = mine["passed"].astype(bool)
+    failed = mine[~ok].groupby(["case", "family"]).size()
+    best = mine[ok].sort_values("x cudnn", ascending=False).groupby(["case", "family"], sort=False).head(1)
+    best = best.assign(config=best["route"].str.extract(r"cfg=(\([^)]*\))", expand=False).fillna("shipped"))
+    out = best.set_index(["case", "family"])[["config", "ms", "tflops", "x cudnn"]]
+    out["failed"] = failed.reindex(out.index).fillna(0).astype(int)
+    order = {c: i for i, c in enumerate(dict.fromkeys(df["case"]))}
+    fam = {f: i for i, f in enumerate(FAMILIES.values())}
+    return out.sort_index(key=lambda ix: ix.map(order) if ix.name == "case" else ix.map(fam))
+
+
+def profile(path: Path | str = PROFILE_FILE) -> pd.DataFrame | None:
+    """The selected ncu metrics (rows) of attnlab's and cuDNN's forward kernels (columns), with each kernel's
+    threads per block; None when the export is absent."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    table: dict[str, dict[str, float]] = {}
+    with p.open() as f:
+        for r in csv.DictReader(f):
+            name = "attnlab (triton)" if r["Kernel Name"].startswith("attn_fwd") else "cuDNN"
+            col = table.setdefault(name, {"threads per block": float(r["Block Size"].strip("()").split(",")[0])})
+            label = PROFILE_METRICS.get((r["Section Name"], r["Metric Name"]))
+            if label is not None:
+                col[label] = float(r["Metric Value"].replace(",", ""))
+    return pd.DataFrame(table)

@@ -1,0 +1,45 @@
+"""attnlab.lessons.hopper: the recorded Hopper routes and profile as the notebook reads them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnlab.lessons import hopper
+
+
+def _run(path, rows):
+    path.write_text(json.dumps({"environment": {}, "rows": rows}))
+    return path
+
+
+def test_routes_take_each_familys_best_ratio_within_its_own_run(tmp_path):
+    a = _run(tmp_path / "a.json", [
+        {"case": "c", "route": "sdpa-cudnn", "passed": True, "ms": 1.0, "tflops": 1},
+        {"case": "c", "route": "triton", "passed": True, "ms": 2.0, "tflops": 1},
+        {"case": "c", "route": "tma cfg=(1, 2, 3, 4) ws=False", "passed": True, "ms": 1.25, "tflops": 1},
+        {"case": "c", "route": "tma cfg=(5, 6, 7, 8) ws=False", "passed": False, "ms": None, "tflops": None},
+    ])
+    b = _run(tmp_path / "b.json", [  # a slower run: cuDNN 2 ms; triton 2.5 ms is 0.8x, better than run a's 0.5x
+        {"case": "c", "route": "sdpa-cudnn", "passed": True, "ms": 2.0, "tflops": 1},
+        {"case": "c", "route": "triton", "passed": True, "ms": 2.5, "tflops": 1},
+        {"case": "c", "route": "tma cfg=(1, 2, 3, 4) ws=True", "passed": False, "ms": None, "tflops": None},
+    ])
+    t = hopper.routes((a, b))
+    assert t.loc[("c", hopper.FAMILIES["triton"]), "x cudnn"] == pytest.approx(0.8)
+    tma = t.loc[("c", hopper.FAMILIES["tma ws=False"])]
+    assert tma["x cudnn"] == pytest.approx(0.8) and tma["config"] == "(1, 2, 3, 4)" and tma["failed"] == 1
+    assert ("c", hopper.FAMILIES["tma ws=True"]) not in t.index  # it never passed: no row, no time
+    assert hopper.routes((a, tmp_path / "absent.json")) is None
+
+
+def test_the_recorded_routes_and_profile_read_back():
+    t = hopper.routes()
+    assert t is not None and set(t.index.get_level_values("family")) == set(hopper.FAMILIES.values())
+    assert t["x cudnn"].between(0.3, 1.5).all()
+    assert t.xs(hopper.FAMILIES["tma ws=True"], level="family")["failed"].sum() > 0
+    prof = hopper.profile()
+    assert list(prof.columns) == ["attnlab (triton)", "cuDNN"]
+    assert prof.loc["threads per block", "cuDNN"] == 384
+    assert len(prof) == len(hopper.PROFILE_METRICS) + 1
