@@ -5,7 +5,7 @@
     report = attnlab.check.compare(out, out64)
 """
 
-from attnlab import backends, check, cpu_math, masks, warm_start
+from attnlab import backends, check, cpu_math, masks, sdpa_provider, warm_start
 from attnlab.api import attention
 from attnlab.reference import reference
 from attnlab.tuning import tune
@@ -16,4 +16,5 @@ cpu_math.settle_vml_dispatch()  # before any parallel CPU math: pytorch/pytorch#
 __version__ = "0.1.0"
 
 warm_start.start()  # Triton's per-process start-up in the background (GPU builds; compiles nothing)
-__all__ = ["attention", "attention_varlen", "backends", "check", "masks", "reference", "tune"]
+sdpa_provider.register()  # listed as SDPA's flash provider "attnlab", never activated here
+__all__ = ["attention", "attention_varlen", "backends", "check", "masks", "reference", "sdpa_provider", "tune"]

@@ -1,0 +1,174 @@
+"""attnlab as SDPA's flash provider (attnlab.sdpa_provider): registration on import, activation, and the ops'
+meaning (PyTorch's flash kernel's), on the CPU through the interpreter and, marked ``gpu``, through
+``F.scaled_dot_product_attention`` on a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import sdpa_provider as provider
+
+attention_registry = pytest.importorskip("torch.nn.attention")
+HAS_REGISTRY = provider._registry() is not None
+needs_registry = pytest.mark.skipif(not HAS_REGISTRY, reason=f"torch {torch.__version__} has no flash registry")
+
+
+@contextlib.contextmanager
+def _active():
+    provider.activate()
+    try:
+        yield
+    finally:
+        provider.deactivate()
+
+
+@needs_registry
+def test_import_registers_and_activates_nothing():
+    assert "attnlab" in attention_registry.list_flash_attention_impls()
+    assert attention_registry.current_flash_attention_impl() != "attnlab"
+    assert not provider.active()
+
+
+@needs_registry
+def test_activation_and_deactivation():
+    with _active():
+        assert provider.active() and attention_registry.current_flash_attention_impl() == "attnlab"
+        provider.activate()  # again: replaces itself
+        assert provider.active()
+    assert not provider.active()
+
+
+def test_without_a_registry_activation_says_which_torch(monkeypatch):
+    monkeypatch.setattr(provider, "_registry", lambda: None)
+    assert provider.register() is False
+    with pytest.raises(RuntimeError, match=r"no flash-attention registry.*torch 2\.11"):
+        provider.activate()
+
+
+CASES = [  # B, Hq, Hkv, Nq, Nk, D, is_causal
+    (2, 4, 2, 37, 37, 32, True),
+    (2, 4, 4, 20, 53, 32, True),  # Nq < Nk: the diagonal at the bottom right, as FlashAttention aligns it
+    (1, 2, 1, 53, 20, 16, True),  # Nq > Nk: the first rows see no key
+    (2, 4, 2, 33, 47, 32, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_the_ops_compute_the_flash_kernels_meaning(case):
+    """The forward and the backward the dispatcher calls, run directly on CPU tensors (Triton's interpreter),
+    against the float64 reference: values, lse, and gradients from the out and lse handed in."""
+    B, Hq, Hkv, Nq, Nk, D, causal = case
+    g = torch.Generator().manual_seed(sum(case))
+    q = torch.randn(B, Hq, Nq, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, Hkv, Nk, D, generator=g).bfloat16() for _ in range(2))
+    before = provider.stats()
+    res = provider._forward(q, k, v, 0.0, causal, False, scale=0.3)
+    out, lse = res[0], res[1]
+    assert res[4:6] == (Nq, Nk) and out.stride() == q.stride() and lse.dtype == torch.float32
+    kw = dict(causal=True, align="bottom_right") if causal else {}
+    ref, ref_lse = attnlab.reference(q, k, v, scale=0.3, **kw)
+    assert attnlab.check.compare(out, ref).passed
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)  # -inf rows compare equal
+    dout = torch.randn(out.shape, generator=g).bfloat16()
+    grads = provider._backward(dout, q, k, v, out, lse, None, None, Nq, Nk, 0.0, causal, res[6], res[7], scale=0.3)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    attnlab.reference(*leaves, scale=0.3, **kw)[0].backward(dout.double())
+    for got, leaf in zip(grads, leaves):
+        assert got.shape == leaf.shape and attnlab.check.compare(got, leaf.grad).passed
+    after = provider.stats()
+    assert (after["forward"] - before["forward"], after["backward"] - before["backward"]) == (1, 1)
+
+
+@pytest.mark.parametrize(("kw", "why"), [(dict(dropout_p=0.1), "dropout_p = 0.1"),
+                                         (dict(return_debug_mask=True), "return_debug_mask"),
+                                         (dict(dtype=torch.float32), "float32")])
+def test_what_attnlab_does_not_compute_is_refused_and_counted(kw, why):
+    q = torch.randn(1, 2, 8, 16, dtype=kw.pop("dtype", torch.bfloat16))
+    refused = provider.stats()["refused"]
+    with pytest.raises(RuntimeError, match=why):
+        provider._forward(q, q, q, **kw)
+    assert provider.stats()["refused"] == refused + 1
+
+
+# ---- GPU: through F.scaled_dot_product_attention ----------------------------------------------------------
+
+
+def _sdpa_flash(q, k, v, **kw):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def _gpu_inputs(B, Hq, Hkv, Nq, Nk, D, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.gpu
+@needs_registry
+@pytest.mark.parametrize("case", [(2, 8, 2, 333, 333, 64, True), (1, 4, 4, 1000, 1000, 128, False),
+                                  (2, 4, 1, 77, 77, 96, True)], ids=["gqa_causal", "dense_d128", "mqa_odd_d96"])
+def test_sdpa_flash_runs_attnlabs_kernels_values_and_gradients(case):
+    B, Hq, Hkv, Nq, Nk, D, causal = case
+    q, k, v = _gpu_inputs(B, Hq, Hkv, Nq, Nk, D)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator("cuda").manual_seed(1))
+    before = provider.stats()
+    with _active():
+        out = _sdpa_flash(*leaves, is_causal=causal, enable_gqa=Hq != Hkv)
+        out.backward(dout)
+    after = provider.stats()
+    assert (after["forward"] - before["forward"], after["backward"] - before["backward"]) == (1, 1)
+    assert after["refused"] == before["refused"]
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = attnlab.reference(*ref_leaves, causal=causal)[0]
+    ref.backward(dout.double())
+    assert attnlab.check.compare(out.detach(), ref).passed
+    for leaf, ref_leaf in zip(leaves, ref_leaves):
+        assert attnlab.check.compare(leaf.grad, ref_leaf.grad).passed
+    torch.cuda.synchronize()
+    plain = _sdpa_flash(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)  # deactivated: PyTorch's own again
+    assert provider.stats()["forward"] == after["forward"]
+    assert attnlab.check.compare(plain, ref).passed
+
+
+@pytest.mark.gpu
+@needs_registry
+@pytest.mark.parametrize("shape", [(2, 4, 4, 64, 200, 64), (2, 4, 4, 200, 64, 64)], ids=["nq<nk", "nq>nk"])
+def test_causal_with_unequal_lengths_means_what_pytorchs_flash_op_means(shape):
+    """The op called directly (as context parallelism and varlen do), is_causal with Nq != Nk: attnlab's answer
+    against PyTorch's own flash kernel's on the same inputs."""
+    q, k, v = _gpu_inputs(*shape)
+    op = torch.ops.aten._scaled_dot_product_flash_attention
+    theirs = op(q, k, v, 0.0, True)[0]
+    with _active():
+        ours = op(q, k, v, 0.0, True)[0]
+    assert attnlab.check.compare(ours, theirs.double()).passed
+
+
+@pytest.mark.gpu
+@needs_registry
+def test_under_torch_compile_and_in_a_cuda_graph():
+    from attnlab.bench.replay import capture
+
+    q, k, v = _gpu_inputs(2, 8, 2, 256, 256, 64)
+    with _active():
+        compiled = torch.compile(lambda a, b, c: _sdpa_flash(a, b, c, is_causal=True, enable_gqa=True),
+                                 fullgraph=True)
+        got = compiled(q, k, v)
+        graph, out = capture(lambda: _sdpa_flash(q, k, v, is_causal=True, enable_gqa=True))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        fresh = _sdpa_flash(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(out, fresh)
+    ref = attnlab.reference(q, k, v, causal=True)[0]
+    assert attnlab.check.compare(out, ref).passed
+    assert got.shape == out.shape
