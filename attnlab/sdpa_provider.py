@@ -11,10 +11,15 @@ the dense SDPA flash ops run here, in the argument meanings of PyTorch's own fla
 * q, k, v are [B, H, N, D] (any strides); GQA as the head counts imply; ``scale`` None means 1/sqrt(D);
 * ``is_causal`` with Nq != Nk aligns the diagonal bottom-right (key i + Nk - Nq), as FlashAttention does;
 * the logsumexp is float32 [B, Hq, Nq] in natural log, as attnlab's; the backward takes the out and logsumexp it
-  is given (context parallelism hands it merged ones).
+  is given (context parallelism hands it merged ones);
+* ``aten::_flash_attention_forward`` / ``_backward`` (what ``torch.nn.attention.varlen.varlen_attn`` calls) take
+  [B, N, H, D] tensors, or packed [total, H, D] ones with cumulative sequence lengths (lse [H, total]); their
+  ``window_size_left/right`` (-1: unbounded; ``is_causal`` sets the right side to 0) are attnlab's window,
+  aligned bottom-right within each sequence; ALiBi slopes pass through (FlashAttention's rule is attnlab's).
 
-What attnlab does not compute (dropout, the debug mask, float32 inputs, head dims above 256) is refused with a
-RuntimeError that says why; it is never a silent wrong result. :func:`stats` counts the calls served and refused.
+What attnlab does not compute (dropout, the debug mask, float32 inputs, head dims above 256, ``seqused_k``) is
+refused with a RuntimeError that says why; it is never a silent wrong result. :func:`stats` counts the calls
+served and refused.
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ def _install() -> _Handle:
     lib = torch.library.Library("aten", "IMPL", "CUDA")
     lib.impl("_scaled_dot_product_flash_attention", _forward, "CUDA")
     lib.impl("_scaled_dot_product_flash_attention_backward", _backward, "CUDA")
+    lib.impl("_flash_attention_forward", _flash_forward, "CUDA")
+    lib.impl("_flash_attention_backward", _flash_backward, "CUDA")
     return _Handle(lib)
 
 
@@ -103,13 +110,13 @@ def _refuse(why: str, what: str) -> RuntimeError:
                         "torch.nn.attention.restore_flash_attention_impl() to use PyTorch's own kernel")
 
 
-def _why_not(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str | None:
+def _why_not(q: torch.Tensor, k: torch.Tensor, dropout_p: float, dims: int = 4) -> str | None:
     if dropout_p != 0.0:
         return f"dropout_p = {dropout_p} (attnlab has no dropout)"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q.dtype} (the flash backend takes float16 or bfloat16)"
-    if q.dim() != 4 or k.dim() != 4:
-        return f"q of {q.dim()} dims (the dense flash op takes [B, H, N, D])"
+    if q.dim() != dims or k.dim() != dims:
+        return f"q of {q.dim()} dims (this form of the flash op takes {dims})"
     if q.shape[-1] > 256:
         return f"head dim {q.shape[-1]} (attnlab takes up to 256)"
     return None
@@ -154,3 +161,69 @@ def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
         dq, dk, dv = triton_backward(prob, out, logsumexp.float(), grad_out)
     _STATS["backward"] += 1
     return dq, dk, dv
+
+
+# ---- aten::_flash_attention_forward / _backward: [B, N, H, D], or packed [total, H, D] with prefix sums --------
+
+
+def _mask_keywords(is_causal: bool, window_size_left, window_size_right) -> dict:
+    """attnlab's mask keywords for FlashAttention's causal flag and window sides (-1 or None: unbounded)."""
+    left = None if window_size_left is None or window_size_left < 0 else int(window_size_left)
+    right = None if window_size_right is None or window_size_right < 0 else int(window_size_right)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return {}
+    if left is None and right == 0:
+        return {"causal": True, "align": "bottom_right"}
+    return {"window": (left, right), "align": "bottom_right"}
+
+
+def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+                   *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None):
+    """``aten::_flash_attention_forward`` on CUDA: dense [B, N, H, D], or packed with ``cum_seq_q``."""
+    packed = cum_seq_q is not None
+    why = (_why_not(query, key, dropout_p, 3 if packed else 4)
+           or ("return_debug_mask=True" if return_debug_mask else None)
+           or ("seqused_k (keys used per sequence) is not taken" if seqused_k is not None else None))
+    if why is not None:
+        raise _refuse(why, "forward")
+    import attnlab
+
+    kw = dict(_mask_keywords(is_causal, window_size_left, window_size_right), scale=scale,
+              alibi_slopes=alibi_slopes, backend="triton", return_lse=True)
+    with torch.no_grad():
+        if packed:
+            out, lse = attnlab.attention_varlen(query, key, value, cum_seq_q, cum_seq_k, int(max_q), int(max_k), **kw)
+        else:
+            out, lse = attnlab.attention(query, key, value, layout="bnhd", **kw)
+    _STATS["forward"] += 1
+    seed = torch.zeros((2,), dtype=torch.uint64, device=query.device)  # no dropout: no random state
+    offset = torch.zeros((), dtype=torch.uint64, device=query.device)
+    return out, lse, seed, offset, torch.empty(0, dtype=query.dtype, device=query.device)
+
+
+def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                    is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
+    """``aten::_flash_attention_backward`` on CUDA, from the out and logsumexp it is given."""
+    packed = cum_seq_q is not None
+    why = _why_not(query, key, dropout_p, 3 if packed else 4)
+    if why is not None:
+        raise _refuse(why, "backward")
+    kw = _mask_keywords(is_causal, window_size_left, window_size_right)
+    with torch.no_grad():
+        if packed:
+            from attnlab.varlen import packed_gradients
+
+            grads = packed_gradients(grad_out, query, key, value, out, logsumexp.float(), cum_seq_q, cum_seq_k,
+                                     max_q, max_k, scale=scale, **kw)
+        else:
+            from attnlab.backends.triton.backward import backward as triton_backward
+            from attnlab.problem import make_problem
+
+            bhnd = [t.transpose(1, 2) for t in (query, key, value, out, grad_out)]
+            prob = make_problem(*bhnd[:3], scale=scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]),
+                                **kw)
+            grads = [g.transpose(1, 2) for g in triton_backward(prob, bhnd[3], logsumexp.float(), bhnd[4])]
+    _STATS["backward"] += 1
+    return tuple(grads)

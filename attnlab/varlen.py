@@ -174,6 +174,20 @@ def _varlen_backward_body(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_
     return prob.to_layout(dq), prob.to_layout(dk), prob.to_layout(dv), dsinks
 
 
+def packed_gradients(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = False, window: tuple[int | None, int | None] | None = None,
+                     align: str | None = None, scale: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`attention_varlen` by the Triton backward kernels, from a forward's ``out``
+    [total_q, Hq, Dv] and ``lse`` [Hq, total_q] handed in (SDPA's varlen flash op gives them; a ring of context
+    parallelism hands merged ones)."""
+    opts = Options.of(causal, window, align, scale, "bnhd", None)
+    dq, dk, dv, _ = _varlen_backward_body(dout, None, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                          int(max_seqlen_q), int(max_seqlen_k), alibi_slopes, None, opts, "triton")
+    return dq, dk, dv
+
+
 def _varlen_backward_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks,
                           opts: Options, backend: str):
     dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty((0,))

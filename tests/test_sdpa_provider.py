@@ -94,6 +94,71 @@ def test_what_attnlab_does_not_compute_is_refused_and_counted(kw, why):
     assert provider.stats()["refused"] == refused + 1
 
 
+_BR = {"align": "bottom_right"}
+
+
+@pytest.mark.parametrize(("causal", "left", "right", "want"), [
+    (False, -1, -1, {}), (True, -1, -1, {"causal": True, **_BR}), (False, 5, 3, {"window": (5, 3), **_BR}),
+    (True, 7, -1, {"window": (7, 0), **_BR}), (True, None, None, {"causal": True, **_BR}),
+    (False, -1, 0, {"causal": True, **_BR}),
+])
+def test_flashattentions_window_sides_are_attnlabs_window(causal, left, right, want):
+    assert provider._mask_keywords(causal, left, right) == want
+
+
+@pytest.mark.parametrize(("causal", "left", "right"), [(True, -1, -1), (False, -1, -1), (False, 5, 3), (True, 7, -1)])
+def test_the_flash_attention_ops_dense_form(causal, left, right):
+    """``_flash_attention_forward`` / ``_backward`` on [B, N, H, D] (GQA, Nq != Nk), run directly on the CPU."""
+    g = torch.Generator().manual_seed(left + 10)
+    B, Nq, Nk, H, Hkv, D = 2, 29, 41, 4, 2, 32
+    q = torch.randn(B, Nq, H, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, Nk, Hkv, D, generator=g).bfloat16() for _ in range(2))
+    sides = dict(window_size_left=left, window_size_right=right)
+    out, lse, *_ = provider._flash_forward(q, k, v, None, None, Nq, Nk, 0.0, causal, False, **sides)
+    kw = provider._mask_keywords(causal, left, right)
+    bhnd = [t.transpose(1, 2) for t in (q, k, v)]
+    ref, ref_lse = attnlab.reference(*bhnd, **kw)
+    assert out.shape == q.shape and attnlab.check.compare(out.transpose(1, 2), ref).passed
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+    dout = torch.randn(out.shape, generator=g).bfloat16()
+    grads = provider._flash_backward(dout, q, k, v, out, lse, None, None, Nq, Nk, 0.0, causal, None, None, **sides)
+    leaves = [t.double().requires_grad_() for t in bhnd]
+    attnlab.reference(*leaves, **kw)[0].backward(dout.transpose(1, 2).double())
+    for got, leaf in zip(grads, leaves):
+        assert attnlab.check.compare(got.transpose(1, 2), leaf.grad).passed
+
+
+@pytest.mark.parametrize(("causal", "left", "right"), [(True, -1, -1), (False, -1, -1), (False, 4, 2)])
+def test_the_flash_attention_ops_packed_form(causal, left, right):
+    """The packed form ``varlen_attn`` calls: [total, H, D] with prefix sums (an empty sequence among them),
+    lse [H, total_q], against the float64 packed reference."""
+    from attnlab.reference import reference_varlen
+
+    g = torch.Generator().manual_seed(left + 20)
+    lens_q, lens_k = [5, 17, 0, 9], [8, 17, 3, 20]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), 4, 32, generator=g).bfloat16()
+    k, v = (torch.randn(sum(lens_k), 2, 32, generator=g).bfloat16() for _ in range(2))
+    sides, mx = dict(window_size_left=left, window_size_right=right), (max(lens_q), max(lens_k))
+    out, lse, *_ = provider._flash_forward(q, k, v, cu_q, cu_k, *mx, 0.0, causal, False, **sides)
+    kw = provider._mask_keywords(causal, left, right)
+    ref, _ = reference_varlen(q, k, v, cu_q, cu_k, *mx, **kw)
+    assert lse.shape == (4, sum(lens_q)) and attnlab.check.compare(out, ref).passed
+    dout = torch.randn(out.shape, generator=g).bfloat16()
+    grads = provider._flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, *mx, 0.0, causal, None, None, **sides)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    reference_varlen(*leaves, cu_q, cu_k, *mx, **kw)[0].backward(dout.double())
+    for got, leaf in zip(grads, leaves):
+        assert attnlab.check.compare(got, leaf.grad).passed
+
+
+def test_keys_used_per_sequence_are_refused():
+    q = torch.randn(6, 2, 16).bfloat16()
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="seqused_k"):
+        provider._flash_forward(q, q, q, cu, cu, 6, 6, 0.0, False, False, seqused_k=cu[1:])
+
+
 # ---- GPU: through F.scaled_dot_product_attention ----------------------------------------------------------
 
 
@@ -173,3 +238,31 @@ def test_under_torch_compile_and_in_a_cuda_graph():
     ref = attnlab.reference(q, k, v, causal=True)[0]
     assert attnlab.check.compare(out, ref).passed
     assert got.shape == out.shape
+
+
+@pytest.mark.gpu
+@needs_registry
+def test_varlen_attn_runs_attnlabs_kernels():
+    """``torch.nn.attention.varlen.varlen_attn`` (the packed flash op) with attnlab active: values and gradients
+    against attnlab's packed reference, served by attnlab (its stats count the calls)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from attnlab.reference import reference_varlen
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lens = [100, 7, 333, 64]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    before = provider.stats()
+    with _active():
+        out = varlen_attn(*leaves, cu, cu, max(lens), max(lens), is_causal=True)
+        out.backward(torch.ones_like(out))
+    after = provider.stats()
+    assert (after["forward"] - before["forward"], after["backward"] - before["backward"]) == (1, 1)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = reference_varlen(*ref_leaves, cu, cu, max(lens), max(lens), causal=True, align="bottom_right")[0]
+    ref.backward(torch.ones_like(ref))
+    assert attnlab.check.compare(out.detach(), ref.detach()).passed
+    for leaf, ref_leaf in zip(leaves, ref_leaves):
+        assert attnlab.check.compare(leaf.grad, ref_leaf.grad).passed
