@@ -43,6 +43,11 @@ def _registry():
     return registry if hasattr(registry, "register_flash_attention_impl") else None
 
 
+def available() -> bool:
+    """Whether the installed torch has the flash-attention registry attnlab plugs into (torch 2.11 and newer)."""
+    return _registry() is not None
+
+
 def register() -> bool:
     """Make ``"attnlab"`` one of ``torch.nn.attention.list_flash_attention_impls()`` (nothing is activated);
     False where the installed torch has no registry."""

@@ -13,7 +13,7 @@ import attnlab
 from attnlab import sdpa_provider as provider
 
 attention_registry = pytest.importorskip("torch.nn.attention")
-HAS_REGISTRY = provider._registry() is not None
+HAS_REGISTRY = provider.available()
 needs_registry = pytest.mark.skipif(not HAS_REGISTRY, reason=f"torch {torch.__version__} has no flash registry")
 
 
@@ -44,7 +44,7 @@ def test_activation_and_deactivation():
 
 def test_without_a_registry_activation_says_which_torch(monkeypatch):
     monkeypatch.setattr(provider, "_registry", lambda: None)
-    assert provider.register() is False
+    assert provider.register() is False and not provider.available()
     with pytest.raises(RuntimeError, match=r"no flash-attention registry.*torch 2\.11"):
         provider.activate()
 
