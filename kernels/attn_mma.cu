@@ -5,10 +5,11 @@
 // Tiling: one block per (batch*head bh, tile of BM = 64 query rows): grid (B*Hq, ceil(Nq / 64)), heaviest
 // (last) query tiles first. 128 threads = 4 warps; warp w owns MB m-blocks of 16 query rows (MB = 1: rows
 // 16w .. 16w+15; FlashAttention-2's 32 rows per warp is MB = 2) for the whole kernel. K and V stream through
-// shared memory in tiles of BN keys (64 for D <= 64, 32 for D 128: fewer registers, more blocks per SM), two
+// shared memory in tiles of BN keys (64 for DMAX 64, 32 for DMAX 128: fewer registers, more blocks per SM), two
 // stages deep. DMAX (64 or 128) is the head dim the arrays are sized for; D <= DMAX is padded with zeros.
 //
-// Shared memory (16-bit elements, rows of DMAX elements, no padding; it starts 1024-byte aligned):
+// Shared memory (16-bit elements, rows of DMAX elements, no padding; declared 1024-byte aligned, which holds while
+// the kernel has no static shared memory: the lane addresses below assume rows start at multiples of their size):
 //   q_s [BM][DMAX]              the Q tile (its fragments re-read for each 16-column slice)
 //   k_s [2][BN][DMAX]           K tiles, row = key
 //   v_s [2][BN][DMAX]           V tiles, row = key
@@ -17,7 +18,7 @@
 // consecutive tile rows at the same logical chunk. Unswizzled, rows DMAX * 2 bytes apart (a multiple of 128)
 // would put all 8 reads in the same 4 banks (8-way conflict); XORed with r % 8 they land in 8 different
 // chunks of one 128-byte line: all 32 banks, one pass. Every row a lane addresses has the same row % 8, so its
-// address for the next 16-column slice is its address XOR 32 bytes (chunk ^ 2): one instruction per step.
+// address for 16-column slice kk is its slice-0 address XOR 32 * kk bytes (chunk ^ 2kk): one instruction per step.
 //
 // The tensor-core instruction, mma.sync.m16n8k16.row.col: D[16x8] += A[16x16] * B[16x8], one warp. With
 // lane = 4 * g + t (g = lane / 4 the "group", t = lane % 4 the thread in the group), each thread holds
@@ -50,7 +51,8 @@
 // Pipeline, one barrier per tile: (A) tile t has landed, and every warp is done with tile t - 1; then tile t + 1
 // is issued by cp.async into the stage t - 1 used, and tile t is computed from the other while it travels.
 // Within a tile the fragments are loaded ahead of the MMAs that read them (K and V two steps, Q one slice): the
-// asm statements keep their order, so an MMA right after its ldmatrix would wait for it.
+// compiler's front end keeps the asm statements in source order, so an MMA issued right after its ldmatrix would
+// wait for it unless ptxas moved them apart.
 // With fast_exp the softmax runs in base 2 (scores times log2 e, ex2.approx); else in base e with expf.
 //
 // Loads: 16-byte cp.async.cg copies (no registers on the way) when the host says the rows allow it
@@ -213,7 +215,7 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
     using T = MmaTiles<DMAX>;
     constexpr int BM = T::BM, BN = T::BN, MB = T::MB, KN = T::KN, DN = T::DN, DK = T::DK;
 
-    extern __shared__ __align__(1024) unsigned short smem_mma[];  // rows at multiples of 256 bytes
+    extern __shared__ __align__(1024) unsigned short smem_mma[];  // rows at multiples of ROW_BYTES (header)
     unsigned short* q_s = smem_mma;                 // [BM][DMAX]
     unsigned short* k_s = q_s + BM * DMAX;          // [2][BN][DMAX]
     unsigned short* v_s = k_s + 2 * BN * DMAX;      // [2][BN][DMAX]
@@ -229,8 +231,8 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
     // This lane's ldmatrix addresses of the first step, in bytes of shared memory. Every row the lane addresses
     // has row % 8 = mrow, so a later step's swizzled chunk is the first one XOR 2 * (its 16-column slice), and its
     // rows 16 rows further on add a whole number of rows: address = (first ^ (slice << 5)) + rows * ROW_BYTES
-    // (rows start at multiples of 256 bytes, so the XOR stays inside the row). See the header: which matrix
-    // (mat) covers which rows and columns.
+    // (rows start at multiples of ROW_BYTES, 128 or 256, and 32 * kk < ROW_BYTES, so the XOR stays inside the
+    // row). See the header: which matrix (mat) covers which rows and columns.
     constexpr unsigned int ROW_BYTES = DMAX * 2;
     const unsigned int q_lane = shared_address(q_s + swizzled<DMAX>(row0 + mrow + 8 * (mat & 1), mat >> 1));
     const unsigned int k_lane = shared_address(k_s + swizzled<DMAX>(mrow + 8 * (mat >> 1), mat & 1));
@@ -284,7 +286,7 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
         const int j0 = lo + tile * BN;
 
         // ---- S = Q K^T: s[mb][n] is the 16 x 8 block of m-block mb and keys 8n .. 8n+7 ----------------------
-        // Steps (16-dim slice kk, key pair n2) in order. Each K fragment feeds both m-blocks; it is loaded two
+        // Steps (16-dim slice kk, key pair n2) in order. Each K fragment feeds every m-block; it is loaded two
         // steps ahead (a ring of 3) and each slice's Q fragments one slice ahead (re-read from shared memory:
         // kept in registers for the whole kernel they would not leave room for 32 rows), so that no MMA
         // waits on the ldmatrix just issued.
@@ -296,11 +298,11 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mb][n][e] = 0.0f;
         constexpr int S_STEPS = DK * (KN / 2);
-        // Q matrices of slice kk, m-block mb: (rows 0-7 | 8-15) x (dims 0-7 | 8-15 of the slice)
+        // Q matrices 0..3 of slice kk, m-block mb: rows 0-7, rows 8-15 (dims 0-7), then the same rows at dims 8-15
         auto q_frag = [&](unsigned int r[4], int kk, int mb) {
             ldmatrix_x4(r, (q_lane ^ (kk << 5)) + 16 * mb * ROW_BYTES);
         };
-        // K matrices of step st: (keys 0-7 | 8-15 of the pair) x (dims 0-7 | 8-15 of the slice)
+        // K matrices 0..3 of step st: dims 0-7, dims 8-15 (keys 0-7 of the pair), then the same dims at keys 8-15
         auto k_frag = [&](unsigned int r[4], int st) {
             const int kk = st / (KN / 2), n2 = st % (KN / 2);
             ldmatrix_x4(r, (k_lane ^ (kk << 5)) + stage + 16 * n2 * ROW_BYTES);
@@ -378,9 +380,10 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
                 p_frag[mb][kk][2] = pack2<DTYPE>(s[mb][2 * kk + 1][0], s[mb][2 * kk + 1][1]);
                 p_frag[mb][kk][3] = pack2<DTYPE>(s[mb][2 * kk + 1][2], s[mb][2 * kk + 1][3]);
             }
-        // Steps (16-key slice kk, dim pair n2), V fragments two steps ahead as for K, each feeding both m-blocks.
+        // Steps (16-key slice kk, dim pair n2), V fragments two steps ahead as for K, each feeding every m-block.
         constexpr int V_STEPS = (KN / 2) * (DN / 2);
-        // V matrices of step st: (keys 0-7 | 8-15 of the slice) x (dims 0-7 | 8-15 of the pair), transposed
+        // V matrices 0..3 of step st, transposed: keys 0-7, keys 8-15 (dims 0-7 of the pair), then the same keys at
+        // dims 8-15
         auto v_frag = [&](unsigned int r[4], int st) {
             const int kk = st / (DN / 2), n2 = st % (DN / 2);
             ldmatrix_x4_trans(r, (v_lane ^ (n2 << 5)) + stage + 16 * kk * ROW_BYTES);
