@@ -15,15 +15,20 @@ the dense SDPA flash ops run here, in the argument meanings of PyTorch's own fla
 * ``aten::_flash_attention_forward`` / ``_backward`` (what ``torch.nn.attention.varlen.varlen_attn`` calls) take
   [B, N, H, D] tensors, or packed [total, H, D] ones with cumulative sequence lengths (lse [H, total]); their
   ``window_size_left/right`` (-1: unbounded; ``is_causal`` sets the right side to 0) are attnlab's window,
-  aligned bottom-right within each sequence; ALiBi slopes pass through (FlashAttention's rule is attnlab's).
+  aligned bottom-right within each sequence; the output has the query's strides, as PyTorch's kernel returns it;
+  torch 2.13's in-place form (``_flash_attention_forward_no_dropout_inplace``) is served where it exists;
+* a row with no allowed key has lse -inf (PyTorch's flash kernel writes +inf there): a backward must run on the
+  provider that ran its forward.
 
-What attnlab does not compute (dropout, the debug mask, float32 inputs, head dims above 256, ``seqused_k``) is
-refused with a RuntimeError that says why; it is never a silent wrong result. :func:`stats` counts the calls
-served and refused.
+What attnlab does not compute here (dropout, the debug mask, float32 inputs, head dims above 256, ``seqused_k``, a
+``block_table``, ALiBi slopes: the flash backward takes none, so their gradients would be wrong, and anything
+attnlab's own validation refuses) is refused with a RuntimeError that says why; never a silent wrong result.
+:func:`stats` counts the calls served and refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -106,6 +111,8 @@ def _install() -> _Handle:
     lib.impl("_scaled_dot_product_flash_attention_backward", _backward, "CUDA")
     lib.impl("_flash_attention_forward", _flash_forward, "CUDA")
     lib.impl("_flash_attention_backward", _flash_backward, "CUDA")
+    if hasattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace"):  # torch 2.13 on
+        lib.impl("_flash_attention_forward_no_dropout_inplace", _flash_forward_inplace, "CUDA")
     return _Handle(lib)
 
 
@@ -115,16 +122,26 @@ def _refuse(why: str, what: str) -> RuntimeError:
                         "torch.nn.attention.restore_flash_attention_impl() to use PyTorch's own kernel")
 
 
-def _why_not(q: torch.Tensor, k: torch.Tensor, dropout_p: float, dims: int = 4) -> str | None:
+def _why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, dims: int = 4) -> str | None:
     if dropout_p != 0.0:
         return f"dropout_p = {dropout_p} (attnlab has no dropout)"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q.dtype} (the flash backend takes float16 or bfloat16)"
-    if q.dim() != dims or k.dim() != dims:
-        return f"q of {q.dim()} dims (this form of the flash op takes {dims})"
-    if q.shape[-1] > 256:
-        return f"head dim {q.shape[-1]} (attnlab takes up to 256)"
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            return f"{name} of dtype {t.dtype} (the flash backend takes float16 or bfloat16)"
+        if t.dim() != dims:
+            return f"{name} of {t.dim()} dims (this form of the flash op takes {dims})"
+    if q.shape[-1] > 256 or v.shape[-1] > 256:
+        return f"head dim {max(q.shape[-1], v.shape[-1])} (attnlab takes up to 256)"
     return None
+
+
+@contextlib.contextmanager
+def _refusing(what: str):
+    """Inside, attnlab's own validation errors (ValueError, TypeError) become the provider's counted refusal."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise _refuse(str(e), what) from e
 
 
 def _problem(q, k, v, is_causal: bool, scale: float | None):
@@ -136,16 +153,18 @@ def _problem(q, k, v, is_causal: bool, scale: float | None):
 
 def _forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     """``aten::_scaled_dot_product_flash_attention`` on CUDA."""
-    why = _why_not(query, key, dropout_p) or ("return_debug_mask=True" if return_debug_mask else None)
+    why = _why_not(query, key, value, dropout_p) or ("return_debug_mask=True" if return_debug_mask else None)
     if why is not None:
         raise _refuse(why, "forward")
-    from attnlab.backends import registry
+    from attnlab.backends import resolve
 
-    prob = _problem(query, key, value, is_causal, scale)
+    with _refusing("forward"):
+        prob = _problem(query, key, value, is_causal, scale)
+        backend = resolve("triton", prob)
     out = torch.empty_like(query)  # the query's layout, as PyTorch's kernel returns it
     lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
     with torch.no_grad():
-        registry()["triton"].forward(prob, out, lse)
+        backend.forward(prob, out, lse)
     _STATS["forward"] += 1
     seed = torch.zeros((2,), dtype=torch.uint64, device=query.device)  # no dropout: no random state
     offset = torch.zeros((), dtype=torch.uint64, device=query.device)
@@ -156,12 +175,13 @@ def _forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mas
 def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
               is_causal, philox_seed, philox_offset, *, scale=None):
     """``aten::_scaled_dot_product_flash_attention_backward`` on CUDA, from the out and logsumexp it is given."""
-    why = _why_not(query, key, dropout_p)
+    why = _why_not(query, key, value, dropout_p)
     if why is not None:
         raise _refuse(why, "backward")
     from attnlab.backends.triton.backward import backward as triton_backward
 
-    prob = _problem(query, key, value, is_causal, scale)
+    with _refusing("backward"):
+        prob = _problem(query, key, value, is_causal, scale)
     with torch.no_grad():
         dq, dk, dv = triton_backward(prob, out, logsumexp.float(), grad_out)
     _STATS["backward"] += 1
@@ -185,38 +205,65 @@ def _mask_keywords(is_causal: bool, window_size_left, window_size_right) -> dict
 
 
 def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
-                   *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None):
-    """``aten::_flash_attention_forward`` on CUDA: dense [B, N, H, D], or packed with ``cum_seq_q``."""
-    packed = cum_seq_q is not None
-    why = (_why_not(query, key, dropout_p, 3 if packed else 4)
-           or ("return_debug_mask=True" if return_debug_mask else None)
-           or ("seqused_k (keys used per sequence) is not taken" if seqused_k is not None else None))
-    if why is not None:
-        raise _refuse(why, "forward")
-    import attnlab
-
-    kw = dict(_mask_keywords(is_causal, window_size_left, window_size_right), scale=scale,
-              alibi_slopes=alibi_slopes, backend="triton", return_lse=True)
-    with torch.no_grad():
-        if packed:
-            out, lse = attnlab.attention_varlen(query, key, value, cum_seq_q, cum_seq_k, int(max_q), int(max_k), **kw)
-        else:
-            out, lse = attnlab.attention(query, key, value, layout="bnhd", **kw)
-    _STATS["forward"] += 1
+                   *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
+                   block_table=None, num_splits=None):
+    """``aten::_flash_attention_forward`` on CUDA: dense [B, N, H, D], or packed with ``cum_seq_q``. ``num_splits``
+    (a scheduling hint of torch 2.13's schema) is ignored."""
+    out = torch.empty_like(query)  # the query's strides, as the op's meta function says
+    lse = _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                              return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
+                              block_table)
     seed = torch.zeros((2,), dtype=torch.uint64, device=query.device)  # no dropout: no random state
     offset = torch.zeros((), dtype=torch.uint64, device=query.device)
     return out, lse, seed, offset, torch.empty(0, dtype=query.dtype, device=query.device)
+
+
+def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                           return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
+                           seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
+    """``aten::_flash_attention_forward_no_dropout_inplace`` (torch 2.13 on): the same, into ``out``; returns lse."""
+    return _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                               return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
+                               block_table)
+
+
+def _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                        return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
+                        block_table) -> torch.Tensor:
+    packed = cum_seq_q is not None
+    refusals = (("return_debug_mask=True", return_debug_mask),
+                ("seqused_k (keys used per sequence) is not taken", seqused_k is not None),
+                ("block_table (a paged cache) is not taken by this op", block_table is not None),
+                ("alibi_slopes: the flash backward takes none, so their gradients would be wrong",
+                 alibi_slopes is not None),
+                ("cum_seq_q without cum_seq_k", packed and cum_seq_k is None))
+    why = _why_not(query, key, value, dropout_p, 3 if packed else 4) or next((w for w, on in refusals if on), None)
+    if why is not None:
+        raise _refuse(why, "forward")
+    from attnlab.api import attention
+    from attnlab.varlen import attention_varlen
+
+    kw = dict(_mask_keywords(is_causal, window_size_left, window_size_right), scale=scale, backend="triton",
+              return_lse=True)
+    with torch.no_grad(), _refusing("forward"):
+        if packed:
+            got, lse = attention_varlen(query, key, value, cum_seq_q, cum_seq_k, int(max_q), int(max_k), **kw)
+        else:
+            got, lse = attention(query, key, value, layout="bnhd", **kw)
+    out.copy_(got)
+    _STATS["forward"] += 1
+    return lse
 
 
 def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                     is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
     """``aten::_flash_attention_backward`` on CUDA, from the out and logsumexp it is given."""
     packed = cum_seq_q is not None
-    why = _why_not(query, key, dropout_p, 3 if packed else 4)
+    why = _why_not(query, key, value, dropout_p, 3 if packed else 4)
     if why is not None:
         raise _refuse(why, "backward")
     kw = _mask_keywords(is_causal, window_size_left, window_size_right)
-    with torch.no_grad():
+    with torch.no_grad(), _refusing("backward"):
         if packed:
             from attnlab.varlen import packed_gradients
 

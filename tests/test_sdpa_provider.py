@@ -33,13 +33,24 @@ def test_import_registers_and_activates_nothing():
     assert not provider.active()
 
 
+def _served_by_attnlab(op: str) -> bool:
+    """Whether the dispatcher's CUDA kernel of ``aten::<op>`` is the one attnlab registered."""
+    lines = torch._C._dispatch_dump(f"aten::{op}").splitlines()
+    return any("CUDA" in line and "sdpa_provider" in line for line in lines)
+
+
 @needs_registry
 def test_activation_and_deactivation():
-    with _active():
-        assert provider.active() and attention_registry.current_flash_attention_impl() == "attnlab"
-        provider.activate()  # again: replaces itself
-        assert provider.active()
-    assert not provider.active()
+    ops = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+           "_flash_attention_forward", "_flash_attention_backward")
+    for _ in range(2):  # activate, deactivate, and again
+        with _active():
+            assert provider.active() and attention_registry.current_flash_attention_impl() == "attnlab"
+            assert all(_served_by_attnlab(op) for op in ops)
+            provider.activate()  # again: replaces itself
+            assert provider.active() and all(_served_by_attnlab(op) for op in ops)
+        assert not provider.active()
+        assert not any(_served_by_attnlab(op) for op in ops)
 
 
 def test_without_a_registry_activation_says_which_torch(monkeypatch):
@@ -63,7 +74,7 @@ def test_the_ops_compute_the_flash_kernels_meaning(case):
     against the float64 reference: values, lse, and gradients from the out and lse handed in."""
     B, Hq, Hkv, Nq, Nk, D, causal = case
     g = torch.Generator().manual_seed(sum(case))
-    q = torch.randn(B, Hq, Nq, D, generator=g).bfloat16()
+    q = torch.randn(B, Nq, Hq, D, generator=g).bfloat16().transpose(1, 2)  # a view: out must take its strides
     k, v = (torch.randn(B, Hkv, Nk, D, generator=g).bfloat16() for _ in range(2))
     before = provider.stats()
     res = provider._forward(q, k, v, 0.0, causal, False, scale=0.3)
@@ -106,6 +117,20 @@ def test_flashattentions_window_sides_are_attnlabs_window(causal, left, right, w
     assert provider._mask_keywords(causal, left, right) == want
 
 
+def _flash_allowed(Nq: int, Nk: int, causal: bool, left: int, right: int) -> torch.Tensor:
+    """FlashAttention's mask as its documentation states it: query i sees key j when i + Nk - Nq - left <= j <= i +
+    Nk - Nq + right, a side of -1 unbounded, causal meaning right = 0."""
+    i = torch.arange(Nq).view(-1, 1) + Nk - Nq
+    j = torch.arange(Nk).view(1, -1)
+    right = 0 if causal else right
+    ok = torch.ones(Nq, Nk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
 @pytest.mark.parametrize(("causal", "left", "right"), [(True, -1, -1), (False, -1, -1), (False, 5, 3), (True, 7, -1)])
 def test_the_flash_attention_ops_dense_form(causal, left, right):
     """``_flash_attention_forward`` / ``_backward`` on [B, N, H, D] (GQA, Nq != Nk), run directly on the CPU."""
@@ -115,10 +140,11 @@ def test_the_flash_attention_ops_dense_form(causal, left, right):
     k, v = (torch.randn(B, Nk, Hkv, D, generator=g).bfloat16() for _ in range(2))
     sides = dict(window_size_left=left, window_size_right=right)
     out, lse, *_ = provider._flash_forward(q, k, v, None, None, Nq, Nk, 0.0, causal, False, **sides)
-    kw = provider._mask_keywords(causal, left, right)
+    kw = {"mask": _flash_allowed(Nq, Nk, causal, left, right)}  # FlashAttention's rule, written out here
     bhnd = [t.transpose(1, 2) for t in (q, k, v)]
     ref, ref_lse = attnlab.reference(*bhnd, **kw)
-    assert out.shape == q.shape and attnlab.check.compare(out.transpose(1, 2), ref).passed
+    assert out.shape == q.shape and out.stride() == q.stride()
+    assert attnlab.check.compare(out.transpose(1, 2), ref).passed
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
     dout = torch.randn(out.shape, generator=g).bfloat16()
     grads = provider._flash_backward(dout, q, k, v, out, lse, None, None, Nq, Nk, 0.0, causal, None, None, **sides)
@@ -142,8 +168,9 @@ def test_the_flash_attention_ops_packed_form(causal, left, right):
     sides, mx = dict(window_size_left=left, window_size_right=right), (max(lens_q), max(lens_k))
     out, lse, *_ = provider._flash_forward(q, k, v, cu_q, cu_k, *mx, 0.0, causal, False, **sides)
     kw = provider._mask_keywords(causal, left, right)
-    ref, _ = reference_varlen(q, k, v, cu_q, cu_k, *mx, **kw)
+    ref, ref_lse = reference_varlen(q, k, v, cu_q, cu_k, *mx, **kw)
     assert lse.shape == (4, sum(lens_q)) and attnlab.check.compare(out, ref).passed
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
     dout = torch.randn(out.shape, generator=g).bfloat16()
     grads = provider._flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, *mx, 0.0, causal, None, None, **sides)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
@@ -152,11 +179,86 @@ def test_the_flash_attention_ops_packed_form(causal, left, right):
         assert attnlab.check.compare(got, leaf.grad).passed
 
 
-def test_keys_used_per_sequence_are_refused():
-    q = torch.randn(6, 2, 16).bfloat16()
+@pytest.mark.parametrize(("kw", "why"), [
+    (dict(seqused_k=True), "seqused_k"), (dict(alibi_slopes=True), "alibi_slopes"),
+    (dict(block_table=True), "block_table"), (dict(dropout_p=0.2), "dropout_p = 0.2"),
+    (dict(return_debug_mask=True), "return_debug_mask"), (dict(dtype=torch.float32), "float32"),
+    (dict(cum_seq_k=None), "without cum_seq_k"),
+])
+def test_the_flash_attention_op_refuses_what_it_does_not_compute(kw, why):
+    q = torch.randn(6, 2, 16, dtype=kw.pop("dtype", torch.bfloat16))
     cu = torch.tensor([0, 6], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="seqused_k"):
-        provider._flash_forward(q, q, q, cu, cu, 6, 6, 0.0, False, False, seqused_k=cu[1:])
+    args = dict(cum_seq_q=cu, cum_seq_k=kw.pop("cum_seq_k", cu), dropout_p=kw.pop("dropout_p", 0.0),
+                return_debug_mask=kw.pop("return_debug_mask", False))
+    extra = {name: torch.ones(2) for name in kw}  # the tensors only need to be present
+    refused = provider.stats()["refused"]
+    with pytest.raises(RuntimeError, match=why):
+        provider._flash_forward(q, q, q, args["cum_seq_q"], args["cum_seq_k"], 6, 6, args["dropout_p"], False,
+                                args["return_debug_mask"], **extra)
+    assert provider.stats()["refused"] == refused + 1
+
+
+def test_attnlabs_own_refusals_are_the_providers():
+    """A problem attnlab's validation turns down (k's head count not dividing q's) is a counted refusal."""
+    q, k = torch.randn(1, 3, 8, 16).bfloat16(), torch.randn(1, 2, 8, 16).bfloat16()
+    refused = provider.stats()["refused"]
+    with pytest.raises(RuntimeError, match="cannot run this forward"):
+        provider._forward(q, k, k)
+    assert provider.stats()["refused"] == refused + 1
+
+
+@pytest.fixture
+def on_the_cpu_dispatcher():
+    """The provider's kernels registered for the CPU key in a private library (the CUDA key's twin), so that the
+    dispatcher binds the schemas' arguments and autograd reaches the backwards; removed afterwards."""
+    lib = torch.library.Library("aten", "IMPL", "CPU")
+    lib.impl("_scaled_dot_product_flash_attention", provider._forward, "CPU")
+    lib.impl("_scaled_dot_product_flash_attention_backward", provider._backward, "CPU")
+    lib.impl("_flash_attention_forward", provider._flash_forward, "CPU")
+    lib.impl("_flash_attention_backward", provider._flash_backward, "CPU")
+    if hasattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace"):
+        lib.impl("_flash_attention_forward_no_dropout_inplace", provider._flash_forward_inplace, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+def test_through_the_dispatcher_with_autograd(on_the_cpu_dispatcher):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 21, 16, generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, 2, 21, 16, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    before = provider.stats()
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+    out.backward(torch.ones_like(out))
+    after = provider.stats()
+    assert (after["forward"] - before["forward"], after["backward"] - before["backward"]) == (1, 1)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attnlab.reference(*leaves, causal=True)[0]
+    ref.backward(torch.ones_like(ref))
+    assert attnlab.check.compare(out.detach(), ref.detach()).passed
+    for t, leaf in zip((q, k, v), leaves):
+        assert attnlab.check.compare(t.grad, leaf.grad).passed
+
+
+def test_the_flash_attention_op_through_the_dispatcher(on_the_cpu_dispatcher):
+    """The packed op as varlen_attn calls it, window sides and (torch 2.13's) num_splits passed by keyword."""
+    g = torch.Generator().manual_seed(6)
+    cu = torch.tensor([0, 9, 20], dtype=torch.int32)
+    q, k, v = (torch.randn(20, 2, 16, generator=g).bfloat16() for _ in range(3))
+    kw = dict(scale=None, window_size_left=-1, window_size_right=0)
+    if "num_splits" in str(torch.ops.aten._flash_attention_forward.default._schema):
+        kw["num_splits"] = 1
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, 11, 11, 0.0, True, False, **kw)
+    from attnlab.reference import reference_varlen
+
+    ref, _ = reference_varlen(q, k, v, cu, cu, 11, 11, causal=True, align="bottom_right")
+    assert attnlab.check.compare(out, ref).passed and lse.shape == (2, 20)
+    if hasattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace"):
+        into = torch.empty_like(q)
+        lse2 = torch.ops.aten._flash_attention_forward_no_dropout_inplace(into, q, k, v, cu, cu, 11, 11, 0.0, True,
+                                                                         False, **kw)
+        assert torch.equal(into, out) and torch.equal(lse2, lse)
 
 
 # ---- GPU: through F.scaled_dot_product_attention ----------------------------------------------------------
@@ -225,10 +327,13 @@ def test_under_torch_compile_and_in_a_cuda_graph():
     from attnlab.bench.replay import capture
 
     q, k, v = _gpu_inputs(2, 8, 2, 256, 256, 64)
+    before = provider.stats()["forward"]
     with _active():
         compiled = torch.compile(lambda a, b, c: _sdpa_flash(a, b, c, is_causal=True, enable_gqa=True),
                                  fullgraph=True)
         got = compiled(q, k, v)
+        assert provider.stats()["forward"] > before, "the compiled call did not reach attnlab's kernels"
+        assert attnlab.check.compare(got, attnlab.reference(q, k, v, causal=True)[0]).passed
         graph, out = capture(lambda: _sdpa_flash(q, k, v, is_causal=True, enable_gqa=True))
         q.copy_(torch.randn_like(q))
         graph.replay()
@@ -237,7 +342,6 @@ def test_under_torch_compile_and_in_a_cuda_graph():
     assert torch.equal(out, fresh)
     ref = attnlab.reference(q, k, v, causal=True)[0]
     assert attnlab.check.compare(out, ref).passed
-    assert got.shape == out.shape
 
 
 @pytest.mark.gpu
@@ -256,13 +360,14 @@ def test_varlen_attn_runs_attnlabs_kernels():
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     before = provider.stats()
     with _active():
-        out = varlen_attn(*leaves, cu, cu, max(lens), max(lens), is_causal=True)
-        out.backward(torch.ones_like(out))
+        out = varlen_attn(*leaves, cu, cu, max(lens), max(lens), window_size=(-1, 0))  # causal
+        dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+        out.backward(dout)
     after = provider.stats()
     assert (after["forward"] - before["forward"], after["backward"] - before["backward"]) == (1, 1)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = reference_varlen(*ref_leaves, cu, cu, max(lens), max(lens), causal=True, align="bottom_right")[0]
-    ref.backward(torch.ones_like(ref))
+    ref.backward(dout.double())
     assert attnlab.check.compare(out.detach(), ref.detach()).passed
     for leaf, ref_leaf in zip(leaves, ref_leaves):
         assert attnlab.check.compare(leaf.grad, ref_leaf.grad).passed
