@@ -42,6 +42,13 @@ def info() -> str:
             pass
     else:
         lines.append("device  CPU only (torch.cuda.is_available() is False)")
+    from attnlab import sdpa_provider
+
+    if sdpa_provider.available():
+        state = "active" if sdpa_provider.active() else "inactive: attnlab.sdpa_provider.activate() turns it on"
+        lines.append(f"sdpa    attnlab is a registered flash provider of SDPA ({state})")
+    else:
+        lines.append("sdpa    this torch has no flash-attention registry (torch 2.11 and newer): no SDPA provider")
     lines.append("backends:")
     lines += ["  " + line for line in repr(status()).splitlines()]
     return "\n".join(lines)

@@ -187,6 +187,10 @@ def test_cli_info_and_check():
     res = subprocess.run([*env_py, "info"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "torch" in res.stdout and "sdpa" in res.stdout and "backends:" in res.stdout
+    from attnlab import sdpa_provider
+
+    provider_line = "registered flash provider of SDPA (inactive" if sdpa_provider.available() else "no SDPA provider"
+    assert provider_line in res.stdout
     res = subprocess.run([*env_py, "check", "--backends", "torch", "--seed", "1"], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
