@@ -59,7 +59,7 @@ def n_axis(ax, values: Sequence[int], label: str = "sequence length N (tokens)")
 BACKEND_COLORS = {
     "triton": "tab:blue", "cuda-rowmax": "tab:orange", "cuda-tiled": "tab:olive", "cuda-naive": "tab:brown",
     "torch": "tab:gray", "sdpa": "tab:cyan", "sdpa-flash": "tab:green", "sdpa-cudnn": "tab:red",
-    "sdpa-efficient": "tab:purple", "sdpa-math": "tab:pink", "flex": "darkgoldenrod", "cuda-mma": "darkorange",
+    "sdpa-efficient": "tab:purple", "sdpa-math": "tab:pink", "flex": "darkgoldenrod", "cuda-mma": "teal",
 }
 
 
