@@ -158,7 +158,7 @@ def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = -1.0, title: s
     the memory the recorded suites saw, :func:`attnlab.lessons.memory.recorded_memory`; None: no line)."""
     if hbm_bytes is not None and hbm_bytes < 0:
         hbm_bytes = memory.recorded_memory()["hbm_gib"] * 2**30
-    fig, axes = new_figure(size=(7.0, 4.2))
+    fig, axes = new_figure(size=(9.8, 4.2))
     ax = axes[0, 0]
     ax.plot(sweep["N"], sweep["score_bytes"], marker="o", label="one [B,H,N,N] score matrix")
     ax.plot(sweep["N"], sweep["textbook_extra"], marker="s", label="textbook peak (model: 2 scores + out)")
@@ -170,7 +170,7 @@ def memory_vs_n(sweep: pd.DataFrame, *, hbm_bytes: float | None = -1.0, title: s
     n_axis(ax, list(sweep["N"]))
     ax.set_ylabel("extra memory (bytes, log scale)")
     ax.set_title(title or "memory beyond the inputs, against N")
-    ax.legend(loc="lower right")  # the upper left holds the GPU's memory line
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)  # outside: no line hidden
     fig.tight_layout()
     return fig
 
@@ -211,7 +211,7 @@ def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *
     """
     if isinstance(points, pd.DataFrame):
         points = list(points[["label", "intensity", "tflops"]].itertuples(index=False, name=None))
-    fig, axes = new_figure(size=(9.5, 4.6) if len(points) > 5 else (7.0, 4.6))
+    fig, axes = new_figure(size=(9.8, 4.6))
     ax = axes[0, 0]
     ridge = memory.ridge_point(peak_tflops, tbps)
     kinks = [ridge] + [memory.ridge_point(p, tbps) for p in (extra_peaks or {}).values()]
@@ -238,10 +238,7 @@ def roofline(points: pd.DataFrame | Sequence[tuple[str, float, float | None]], *
     ax.set_xlabel("arithmetic intensity (FLOP per HBM byte, log scale)")
     ax.set_ylabel("throughput (TFLOP/s, log scale)")
     ax.set_title(title or "roofline")
-    if len(points) > 5:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    else:
-        ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)  # outside: no roof hidden
     fig.tight_layout()
     return fig
 
