@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 
 import torch
 
@@ -144,11 +143,17 @@ def _refusing(what: str):
         raise _refuse(str(e), what) from e
 
 
-def _problem(q, k, v, is_causal: bool, scale: float | None):
+def _problem(q, k, v, scale: float | None, mask: dict):
+    """The Problem of [B, H, N, D] q, k, v with attnlab's mask keywords (:func:`_mask_keywords`); ``scale`` None
+    is 1/sqrt(D), as in PyTorch."""
     from attnlab.problem import make_problem
 
-    causal = dict(causal=True, align="bottom_right") if is_causal else {}
-    return make_problem(q, k, v, scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), **causal)
+    return make_problem(q, k, v, scale=scale, **mask)
+
+
+def _no_random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (seed, offset) pair the flash ops return: zeros, since attnlab draws nothing (no dropout)."""
+    return torch.zeros((2,), dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device)
 
 
 def _forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
@@ -159,15 +164,14 @@ def _forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mas
     from attnlab.backends import resolve
 
     with _refusing("forward"):
-        prob = _problem(query, key, value, is_causal, scale)
+        prob = _problem(query, key, value, scale, _mask_keywords(is_causal, None, None))
         backend = resolve("triton", prob)
     out = torch.empty_like(query)  # the query's layout, as PyTorch's kernel returns it
     lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
     with torch.no_grad():
         backend.forward(prob, out, lse)
     _STATS["forward"] += 1
-    seed = torch.zeros((2,), dtype=torch.uint64, device=query.device)  # no dropout: no random state
-    offset = torch.zeros((), dtype=torch.uint64, device=query.device)
+    seed, offset = _no_random_state(query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
     return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, debug
 
@@ -181,7 +185,7 @@ def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
     from attnlab.backends.triton.backward import backward as triton_backward
 
     with _refusing("backward"):
-        prob = _problem(query, key, value, is_causal, scale)
+        prob = _problem(query, key, value, scale, _mask_keywords(is_causal, None, None))
     with torch.no_grad():
         dq, dk, dv = triton_backward(prob, out, logsumexp.float(), grad_out)
     _STATS["backward"] += 1
@@ -209,12 +213,12 @@ def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropou
                    block_table=None, num_splits=None):
     """``aten::_flash_attention_forward`` on CUDA: dense [B, N, H, D], or packed with ``cum_seq_q``. ``num_splits``
     (a scheduling hint of torch 2.13's schema) is ignored."""
-    out = torch.empty_like(query)  # the query's strides, as the op's meta function says
-    lse = _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                              return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
-                              block_table)
-    seed = torch.zeros((2,), dtype=torch.uint64, device=query.device)  # no dropout: no random state
-    offset = torch.zeros((), dtype=torch.uint64, device=query.device)
+    got, lse = _flash_run(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                          return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
+                          block_table)
+    # the query's strides, as the op's meta function says (attnlab's own output has them for a contiguous query)
+    out = got if got.stride() == query.stride() else torch.empty_like(query).copy_(got)
+    seed, offset = _no_random_state(query.device)
     return out, lse, seed, offset, torch.empty(0, dtype=query.dtype, device=query.device)
 
 
@@ -222,14 +226,17 @@ def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, 
                            return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
                            seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
     """``aten::_flash_attention_forward_no_dropout_inplace`` (torch 2.13 on): the same, into ``out``; returns lse."""
-    return _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                               return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
-                               block_table)
+    got, lse = _flash_run(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                          return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
+                          block_table)
+    out.copy_(got)
+    return lse
 
 
-def _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                        return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
-                        block_table) -> torch.Tensor:
+def _flash_run(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+               scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
+               block_table) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the flash op's arguments by attnlab's public calls, or the counted refusal."""
     packed = cum_seq_q is not None
     refusals = (("return_debug_mask=True", return_debug_mask),
                 ("seqused_k (keys used per sequence) is not taken", seqused_k is not None),
@@ -250,9 +257,8 @@ def _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max
             got, lse = attention_varlen(query, key, value, cum_seq_q, cum_seq_k, int(max_q), int(max_k), **kw)
         else:
             got, lse = attention(query, key, value, layout="bnhd", **kw)
-    out.copy_(got)
     _STATS["forward"] += 1
-    return lse
+    return got, lse
 
 
 def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
@@ -271,11 +277,9 @@ def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_
                                      max_q, max_k, scale=scale, **kw)
         else:
             from attnlab.backends.triton.backward import backward as triton_backward
-            from attnlab.problem import make_problem
 
             bhnd = [t.transpose(1, 2) for t in (query, key, value, out, grad_out)]
-            prob = make_problem(*bhnd[:3], scale=scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]),
-                                **kw)
+            prob = _problem(*bhnd[:3], scale, kw)
             grads = [g.transpose(1, 2) for g in triton_backward(prob, bhnd[3], logsumexp.float(), bhnd[4])]
     _STATS["backward"] += 1
     return tuple(grads)

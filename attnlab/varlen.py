@@ -177,14 +177,14 @@ def _varlen_backward_body(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_
 def packed_gradients(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, *, causal: bool = False, window: tuple[int | None, int | None] | None = None,
-                     align: str | None = None, scale: float | None = None,
-                     alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     align: str | None = None,
+                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`attention_varlen` by the Triton backward kernels, from a forward's ``out``
     [total_q, Hq, Dv] and ``lse`` [Hq, total_q] handed in (SDPA's varlen flash op gives them; a ring of context
     parallelism hands merged ones)."""
     opts = Options.of(causal, window, align, scale, "bnhd", None)
     dq, dk, dv, _ = _varlen_backward_body(dout, None, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                          int(max_seqlen_q), int(max_seqlen_k), alibi_slopes, None, opts, "triton")
+                                          int(max_seqlen_q), int(max_seqlen_k), None, None, opts, "triton")
     return dq, dk, dv
 
 

@@ -154,6 +154,18 @@ def test_the_flash_attention_ops_dense_form(causal, left, right):
         assert attnlab.check.compare(got.transpose(1, 2), leaf.grad).passed
 
 
+def test_the_flash_attention_op_returns_the_querys_strides():
+    """A [B, N, H, D] view of a [B, H, N, D] tensor: the output takes the view's strides (a copy), a contiguous
+    query's output is attnlab's own (no copy)."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 12, 16, generator=g).bfloat16().transpose(1, 2)
+    out = provider._flash_forward(q, q, q, None, None, 12, 12, 0.0, True, False)[0]
+    assert out.stride() == q.stride()
+    plain = provider._flash_forward(q.contiguous(), q.contiguous(), q.contiguous(), None, None, 12, 12, 0.0, True,
+                                    False)[0]
+    assert plain.stride() == q.contiguous().stride() and torch.equal(plain, out)
+
+
 @pytest.mark.parametrize(("causal", "left", "right"), [(True, -1, -1), (False, -1, -1), (False, 4, 2)])
 def test_the_flash_attention_ops_packed_form(causal, left, right):
     """The packed form ``varlen_attn`` calls: [total, H, D] with prefix sums (an empty sequence among them),

@@ -4,7 +4,8 @@ beside them, on the CUDA blog's case (B1 H8 N1024 D64 causal) and on B8 H16 N204
 
 Every call goes through :func:`attnlab.attention` (or SDPA), is first checked against the float64 reference on
 the same inputs, and is then timed twice: GPU time per call in CUDA-graph replay (the best of several replays
-of a graph of several calls) and the host's time to issue one call (no synchronization inside the timed loop).
+of a graph of several calls) and the host's time to issue one call (the bench's ``measure_host``: calls queued
+behind a GPU sleep, so that the host never waits).
 
 :func:`measure` runs on a GPU (``python -m attnlab.lessons.cuda_ladder OUT.json``) and writes one JSON file with
 its environment; :func:`recorded` reads it back where there is no GPU (the notebooks' CUDA chapter).
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -23,6 +23,7 @@ import torch
 
 import attnlab
 from attnlab.bench.replay import graph_us
+from attnlab.bench.timing import host_calls, measure_host
 from attnlab.paths import DATA_DIR
 
 #: Where the recorded GPU's measurement is kept.
@@ -44,18 +45,6 @@ def _call(backend: str, q, k, v):
     return lambda: attnlab.attention(q, k, v, causal=True, backend=backend)
 
 
-def host_us(call, n: int = 20) -> float:
-    """The host's time to issue one call (the median of n, each unsynchronized), after a synchronized start."""
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return sorted(times)[n // 2] * 1e6
-
-
 def measure(out: Path | str) -> list[dict]:
     """Check and time every rung on both cases (GPU only); write the rows and their environment to ``out``."""
     rows = []
@@ -74,7 +63,8 @@ def measure(out: Path | str) -> list[dict]:
                     if row["passed"]:  # a time only for an output that passed on these inputs
                         slow = backend in ("torch", "cuda-naive")
                         row["graph_us"] = round(graph_us(call, calls=3 if slow else 10, reps=5 if slow else 20), 2)
-                        row["host_us"] = round(host_us(call), 2)
+                        n = host_calls(row["graph_us"] / 1e3)
+                        row["host_us"] = round(measure_host(lambda _, c=call: c(), 1, n, q.device)[0], 2)
                 except Exception as e:  # recorded, not hidden
                     row.update(passed=False, error=f"{type(e).__name__}: {str(e)[:200]}")
                 rows.append(row)

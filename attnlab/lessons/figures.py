@@ -412,20 +412,26 @@ def ladder_chart(lad: pd.DataFrame) -> Figure:
     return fig
 
 
+def _log_bars(ax, values: pd.Series, colors: Mapping[str, object] | None, label: str, headroom: float) -> None:
+    """Horizontal bars of ``values`` (index: backends) on a log axis, sorted (largest at the top), each labelled
+    with its value; ``headroom``: how far past the largest bar the axis runs."""
+    t = values.dropna().sort_values()
+    ax.barh(t.index, t.values, color=[(colors or {}).get(b, "#3d7ea6") for b in t.index])
+    for i, v in enumerate(t.values):
+        ax.text(v * 1.04, i, f"{v:.3g}", va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlim(t.min() / 1.5, t.max() * headroom)
+    ax.xaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel(label)
+
+
 def fp32_bars(fair: pd.DataFrame, colors: Mapping[str, object] | None = None) -> Figure:
     """TFLOP/s of every float32 backend per case (:func:`attnlab.lessons.fp32_story.fair_fp32`), one
     panel per case, bars sorted by speed."""
     cases = list(fair["tflops"].columns)
     fig, axes = new_figure(1, len(cases), size=(5.2 * len(cases), 3.8))
     for ax, case in zip(axes.flat, cases):
-        t = fair["tflops"][case].dropna().sort_values()
-        ax.barh(t.index, t.values, color=[(colors or {}).get(b, "#3d7ea6") for b in t.index])
-        for i, v in enumerate(t.values):
-            ax.text(v * 1.03, i, f"{v:.1f}", va="center", fontsize=8)
-        ax.set_xscale("log")
-        ax.set_xlim(t.min() / 1.5, t.max() * 2)
-        ax.xaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.set_xlabel("TFLOP/s (useful FLOPs, log scale)")
+        _log_bars(ax, fair["tflops"][case], colors, "TFLOP/s (useful FLOPs, log scale)", 2)
         ax.set_title(case.replace("fp32_", "").replace("_", " "))
     fig.suptitle("float32 IEEE (TF32 off) against float32 rivals only", fontweight="bold")
     fig.tight_layout()
@@ -439,14 +445,8 @@ def cuda_ladder_bars(lad: pd.DataFrame, case: str, colors: Mapping[str, object] 
     dtypes = list(dict.fromkeys(d["dtype"]))
     fig, axes = new_figure(1, len(dtypes), size=(5.2 * len(dtypes), 3.6))
     for ax, dt in zip(np.atleast_1d(axes).flat, dtypes):
-        t = d[d["dtype"] == dt].set_index("backend")["graph_us"].sort_values()
-        ax.barh(t.index, t.values / 1e3, color=[(colors or {}).get(b, "#3d7ea6") for b in t.index])
-        for i, v in enumerate(t.values / 1e3):
-            ax.text(v * 1.05, i, f"{v:.3g}", va="center", fontsize=8)
-        ax.set_xscale("log")
-        ax.set_xlim(t.min() / 1e3 / 1.5, t.max() / 1e3 * 3)
-        ax.xaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.set_xlabel("ms per call, graph replay (log scale)")
+        ms = d[d["dtype"] == dt].set_index("backend")["graph_us"] / 1e3
+        _log_bars(ax, ms, colors, "ms per call, graph replay (log scale)", 3)
         ax.set_title(dt)
     fig.suptitle(f"The CUDA ladder, {case.replace('_', ' ')}", fontweight="bold")
     fig.tight_layout()

@@ -7,7 +7,7 @@ import torch
 
 from attnlab.backends import Availability, Backend, cuda_device_reason, no_cuda_reason
 from attnlab.backends.cuda.launch import run
-from attnlab.backends.cuda.variant import DMAX_BUCKETS, DTYPE_CODES, GRID_LIMITS
+from attnlab.backends.cuda.variant import DMAX_BUCKETS, DTYPE_CODES, FAMILY_DTYPES, GRID_LIMITS
 from attnlab.problem import Problem
 
 
@@ -78,11 +78,11 @@ class CudaMmaBackend(_CudaBackend):
         why = super().unsupported(prob)
         if why is not None:
             return why
-        if prob.dtype not in (torch.float16, torch.bfloat16):
+        if DTYPE_CODES[prob.dtype] not in FAMILY_DTYPES[self.family]:
             return (f"dtype {prob.dtype}: the tensor-core kernel takes float16 or bfloat16 (the MMA's 16-bit inputs); "
                     "float32 runs on cuda-rowmax or triton")
-        if prob.D > DMAX_BUCKETS["mma"][-1]:
-            return f"head dim D = {prob.D}: the tensor-core kernel takes D up to {DMAX_BUCKETS['mma'][-1]}"
+        if prob.D > DMAX_BUCKETS[self.family][-1]:
+            return f"head dim D = {prob.D}: the tensor-core kernel takes D up to {DMAX_BUCKETS[self.family][-1]}"
         major, _ = torch.cuda.get_device_capability(prob.device)
         if major < 8:
             return f"compute capability {major}.x: the tensor-core kernel needs sm_80 or newer (cp.async, ldmatrix)"

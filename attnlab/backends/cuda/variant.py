@@ -295,13 +295,17 @@ def rowmax_split_plan(B: int, Hq: int, Nq: int, Nk: int, dmax: int, sm_count: in
 
 
 def mma_async_ok(dtype: torch.dtype, D: int, tensors: tuple[tuple[int, tuple], ...]) -> bool:
-    """Whether the mma kernel may copy Q, K and V rows with 16-byte cp.async: a 16-bit dtype, D a multiple of 8,
-    and for each (pointer, strides) of ``tensors`` unit stride on D and every row start 16-byte aligned (the
-    pointer, and the b/h/n strides multiples of 8 elements)."""
-    if dtype not in (torch.float16, torch.bfloat16) or D % 8 != 0:
-        return False
-    return all(st[3] == 1 and ptr % 16 == 0 and st[0] % 8 == 0 and st[1] % 8 == 0 and st[2] % 8 == 0
-               for ptr, st in tensors)
+    """Whether the mma kernel may copy Q, K and V rows with 16-byte cp.async: a 16-bit dtype and
+    :func:`rows_of_16_bytes` for each (pointer, strides) of ``tensors``."""
+    return dtype in (torch.float16, torch.bfloat16) and rows_of_16_bytes(2, D, tensors)
+
+
+def rows_of_16_bytes(elem_bytes: int, D: int, tensors: tuple[tuple[int, tuple], ...]) -> bool:
+    """Whether every row of every (pointer, [B, H, N, D] strides) in ``tensors`` is whole 16-byte chunks that start
+    16-byte aligned: D a multiple of 16 bytes, unit stride on D, the pointer and the b/h/n strides aligned."""
+    per = 16 // elem_bytes  # elements per 16 bytes
+    return D % per == 0 and all(st[3] == 1 and ptr % 16 == 0 and st[0] % per == 0 and st[1] % per == 0
+                                and st[2] % per == 0 for ptr, st in tensors)
 
 
 def can_async_copy(prob: Problem) -> bool:
@@ -311,9 +315,4 @@ def can_async_copy(prob: Problem) -> bool:
 
 
 def async_ok(dtype: torch.dtype, D: int, k_ptr: int, k_strides: tuple, v_ptr: int, v_strides: tuple) -> bool:
-    if dtype != torch.float32 or D % 4 != 0:
-        return False
-    for ptr, st in ((k_ptr, k_strides), (v_ptr, v_strides)):
-        if st[3] != 1 or ptr % 16 != 0 or st[0] % 4 != 0 or st[1] % 4 != 0 or st[2] % 4 != 0:
-            return False
-    return True
+    return dtype == torch.float32 and rows_of_16_bytes(4, D, ((k_ptr, k_strides), (v_ptr, v_strides)))
