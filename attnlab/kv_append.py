@@ -12,7 +12,6 @@ an op of its own (``attnlab::kv_append``, mutating the caches) so that ``torch.c
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +136,7 @@ def _kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor
     from attnlab.backends.triton.append_kernel import kv_append_kernel, triton
     from attnlab.backends.triton.configs import COMPILE_OPTIONS, padded_head_dim
     from attnlab.backends.triton.interpreter import interpreter
+    from attnlab.backends.triton.runtime import jit_run
 
     if triton is None:
         raise RuntimeError("k_new (a KV append) needs triton, which is not importable here")
@@ -154,9 +154,12 @@ def _kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor
     block_d = max(padded_head_dim(D), padded_head_dim(vn.shape[3]))
     args = (kn, vn, k_cache, v_cache, kv_len, table, *kn.stride(), *vn.stride(), *kc.stride(), *vc.stride(),
             table.stride(0) if paged else 0, table.stride(1) if paged else 0, cap, nb, D, vn.shape[3])
-    interpret = not k_cache.is_cuda
-    with interpreter(kv_append_kernel) if interpret else contextlib.nullcontext(kv_append_kernel) as kernel:
-        kernel[(n_new, Hkv, B)](*args, BLOCK_D=block_d, BLOCK_SIZE=bs, PAGED=paged, num_warps=1, **COMPILE_OPTIONS)
+    kw = dict(BLOCK_D=block_d, BLOCK_SIZE=bs, PAGED=paged, num_warps=1, **COMPILE_OPTIONS)
+    if k_cache.is_cuda:
+        jit_run(kv_append_kernel, (n_new, Hkv, B), args, kw)
+        return
+    with interpreter(kv_append_kernel) as kernel:
+        kernel[(n_new, Hkv, B)](*args, **kw)
 
 
 @_kv_append.register_fake

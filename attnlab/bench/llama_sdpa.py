@@ -160,5 +160,15 @@ def run(out: str, shape: Shape = Shape(), device: str = "cuda", dtype: torch.dty
     return result
 
 
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m attnlab.bench.llama_sdpa", description=__doc__.split("\n")[0])
+    parser.add_argument("out", help="the JSON file to write")
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.out), indent=1))
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1]), indent=1))
+    sys.exit(main())

@@ -4,7 +4,9 @@ Triton's compiler (its MLIR and LLVM passes, ptxas, and the C compiler that buil
 releases the GIL, so a kernel compiled on a worker thread overlaps the caller's own compile. :func:`ahead`
 compiles ``kernel`` for the arguments given (``JITFunction.warmup``: nothing is launched) and builds its
 launcher, so that the real launch later finds both in Triton's caches. The backward's three kernels
-(:func:`attnlab.backends.triton.backward.compile_ahead`) and the decode's merge kernel use it.
+(:func:`attnlab.backends.triton.backward.compile_ahead`) and the decode's merge kernel use it. Where first launches
+take the cold path (:mod:`~attnlab.backends.triton.cold_launch`), it compiles into that path's cache, and
+:func:`handles` builds a cold-launched kernel's Triton launcher here, after its first launch.
 
 Compiling is safe on several threads (Triton's own asynchronous compile mode does it). Making a compiled
 kernel's handles (its launcher, a C extension module always named ``__triton_launcher``, built and loaded, and
@@ -22,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from attnlab import warm_start
+from attnlab.backends.triton import cold_launch
 
 _pool: ThreadPoolExecutor | None = None
 WORKERS = 3  # the backward's three kernels at once
@@ -55,6 +58,9 @@ def serialize_kernel_loads() -> bool:
 
 
 def _compile(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -> None:
+    if cold_launch.usable():  # into the cold path's cache; the first launch loads it and starts its launcher
+        cold_launch.compile_only(kernel, args, kw, device.index)
+        return
     with torch.cuda.device(device):
         compiled = kernel.warmup(*args, grid=grid, **kw)
         init = getattr(compiled, "_init_handles", None)  # the launcher and the module load (triton 3.4-3.9)
@@ -66,13 +72,31 @@ def ahead(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -> F
     """Start compiling ``kernel[grid](*args, **kw)`` on a worker thread; the future's error, if any, is the
     real launch's too (it compiles again there and raises it). The JIT's per-device state is made here, on
     the caller's thread, so that workers never race to make it."""
-    global _pool
     warm_start.wait()
     serialize_kernel_loads()
+    if not cold_launch.usable():
+        kernel.device_caches[device.index]
+    return _submit(_compile, kernel, grid, args, kw, device)
+
+
+def _submit(work, *args) -> Future:
+    global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="attnlab-compile")
-    kernel.device_caches[device.index]
-    return _pool.submit(_compile, kernel, grid, args, kw, device)
+    return _pool.submit(work, *args)
+
+
+def _make_handles(compiled, device: int, cold) -> None:
+    with torch.cuda.device(device):
+        compiled._init_handles()
+    cold.ready = True
+
+
+def handles(compiled, device: int, cold) -> Future:
+    """Build Triton's launcher of a kernel whose first launches took the cold path, and load its module, on a
+    worker thread; ``cold.ready`` turns True when its launches may go through Triton's launcher."""
+    serialize_kernel_loads()
+    return _submit(_make_handles, compiled, device, cold)
 
 
 def wait(futures) -> None:

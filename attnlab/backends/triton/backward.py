@@ -36,7 +36,7 @@ from attnlab.backends.triton.configs import (
 )
 from attnlab.backends.triton.forward_kernel import LOG2E
 from attnlab.backends.triton.interpreter import interpreted_fn, interpreter
-from attnlab.backends.triton.runtime import batch_strides
+from attnlab.backends.triton.runtime import batch_strides, jit_run
 from attnlab.problem import Problem
 
 try:
@@ -174,7 +174,10 @@ def _launch_fitting(launch, cfg: BwdConfig, space: list[BwdConfig], what: str) -
 
 def _go(launch: tuple, interpret: bool) -> None:
     kernel, grid, args, kw = launch
-    (interpreted_fn(kernel) if interpret else kernel)[grid](*args, **kw)
+    if interpret:
+        interpreted_fn(kernel)[grid](*args, **kw)
+    else:
+        jit_run(kernel, grid, args, kw)
 
 
 def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool) -> None:

@@ -162,8 +162,7 @@ def resident_programs(kernel, num_warps: int, device_index: int) -> int | None:
     """:func:`programs_per_sm` of a compiled Triton kernel on a GPU, or None when this Triton does not say
     what the kernel uses."""
     try:
-        kernel._init_handles()  # loads the binary: its register count is known from then on
-        regs, shared = int(kernel.n_regs), int(kernel.metadata.shared)
+        regs, shared = _rt.registers(kernel, device_index), int(kernel.metadata.shared)
     except Exception:  # another Triton's CompiledKernel
         return None
     props = torch.cuda.get_device_properties(device_index)
@@ -367,7 +366,7 @@ class _Kernel:
     def launch(self, args: tuple, key: tuple, device: int) -> None:
         kernel = self.compiled.get(key)
         if kernel is None or not _rt.FAST_LAUNCH:
-            kernel = self.fn[self.grid](*args, **self.constants, **self.options)
+            kernel = _rt.jit_run(self.fn, self.grid, args, {**self.constants, **self.options})
             if _rt.FAST_LAUNCH and _rt.fast_launch_supported(kernel):
                 self.compiled[key] = kernel
             return
@@ -476,8 +475,8 @@ class _Plan:
         f32, o_strides = _stand_ins(prob)
         args = (*_tensors(prob, paged), *self.fixed, prob.q, prob.q, f32, f32, f32, *o_strides, 0, 0, 0)
         try:
-            kernel = decode_split_kernel.warmup(*args, grid=(1, 1, 1), **cfg.options(),
-                                                 **self._constants(prob, paged, n_rt, False), WRITE_LSE=False)
+            kernel = _rt.compile_only(decode_split_kernel, args, dict(**cfg.options(), WRITE_LSE=False,
+                                      **self._constants(prob, paged, n_rt, False)), device)
         except Exception:  # a Triton whose warmup differs (tests bind these arguments to the signature)
             return None
         return resident_programs(kernel, cfg.num_warps, device)
@@ -539,7 +538,7 @@ class _Plan:
             return None
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index = (prob.B, prob.Hq, prob.Nq), prob.device, prob.device.index
-        current_stream, pointers = triton.runtime.driver.active.get_current_stream, _rt.pointers
+        current_stream, pointers = _rt.current_stream, _rt.pointers
         _, padded = _state_rows(prob, self.n_split)
         ws_numel = workspace_bytes(prob, self.n_split) // 4
         lock = _HELD_LOCK

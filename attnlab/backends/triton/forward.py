@@ -5,7 +5,6 @@ launcher called directly, without the JIT's per-call binding).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -90,11 +89,12 @@ def jit_launch(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, cfg: 
     Returns what the JIT returns for a compiled launch (the compiled kernel), None in the interpreter.
     """
     head, mid, tail, constants = _arguments(prob, cfg, interpret, lse is not None)
-    with interpreter(_k.attn_fwd_kernel) if interpret else contextlib.nullcontext(_k.attn_fwd_kernel) as kernel:
-        return kernel[_grid(prob, cfg)](
-            *_bind(head, mid, tail, out, lse, prob.packed), **constants, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **_cfg.COMPILE_OPTIONS,
-        )
+    args = _bind(head, mid, tail, out, lse, prob.packed)
+    kw = dict(constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_cfg.COMPILE_OPTIONS)
+    if not interpret:
+        return _rt.jit_run(_k.attn_fwd_kernel, _grid(prob, cfg), args, kw)
+    with interpreter(_k.attn_fwd_kernel) as kernel:
+        return kernel[_grid(prob, cfg)](*args, **kw)
 
 
 def _rows_outer(prob: Problem, cfg: Config) -> bool:
@@ -120,10 +120,10 @@ class _Plan:
     """How one call signature is launched with one config: the compiled kernel of each out/lse layout seen so
     far, and the arguments that the signature fixes (sizes, strides, scalars, the constants).
 
-    The first launch of each layout goes through Triton's JIT (``kernel[grid](...)``), which specializes,
-    compiles or finds the compiled kernel, and returns it. Later launches of that layout call the compiled
-    kernel's launcher directly, with the arguments the JIT would pass: the JIT's per-call work (binding
-    about 45 arguments, specializing each, building the cache key) is what made small problems wait for
+    The first launch of each layout goes through Triton's JIT (:func:`~attnlab.backends.triton.runtime.jit_run`),
+    which specializes, compiles or finds the compiled kernel, and returns it. Later launches of that layout call
+    the compiled kernel's launcher directly, with the arguments the JIT would pass: the JIT's per-call work
+    (binding about 45 arguments, specializing each, building the cache key) is what made small problems wait for
     the host. That is sound because everything the JIT specializes on is in the plan's key
     (:func:`~attnlab.backends.triton.runtime.call_signature`: dtypes, shapes, strides, scalars, which masks are
     present, and the 16-byte alignment of every pointer) or in the layout key (out's and lse's strides and
@@ -198,7 +198,7 @@ class _Plan:
                 *(constants[n] for n in _constexpr_names()))
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.device, self.device, self.grid
-        current_stream, pointers = triton.runtime.driver.active.get_current_stream, _rt.pointers
+        current_stream, pointers = _rt.current_stream, _rt.pointers
         switches = (_cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY)
         go = _rt.launcher(kernel)
 

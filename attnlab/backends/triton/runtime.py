@@ -1,7 +1,7 @@
-"""The runtime of every Triton kernel here: launching a compiled kernel without Triton's JIT dispatch (its C
-launch function called directly, the launcher object otherwise), the arguments that vary from call to call,
-and the key that a launch plan is kept by. The forward (:mod:`~attnlab.backends.triton.forward`) and the decode
-(:mod:`~attnlab.backends.triton.decode`) plans use it.
+"""The runtime of every Triton kernel here: the first launch (:func:`jit_run`), launching a compiled kernel
+without Triton's JIT dispatch (its C launch function called directly, the launcher object otherwise), the
+arguments that vary from call to call, and the key that a launch plan is kept by. The forward
+(:mod:`~attnlab.backends.triton.forward`) and the decode (:mod:`~attnlab.backends.triton.decode`) plans use it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from attnlab.backends.triton import background
+from attnlab.backends.triton import cold_launch as _cold
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton.forward_kernel import triton
 from attnlab.problem import Packed, Problem
@@ -51,9 +53,13 @@ def run_compiled(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -
     """Launch ``kernel`` (what the JIT returned) on ``grid`` and ``stream`` with every parameter's value
     ``args`` in signature order, constants too, as the JIT launches it (triton 3.4 to 3.9); pointers may be
     tensors or their addresses as ints. Launch metadata is built and the hooks are called only when a hook
-    is set (:func:`idle_hooks`)."""
+    is set (:func:`idle_hooks`). A kernel whose first launch took the cold path launches through it until its
+    Triton launcher is built (:mod:`~attnlab.backends.triton.cold_launch`)."""
     hooks = triton.knobs.runtime
-    if idle_hooks(hooks):
+    cold = getattr(kernel, "attnlab_cold", None)
+    if cold is not None and not cold.ready and idle_hooks(hooks):
+        cold.launch(grid, stream, _cold.runtime_values(kernel.src.signature, args))
+    elif idle_hooks(hooks):
         kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
     else:
         kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, kernel.launch_metadata(grid, stream, *args),
@@ -67,7 +73,26 @@ def launcher(kernel) -> Callable[[tuple[int, int, int], int, tuple], None]:
     arguments that object's ``__call__`` would pass it (:func:`_c_launch`): that Python layer (two closures,
     two scratch allocations of size 0, the arguments repacked) costs about as much as the C launch it wraps on
     a slow host. Kernels with a scratch buffer, and launcher interfaces this module does not know, go through
-    :func:`run_compiled`, as every launch does once a hook is set."""
+    :func:`run_compiled`, as every launch does once a hook is set. A kernel launched through the cold path
+    stays on it until its Triton launcher is built, then moves to the C launch function."""
+    cold = getattr(kernel, "attnlab_cold", None)
+    if cold is None or cold.ready:
+        return _warm_launcher(kernel)
+    runtime, signature = triton.knobs.runtime, kernel.src.signature
+    warm: list = []
+
+    def go(grid: tuple[int, int, int], stream: int, args: tuple) -> None:
+        if not cold.ready and idle_hooks(runtime):
+            cold.launch(grid, stream, _cold.runtime_values(signature, args))
+            return
+        if not warm:
+            warm.append(_warm_launcher(kernel))
+        warm[0](grid, stream, args)
+
+    return go
+
+
+def _warm_launcher(kernel) -> Callable[[tuple[int, int, int], int, tuple], None]:
     c_launch = _c_launch(kernel) if DIRECT_LAUNCH else None
     runtime = triton.knobs.runtime
 
@@ -144,16 +169,68 @@ def _idle(hook) -> bool:
     return hook is None or (type(getattr(hook, "calls", None)) is list and not hook.calls)
 
 
-def stream_of(device: int):
+def _raw_stream_getter() -> Callable[[int], int]:
+    try:
+        from torch._C import _cuda_getCurrentRawStream
+        return _cuda_getCurrentRawStream
+    except ImportError:  # a CPU-only torch: never called
+        return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+#: ``current_stream(device)``: the raw handle of the current CUDA stream of ``device``, as Triton's JIT launches
+#: on it (its driver asks torch the same way; asking Triton's driver object would build its C module).
+current_stream: Callable[[int], int] = _raw_stream_getter()
+
+
+def stream_of(device: int) -> int:
     """The raw handle of the current CUDA stream of ``device``, as Triton's JIT launches on it."""
-    return triton.runtime.driver.active.get_current_stream(device)
+    return current_stream(device)
 
 
 def fast_launch_supported(kernel) -> bool:
-    """Whether ``kernel`` (what the JIT returned) has the launcher interface of triton 3.4 to 3.9."""
+    """Whether ``kernel`` (what the JIT returned) has the launcher interface of triton 3.4 to 3.9 (asked of its
+    class where reading the attribute would load the kernel's handles)."""
     knobs = getattr(triton, "knobs", None)
     return (kernel is not None and knobs is not None and hasattr(knobs, "runtime")
-            and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")))
+            and (isinstance(getattr(type(kernel), "run", None), property) or hasattr(kernel, "run"))
+            and all(hasattr(kernel, a) for a in ("function", "packed_metadata", "launch_metadata")))
+
+
+def compile_only(fn, args: Sequence, kw: dict, device: int):
+    """``fn`` compiled for ``fn[grid](*args, **kw)`` on GPU ``device``, nothing launched (the JIT's ``warmup``, or
+    the cold path's compile where first launches take it)."""
+    if _cold.usable():
+        return _cold.compile_only(fn, args, kw, device)[0]
+    return fn.warmup(*args, grid=(1, 1, 1), **kw)
+
+
+def registers(kernel, device: int) -> int:
+    """The registers per thread of a compiled kernel (its module loaded on ``device`` if it was not)."""
+    cold = _cold.prepare(kernel, device, background.handles) if _cold.usable() else None
+    if cold is not None:
+        return int(cold.n_regs)
+    kernel._init_handles()  # loads the binary: its register count is known from then on
+    return int(kernel.n_regs)
+
+
+def jit_run(fn, grid: tuple, args: Sequence, kw: dict):
+    """``fn[grid](*args, **kw)`` on a GPU: through Triton's JIT, or, where first launches take the cold path
+    (:mod:`~attnlab.backends.triton.cold_launch`), compiled as the JIT compiles it and launched through the
+    driver API until its Triton launcher is built; returns the compiled kernel, as the JIT does."""
+    from triton.runtime.jit import JITFunction
+
+    if not _cold.usable() or not isinstance(fn, JITFunction) or not idle_hooks(triton.knobs.runtime):
+        return fn[grid](*args, **kw)  # (an interpreted function too)
+    device = torch.cuda.current_device()
+    compiled, values = _cold.compile_only(fn, args, kw, device)
+    grid3 = (*grid, 1, 1)[:3]
+    stream = current_stream(device)
+    cold = _cold.prepare(compiled, device, background.handles)
+    if cold is not None and not cold.ready:
+        cold.launch(grid3, stream, _cold.runtime_values(compiled.src.signature, values))
+    else:
+        run_compiled(compiled, grid3, stream, values)
+    return compiled
 
 
 def _aligned(t: torch.Tensor | None) -> bool | None:

@@ -1,0 +1,208 @@
+"""First launches without Triton's C glue (attnlab.backends.triton.cold_launch): the parameter packing, the compile
+that never builds Triton's driver module, the hand-over to Triton's launcher, and on a GPU, first calls that agree
+bit for bit with the launches after them."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from attnlab.backends.triton import cold_launch, runtime  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_parameter_types_skip_constexprs_and_end_with_the_two_scratch_pointers():
+    sig = {"Q": "*bf16", "N": "i32", "STRIDE": "i64", "scale": "fp32", "BLOCK": "constexpr", "flag": "i1",
+           "one": "constexpr"}
+    types = cold_launch.parameter_types(sig)
+    assert types == [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_int8,
+                     ctypes.c_void_p, ctypes.c_void_p]
+
+
+@pytest.mark.parametrize("ty", ["fp16", "bf16", "nvTmaDesc", "tensordesc<bf16[64, 64]>", ("i32", "i32")])
+def test_parameter_types_refuse_what_the_driver_launch_does_not_pack(ty):
+    assert cold_launch.parameter_types({"a": "*fp32", "b": ty}) is None
+
+
+def test_runtime_values_take_addresses_and_drop_constexprs():
+    t = torch.zeros(4)
+    sig = {"X": "*fp32", "N": "i32", "B": "constexpr", "s": "fp32"}
+    assert cold_launch.runtime_values(sig, (t, 7, 64, 0.5)) == [t.data_ptr(), 7, 0.5]
+    with pytest.raises(ValueError):  # one value per parameter, or it is not this kernel's call
+        cold_launch.runtime_values(sig, (t, 7, 64))
+
+
+def test_pack_points_at_each_value_and_nulls_the_scratch():
+    types = cold_launch.parameter_types({"X": "*fp32", "N": "i32", "M": "i64", "s": "fp32"})
+    params, keep = cold_launch.pack(types, [0xDEAD0, -3, 2**40, 0.25])
+    got = [ctypes.cast(params[i], ctypes.POINTER(ty)).contents.value for i, ty in enumerate(types)]
+    assert got == [0xDEAD0, -3, 2**40, 0.25, None, None]
+    assert len(keep) == 6
+
+
+def test_the_cold_path_is_gated_by_version_and_switch(monkeypatch):
+    monkeypatch.setattr(cold_launch, "_libcuda", lambda: object())
+    monkeypatch.setattr(cold_launch, "_version", lambda: (3, 6))
+    assert cold_launch.usable()
+    monkeypatch.setattr(cold_launch, "ENABLED", False)
+    assert not cold_launch.usable()
+    monkeypatch.setattr(cold_launch, "ENABLED", True)
+    for version in [(3, 4), (3, 7), (3, 9), None]:
+        monkeypatch.setattr(cold_launch, "_version", lambda v=version: v)
+        assert not cold_launch.usable()
+
+
+class _FakeCold:
+    def __init__(self) -> None:
+        self.ready, self.calls = False, []
+
+    def launch(self, grid, stream, values) -> None:
+        self.calls.append((grid, stream, list(values)))
+
+
+def test_a_cold_kernel_launches_cold_until_its_triton_launcher_is_ready(monkeypatch):
+    cold = _FakeCold()
+    kernel = SimpleNamespace(attnlab_cold=cold, src=SimpleNamespace(signature={"X": "*fp32", "B": "constexpr"}))
+    warm_calls = []
+    monkeypatch.setattr(runtime, "_warm_launcher", lambda k: lambda g, s, a: warm_calls.append((g, s, a)))
+    go = runtime.launcher(kernel)
+    go((1, 1, 1), 5, (123, 64))
+    assert cold.calls == [((1, 1, 1), 5, [123])] and warm_calls == []
+    runtime.run_compiled(kernel, (2, 1, 1), 6, (456, 64))
+    assert cold.calls[-1] == ((2, 1, 1), 6, [456])
+    cold.ready = True
+    go((3, 1, 1), 7, (789, 64))
+    assert warm_calls == [((3, 1, 1), 7, (789, 64))] and len(cold.calls) == 2
+
+
+_OFFLINE = """
+import json, os, sys, tempfile
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from attnlab.backends.triton import cold_launch, configs, forward
+from attnlab.backends.triton.configs import Config
+from attnlab.problem import make_problem
+
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+q = torch.randn(1, 2, 33, 64, generator=g).to(torch.bfloat16)
+prob = make_problem(q, q.clone(), q.clone(), causal=True)
+cfg = Config(block_m=64, block_n=64, num_warps=4, num_stages=2)
+head, mid, tail, constants = forward._arguments(prob, cfg, False, False)
+args = forward._bind(head, mid, tail, torch.empty_like(q), None)
+kw = dict(constants, num_warps=4, num_stages=2, **configs.COMPILE_OPTIONS)
+target = GPUTarget("cuda", 90, 32)
+compiled, values = cold_launch.compile_only(forward._k.attn_fwd_kernel, args, kw, 0, target=target)
+again, _ = cold_launch.compile_only(forward._k.attn_fwd_kernel, args, kw, 0, target=target)
+sig = compiled.src.signature
+print(json.dumps(dict(
+    driver_made=driver._active is not None, same=again is compiled, name=compiled.name,
+    n_types=len(cold_launch.parameter_types(sig)), n_values=len(cold_launch.runtime_values(sig, values)),
+    n_params=len(forward._k.attn_fwd_kernel.params), n_bound=len(values),
+    eligible=cold_launch._eligible(compiled) is not None, cubin=len(compiled.kernel))))
+"""
+
+
+def test_the_compile_never_builds_tritons_driver_module():
+    """In a new process (nothing built before): the forward kernel compiles for sm_90 through the JIT's binder,
+    Triton's driver object is never made, and the kernel's parameters are its runtime values plus two scratch
+    pointers."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton ships no ptxas")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_OFFLINE), "3"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["driver_made"] is False
+    assert got["same"] is True and got["name"] == "attn_fwd_kernel" and got["cubin"] > 1000
+    assert got["n_bound"] == got["n_params"]
+    assert got["n_types"] == got["n_values"] + 2 and got["eligible"] is True
+
+
+_GPU_FIRST_CALLS = """
+import json, os, sys, tempfile, time
+for var in ("TRITON_CACHE_DIR", "ATTNLAB_CACHE_DIR", "CUPY_CACHE_DIR"):
+    os.environ[var] = tempfile.mkdtemp()
+import torch
+import attnlab
+from attnlab.backends.triton import background, cold_launch, forward
+from attnlab.backends.triton import decode as dec
+from triton.runtime import driver
+
+dev = "cuda"
+g = torch.Generator(device=dev).manual_seed(int(sys.argv[1]))
+q = torch.randn(2, 4, 301, 64, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+k = torch.randn(2, 2, 301, 64, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+v = torch.randn(2, 2, 301, 64, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+do = torch.randn(2, 4, 301, 64, device=dev, dtype=torch.bfloat16, generator=g)
+report = dict(usable=cold_launch.usable())
+with torch.no_grad():
+    first = attnlab.attention(q, k, v, causal=True, backend="triton")
+    torch.cuda.synchronize()
+kernels = [kn for p in forward._PLANS.values() for kn in p.kernels.values()]
+report["forward_cold"] = [cold_launch.cold_kernel(kn) is not None for kn in kernels]
+with torch.no_grad():
+    second = attnlab.attention(q, k, v, causal=True, backend="triton")
+out = attnlab.attention(q, k, v, causal=True, backend="triton")
+dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+qd = q.detach()[:, :, :1].contiguous()
+with torch.no_grad():
+    dec_first = attnlab.attention(qd, k.detach(), v.detach(), causal=True, align="bottom_right",
+                                  backend="triton-decode")
+torch.cuda.synchronize()
+deadline = time.time() + 120
+colds = [cold_launch.cold_kernel(kn) for kn in kernels]
+while not all(c is None or c.ready for c in colds) and time.time() < deadline:
+    time.sleep(0.05)
+report["ready"] = all(c is None or c.ready for c in colds)
+report["driver_made"] = driver._active is not None
+with torch.no_grad():
+    third = attnlab.attention(q, k, v, causal=True, backend="triton")
+    dec_again = attnlab.attention(qd, k.detach(), v.detach(), causal=True, align="bottom_right",
+                                  backend="triton-decode")
+out2 = attnlab.attention(q, k, v, causal=True, backend="triton")
+dq2, dk2, dv2 = torch.autograd.grad(out2, (q, k, v), do)
+torch.cuda.synchronize()
+ref = attnlab.reference(q.detach(), k.detach(), v.detach(), causal=True)
+ref_dec = attnlab.reference(qd, k.detach(), v.detach(), causal=True, align="bottom_right")
+report.update(
+    same_fwd=bool(torch.equal(first, second) and torch.equal(first, third) and torch.equal(first, out)),
+    same_bwd=bool(torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(dv, dv2)),
+    same_decode=bool(torch.equal(dec_first, dec_again)),
+    fwd_err=float((first.double() - ref.double()).abs().max()),
+    decode_err=float((dec_first.double() - ref_dec.double()).abs().max()),
+    finite=bool(torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()))
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.gpu
+def test_first_calls_launch_cold_and_agree_bit_for_bit_with_tritons_launcher():
+    """A new process with empty caches: the forward's first launch takes the cold path; the forward, backward and
+    decode first calls equal, bit for bit, the calls made after Triton's launchers are built; the forward is
+    within bf16 rounding of the float64 reference."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_GPU_FIRST_CALLS), "11"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    if not got["usable"]:
+        pytest.skip(f"the cold path does not apply to triton {triton.__version__}")
+    assert got["forward_cold"] and all(got["forward_cold"])
+    assert got["ready"] and got["driver_made"]
+    assert got["same_fwd"] and got["same_bwd"] and got["same_decode"] and got["finite"]
+    assert got["fwd_err"] < 2e-2 and got["decode_err"] < 2e-2
