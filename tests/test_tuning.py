@@ -172,7 +172,8 @@ _COUNT_COMPILES = textwrap.dedent("""
         out.sum().backward()  # the expanded ones: the backward makes them contiguous, as compile_ahead assumed
     torch.cuda.synchronize()
     ref = attnlab.reference(q.detach(), k.detach(), v.detach(), causal=True)[0]
-    compiled = {f.__name__: sum(len(c[0]) for c in f.device_caches.values())
+    from attnlab.backends.triton.runtime import compiled_count
+    compiled = {f.__name__: compiled_count(f)
                 for f in (fk.attn_fwd_kernel, bk.bwd_preprocess, bk.bwd_dkdv_kernel, bk.bwd_dq_kernel)}
     print(json.dumps({"compiled": compiled, "ok": bool(attnlab.check.compare(out.detach(), ref))}))
 """)

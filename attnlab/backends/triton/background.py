@@ -92,11 +92,24 @@ def _make_handles(compiled, device: int, cold) -> None:
     cold.ready = True
 
 
+#: Launchers being built for cold-launched kernels (:func:`handles`), until :func:`settle` has seen them done.
+_pending: list[Future] = []
+
+
 def handles(compiled, device: int, cold) -> Future:
     """Build Triton's launcher of a kernel whose first launches took the cold path, and load its module, on a
     worker thread; ``cold.ready`` turns True when its launches may go through Triton's launcher."""
     serialize_kernel_loads()
-    return _submit(_make_handles, compiled, device, cold)
+    future = _submit(_make_handles, compiled, device, cold)
+    _pending.append(future)
+    return future
+
+
+def settle() -> None:
+    """Wait until every launcher started by :func:`handles` so far is built (a benchmark that times launches
+    after a first call, or a test that compares the two launch routes, calls it)."""
+    while _pending:
+        wait([_pending.pop()])
 
 
 def wait(futures) -> None:

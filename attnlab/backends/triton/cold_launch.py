@@ -235,6 +235,11 @@ def _binding(fn, target) -> _Binding:
     return b
 
 
+def compiled_count(fn) -> int:
+    """How many variants of ``fn`` the cold path has compiled in this process."""
+    return sum(len(b.kernels) for key, b in list(_bindings.items()) if key[0] == id(fn))
+
+
 def compile_only(fn, args: Sequence, kw: dict, device: int, target=None):
     """Compile ``fn`` for ``args`` and ``kw`` as ``fn[grid](*args, **kw)`` would on GPU ``device`` (or for
     ``target``, a GPUTarget), with nothing launched and no handles made; returns (the compiled kernel, the bound

@@ -204,6 +204,12 @@ def compile_only(fn, args: Sequence, kw: dict, device: int):
     return fn.warmup(*args, grid=(1, 1, 1), **kw)
 
 
+def compiled_count(fn) -> int:
+    """How many compiled variants of ``fn`` (a @triton.jit kernel) this process holds: the JIT's and the cold
+    path's."""
+    return sum(len(c[0]) for c in fn.device_caches.values()) + _cold.compiled_count(fn)
+
+
 def registers(kernel, device: int) -> int:
     """The registers per thread of a compiled kernel (its module loaded on ``device`` if it was not)."""
     cold = _cold.prepare(kernel, device, background.handles) if _cold.usable() else None
