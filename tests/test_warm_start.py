@@ -56,3 +56,17 @@ def test_a_failing_step_is_reported_not_raised(fresh, monkeypatch):
     fresh.wait()
     got = fresh.report()
     assert got["gluon"] == "ImportError: no such piece" and isinstance(got["triton_key"], float)
+
+
+def test_the_switch_interval_is_short_while_it_hashes_and_restored_after(fresh, monkeypatch):
+    import sys
+
+    seen = {}
+    monkeypatch.setattr(fresh, "_cache_key", lambda: seen.setdefault("during", sys.getswitchinterval()))
+    monkeypatch.setattr(fresh, "_gluon", lambda: None)
+    before = sys.getswitchinterval()
+    assert before > fresh.SWITCH_INTERVAL_S * 2  # the default 5 ms, or a user's setting above ours
+    fresh.start()
+    fresh.wait()
+    assert seen["during"] == pytest.approx(fresh.SWITCH_INTERVAL_S)
+    assert sys.getswitchinterval() == before
