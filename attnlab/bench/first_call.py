@@ -231,14 +231,15 @@ def _run_child(problem: str, competitor: str, device: str, env: dict[str, str], 
 
 def measure(problems: Sequence[FirstCallProblem], comps: Sequence[str], device: str, timeout_s: float = 300.0,
             env: dict[str, str] | None = None, progress: bool = True,
-            write_to: Path | None = None) -> list[dict[str, Any]]:
-    """Every (problem, competitor): a cold process (caches empty), then a warm one (caches kept). With
-    ``write_to``, the CSV is rewritten after each process, so that a run cut short keeps what it measured."""
+            write_to: Path | None = None, warm: bool = True) -> list[dict[str, Any]]:
+    """Every (problem, competitor): a cold process (caches empty), then, with ``warm``, a warm one (caches
+    kept). With ``write_to``, the CSV is rewritten after each process, so that a run cut short keeps what it
+    measured."""
     rows = []
     for prob in problems:
         for comp in comps:
             with tempfile.TemporaryDirectory(prefix="attnlab-first-call-") as folder:
-                for cold in (True, False):
+                for cold in (True, False) if warm else (True,):
                     got = _run_child(prob.case.name, comp, device, {**(env or {}), **cache_env(Path(folder))},
                                      timeout_s)
                     for r in got:
@@ -277,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--problems", default=None, help="only problems whose name contains this text")
     p.add_argument("--timeout-s", type=float, default=300.0, help="most seconds one process may take")
     p.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE", help="extra environment of every process")
+    p.add_argument("--cold-only", action="store_true", help="no second process with the caches kept")
+    p.add_argument("--name", default="first_call", help="the stem of the CSV and JSON written under --out")
     args = p.parse_args(argv)
     if args.child:
         for row in child(*args.child, args.device):
@@ -284,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.timeout_s <= 0:
         p.error(f"--timeout-s must be positive; got {args.timeout_s}")
+    if not args.name.replace("_", "").replace("-", "").isalnum():
+        p.error(f"--name takes letters, digits, '_' and '-'; got {args.name!r}")
     bad = [e for e in args.env if "=" not in e]
     if bad:
         p.error(f"--env takes NAME=VALUE; got {bad[0]!r}")
@@ -297,11 +302,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         folder = Path(args.out) / gpu_slug(device_name(args.device))
         folder.mkdir(parents=True, exist_ok=True)
         meta = environment(args.device, [sys.executable, "-m", "attnlab.bench.first_call", *(argv or sys.argv[1:])])
-        (folder / "first_call.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (folder / f"{args.name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    csv_path = None if folder is None else folder / f"{args.name}.csv"
     measure(problems, args.backends, args.device, args.timeout_s, dict(e.split("=", 1) for e in args.env),
-            write_to=None if folder is None else folder / "first_call.csv")
-    if folder is not None:
-        print(f"wrote {folder / 'first_call.csv'}")
+            write_to=csv_path, warm=not args.cold_only)
+    if csv_path is not None:
+        print(f"wrote {csv_path}")
     return 0
 
 
