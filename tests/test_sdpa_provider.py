@@ -273,6 +273,72 @@ def test_the_flash_attention_op_through_the_dispatcher(on_the_cpu_dispatcher):
         assert torch.equal(into, out) and torch.equal(lse2, lse)
 
 
+# ---- context parallelism: torch's ring attention over two gloo ranks, on the CPU ---------------------------
+
+_CP_RANK = """
+import json, sys
+import torch, torch.distributed as dist
+import attnlab
+from attnlab import sdpa_provider as provider
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
+
+rank, store, causal, Hq, Hkv = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", int(sys.argv[4]), int(sys.argv[5])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+lib = torch.library.Library("aten", "IMPL", "CPU")  # the provider's kernels, as on the CUDA key
+lib.impl("_scaled_dot_product_flash_attention", provider._forward, "CPU")
+lib.impl("_scaled_dot_product_flash_attention_backward", provider._backward, "CPU")
+mesh = init_device_mesh("cpu", (2,))
+_cp_options.enable_load_balance = causal  # torch's head-tail balancing is for causal attention only
+g = torch.Generator().manual_seed(11)
+q = torch.randn(1, Hq, 64, 16, generator=g).bfloat16()
+k, v = (torch.randn(1, Hkv, 64, 16, generator=g).bfloat16() for _ in range(2))
+dout = torch.randn(1, Hq, 64, 16, generator=g).bfloat16()
+shards = [t.clone() for t in (q, k, v, dout)]
+with context_parallel(mesh, buffers=shards, buffer_seq_dims=[2, 2, 2, 2]):
+    leaves = [t.detach().requires_grad_() for t in shards[:3]]
+    dq, dk, dv = (DTensor.from_local(t, mesh, [Shard(2)]) for t in leaves)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(dq, dk, dv, 0.0, causal)[0]
+    out.backward(DTensor.from_local(shards[3], mesh, [Shard(2)]))
+    got = [out.to_local().contiguous()] + [t.grad for t in leaves]
+got = context_parallel_unshard(mesh, got, [2, 2, 2, 2])  # back to the sequence's order
+exact = [t.double().requires_grad_() for t in (q, k, v)]
+ref = attnlab.reference(*exact, causal=causal)[0]
+ref.backward(dout.double())
+passed = [bool(attnlab.check.compare(a, b.detach()).passed) for a, b in zip(got, [ref] + [t.grad for t in exact])]
+print(json.dumps(dict(passed=passed, **provider.stats())), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@needs_registry
+@pytest.mark.parametrize("causal, Hq, Hkv", [(True, 4, 2), (False, 2, 2)], ids=["gqa_causal_balanced", "full"])
+def test_context_parallel_rings_through_the_providers_ops(causal, Hq, Hkv, tmp_path):
+    """torch's context parallelism (two gloo ranks, each holding a shard of the sequence) calls the flash ops
+    once per ring step and merges the partial outputs by their lse; its backward hands the merged out and lse
+    to the flash backward op. With the provider's kernels behind those ops, the unsharded output and gradients
+    match the float64 reference."""
+    pytest.importorskip("torch.distributed.tensor.experimental._context_parallel")
+    import json
+    import subprocess
+    import sys
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("this torch has no gloo")
+    store = tmp_path / "store"
+    ranks = [subprocess.Popen([sys.executable, "-c", _CP_RANK, str(r), str(store), str(int(causal)), str(Hq),
+                               str(Hkv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    for rank in ranks:
+        out, err = rank.communicate(timeout=300)
+        assert rank.returncode == 0, err[-3000:]
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["passed"] == [True] * 4, got  # out, dq, dk, dv
+        assert (got["forward"], got["backward"], got["refused"]) == (2, 2, 0)  # one call per ring step
+
+
 # ---- GPU: through F.scaled_dot_product_attention ----------------------------------------------------------
 
 
