@@ -86,3 +86,20 @@ def test_speed_tables_read_one_gpu_folder_and_keep_training_rows_without_decode(
     cost = mf.modifier_cost()
     assert cost is not None and set(cost["with"]) == {"sinks"}
     assert mf.speed_table().attrs["gpu"] == "some-gpu"
+
+
+def test_the_provider_steps_read_the_recorded_runs(tmp_path, monkeypatch):
+    import json
+
+    folder = tmp_path / "experiments" / "some-gpu"
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(mf, "DATA_DIR", tmp_path)
+    assert mf.provider_steps("some-gpu") is None
+    rec = {"environment": {"commit": "abcdef0123"}, "checks": {"a": True, "b": False},
+           "timing": {"step_ms": {"sdpa-flash": 3.0, "attnlab": 2.0},
+                      "attnlab_calls_per_step": {"forward": 4.0, "backward": 4.0, "refused": 0.0}}}
+    (folder / "llama-sdpa-abcdef0.json").write_text(json.dumps(rec))
+    got = mf.provider_steps("some-gpu")
+    (row,) = got.to_dict("records")
+    assert row["PyTorch / attnlab"] == pytest.approx(1.5) and row["checks passed"] is False
+    assert row["attnlab calls (fwd, bwd, refused)"] == "4, 4, 0" and row["commit"] == "abcdef0"

@@ -12,7 +12,7 @@ import torch
 
 import attnlab
 from attnlab.bench.plots import bench_dirs
-from attnlab.paths import BENCH_DIR
+from attnlab.paths import BENCH_DIR, DATA_DIR
 from attnlab.score_mods import ScoreMods
 
 
@@ -241,3 +241,28 @@ def modifier_cost(gpu: str | None = None) -> pd.DataFrame | None:
             if got and plain:
                 rows.append({"call": f"decode B8 Hq32 Nk32k, {cache}", "with": what, "time / plain": got / plain})
     return pd.DataFrame(rows)
+
+
+def provider_steps(gpu: str = "nvidia-h200") -> pd.DataFrame | None:
+    """The recorded training steps through SDPA's flash backend, PyTorch's kernel against attnlab's as its
+    provider (``python -m attnlab.bench.llama_sdpa`` and ``.varlen_attn_step``, from
+    ``data/experiments/<gpu>/``): one row per model, the step times, their ratio (> 1: attnlab faster), the calls
+    attnlab served per step, and whether every check of the run passed; None before either is recorded."""
+    import json
+
+    folder = DATA_DIR / "experiments" / gpu
+    rows = []
+    for stem, model, rival in (("llama-sdpa", "transformers Llama, 4 layers, B4 N4096", "sdpa-flash"),
+                               ("varlen-attn-step", "varlen_attn, 32 packed documents", "pytorch-flash")):
+        found = sorted(folder.glob(f"{stem}-*.json"))
+        if not found:
+            continue
+        rec = json.loads(found[-1].read_text())
+        ms, calls = rec["timing"]["step_ms"], rec["timing"]["attnlab_calls_per_step"]
+        rows.append({"model step": model, "PyTorch flash ms": ms[rival], "attnlab ms": ms["attnlab"],
+                     "PyTorch / attnlab": ms[rival] / ms["attnlab"],
+                     "attnlab calls (fwd, bwd, refused)": f"{calls['forward']:g}, {calls['backward']:g}, "
+                                                          f"{calls['refused']:g}",
+                     "checks passed": all(rec["checks"].values()),
+                     "commit": str(rec["environment"].get("commit", "?"))[:7], "file": found[-1].name})
+    return pd.DataFrame(rows).set_index("model step") if rows else None
