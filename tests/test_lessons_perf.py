@@ -29,3 +29,19 @@ def test_recorded_path_and_backward_table():
     assert perf.recorded_path(mixed) == "public, validate-once kernel path (older rows, no path)"
     bwd = perf.backward_table(df[df["case"].str.startswith("c")])
     assert bwd.loc[("c", "triton"), "fwd"] == 5.0 and bwd.loc[("c", "triton"), "bwd"] == "skipped"
+
+
+def test_backward_bars_draw_what_was_timed_and_nothing_else():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnlab.lessons import figures
+
+    df = pd.DataFrame({"case": ["s_bwd", "s_bwd", "t_bwd", "t_bwd"], "backend": ["triton", "flex"] * 2,
+                       "status": ["ok", "ok", "ok", "unsupported"], "tflops": [400.0, 380.0, 300.0, None],
+                       "mode": ["bwd"] * 4})
+    bwd = perf.backward_table(df)
+    fig = figures.backward_bars(bwd, "bwd")
+    bars = [p for p in fig.axes[0].patches]
+    assert sorted(round(b.get_width()) for b in bars if b.get_width() > 0) == [300, 380, 400]
+    assert figures.backward_bars(bwd, "fwd") is None  # a mode the suite did not time

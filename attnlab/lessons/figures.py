@@ -19,7 +19,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from attnlab.figure_style import binary_axis, n_axis, new_figure, use_theme  # noqa: F401  (use_theme: notebooks)
+from attnlab.figure_style import backend_colors, binary_axis, n_axis, new_figure, use_theme  # noqa: F401  (use_theme: notebooks)
 from attnlab.lessons import memory
 from attnlab.masks import EMPTY, FULL, PARTIAL, MaskSpec
 
@@ -473,5 +473,30 @@ def route_bars(table: pd.DataFrame) -> Figure:
     ax.set_xlabel("speed over cuDNN's in the same run (cuDNN time / route time)")
     ax.legend(loc="upper center", bbox_to_anchor=(0.4, -0.14), ncol=3, fontsize=8, frameon=False)
     ax.set_title("The forward on Hopper: routes within Triton against cuDNN (bf16)", fontweight="bold")
+    fig.tight_layout()
+    return fig
+
+
+def backward_bars(table: pd.DataFrame, mode: str = "bwd") -> Figure | None:
+    """The backward suite's TFLOP/s of one ``mode`` (:func:`attnlab.lessons.perf.backward_table`), per shape:
+    grouped horizontal bars, one colour per backend; shapes or backends with nothing timed are left out."""
+    if mode not in table:
+        return None
+    x = pd.to_numeric(table[mode], errors="coerce").unstack("backend").dropna(how="all").dropna(axis=1, how="all")
+    if x.empty:
+        return None
+    shapes, backends = list(x.index), list(x.columns)
+    fig, axes = new_figure(size=(8.5, 0.22 * len(shapes) * len(backends) + 2.0))
+    ax = np.atleast_1d(axes).flat[0]
+    height = 0.8 / len(backends)
+    colors = backend_colors(backends)
+    for j, b in enumerate(backends):
+        pos = np.arange(len(shapes)) + (j - (len(backends) - 1) / 2) * height
+        ax.barh(pos, x[b].to_numpy(), height=height, color=colors[b], label=b)
+    ax.set_yticks(np.arange(len(shapes)), shapes)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"TFLOP/s ({mode}; the backward counts 2.5x the forward's FLOPs)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.4, -0.1), ncol=len(backends), fontsize=8, frameon=False)
+    ax.set_title(f"The backward suite, {mode}, through the public call", fontweight="bold")
     fig.tight_layout()
     return fig

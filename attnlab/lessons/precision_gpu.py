@@ -144,8 +144,8 @@ def verdict(rec: dict[str, Any]) -> str:
                zip(fast["computation"], fast["spread"], fast["max_abs"])]
     return (
         f"{env.get('gpu', 'GPU')}, commit {str(env.get('commit', '?'))[:7]}, torch {env.get('torch', '?')}. "
-        f"CUDA's expf: at most {exp['cuda_expf_ulp'].max():.2f} ulp (the guide allows 2). "
-        f"__expf: at most {worst['cuda_fast_expf_ulp']:.1f} ulp (at x = {worst['x']:g}), within the guide's "
+        f"CUDA's expf: at most {exp['cuda_expf_ulp'].max():.2f} ulp (CUDA's programming guide allows 2). "
+        f"__expf: at most {worst['cuda_fast_expf_ulp']:.1f} ulp (at x = {worst['x']:g}), within that guide's "
         f"2 + 1.173|x| at every x: {bool((exp['cuda_fast_expf_ulp'] <= bound).all())}; the emulation is "
         f"{'above' if (over >= 0).all() else 'not always above'} it, by {over.min():.1f} to {over.max():.1f} ulp. "
         f"float32 attention with TF32 products: max error {tf32['max_abs'].min():.1e} to {tf32['max_abs'].max():.1e} "
