@@ -27,6 +27,10 @@ def test_recorded_ratios_are_per_case_and_dtype(tmp_path):
     assert df.loc[("bfloat16", "cuda-mma"), "flash_over_this"] == pytest.approx(1.25)
     assert df.loc[("float32", "cuda-tiled"), "flash_over_this"] != df.loc[("float32", "cuda-tiled"), "flash_over_this"]
     assert df.loc[("bfloat16", "cuda-naive"), "graph_us"] != df.loc[("bfloat16", "cuda-naive"), "graph_us"]  # NaN
+    lad = cuda_ladder.recorded(path)
+    got = cuda_ladder.over_rowmax("a", "bfloat16", lad)
+    assert got.to_dict() == pytest.approx({"cuda-rowmax": 1.0, "cuda-mma": 0.25, "sdpa-flash": 0.3125})  # no naive
+    assert cuda_ladder.over_rowmax("b", "float32", lad) is None
 
 
 def test_nothing_recorded_is_none(tmp_path):

@@ -22,12 +22,29 @@ def _suite() -> pd.DataFrame:
 
 def test_blog_table_ratios_come_from_the_suite():
     t = fp32_story.blog_vs_gpu(_suite())
-    assert t["recorded (x rowmax)"].tolist() == pytest.approx([6.0, 24.0, 3.0, 1.0])
+    assert t["public call (x rowmax)"].tolist() == pytest.approx([6.0, 24.0, 3.0, 1.0])
     assert t["blog (x rowmax)"].tolist() == [4.0, 3.2, 1.4, 1.0]
     story = fp32_story.order_story(t)
     assert story["blog"] == ["cuda-rowmax", "cuda-tiled", "cuda-naive", "torch"]
     assert story["recorded"] == ["cuda-rowmax", "cuda-tiled", "torch", "cuda-naive"] and not story["same"]
     assert story["naive slower than PyTorch (recorded)"] and not story["naive slower than PyTorch (blog)"]
+    assert story["column"] == "public call (x rowmax)"
+
+
+def test_the_order_is_read_from_gpu_time_alone_where_it_is_recorded():
+    alone = pd.Series({"torch": 3.3, "cuda-naive": 32.1, "cuda-tiled": 3.6, "cuda-rowmax": 1.0})
+    t = fp32_story.blog_vs_gpu(_suite(), gpu_alone=alone)
+    assert t["GPU alone (x rowmax)"].tolist() == [3.3, 32.1, 3.6, 1.0]
+    story = fp32_story.order_story(t)
+    assert story["column"] == "GPU alone (x rowmax)"
+    assert story["recorded"] == ["cuda-rowmax", "torch", "cuda-tiled", "cuda-naive"]  # not the public call's
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnlab.lessons import figures
+
+    fig = figures.blog_vs_gpu(t, gpu="H200")
+    assert len(fig.axes[0].patches) == 3 * 4  # blog, GPU alone, public call per implementation
 
 
 def test_blog_table_says_which_rows_waited_for_the_host():
@@ -75,7 +92,7 @@ def test_recorded_suite_loads():
     df = bench_plots.load_bench("fp32", quiet=True)
     if df is None:
         pytest.skip("no recorded fp32 suite")
-    assert fp32_story.blog_vs_gpu(df)["recorded (x rowmax)"].notna().all()
+    assert fp32_story.blog_vs_gpu(df)["public call (x rowmax)"].notna().all()
 
 
 def test_blocks_per_sm_and_nvcc_commands():

@@ -97,5 +97,15 @@ def recorded(path: Path | str | None = None) -> pd.DataFrame | None:
     return df
 
 
+def over_rowmax(case: str, dtype: str = "float32", lad: pd.DataFrame | None = None) -> pd.Series | None:
+    """Each backend's GPU time alone (graph replay) over the rowmax kernel's on one recorded case and dtype
+    (:func:`recorded`, or ``lad``): backend -> ratio; None when the case is not recorded."""
+    lad = recorded() if lad is None else lad
+    if lad is None:
+        return None
+    got = lad[(lad["case"] == case) & (lad["dtype"] == dtype)].dropna(subset=["x_rowmax"])
+    return got.set_index("backend")["x_rowmax"] if len(got) else None
+
+
 if __name__ == "__main__":
     measure(sys.argv[1])

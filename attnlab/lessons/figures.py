@@ -358,27 +358,33 @@ def thread_map(owner: np.ndarray, *, color: np.ndarray | None = None, title: str
 
 # ---- the float32 story (notebook 05) -----------------------------------------------------------------
 def blog_vs_gpu(table: pd.DataFrame, *, gpu: str = "recorded GPU") -> Figure:
-    """The blog's relative times beside the recorded ones (:func:`attnlab.lessons.fp32_story.blog_vs_gpu`),
-    one pair of bars per implementation, log scale, each bar labelled with its ratio."""
-    fig, axes = new_figure(size=(8.5, 3.8))
+    """The blog's relative times beside the recorded ones (:func:`attnlab.lessons.fp32_story.blog_vs_gpu`): per
+    implementation the blog's bar, the GPU-alone bar where the table has one, and the public call's (host
+    included), log scale, each bar labelled with its ratio."""
+    bars = [("blog (x rowmax)", "blog (Ampere, single run)", "#9bbfd6")]
+    if "GPU alone (x rowmax)" in table:
+        bars.append(("GPU alone (x rowmax)", f"{gpu}, GPU time alone (graph replay)", "#3d7ea6"))
+    bars.append(("public call (x rowmax)", f"{gpu}, public call (host included)", "#c9c9c9"))
+    fig, axes = new_figure(size=(8.5, 1.0 * len(table) + 0.9 * len(bars)))
     ax = axes[0, 0]
     y = np.arange(len(table))
-    for off, col, name, c in ((-0.2, "blog (x rowmax)", "blog (Ampere, single run)", "#9bbfd6"),
-                              (0.2, "recorded (x rowmax)", gpu, "#3d7ea6")):
+    height = 0.8 / len(bars)
+    for j, (col, name, c) in enumerate(bars):
+        off = (j - (len(bars) - 1) / 2) * height
         vals = table[col].astype(float).to_numpy()
-        ax.barh(y + off, vals, height=0.38, color=c, label=name)
+        ax.barh(y + off, vals, height=height * 0.95, color=c, label=name)
         for yy, v in zip(y + off, vals):
             if np.isfinite(v):
-                ax.text(v * 1.05, yy, f"{v:.1f}x", va="center", fontsize=9)
+                ax.text(v * 1.05, yy, f"{v:.1f}x", va="center", fontsize=8)
     ax.set_xscale("log")
     ax.set_yticks(y)
     ax.set_yticklabels(table.index)
     ax.invert_yaxis()
-    ax.set_xlim(0.8, max(table[["blog (x rowmax)", "recorded (x rowmax)"]].max()) * 2)
+    ax.set_xlim(0.8, float(table[[c for c, _, _ in bars]].astype(float).max().max()) * 2)
     ax.xaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.set_xlabel("time relative to the rowmax kernel (log scale; 1x = rowmax)")
     ax.set_title("B1 H8 N1024 D64 causal, float32")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.45, -0.18), ncol=len(bars), fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
 
