@@ -103,3 +103,20 @@ def test_the_provider_steps_read_the_recorded_runs(tmp_path, monkeypatch):
     (row,) = got.to_dict("records")
     assert row["PyTorch / attnlab"] == pytest.approx(1.5) and row["checks passed"] is False
     assert row["attnlab calls (fwd, bwd, refused)"] == "4, 4, 0" and row["commit"] == "abcdef0"
+
+
+def test_the_client_models_read_the_recorded_run(tmp_path, monkeypatch):
+    import json
+
+    folder = tmp_path / "experiments" / "some-gpu"
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(mf, "DATA_DIR", tmp_path)
+    assert mf.client_models("some-gpu") is None
+    errs = {"logits_max_abs": 0.1, "grads_rel_l2": 0.03, "attn_grads_max_rel": 0.07}
+    rec = {"environment": {"commit": "abcdef0123"}, "bound": 1.5, "checks": {"x": True, "y": False},
+           "models": {"gemma2": {"eager": errs, "attnlab": dict(errs, logits_max_abs=0.2),
+                                 "step_ms": {"eager": 2.0, "attnlab": 1.0}}}}
+    (folder / "hf-clients-abcdef0.json").write_text(json.dumps(rec))
+    got = mf.client_models("some-gpu")
+    assert got.loc[("gemma2", "attnlab"), "logits err"] == 0.2 and got.loc[("gemma2", "eager"), "step ms"] == 2.0
+    assert got.attrs == {"checks_passed": False, "commit": "abcdef0", "bound": 1.5}

@@ -266,3 +266,28 @@ def provider_steps(gpu: str = "nvidia-h200") -> pd.DataFrame | None:
                      "checks passed": all(rec["checks"].values()),
                      "commit": str(rec["environment"].get("commit", "?"))[:7], "file": found[-1].name})
     return pd.DataFrame(rows).set_index("model step") if rows else None
+
+
+def client_models(gpu: str = "nvidia-h200") -> pd.DataFrame | None:
+    """The recorded Gemma-2 and gpt-oss runs with attnlab as their transformers attention function
+    (``python -m attnlab.bench.hf_clients``, from ``data/experiments/<gpu>/``): per model and implementation
+    (eager bf16, attnlab bf16), the errors against the float32 eager model (logits: max abs; gradients: relative
+    L2 over all parameters, and the worst over the attention's) and the training step's time, with whether
+    every check of the run passed; None before it is recorded."""
+    import json
+
+    found = sorted((DATA_DIR / "experiments" / gpu).glob("hf-clients-*.json"))
+    if not found:
+        return None
+    rec = json.loads(found[-1].read_text())
+    rows = []
+    for model, row in rec["models"].items():
+        for impl in ("eager", "attnlab"):
+            got = row[impl]
+            rows.append({"model": model, "bf16 attention": impl, "logits err": got["logits_max_abs"],
+                         "grads err": got["grads_rel_l2"], "attn grads err": got["attn_grads_max_rel"],
+                         "step ms": row["step_ms"][impl]})
+    out = pd.DataFrame(rows).set_index(["model", "bf16 attention"])
+    out.attrs.update(checks_passed=all(rec["checks"].values()), commit=str(rec["environment"]["commit"])[:7],
+                     bound=rec["bound"])
+    return out
