@@ -21,7 +21,8 @@ _report: dict[str, object] = {"started": False}
 
 #: The GIL switch interval while the thread runs. Hashing reads libtriton in 1 MiB chunks and takes the GIL
 #: back after each one; while the main thread runs Python (an import, a notebook cell), each hand-over waits
-#: the interval, 5 ms by default, which stretches a 0.4 s hash to seconds. Restored when the thread ends.
+#: the interval, 5 ms by default, which stretches the hash many times over (docs/decisions.md, "The warm start's
+#: GIL hand-overs"). Restored when the thread ends.
 SWITCH_INTERVAL_S = 0.0002
 
 

@@ -96,13 +96,18 @@ def test_the_provider_steps_read_the_recorded_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(mf, "DATA_DIR", tmp_path)
     assert mf.provider_steps("some-gpu") is None
     rec = {"environment": {"commit": "abcdef0123"}, "checks": {"a": True, "b": False},
+           "shape": {"layers": 4, "B": 2, "N": 512},
            "timing": {"step_ms": {"sdpa-flash": 3.0, "attnlab": 2.0},
                       "attnlab_calls_per_step": {"forward": 4.0, "backward": 4.0, "refused": 0.0}}}
     (folder / "llama-sdpa-abcdef0.json").write_text(json.dumps(rec))
     got = mf.provider_steps("some-gpu")
     (row,) = got.to_dict("records")
+    assert got.index[0] == "transformers Llama, 4 layers, B2 N512"  # read from the record
     assert row["PyTorch / attnlab"] == pytest.approx(1.5) and row["checks passed"] is False
     assert row["attnlab calls (fwd, bwd, refused)"] == "4, 4, 0" and row["commit"] == "abcdef0"
+    newer = dict(rec, environment={"commit": "0000000aaa", "date_utc": "2026-12-05T00:00:00Z"})
+    (folder / "llama-sdpa-0000000.json").write_text(json.dumps(newer))  # sorts first by name, newest by date
+    assert mf.provider_steps("some-gpu").iloc[0]["commit"] == "0000000"
 
 
 def test_the_client_models_read_the_recorded_run(tmp_path, monkeypatch):

@@ -276,7 +276,7 @@ def test_the_flash_attention_op_through_the_dispatcher(on_the_cpu_dispatcher):
 # ---- context parallelism: torch's ring attention over two gloo ranks, on the CPU ---------------------------
 
 _CP_RANK = """
-import json, sys
+import datetime, json, sys
 import torch, torch.distributed as dist
 import attnlab
 from attnlab import sdpa_provider as provider
@@ -286,7 +286,8 @@ from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
 
 rank, store, causal, Hq, Hkv = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", int(sys.argv[4]), int(sys.argv[5])
-dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))
 lib = torch.library.Library("aten", "IMPL", "CPU")  # the provider's kernels, as on the CUDA key
 lib.impl("_scaled_dot_product_flash_attention", provider._forward, "CPU")
 lib.impl("_scaled_dot_product_flash_attention_backward", provider._backward, "CPU")
@@ -320,7 +321,7 @@ def test_context_parallel_rings_through_the_providers_ops(causal, Hq, Hkv, tmp_p
     once per ring step and merges the partial outputs by their lse; its backward hands the merged out and lse
     to the flash backward op. With the provider's kernels behind those ops, the unsharded output and gradients
     match the float64 reference."""
-    pytest.importorskip("torch.distributed.tensor.experimental._context_parallel")
+    pytest.importorskip("torch.distributed.tensor.experimental._attention")
     import json
     import subprocess
     import sys
@@ -328,13 +329,26 @@ def test_context_parallel_rings_through_the_providers_ops(causal, Hq, Hkv, tmp_p
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch has no gloo")
     store = tmp_path / "store"
-    ranks = [subprocess.Popen([sys.executable, "-c", _CP_RANK, str(r), str(store), str(int(causal)), str(Hq),
-                               str(Hkv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    for rank in ranks:
-        out, err = rank.communicate(timeout=300)
-        assert rank.returncode == 0, err[-3000:]
-        got = json.loads(out.strip().splitlines()[-1])
+    ranks, logs = [], []
+    try:
+        for r in range(2):  # output to files: a full pipe must not block a rank inside a collective
+            out, err = (open(tmp_path / f"rank{r}.{x}", "w") for x in ("out", "err"))
+            logs.append((out, err))
+            ranks.append(subprocess.Popen([sys.executable, "-c", _CP_RANK, str(r), str(store), str(int(causal)),
+                                           str(Hq), str(Hkv)], stdout=out, stderr=err, text=True))
+        for rank in ranks:
+            rank.wait(timeout=300)
+    finally:
+        for rank in ranks:  # a rank left waiting for its peer is stopped, never left behind
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+        for out, err in logs:
+            out.close()
+            err.close()
+    for r, rank in enumerate(ranks):
+        assert rank.returncode == 0, (tmp_path / f"rank{r}.err").read_text()[-3000:]
+        got = json.loads((tmp_path / f"rank{r}.out").read_text().strip().splitlines()[-1])
         assert got["passed"] == [True] * 4, got  # out, dq, dk, dv
         assert (got["forward"], got["backward"], got["refused"]) == (2, 2, 0)  # one call per ring step
 

@@ -44,6 +44,8 @@ def _configs(shape: Shape) -> dict:
     experts), both alternating sliding and full layers."""
     from transformers import Gemma2Config, GptOssConfig
 
+    if shape.layers % 2:
+        raise ValueError(f"the models alternate sliding and full layers: layers must be even; got {shape.layers}")
     layer_types = ["sliding_attention", "full_attention"] * (shape.layers // 2)
     common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
                   sliding_window=shape.window, layer_types=layer_types, attention_dropout=0.0,
@@ -58,7 +60,7 @@ def _configs(shape: Shape) -> dict:
     }
 
 
-def model_and_tokens(name: str, shape: Shape, device: str, seed: int = 0):
+def model_and_tokens(name: str, shape: Shape, device: str, seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor]:
     """The seeded float32 model (gpt-oss's sinks drawn from N(0, 1), so that they matter) and seeded tokens."""
     from transformers import Gemma2ForCausalLM, GptOssForCausalLM
 
@@ -165,6 +167,7 @@ def run(out: str | None, shape: Shape = Shape(), device: str = "cuda") -> dict:
 
     result = {"shape": asdict(shape), "dtype": "bfloat16", "bound": BOUND,
               "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
+                              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                               "commit": os.environ.get("ATTNLAB_COMMIT", "unknown")},
               "models": {name: compare(name, shape, device) for name in ("gemma2", "gpt_oss")}}

@@ -152,7 +152,8 @@ def run(out: str, shape: Shape = Shape(), device: str = "cuda", dtype: torch.dty
     result = {"shape": asdict(shape), "dtype": str(dtype), "device": device,
               "environment": {"torch": torch.__version__,
                               "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-                              "commit": os.environ.get("ATTNLAB_COMMIT", "unknown")},
+                              "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"),
+                              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
               "compare": compare(model, tokens), "timing": time_steps(model, tokens)}
     result["checks"] = checks(result)
     with open(out, "w") as f:

@@ -131,7 +131,8 @@ def run(out: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> 
     small, full = Batch(docs=6, max_len=700), Batch()
     result = {"batch": asdict(full), "check_batch": asdict(small), "dtype": str(dtype),
               "environment": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                              "commit": os.environ.get("ATTNLAB_COMMIT", "unknown")},
+                              "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"),
+                              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
               "compare": compare(small, device, dtype), "timing": time_steps(full, device, dtype)}
     result["checks"] = checks(result)
     with open(out, "w") as f:

@@ -3,9 +3,10 @@
 A softmax computes one exponential per score. The GPU's special-function unit computes only ``2^x``
 (``ex2.approx``); every other exponential is built on it. CUDA's accurate ``expf`` adds range reduction and a
 correction around it, its fast ``__expf`` is one multiply by log2(e) and ``ex2.approx``, and ``exp2f`` is
-``ex2.approx`` itself. Triton's ``tl.exp`` on float32 lowers to the multiply and ``ex2.approx``, and
-``tl.math.exp2`` to ``ex2.approx`` alone. attnlab's kernels fold log2(e) into the score scale and call
-``exp2``, so they pay neither the correction nor the extra multiply.
+``ex2.approx`` itself. Triton's ``tl.exp`` on float32 lowers to the multiply and ``ex2.approx.f32``, which keeps
+denormals (more instructions than the flush-to-zero form), and ``tl.math.exp2`` to ``ex2.approx.ftz.f32`` alone.
+attnlab's kernels fold log2(e) into the score scale and call ``exp2``, so they pay neither the correction nor
+the extra multiply.
 
 Each variant runs the same loop: every thread sums ``REPS`` exponentials of independent arguments, so the
 exponential's throughput, not memory, sets the time. :func:`measure` times them on a GPU

@@ -243,28 +243,40 @@ def modifier_cost(gpu: str | None = None) -> pd.DataFrame | None:
     return pd.DataFrame(rows)
 
 
+def _latest_record(stem: str, gpu: str) -> tuple[str, dict] | None:
+    """The newest ``data/experiments/<gpu>/<stem>-<commit>.json`` (by its recorded ``date_utc``; files without
+    one count as oldest, then by name) and its contents; None when there is none."""
+    import json
+
+    found = [(p.name, json.loads(p.read_text())) for p in (DATA_DIR / "experiments" / gpu).glob(f"{stem}-*.json")]
+    if not found:
+        return None
+    return max(found, key=lambda f: (str(f[1].get("environment", {}).get("date_utc", "")), f[0]))
+
+
 def provider_steps(gpu: str = "nvidia-h200") -> pd.DataFrame | None:
     """The recorded training steps through SDPA's flash backend, PyTorch's kernel against attnlab's as its
     provider (``python -m attnlab.bench.llama_sdpa`` and ``.varlen_attn_step``, from
     ``data/experiments/<gpu>/``): one row per model, the step times, their ratio (> 1: attnlab faster), the calls
     attnlab served per step, and whether every check of the run passed; None before either is recorded."""
-    import json
-
-    folder = DATA_DIR / "experiments" / gpu
     rows = []
-    for stem, model, rival in (("llama-sdpa", "transformers Llama, 4 layers, B4 N4096", "sdpa-flash"),
-                               ("varlen-attn-step", "varlen_attn, 32 packed documents", "pytorch-flash")):
-        found = sorted(folder.glob(f"{stem}-*.json"))
-        if not found:
+    for stem, rival in (("llama-sdpa", "sdpa-flash"), ("varlen-attn-step", "pytorch-flash")):
+        got = _latest_record(stem, gpu)
+        if got is None:
             continue
-        rec = json.loads(found[-1].read_text())
+        name, rec = got
+        if "shape" in rec:
+            sh = rec["shape"]
+            model = f"transformers Llama, {sh['layers']} layers, B{sh['B']} N{sh['N']}"
+        else:
+            model = f"varlen_attn, {rec['batch']['docs']} packed documents"
         ms, calls = rec["timing"]["step_ms"], rec["timing"]["attnlab_calls_per_step"]
         rows.append({"model step": model, "PyTorch flash ms": ms[rival], "attnlab ms": ms["attnlab"],
                      "PyTorch / attnlab": ms[rival] / ms["attnlab"],
                      "attnlab calls (fwd, bwd, refused)": f"{calls['forward']:g}, {calls['backward']:g}, "
                                                           f"{calls['refused']:g}",
                      "checks passed": all(rec["checks"].values()),
-                     "commit": str(rec["environment"].get("commit", "?"))[:7], "file": found[-1].name})
+                     "commit": str(rec["environment"].get("commit", "?"))[:7], "file": name})
     return pd.DataFrame(rows).set_index("model step") if rows else None
 
 
@@ -274,12 +286,10 @@ def client_models(gpu: str = "nvidia-h200") -> pd.DataFrame | None:
     (eager bf16, attnlab bf16), the errors against the float32 eager model (logits: max abs; gradients: relative
     L2 over all parameters, and the worst over the attention's) and the training step's time, with whether
     every check of the run passed; None before it is recorded."""
-    import json
-
-    found = sorted((DATA_DIR / "experiments" / gpu).glob("hf-clients-*.json"))
-    if not found:
+    got = _latest_record("hf-clients", gpu)
+    if got is None:
         return None
-    rec = json.loads(found[-1].read_text())
+    rec = got[1]
     rows = []
     for model, row in rec["models"].items():
         for impl in ("eager", "attnlab"):
