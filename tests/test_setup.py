@@ -131,3 +131,20 @@ def test_make_lab_starts_jupyterlab():
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_checkout_never_shadows_an_installed_kernels_package(tmp_path):
+    """Run from the checkout's root, ``import kernels`` gives the installed package of that name (transformers
+    imports Hugging Face's), and this folder only when none is installed."""
+    fake = tmp_path / "kernels"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("CUDAProperties = 'installed'\n")
+    code = "import kernels; print(kernels.__file__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(tmp_path)}, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == str(fake / "__init__.py")
+    alone = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
+                           timeout=60)
+    assert alone.stdout.strip() == str(ROOT / "kernels" / "__init__.py"), alone.stderr
