@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from attnlab import transformers_attention
+from attnlab.bench.results import run_environment
 
 #: attnlab's errors may be at most this many times eager bf16's.
 BOUND = 1.5
@@ -166,10 +166,7 @@ def run(out: str | None, shape: Shape = Shape(), device: str = "cuda") -> dict:
     import transformers
 
     result = {"shape": asdict(shape), "dtype": "bfloat16", "bound": BOUND,
-              "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
-                              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-                              "commit": os.environ.get("ATTNLAB_COMMIT", "unknown")},
+              "environment": {**run_environment(device), "transformers": transformers.__version__},
               "models": {name: compare(name, shape, device) for name in ("gemma2", "gpt_oss")}}
     result["checks"] = checks(result)
     if out is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -21,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from attnlab import sdpa_provider
+from attnlab.bench.results import run_environment
 
 VARIANTS = ("eager", "sdpa-flash", "attnlab")
 
@@ -150,10 +150,7 @@ def checks(result: dict) -> dict[str, bool]:
 def run(out: str, shape: Shape = Shape(), device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
     model, tokens = model_and_tokens(shape, device, dtype)
     result = {"shape": asdict(shape), "dtype": str(dtype), "device": device,
-              "environment": {"torch": torch.__version__,
-                              "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-                              "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"),
-                              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+              "environment": run_environment(device),
               "compare": compare(model, tokens), "timing": time_steps(model, tokens)}
     result["checks"] = checks(result)
     with open(out, "w") as f:

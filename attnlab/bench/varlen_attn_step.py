@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -21,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from attnlab import sdpa_provider
+from attnlab.bench.results import run_environment
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,7 @@ def run(out: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> 
         raise SystemExit("this torch has no flash-attention registry (torch.nn.attention); see attnlab info")
     small, full = Batch(docs=6, max_len=700), Batch()
     result = {"batch": asdict(full), "check_batch": asdict(small), "dtype": str(dtype),
-              "environment": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                              "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"),
-                              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+              "environment": run_environment(device),
               "compare": compare(small, device, dtype), "timing": time_steps(full, device, dtype)}
     result["checks"] = checks(result)
     with open(out, "w") as f:
