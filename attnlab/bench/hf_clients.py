@@ -14,8 +14,6 @@ On a GPU: ``python -m attnlab.bench.hf_clients OUT.json``. transformers is impor
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -23,7 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from attnlab import transformers_attention
-from attnlab.bench.results import run_environment
+from attnlab.bench.experiment import main as experiment_main
+from attnlab.bench.experiment import run_environment, write
 
 #: attnlab's errors may be at most this many times eager bf16's.
 BOUND = 1.5
@@ -169,18 +168,11 @@ def run(out: str | None, shape: Shape = Shape(), device: str = "cuda") -> dict:
               "environment": {**run_environment(device), "transformers": transformers.__version__},
               "models": {name: compare(name, shape, device) for name in ("gemma2", "gpt_oss")}}
     result["checks"] = checks(result)
-    if out is not None:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return write(result, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnlab.bench.hf_clients", description=__doc__.split("\n")[0])
-    parser.add_argument("out", help="the JSON file to write")
-    args = parser.parse_args(argv)
-    print(json.dumps(run(args.out), indent=1))
-    return 0
+    return experiment_main("attnlab.bench.hf_clients", __doc__, run, argv)
 
 
 if __name__ == "__main__":

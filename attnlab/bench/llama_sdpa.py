@@ -12,7 +12,6 @@ imported here only; attnlab does not depend on it.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -20,7 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from attnlab import sdpa_provider
-from attnlab.bench.results import run_environment
+from attnlab.bench.experiment import main as experiment_main
+from attnlab.bench.experiment import run_environment, write
 
 VARIANTS = ("eager", "sdpa-flash", "attnlab")
 
@@ -153,19 +153,11 @@ def run(out: str, shape: Shape = Shape(), device: str = "cuda", dtype: torch.dty
               "environment": run_environment(device),
               "compare": compare(model, tokens), "timing": time_steps(model, tokens)}
     result["checks"] = checks(result)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+    return write(result, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m attnlab.bench.llama_sdpa", description=__doc__.split("\n")[0])
-    parser.add_argument("out", help="the JSON file to write")
-    args = parser.parse_args(argv)
-    print(json.dumps(run(args.out), indent=1))
-    return 0
+    return experiment_main("attnlab.bench.llama_sdpa", __doc__, run, argv)
 
 
 if __name__ == "__main__":

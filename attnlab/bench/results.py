@@ -53,15 +53,6 @@ def _version(mod: str) -> str:
     return str(getattr(m, "__version__", "?"))
 
 
-def run_environment(device: str) -> dict[str, Any]:
-    """The short environment of a one-off experiment's JSON (a model step, a client check): torch, the GPU,
-    the commit (``$ATTNLAB_COMMIT``: the device's checkout may not know it) and the date."""
-    return {"torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else None,
-            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"),
-            "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
-
-
 def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
     """The environment a result depends on: device, driver, library versions, commit, date, command."""
     from attnlab import __version__

@@ -11,8 +11,6 @@ in [64, 2048], H 16, D 128, bf16, causal).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -20,7 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from attnlab import sdpa_provider
-from attnlab.bench.results import run_environment
+from attnlab.bench.experiment import main as experiment_main
+from attnlab.bench.experiment import run_environment, write
 
 
 @dataclass(frozen=True)
@@ -133,21 +132,14 @@ def run(out: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> 
               "environment": run_environment(device),
               "compare": compare(small, device, dtype), "timing": time_steps(full, device, dtype)}
     result["checks"] = checks(result)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+    return write(result, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnlab.bench.varlen_attn_step",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("out", help="the JSON file to write")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: varlen_attn_step needs a CUDA GPU (PyTorch's packed flash op has no CPU kernel)", file=sys.stderr)
-        return 2
-    print(json.dumps(run(args.out), indent=1))
-    return 0
+    def needs() -> str | None:
+        return None if torch.cuda.is_available() else "needs a CUDA GPU (PyTorch's packed flash op has no CPU kernel)"
+
+    return experiment_main("attnlab.bench.varlen_attn_step", __doc__, run, argv, needs)
 
 
 if __name__ == "__main__":

@@ -77,18 +77,12 @@ def _triton_kernel():
 
 
 def _time_ms(fn, reps: int = 20) -> float:
-    """The median of ``reps`` timed runs (CUDA events) after two warm-up runs."""
+    """The median of ``reps`` runs timed by CUDA events (``attnlab.bench.timing``) after two warm-up runs."""
+    from attnlab.bench.timing import median, time_calls
+
     for _ in range(2):
         fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(sorted(times)[len(times) // 2])
+    return median(time_calls(lambda _: fn(), 1, reps, torch.device("cuda")))
 
 
 def measure(out: Path | str) -> list[dict]:

@@ -1,0 +1,33 @@
+"""attnlab.bench.experiment: the one-off experiments' record and command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnlab.bench import experiment
+
+
+def test_the_command_line_runs_writes_and_prints(tmp_path, capsys):
+    out = tmp_path / "x.json"
+    rc = experiment.main("attnlab.bench.x", "X.\n", lambda o: experiment.write({"ok": True, "at": o}, o), [str(out)])
+    assert rc == 0 and json.loads(out.read_text()) == {"ok": True, "at": str(out)}
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert experiment.write({"a": 1}, None) == {"a": 1}  # nothing written without a file
+
+
+def test_a_machine_that_cannot_run_it_and_a_bad_command_are_one_line_errors(tmp_path, capsys):
+    ran = []
+    rc = experiment.main("attnlab.bench.x", "X.", ran.append, [str(tmp_path / "x.json")], needs=lambda: "needs a GPU")
+    err = capsys.readouterr().err
+    assert rc == 2 and not ran and err.strip() == "python -m attnlab.bench.x: error: needs a GPU"
+    with pytest.raises(SystemExit) as exit_:
+        experiment.main("attnlab.bench.x", "X.", ran.append, [])
+    assert exit_.value.code == 2 and "Traceback" not in capsys.readouterr().err
+
+
+def test_the_environment_names_commit_and_date(monkeypatch):
+    monkeypatch.setenv("ATTNLAB_COMMIT", "abc1234")
+    env = experiment.run_environment("cpu")
+    assert env["commit"] == "abc1234" and env["gpu"] is None and env["date_utc"].endswith("Z")
