@@ -82,8 +82,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                            align="bottom_right" if causal else None, **mods)
             return out[None], None
     align = "bottom_right" if causal else None
-    out = attnlab.attention(query, key, value, causal=causal, window=window, align=align, mask=mask, **mods)
-    return out.transpose(1, 2).contiguous(), None
+    # transformers wants [B, Nq, Hq, D]: the "bnhd" layout writes it directly (and its q, k, v views of
+    # transformers' [B, N, H, D] projections are contiguous), no copy of the output
+    bnhd = (t.transpose(1, 2) for t in (query, key, value))
+    out = attnlab.attention(*bnhd, causal=causal, window=window, align=align, mask=mask, layout="bnhd", **mods)
+    return out, None
 
 
 def register(name: str = "attnlab", backend: str = "auto") -> str:
