@@ -114,44 +114,48 @@ def attention(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
-    if k_new is not None or v_new is not None:  # write the step's keys first; attend over the longer sequences
-        if k_new is None:
-            raise ValueError("k_new and v_new come together; k_new is missing")
-        append = kv_append.check(q, k, v, k_new, v_new, kv_len, block_table, layout)
-        if not torch.compiler.is_compiling():  # the whole call's checks before the caches change
-            _check_call(q, k, v, append.after, q_len, mask, block_table, alibi_slopes, sinks,
-                        Options.of(causal, window, align, scale, layout, softcap))
-        append.write()
-        kv_len = append.after
+    if v_new is not None and k_new is None:
+        raise ValueError("k_new and v_new come together; k_new is missing")
     needs_grad = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
         or getattr(v, "requires_grad", False) or getattr(mask, "requires_grad", False)
         or getattr(sinks, "requires_grad", False)
     )
     mods = (alibi_slopes, sinks)
-    if block_table is not None and needs_grad:  # the caches get their gradients through a differentiable gather
-        k, v = gather_paged(q, k, v, block_table, layout, kv_len)
-        block_table = None
     if not (needs_grad or torch.compiler.is_compiling()):
         key = None if _poison else _calls.signature(q, k, v, kv_len, q_len, mask, block_table, causal, window,
                                                     align, scale, layout, backend, return_lse, softcap,
-                                                    alibi_slopes, sinks)
+                                                    alibi_slopes, sinks, k_new, v_new)
         entry = _calls.lookup(key)
         if entry is not None:
-            got = entry(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks)
+            got = entry(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, k_new, v_new)
             if got is not None:
                 return got if return_lse else got[0]
         opts = Options.of(causal, window, align, scale, layout, softcap)
-        out, lse, prob, be, out_bhnd, paged = _run(q, k, v, kv_len, q_len, mask, block_table, *mods, opts, backend,
-                                                   return_lse, needs_grad)
+        append, given_kv_len = None, kv_len
+        if k_new is not None:  # validated here, written by _run (in the backend's launch where it can)
+            append = kv_append.check(q, k, v, k_new, v_new, kv_len, block_table, layout)
+            kv_len = append.after
+        out, lse, prob, be, out_bhnd, paged, fused = _run(q, k, v, kv_len, q_len, mask, block_table, *mods, opts,
+                                                          backend, return_lse, needs_grad, append)
         # A paged call only when its caches were read in place through the caller's own table (not gathered
-        # to dense, not a contiguous copy of a strided table).
-        if key is not None and (block_table is None or (paged is not None and paged.block_table is block_table)):
-            fast = be.fast_call(prob, out_bhnd, lse, paged)
+        # to dense, not a contiguous copy of a strided table); an append only when the backend wrote it.
+        if key is not None and (block_table is None or (paged is not None and paged.block_table is block_table)) \
+                and (append is None or fused):
+            fast = be.fast_call(prob, out_bhnd, lse, paged, append)
             if fast is not None:
-                _calls.remember(key, fast, prob, kv_len, q_len)
+                _calls.remember(key, fast, prob, given_kv_len, q_len)
     else:
         opts = Options.of(causal, window, align, scale, layout, softcap)
+        if k_new is not None:  # write the step's keys first; attend over the longer sequences
+            append = kv_append.check(q, k, v, k_new, v_new, kv_len, block_table, layout)
+            if not torch.compiler.is_compiling():  # the whole call's checks before the caches change
+                _check_call(q, k, v, append.after, q_len, mask, block_table, alibi_slopes, sinks, opts)
+            append.write()
+            kv_len = append.after
+        if block_table is not None and needs_grad:  # the caches get their gradients through a differentiable gather
+            k, v = gather_paged(q, k, v, block_table, layout, kv_len)
+            block_table = None
         if torch.compiler.is_compiling():
             # The op takes lengths as tensors: Python ints and lists become (host) tensors, validated in the op.
             kv_len, q_len = _lengths_arg(kv_len), _lengths_arg(q_len)
@@ -202,13 +206,19 @@ def _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts: Options):
 
 
 def _run(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts: Options, backend: str,
-         want_lse: bool, needs_grad: bool):
+         want_lse: bool, needs_grad: bool, append: kv_append.Append | None = None):
     """Validate, pick the backend, run it: (out, lse, the problem, the backend, out as [B, H, N, D], the paged
-    cache read in place or None). lse is None unless ``want_lse`` or ``needs_grad`` (the kernels' backward
-    starts from the forward's lse)."""
+    cache read in place or None, whether the backend wrote ``append`` in its own launch). lse is None unless
+    ``want_lse`` or ``needs_grad`` (the kernels' backward starts from the forward's lse). ``append``: a KV
+    append not yet written (``kv_len`` holds the lengths after it), written once everything is validated: by the
+    backend's launch where it ``fuses_append``, else by its own kernel before the backend reads the caches."""
     paged = None
     if block_table is not None and backend == "auto" and q.device.type == "cpu":
         # no CPU backend auto picks reads a paged cache in place: gather now, so auto sees the real k and v
+        if append is not None:
+            _check_call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts)
+            append.write()
+            append = None
         k, v = gather_paged(q, k, v, block_table, opts.layout, kv_len)
         block_table = None
     if block_table is not None:
@@ -219,6 +229,9 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts: O
     else:
         prob = _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts)
     be = _backends.resolve(backend, prob, needs_grad=needs_grad)
+    fused = append is not None and be.fuses_append
+    if append is not None and not fused:
+        append.write()
     if paged is not None and not be.reads_paged:  # this backend takes dense k and v: gather them
         kd, vd = paged.dense()  # [B, Hkv, Nk, D], the placeholders' shape: nothing validated changes
         prob, paged = dataclasses.replace(prob, k=kd, v=vd), None
@@ -226,6 +239,8 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts: O
     want_lse = want_lse or needs_grad
     lse = prob.new_lse() if want_lse else None
     if out.numel() == 0 or prob.Nk == 0 or prob.B == 0:
+        if fused:
+            append.write()
         out.zero_()
         if lse is not None:
             lse.copy_(prob.mods.empty_lse(lse))
@@ -240,11 +255,13 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts: O
 
             compile_ahead(prob, out_bhnd, lse)  # the backward's kernels compile while the forward runs
         with torch.no_grad():  # the op's outputs carry no history of their own; autograd goes through the op
-            if paged is not None:
+            if fused:
+                be.forward_append(prob, paged, out_bhnd, lse, append)
+            elif paged is not None:
                 be.forward_paged(prob, paged, out_bhnd, lse)
             else:
                 be.forward(prob, out_bhnd, lse)
-    return out, lse, prob, be, out_bhnd, paged
+    return out, lse, prob, be, out_bhnd, paged, fused
 
 
 _Tensor, _OptTensor = torch.Tensor, torch.Tensor | None

@@ -2,8 +2,8 @@
 
 A call's *signature* is everything :func:`attnlab.attention` validates and plans from, apart from the tensors'
 addresses and the values held by GPU length tensors: the shapes, strides, dtypes, devices and 16-byte alignment
-of q, k, v and of the mask, GPU length, ALiBi slope and sink tensors; lengths given as a Python int (by value);
-and the keywords (the softcap by value).
+of q, k, v and of the mask, GPU length, ALiBi slope, sink and KV-append tensors; lengths given as a Python int
+(by value); and the keywords (the softcap by value).
 The first call of a signature goes the whole way (``make_problem``, ``resolve``, the backend's launch plan).
 When the chosen backend hands back a fast call for it (:meth:`attnlab.backends.Backend.fast_call`: the Triton
 kernels on a GPU do), the later calls of that signature run it directly: the output's allocation and the
@@ -27,7 +27,8 @@ import torch
 
 from attnlab.masks import BIAS_DTYPES, device_lengths, int_lengths
 
-#: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks) -> (out, lse or None);
+#: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks[, k_new, v_new]) ->
+#: (out, lse or None), the new keys and values only for a call with a KV append (kv_len: the lengths before it);
 #: the slopes are the caller's float32 [Hq] or [B, Hq] tensor, the sinks float32 and contiguous; lengths are None or
 #: contiguous, 16-byte aligned int32 [B] GPU tensors, NOT clamped (the Triton kernels clamp every length they
 #: load: :func:`attnlab.backends.triton.tiles.lengths`; a backend whose kernels do not must clamp them itself),
@@ -76,11 +77,18 @@ def _mod_key(t: Any, device: int, floating: bool) -> Any:
 
 
 def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, scale, layout, backend,
-              want_lse, softcap=None, alibi_slopes=None, sinks=None) -> tuple | None:
+              want_lse, softcap=None, alibi_slopes=None, sinks=None, k_new=None, v_new=None) -> tuple | None:
     """The call's signature, or None when the call must take the whole way (see the module docstring)."""
     if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda and k.is_cuda
             and v.is_cuda):
         return None
+    if k_new is None and v_new is None:
+        new_key = None
+    elif (type(k_new) is _Tensor and type(v_new) is _Tensor and k_new.is_cuda and v_new.is_cuda
+          and not (k_new.requires_grad or v_new.requires_grad)):
+        new_key = (tensor_key(k_new), tensor_key(v_new))
+    else:
+        return None  # the whole way refuses it
     if type(causal) is not bool:
         return None
     try:
@@ -112,7 +120,7 @@ def signature(q, k, v, kv_len, q_len, mask, block_table, causal, window, align, 
                 _lengths_key(q_len, device), mask_key, table_key, causal, window, align,
                 None if scale is None else float(scale), layout, backend, bool(want_lse),
                 None if softcap is None else float(softcap), _mod_key(alibi_slopes, device, False),
-                _mod_key(sinks, device, True))
+                _mod_key(sinks, device, True), new_key)
     except (LookupError, TypeError, ValueError, RuntimeError):  # host lengths, a malformed keyword, no storage
         return None
 
@@ -138,13 +146,16 @@ class _Entry:
             return device_lengths(given, how)
         return int_lengths(how[0], how[1], torch.device("cuda", self.device))
 
-    def __call__(self, q, k, v, kv_len, q_len, mask, block_table, alibi_slopes=None, sinks=None):
+    def __call__(self, q, k, v, kv_len, q_len, mask, block_table, alibi_slopes=None, sinks=None, k_new=None,
+                 v_new=None):
         if torch.cuda.current_device() != self.device:
             return None
         kv = None if self.kv is None else self._lengths(self.kv, kv_len)
         ql = None if self.ql is None else self._lengths(self.ql, q_len)
         if sinks is not None and not self.sinks_as_given:
             sinks = sinks.float().contiguous()
+        if k_new is not None:  # a KV append's fast call (only a backend that writes it in its launch makes one)
+            return self.fast(q, k, v, kv, ql, mask, block_table, alibi_slopes, sinks, k_new, v_new)
         return self.fast(q, k, v, kv, ql, mask, block_table, alibi_slopes, sinks)
 
 

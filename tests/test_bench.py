@@ -558,8 +558,9 @@ def test_the_scoremod_suites_are_as_issue_31_asks():
     assert all((c.B, c.Hq, c.hkv, c.nk, c.D) == (8, 32, 8, 32768, 128) for c in dec)
     assert {c.Nq for c in dec if c.append} == {1, 4} and all(c.Nq == c.append for c in dec if c.append)
     assert sum(c.sinks for c in dec) == 1 and sum(c.softcap is not None for c in dec) == 1
-    plain4 = [c for c in dec if c.Nq == 4 and not c.append]  # the append call's twin over the same keys
-    assert len(plain4) == 1 and plain4[0].align == "bottom_right"
+    plain4 = [c for c in dec if c.Nq == 4 and not c.append]  # the append call's twins over the same keys
+    assert len(plain4) == 2 and all(c.align == "bottom_right" for c in plain4)
+    assert {c.kv_len for c in dec if not c.append and c.Nq in (1, 4)} >= {None, (32768,) * 8}
     assert "auto-paged16" in bench.SUITES["scoremod-decode"].backends
 
 

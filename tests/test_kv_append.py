@@ -28,7 +28,7 @@ def _expected_dense(kc, vc, kn, vn, kv_len):
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("backend", ["triton", "reference", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "triton-decode", "reference", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dense_append_writes_then_attends(layout, backend, dtype):
     q, kc, vc, kn, vn = _dense(dtype=dtype)
@@ -49,7 +49,8 @@ def test_paged_append():
     g = torch.Generator().manual_seed(1)
     B, Hq, Hkv, D, nb, bs, n_new = 3, 4, 2, 16, 12, 8, 3
     kc, vc = torch.randn(nb, bs, Hkv, D, generator=g), torch.randn(nb, bs, Hkv, D, generator=g)
-    table = torch.tensor([[3, 1, 7, 0, 2], [4, 5, 6, 8, 9], [10, 11, 0, 1, 2]], dtype=torch.int32)
+    # blocks 0, 2 and 7 are in two tables, but no block one sequence writes is read by another (the contract)
+    table = torch.tensor([[3, 1, 7, 0, 2], [4, 5, 6, 8, 9], [10, 11, 0, 7, 2]], dtype=torch.int32)
     q, kn, vn = (torch.randn(B, h, n_new, D, generator=g) for h in (Hq, Hkv, Hkv))
     kv_len = [6, 0, 37]
     kc2, vc2 = kc.clone(), vc.clone()
@@ -65,6 +66,77 @@ def test_paged_append():
     ref, _ = attnlab.reference(q, ke, ve, kv_len=[n + n_new for n in kv_len], block_table=table, causal=True,
                                align="bottom_right")
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+def _paged_from_dense(kc, vc, bs, seed):
+    """The dense caches [B, Hkv, Nk, D] (Nk a multiple of ``bs``) as a paged cache of blocks of ``bs`` keys in a
+    shuffled order, with spare blocks: (k_cache, v_cache, block_table)."""
+    B, Hkv, Nk, D = kc.shape
+    per = Nk // bs
+    table = torch.randperm(B * per + 3, generator=torch.Generator().manual_seed(seed))[:B * per].view(B, per)
+    kp, vp = torch.zeros(B * per + 3, bs, Hkv, D, dtype=kc.dtype), torch.zeros(B * per + 3, bs, Hkv, D, dtype=kc.dtype)
+    for b in range(B):
+        for i in range(per):
+            kp[table[b, i]] = kc[b, :, i * bs:(i + 1) * bs].transpose(0, 1)
+            vp[table[b, i]] = vc[b, :, i * bs:(i + 1) * bs].transpose(0, 1)
+    return kp, vp, table.to(torch.int32)
+
+
+FUSED = [
+    # (name, B, Hq, Hkv, Nq, n_new, Nk, keywords): the decode kernel's own write, through the interpreter (16-key
+    # tiles, 3 splits, 16 packed rows a row tile), against the separate write followed by the reference
+    ("one new key", 3, 4, 2, 1, 1, 80, dict(causal=True, align="bottom_right")),
+    ("more new keys than a tile", 2, 2, 1, 3, 21, 80, dict(causal=True, align="bottom_right")),
+    ("two row tiles", 2, 8, 1, 4, 4, 64, dict(causal=True, align="bottom_right")),
+    ("window and modifiers", 3, 4, 2, 2, 5, 80, dict(window=(9, 0), align="bottom_right", softcap=7.0,
+                                                     alibi_slopes="yes", sinks="yes")),
+    ("no mask", 2, 4, 4, 2, 3, 48, dict()),
+]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("name, B, Hq, Hkv, Nq, n_new, Nk, kw", FUSED, ids=[f[0] for f in FUSED])
+def test_the_decode_kernel_writes_the_append_itself(monkeypatch, paged, name, B, Hq, Hkv, Nq, n_new, Nk, kw):
+    """triton-decode writes the new keys in its own launch (no attnlab::kv_append) and attends over them: the
+    caches and the output are those of the separate write followed by the float64 reference."""
+    from attnlab import kv_append
+
+    g = torch.Generator().manual_seed(Nk + n_new)
+    q = torch.randn(B, Hq, Nq, 16, generator=g)
+    kc, vc = torch.randn(B, Hkv, Nk, 16, generator=g), torch.randn(B, Hkv, Nk, 16, generator=g)
+    kn, vn = torch.randn(B, Hkv, n_new, 16, generator=g), torch.randn(B, Hkv, n_new, 16, generator=g)
+    kw = dict(kw)
+    if kw.get("alibi_slopes"):
+        kw["alibi_slopes"] = torch.rand(Hq, generator=g)
+    if kw.get("sinks"):
+        kw["sinks"] = torch.randn(Hq, generator=g)
+    kv_len = [Nk - n_new, 0, 17][:B] if B > 2 else [Nk - n_new - 5, 33]
+    ke, ve = _expected_dense(kc, vc, kn, vn, kv_len)
+    ref, ref_lse = attnlab.reference(q, ke, ve, kv_len=[n + n_new for n in kv_len], **kw)
+    writes = []
+    monkeypatch.setattr(kv_append.Append, "write", lambda self: writes.append(self))
+    if paged:
+        kp, vp, table = _paged_from_dense(kc, vc, 16, seed=Nk)
+        out, lse = attnlab.attention(q, kp, vp, k_new=kn, v_new=vn, kv_len=kv_len, block_table=table,
+                                     backend="triton-decode", return_lse=True, **kw)
+        kd = kp[table.long()].reshape(B, Nk, Hkv, 16).transpose(1, 2)
+        vd = vp[table.long()].reshape(B, Nk, Hkv, 16).transpose(1, 2)
+    else:
+        kd, vd = kc.clone(), vc.clone()
+        out, lse = attnlab.attention(q, kd, vd, k_new=kn, v_new=vn, kv_len=kv_len, backend="triton-decode",
+                                     return_lse=True, **kw)
+    assert not writes, "the decode kernel did not write the append itself"
+    assert torch.equal(kd, ke) and torch.equal(vd, ve)
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
+
+
+def test_an_append_with_no_query_row_is_still_written():
+    q, kc, vc, kn, vn = _dense()
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = attnlab.attention(q[:, :, :0], kc2, vc2, k_new=kn, v_new=vn, kv_len=[5, 0, 37], backend="triton-decode")
+    ke, ve = _expected_dense(kc, vc, kn, vn, [5, 0, 37])
+    assert out.shape == (3, 4, 0, 16) and torch.equal(kc2, ke) and torch.equal(vc2, ve)
 
 
 def test_writes_past_the_capacity_are_dropped():
@@ -146,6 +218,46 @@ def test_gpu_lengths_are_clamped_and_the_call_captures():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(kc2, ke)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("n_new", [1, 4])
+def test_repeated_append_calls_launch_no_copy(paged, n_new):
+    """Decode steps as a server makes them (bf16, GQA, GPU lengths, D128): each call's fast path writes the new
+    keys inside the decode kernel (the profiler sees no append kernel), and every step's caches and output
+    match the separate write followed by the reference."""
+    from attnlab import fast_calls
+
+    B, Hq, Hkv, Nk, D = 2, 8, 2, 4096, 128
+    g = torch.Generator(device="cuda").manual_seed(n_new)
+    draw = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+    kc, vc = draw(B, Hkv, Nk, D), draw(B, Hkv, Nk, D)
+    kw = dict(causal=True, align="bottom_right", sinks=torch.randn(Hq, device="cuda", generator=g), softcap=30.0)
+    if paged:
+        kp, vp, table = (t.cuda() for t in _paged_from_dense(kc.cpu(), vc.cpu(), 16, seed=n_new))
+    fast_calls.clear()
+    for step, start in enumerate((1000, 1000 + n_new, 4096 - n_new)):
+        q, kn, vn = draw(B, Hq, n_new, D), draw(B, Hkv, n_new, D), draw(B, Hkv, n_new, D)
+        kv_len = torch.tensor([start, start // 3], dtype=torch.int32, device="cuda")
+        ke, ve = _expected_dense(kc, vc, kn, vn, kv_len.tolist())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            if paged:
+                out = attnlab.attention(q, kp, vp, k_new=kn, v_new=vn, kv_len=kv_len, block_table=table, **kw)
+                torch.cuda.synchronize()
+                kd = kp[table.long()].reshape(B, Nk, Hkv, D).transpose(1, 2)
+                vd = vp[table.long()].reshape(B, Nk, Hkv, D).transpose(1, 2)
+            else:
+                out = attnlab.attention(q, kc, vc, k_new=kn, v_new=vn, kv_len=kv_len, **kw)
+                torch.cuda.synchronize()
+                kd, vd = kc, vc
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert step == 0 or not any("append" in n for n in names), names
+        assert torch.equal(kd, ke) and torch.equal(vd, ve), step
+        ref, _ = attnlab.reference(q, ke, ve, kv_len=(kv_len + n_new).tolist(), **kw)
+        assert (out.double() - ref).abs().max() < 3e-2, step
+        kc, vc = ke, ve
 
 
 def test_a_refused_call_leaves_the_caches_unchanged():

@@ -424,6 +424,7 @@ def test_decode_split_states_are_held_grown_and_counted(monkeypatch):
     serves a smaller one, gives the same outputs as per-call allocation, and once released the next call's
     peak memory counts it again (what the benchmark's memory column reads)."""
     from attnlab.backends.triton import decode as td
+    from attnlab.backends.triton import decode_launch as td_launch
 
     _available("triton")
     small, large = _decode_inputs(B=2, Nk=4096), _decode_inputs(B=8, Hq=16, Hkv=4, Nk=8192, seed=1)
@@ -433,18 +434,18 @@ def test_decode_split_states_are_held_grown_and_counted(monkeypatch):
         assert plan.n_split > 1, name
         need[name] = td.workspace_bytes(make_problem(*x), plan.n_split)
     assert need["large"] > need["small"]
-    monkeypatch.setattr(td, "HOLD_WORKSPACE", False)
+    monkeypatch.setattr(td_launch, "HOLD_WORKSPACE", False)
     from attnlab import fast_calls as calls
 
     calls.clear()
     want = {n: attnlab.attention(*x, backend="triton-decode") for n, x in (("small", small), ("large", large))}
-    monkeypatch.setattr(td, "HOLD_WORKSPACE", True)
+    monkeypatch.setattr(td_launch, "HOLD_WORKSPACE", True)
     calls.clear()
-    td.release_workspaces()
+    td_launch.release_workspaces()
     for x in (small, large):
         attnlab.attention(*x, backend="triton-decode")  # the whole way: its fast call is made
     torch.cuda.synchronize()
-    assert not td._HELD
+    assert not td_launch._HELD
     from attnlab.backends.triton import runtime as truntime
 
     key = (torch.cuda.current_device(), truntime.stream_of(torch.cuda.current_device()))
@@ -453,12 +454,12 @@ def test_decode_split_states_are_held_grown_and_counted(monkeypatch):
         got = attnlab.attention(*(small if n == "small" else large), backend="triton-decode")
         torch.testing.assert_close(got, want[n], atol=0, rtol=0)
         most = max(most, need[n])
-        assert td._HELD[key].numel() * 4 >= most
+        assert td_launch._HELD[key].numel() * 4 >= most
         if n == "small" and most == need["small"]:
-            assert td._HELD[key].numel() * 4 < need["large"]  # sized for the first call, then grown
-    assert len(td._HELD) == 1
-    td.release_workspaces()
-    assert key not in td._HELD
+            assert td_launch._HELD[key].numel() * 4 < need["large"]  # sized for the first call, then grown
+    assert len(td_launch._HELD) == 1
+    td_launch.release_workspaces()
+    assert key not in td_launch._HELD
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -480,26 +481,26 @@ def test_decode_call_while_the_held_states_are_busy(monkeypatch):
     import threading
 
     from attnlab import fast_calls as calls
-    from attnlab.backends.triton import decode as td
+    from attnlab.backends.triton import decode_launch as td_launch
 
     _available("triton")
     x = _decode_inputs(seed=3)
     calls.clear()
     want = attnlab.attention(*x, backend="triton-decode")  # the whole way, which makes the fast call
     held = []
-    real = td.held_workspace
-    monkeypatch.setattr(td, "held_workspace", lambda *a: held.append(a) or real(*a))
+    real = td_launch.held_workspace
+    monkeypatch.setattr(td_launch, "held_workspace", lambda *a: held.append(a) or real(*a))
     attnlab.attention(*x, backend="triton-decode")
     assert len(held) == 1  # the fast call, through the held states
     got: list[torch.Tensor] = []
-    assert td._HELD_LOCK.acquire(timeout=5)
+    assert td_launch.HELD_LOCK.acquire(timeout=5)
     try:
         t = threading.Thread(target=lambda: got.append(attnlab.attention(*x, backend="triton-decode")))
         t.start()
         t.join(timeout=60)
         assert not t.is_alive(), "the call waited for the held states' lock"
     finally:
-        td._HELD_LOCK.release()
+        td_launch.HELD_LOCK.release()
     t.join()
     torch.cuda.synchronize()
     assert len(held) == 1  # states of its own, not the held ones

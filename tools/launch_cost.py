@@ -17,7 +17,7 @@ from host_time import host_us
 
 import attnlab
 from attnlab import fast_calls as _calls
-from attnlab.backends.triton import decode as _decode
+from attnlab.backends.triton import decode_launch as _decode
 from attnlab.backends.triton import runtime as _runtime
 from attnlab.backends.triton.runtime import launcher, run_compiled
 from attnlab.bench.replay import decode_inputs

@@ -45,6 +45,9 @@ class Backend:
     kernel_backward: bool = False
     #: Whether :meth:`forward_paged` reads a paged KV cache in place; other backends get dense k and v gathered.
     reads_paged: bool = False
+    #: Whether :meth:`forward_append` writes a KV append's new keys into the caches inside its own launch;
+    #: other backends get the append written by its own kernel first (:mod:`attnlab.kv_append`).
+    fuses_append: bool = False
 
     def availability(self) -> Availability:
         """Can this backend run on this machine at all (packages, GPU)?"""
@@ -61,15 +64,22 @@ class Backend:
         """
         raise NotImplementedError
 
-    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
-        """After :meth:`forward` (or :meth:`forward_paged`, with ``paged``) ran ``prob`` into ``out`` and
-        ``lse``: a function that runs another call of ``prob``'s signature without validating or planning again
-        (:data:`attnlab.fast_calls.FastCall`), or None (the default: every call takes the whole way)."""
+    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None, append=None):
+        """After :meth:`forward` (or :meth:`forward_paged`, with ``paged``; :meth:`forward_append`, with
+        ``append``) ran ``prob`` into ``out`` and ``lse``: a function that runs another call of ``prob``'s
+        signature without validating or planning again (:data:`attnlab.fast_calls.FastCall`), or None (the
+        default: every call takes the whole way)."""
         return None
 
     def forward_paged(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """:meth:`forward` with k and v read from a paged cache (:class:`attnlab.paged.PagedKV`); ``prob``'s
         own k and v are stand-ins then. Only for backends with ``reads_paged``."""
+        raise NotImplementedError
+
+    def forward_append(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None, append) -> None:
+        """:meth:`forward` (``paged`` None) or :meth:`forward_paged` of a call with a KV append
+        (:class:`attnlab.kv_append.Append`, not yet written; ``prob``'s kv_len holds the lengths after it), writing
+        the new keys into the caches in the same launch. Only for backends with ``fuses_append``."""
         raise NotImplementedError
 
 

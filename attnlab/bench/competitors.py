@@ -146,7 +146,7 @@ def _public_prepared(name: str, be, call: Callable[[int], torch.Tensor], notes: 
 def release_held() -> None:
     """Release the split-state buffers attnlab's decode fast calls hold (nothing without triton)."""
     try:
-        from attnlab.backends.triton.decode import release_workspaces
+        from attnlab.backends.triton.decode_launch import release_workspaces
     except ImportError:
         return
     release_workspaces()

@@ -301,7 +301,8 @@ def scoremod_suite(device: str = "cuda") -> list[BenchCase]:
 def scoremod_decode_suite(device: str = "cuda") -> list[BenchCase]:
     """Decode with score modifiers and KV append, bf16 D128, B8 Hq32 Hkv8 over 32k keys (dense and paged
     caches): Nq 1 plain, with sinks and with softcap 50; and the call that first writes its Nnew = Nq new keys
-    (1, and 4 with bottom-right causal) beside the plain call over the same keys. Tiny shapes on a CPU."""
+    (1, and 4 with bottom-right causal) beside the plain call over the same keys, without and with lengths
+    (kv_len = Nk on the GPU, as the append call passes them). Tiny shapes on a CPU."""
     B, Hq, Hkv, Nk, D = (2, 4, 2, 64, 16) if str(device).startswith("cpu") else (8, 32, 8, 32768, 128)
     base = f"bf16_b{B}_hq{Hq}_hkv{Hkv}_nk{Nk}_d{D}"
     one = dict(B=B, Hq=Hq, Hkv=Hkv, Nk=Nk, D=D)
@@ -313,6 +314,8 @@ def scoremod_decode_suite(device: str = "cuda") -> list[BenchCase]:
         cases.append(BenchCase("scoremod-decode", f"{name}_append{n}", Nq=n, append=n, **one, **mask))
         if n > 1:
             cases.append(BenchCase("scoremod-decode", f"{name}_plain", Nq=n, **one, **mask))
+        # the plain call with GPU lengths, as the append call has them (the host cannot see that they are equal)
+        cases.append(BenchCase("scoremod-decode", f"{name}_plain_kvlen", Nq=n, kv_len=(Nk,) * B, **one, **mask))
     return cases
 
 

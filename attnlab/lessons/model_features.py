@@ -234,9 +234,13 @@ def modifier_cost(gpu: str | None = None) -> pd.DataFrame | None:
     b = "bf16_b8_hq32_hkv8_nk32768_d128"
     for cache, backend in (("dense", "auto"), ("paged", "auto-paged16")) if dec is not None else ():
         plain1, plain4 = _ms(dec, f"{b}_nq1_plain", backend), _ms(dec, f"{b}_nq4_causal_br_plain", backend)
+        # the plain call with GPU lengths kv_len = Nk, as the append call has them (recorded from 2026-12-04)
+        lens1, lens4 = _ms(dec, f"{b}_nq1_plain_kvlen", backend), _ms(dec, f"{b}_nq4_causal_br_plain_kvlen", backend)
         for what, case, plain in (("sinks", f"{b}_nq1_sinks", plain1), ("softcap", f"{b}_nq1_softcap50", plain1),
                                   ("append 1", f"{b}_nq1_append1", plain1),
-                                  ("append 4", f"{b}_nq4_causal_br_append4", plain4)):
+                                  ("append 4", f"{b}_nq4_causal_br_append4", plain4),
+                                  ("append 1 (plain with kv_len)", f"{b}_nq1_append1", lens1),
+                                  ("append 4 (plain with kv_len)", f"{b}_nq4_causal_br_append4", lens4)):
             got = _ms(dec, case, backend)
             if got and plain:
                 rows.append({"call": f"decode B8 Hq32 Nk32k, {cache}", "with": what, "time / plain": got / plain})

@@ -55,8 +55,8 @@ class TritonBackend(Backend):
             return
         _on_device(prob, out, lse, lambda: plan_for(prob, out, lse).launch(prob, out, lse))
 
-    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
-        if (not prob.q.is_cuda or paged is not None or prob.packed is not None
+    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None, append=None):
+        if (append is not None or not prob.q.is_cuda or paged is not None or prob.packed is not None
                 or prob.Dv != prob.D or _empty_problem(prob, out)):  # (a fast call allocates out like q)
             return None  # an empty call launched nothing: no plan to build (or tune) for it
         return plan_for(prob, out, lse).fast_call(prob, out, lse)
@@ -74,6 +74,7 @@ class TritonDecodeBackend(TritonBackend):
         "merged by their lse"
     )
     reads_paged = True
+    fuses_append = True
 
     def unsupported(self, prob: Problem) -> str | None:
         return decode_supported(prob)
@@ -81,13 +82,18 @@ class TritonDecodeBackend(TritonBackend):
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         _on_device(prob, out, lse, lambda: decode_forward(prob, out, lse))
 
-    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None):
+    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None, append=None):
         if not prob.q.is_cuda or _empty_problem(prob, out):
             return None
-        return gpu_plan(prob, paged=paged).fast_call(prob, out, lse)
+        return gpu_plan(prob, paged=paged, append=append).fast_call(prob, out, lse)
 
     def forward_paged(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         _on_device(prob, out, lse, lambda: decode_forward(prob, out, lse, paged=paged))  # validated by the caller
+
+    def forward_append(self, prob: Problem, paged, out: torch.Tensor, lse: torch.Tensor | None, append) -> None:
+        if _empty_problem(prob, out):  # nothing to attend: the append is still written
+            append.write()
+        _on_device(prob, out, lse, lambda: decode_forward(prob, out, lse, paged=paged, append=append))
 
 
 def _empty_problem(prob: Problem, out: torch.Tensor) -> bool:

@@ -7,21 +7,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from attnlab.backends.triton import background
 from attnlab.backends.triton import configs as _cfg
+from attnlab.backends.triton import decode_launch as _launch
 from attnlab.backends.triton import forward_kernel as _kern
 from attnlab.backends.triton import interpreter as _interp
 from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.configs import padded_head_dim, pow2_bucket
+from attnlab.backends.triton.decode_launch import Kernel
 from attnlab.backends.triton.forward_kernel import triton
 from attnlab.fast_calls import evict_oldest, tensor_key
 from attnlab.paged import PagedKV, paged_kv
 from attnlab.problem import Problem
+
+if TYPE_CHECKING:
+    from attnlab.kv_append import Append
 
 if triton is not None:
     from attnlab.backends.triton.decode_kernels import PDL_AVAILABLE, decode_merge_kernel, decode_split_kernel
@@ -238,6 +243,7 @@ def decode_forward(
     splits: int | None = None,
     config: DecodeConfig | None = None,
     paged: PagedKV | None = None,
+    append: Append | None = None,
 ) -> None:
     """Split-KV decode of ``prob`` into ``out`` ([B, Hq, Nq, D] view, q's dtype) and ``lse`` ([B, Hq, Nq]
     float32, or None), writing every element (the backend contract of :meth:`attnlab.backends.Backend.forward`).
@@ -248,7 +254,8 @@ def decode_forward(
     ``block_size`` is optional (it is the caches' second dim). ``splits`` forces the split count (default:
     :func:`num_splits`; a fixed INTERPRETER_SPLITS on CPU); ``config`` the GPU tile config. ``paged``: a cache
     :func:`attnlab.paged.paged_kv` has already validated (the backend's ``forward_paged`` passes it), in place
-    of the three tensors.
+    of the three tensors. ``append``: a validated KV append (:class:`attnlab.kv_append.Append`) that the split
+    kernel writes into the caches as it reads the new keys (``prob``'s kv_len then holds the lengths after it).
 
     GPU calls of one signature share a launch plan (:func:`gpu_plan`), launched without Triton's JIT dispatch.
     """
@@ -259,6 +266,8 @@ def decode_forward(
         paged = paged_kv(k_cache, v_cache, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk,
                          dtype=prob.dtype, device=prob.device, block_size=block_size, kv_len=prob.spec.kv_len)
     if out.numel() == 0 or prob.Nk == 0:
+        if append is not None:  # nothing to attend: the append is still written
+            append.write()
         out.zero_()
         if lse is not None:
             lse.copy_(prob.mods.empty_lse(lse))
@@ -266,112 +275,32 @@ def decode_forward(
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be at least 1; got {splits}")
     if not prob.q.is_cuda:
-        _Plan(prob, config or INTERPRETER_CONFIG, splits or INTERPRETER_SPLITS, paged, True).launch(
-            prob, paged, out, lse)
+        _Plan(prob, config or INTERPRETER_CONFIG, splits or INTERPRETER_SPLITS, paged, True, append).launch(
+            prob, paged, out, lse, append)
         return
     with torch.cuda.device(prob.device):
-        gpu_plan(prob, config, splits, paged).launch(prob, paged, out, lse)
+        gpu_plan(prob, config, splits, paged, append).launch(prob, paged, out, lse, append)
 
 
 def gpu_plan(prob: Problem, cfg: DecodeConfig | None = None, n_split: int | None = None,
-             paged: PagedKV | None = None) -> _Plan:
+             paged: PagedKV | None = None, append: Append | None = None) -> _Plan:
     """The plan of ``prob``'s call signature (attnlab.attention makes a new Problem per call): what the fused
     forward's plans are keyed by, plus the decode config, the split count (None: the plan picks it from its
-    compiled kernel's occupancy) and the paged caches' layout. The default config (``cfg`` None) follows from
-    the signature alone, so it is chosen only when the plan is made."""
+    compiled kernel's occupancy), the paged caches' layout and the append's new keys. The default config
+    (``cfg`` None) follows from the signature alone, so it is chosen only when the plan is made."""
     key = (_rt.call_signature(prob), cfg, n_split, None if paged is None else tuple(
-        tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)))
+        tensor_key(t) for t in (paged.k_cache, paged.v_cache, paged.block_table)),
+        None if append is None else (append.layout, *(tensor_key(t) for t in (append.k_new, append.v_new))))
     plan = _PLANS.get(key)
     if plan is None:
         evict_oldest(_PLANS, _rt.MAX_PLANS)
         cfg = cfg or default_config(prob.dtype, prob.D, paged is not None, block_m(prob),
                                     prob.spec.kv_len is not None, _deep_fits(prob.device.index or 0))
-        plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False)
+        plan = _PLANS[key] = _Plan(prob, cfg, n_split, paged, False, append)
     return plan
 
 
 _PLANS: dict[tuple, _Plan] = {}  # decode plans by call signature (bounded like the fused forward's)
-
-#: Whether fast calls keep their split states in a buffer held per (device, stream) (:func:`held_workspace`)
-#: rather than allocating them on every call.
-HOLD_WORKSPACE = True
-#: The held split-state buffers, float32, by (device index, raw stream handle): each only grows, to the
-#: largest a fast call on that stream has needed; at most MAX_HELD streams (the oldest is dropped).
-_HELD: dict[tuple[int, int], torch.Tensor] = {}
-MAX_HELD = 16
-#: Held while a fast call queues the two launches that write and read a held buffer: two threads on one
-#: stream would otherwise interleave them (split A, split B, merge A reads B's states). Taken only if free:
-#: a call that finds it taken (another thread's, or a launch hook's that itself calls attention: the lock
-#: is not reentrant) allocates states of its own instead of waiting.
-_HELD_LOCK = threading.Lock()
-
-
-def held_workspace(device: int, stream: int, numel: int) -> torch.Tensor:
-    """The split-state buffer held for ``stream`` of GPU ``device``, of at least ``numel`` float32 (the
-    caller holds ``_HELD_LOCK``). Sound because a later call's split kernel on this stream starts only after
-    the earlier call's merge has read the states: only the merge is a programmatic dependent launch (it may
-    start before the split kernel it follows ends), the split kernel is an ordinary launch. Growing drops the
-    old buffer into torch's allocator, which reuses it only for work queued after on the same stream."""
-    ws = _HELD.get((device, stream))
-    if ws is None or ws.numel() < numel:
-        if ws is None:
-            evict_oldest(_HELD, MAX_HELD)
-        ws = _HELD[(device, stream)] = torch.empty(numel, dtype=torch.float32, device=torch.device("cuda", device))
-    return ws
-
-
-def release_workspaces() -> None:
-    """Hand the held split-state buffers back to torch's allocator (the next fast call on each stream
-    allocates one again). The benchmark calls this before it measures a call's peak memory, so that the
-    split states count in it. Without the lock (a hook may call it during a fast call): a call that already
-    has its buffer holds a reference to it until its launches are queued."""
-    _HELD.clear()
-
-
-#: Whether the current stream is capturing a CUDA graph (the private binding skips a Python layer).
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
-
-
-class _Kernel:
-    """One kernel on one grid with fixed constants: the first launch of each specialization (``key``: what
-    the JIT specializes the per-call arguments on) goes through Triton's JIT, later ones call the compiled
-    kernel's launcher directly, as the fused forward's plans do (the launcher takes the constants too)."""
-
-    def __init__(self, fn, grid: tuple[int, int, int], constants: dict, options: dict):
-        self.fn, self.grid, self.constants, self.options = fn, grid, constants, options
-        self.compiled: dict[tuple, object] = {}
-        self._values: tuple | None = None
-
-    def _constant_values(self) -> tuple:
-        """The constants' values in the kernel's parameter order (the launcher takes them last), once."""
-        if self._values is None:
-            self._values = tuple(self.constants[p.name] for p in self.fn.params if p.is_constexpr)
-        return self._values
-
-    def direct(self, key: tuple, head: int, mid: tuple, tail: tuple):
-        """``go(stream, *values)``: the compiled kernel of ``key`` launched with the parameters
-        ``(*values[:head], *mid, *values[head:], *tail, *constants)``, where ``values`` are the addresses that
-        change from call to call (ints) and the rest is fixed (:func:`attnlab.backends.triton.runtime.launcher`).
-        None before the kernel exists."""
-        kernel = self.compiled.get(key)
-        if kernel is None or not _rt.FAST_LAUNCH:
-            return None
-        grid, constants, run = self.grid, self._constant_values(), _rt.launcher(kernel)
-
-        def go(stream, *values):
-            run(grid, stream, (*values[:head], *mid, *values[head:], *tail, *constants))
-
-        return go
-
-    def launch(self, args: tuple, key: tuple, device: int) -> None:
-        kernel = self.compiled.get(key)
-        if kernel is None or not _rt.FAST_LAUNCH:
-            kernel = _rt.jit_run(self.fn, self.grid, args, {**self.constants, **self.options})
-            if _rt.FAST_LAUNCH and _rt.fast_launch_supported(kernel):
-                self.compiled[key] = kernel
-            return
-        _rt.run_compiled(kernel, self.grid, _rt.stream_of(device), (*args, *self._constant_values()))
-
 
 def _explicit(prob: Problem) -> torch.Tensor | None:
     """The explicit mask (as bytes) or bias, or None."""
@@ -388,14 +317,24 @@ def _stand_ins(prob: Problem) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
     return torch.empty(4, dtype=torch.float32, device=prob.device), strides
 
 
-def _tensors(prob: Problem, paged: PagedKV | None) -> tuple:
-    """The split kernel's nine tensor arguments (placeholders stand in for absent ones; never read)."""
+def _tensors(prob: Problem, paged: PagedKV | None, append: Append | None = None) -> tuple:
+    """The split kernel's eleven tensor arguments (placeholders stand in for absent ones; never read). With an
+    append the kernel takes the lengths before it, and the new keys and values."""
     spec, q, mods = prob.spec, prob.q, prob.mods
     k, v, bt = (prob.k, prob.v, q) if paged is None else (paged.k_cache, paged.v_cache, paged.block_table)
     e = _explicit(prob)
-    return (q, k, v, bt, spec.kv_len if spec.kv_len is not None else q,
+    kv_len = append.before if append is not None else spec.kv_len
+    return (q, k, v, bt, kv_len if kv_len is not None else q,
             spec.q_len if spec.q_len is not None else q, e if e is not None else q,
-            mods.alibi if mods.alibi is not None else q, _sinks(prob))
+            mods.alibi if mods.alibi is not None else q, _sinks(prob),
+            *((q, q) if append is None else (append.k_new, append.v_new)))
+
+
+def _new_keys(append: Append) -> tuple[torch.Tensor, torch.Tensor]:
+    """An append's new keys and values as [B, Hkv, Nnew, D] views (their strides are what the kernel takes)."""
+    if append.layout == "bhnd":
+        return append.k_new, append.v_new
+    return append.k_new.transpose(1, 2), append.v_new.transpose(1, 2)
 
 
 def _sinks(prob: Problem) -> torch.Tensor:
@@ -406,11 +345,12 @@ def _sinks(prob: Problem) -> torch.Tensor:
 class _Plan:
     """The launches of one problem with one config, split count and cache: the split kernel and, with more
     than one split, the merge. The split states are allocated per call on the whole way (stream-ordered by
-    torch's allocator); fast calls use the buffer held for their stream (:func:`held_workspace`)."""
+    torch's allocator); fast calls use the buffer held for their stream (:func:`.decode_launch.held_workspace`)."""
 
     def __init__(self, prob: Problem, cfg: DecodeConfig, n_split: int | None, paged: PagedKV | None,
-                 interpret: bool):
+                 interpret: bool, append: Append | None = None):
         spec, q = prob.spec, prob.q
+        self.has_append = append is not None
         self.interpret, self.merge_rows = interpret, prob.B * prob.Hq * prob.Nq
         if paged is None:
             k, v = prob.k, prob.v
@@ -425,12 +365,13 @@ class _Plan:
         mods = prob.mods
         a_strides = mods.alibi.stride() if mods.alibi is not None else (0, 0)
         n_rt = row_tiles(prob, interpret)
-        # Everything but the nine tensors, which change from call to call (see _tensors).
+        new_strides = (0,) * 8 if append is None else tuple(x for t in _new_keys(append) for x in t.stride())
+        # Everything but the eleven tensors, which change from call to call (see _tensors).
         self.fixed = (
-            *q.stride(), *k_strides, *v_strides, s_bt, *e_strides, *a_strides,
+            *q.stride(), *k_strides, *v_strides, s_bt, *e_strides, *a_strides, *new_strides,
             prob.Hq, prob.Nq, prob.Nk, prob.D, prob.group, n_rt, nb, prob.scale * _kern.LOG2E,
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0,
-            mods.softcap * _kern.LOG2E if mods.softcap is not None else 0.0,
+            mods.softcap * _kern.LOG2E if mods.softcap is not None else 0.0, 0 if append is None else append.n_new,
         )
         self.has_sinks = mods.sinks is not None
         self.block_d = padded_head_dim(prob.D)
@@ -445,11 +386,11 @@ class _Plan:
             # The occupancy only ever lowers the aim: compile first and look, unless even one program per SM
             # gives the same count (one split, or the ragged rule, which ignores it).
             if num_splits(prob, cfg, sms, resident=1) != n_split:
-                n_split = num_splits(prob, cfg, sms, resident=self._resident(prob, paged, n_rt, device))
+                n_split = num_splits(prob, cfg, sms, resident=self._resident(prob, paged, n_rt, device, append))
         self.n_split = n_split
         self.constants = self._constants(prob, paged, n_rt, n_split == 1)
         self.grid = (n_split, prob.Hkv * n_rt, prob.B)
-        self.kernels: dict[bool, tuple[_Kernel, _Kernel]] = {}  # write_lse -> (split, merge)
+        self.kernels: dict[bool, tuple[Kernel, Kernel]] = {}  # write_lse -> (split, merge)
 
     def _constants(self, prob: Problem, paged: PagedKV | None, n_rt: int, final: bool) -> dict:
         """The split kernel's constexpr arguments but WRITE_LSE."""
@@ -464,16 +405,17 @@ class _Plan:
             # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast first (exact)
             UPCAST=self.interpret and prob.dtype != torch.float32, DOT_PRECISION="ieee", PDL=self.pdl and not final,
             HAS_SOFTCAP=prob.mods.softcap is not None, HAS_ALIBI=prob.mods.alibi is not None,
-            HAS_SINKS=prob.mods.sinks is not None,
+            HAS_SINKS=prob.mods.sinks is not None, HAS_APPEND=self.has_append,
         )
 
-    def _resident(self, prob: Problem, paged: PagedKV | None, n_rt: int, device: int) -> int | None:
+    def _resident(self, prob: Problem, paged: PagedKV | None, n_rt: int, device: int,
+                  append: Append | None) -> int | None:
         """Programs per SM of the split kernel that stores split states (compiled, not launched, on the
         first call's tensors, as a call without lse launches it, so that such a call finds it compiled), or
         None when that cannot be said (the split count then assumes PROGRAMS_PER_SM)."""
         cfg = self.cfg
         f32, o_strides = _stand_ins(prob)
-        args = (*_tensors(prob, paged), *self.fixed, prob.q, prob.q, f32, f32, f32, *o_strides, 0, 0, 0)
+        args = (*_tensors(prob, paged, append), *self.fixed, prob.q, prob.q, f32, f32, f32, *o_strides, 0, 0, 0)
         try:
             kernel = _rt.compile_only(decode_split_kernel, args, dict(**cfg.options(), WRITE_LSE=False,
                                       **self._constants(prob, paged, n_rt, False)), device)
@@ -481,10 +423,10 @@ class _Plan:
             return None
         return resident_programs(kernel, cfg.num_warps, device)
 
-    def _merge(self, write_lse: bool, n_split: int) -> _Kernel:
+    def _merge(self, write_lse: bool, n_split: int) -> Kernel:
         merge_fn = _interp.interpreted_fn(decode_merge_kernel) if self.interpret else decode_merge_kernel
         merge_d = min(MERGE_BLOCK_D, self.block_d)
-        return _Kernel(merge_fn, (self.merge_rows, self.block_d // merge_d, 1),
+        return Kernel(merge_fn, (self.merge_rows, self.block_d // merge_d, 1),
                        dict(BLOCK_S=min(64, pow2_bucket(n_split)), BLOCK_D=merge_d, WRITE_LSE=write_lse,
                             PDL=self.pdl, HAS_SINKS=self.has_sinks),
                        dict(num_warps=2, num_stages=1, **({"launch_pdl": True} if self.pdl else {}),
@@ -502,11 +444,11 @@ class _Plan:
         args = (f32, f32, f32, o, o, _sinks(prob), *o_strides, 0, 0, 0, prob.Hq, prob.Nq, prob.D, n_split)
         background.ahead(merge.fn, merge.grid, args, {**merge.constants, **merge.options}, prob.device)
 
-    def _kernels(self, write_lse: bool) -> tuple[_Kernel, _Kernel]:
+    def _kernels(self, write_lse: bool) -> tuple[Kernel, Kernel]:
         got = self.kernels.get(write_lse)
         if got is None:
             split_fn = _interp.interpreted_fn(decode_split_kernel) if self.interpret else decode_split_kernel
-            split = _Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), self.cfg.options())
+            split = Kernel(split_fn, self.grid, dict(self.constants, WRITE_LSE=write_lse), self.cfg.options())
             got = self.kernels[write_lse] = (split, self._merge(write_lse, self.n_split))
         return got
 
@@ -520,19 +462,20 @@ class _Plan:
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
         """As the fused forward's :meth:`attnlab.backends.triton.forward._Plan.fast_call`: ``(q, k, v, kv_len,
-        q_len, mask, block_table, alibi_slopes, sinks) -> (out, lse or None)``, allocating out and lse as
-        :meth:`launch` does and keeping the split states in the buffer held for the stream (a new one under graph
-        capture, with HOLD_WORKSPACE off, or while that buffer's lock is taken); with a paged cache k and v are
-        the caches."""
+        q_len, mask, block_table, alibi_slopes, sinks[, k_new, v_new]) -> (out, lse or None)``, allocating out and
+        lse as :meth:`launch` does and keeping the split states in the buffer held for the stream (a new one under
+        graph capture, with HOLD_WORKSPACE off, or while that buffer's lock is taken); with a paged cache k and v
+        are the caches; with an append (a plan made for one) kv_len holds the lengths before it."""
         write_lse = lse is not None
         split, merge = self._kernels(write_lse)
         lse_arg = lse if write_lse else out
         key = _rt.layout_key(out, lse_arg, *self._workspace(prob, out))
         strides = (*out.stride(), *(lse.stride() if write_lse else (0, 0, 0)))
         merge_tail = (prob.Hq, prob.Nq, prob.D, self.n_split)
-        # split: (q, k, v, block table, kv_len, q_len, mask, slopes, sinks; fixed; out, lse, m, l, acc; strides),
+        # split: (q, k, v, block table, kv_len, q_len, mask, slopes, sinks, k_new, v_new; fixed; out, lse, m, l, acc;
+        # strides),
         # merge: (m, l, acc, out, lse, sinks; strides and sizes).
-        go_split = split.direct(key, 9, self.fixed, strides)
+        go_split = split.direct(key, 11, self.fixed, strides)
         go_merge = merge.direct(key, 6, (), (*strides, *merge_tail)) if self.n_split > 1 else None
         if go_split is None or (self.n_split > 1 and go_merge is None):
             return None
@@ -541,9 +484,9 @@ class _Plan:
         current_stream, pointers = _rt.current_stream, _rt.pointers
         _, padded = _state_rows(prob, self.n_split)
         ws_numel = workspace_bytes(prob, self.n_split) // 4
-        lock = _HELD_LOCK
+        lock = _launch.HELD_LOCK
 
-        def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
+        def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, k_new=None, v_new=None):
             if not _rt.FAST_LAUNCH:
                 return None  # every launch through the JIT: take the whole way
             o = empty_like(q, memory_format=contiguous)  # q's shape, dtype and device: out's (cheaper than empty)
@@ -553,7 +496,8 @@ class _Plan:
             *tensors, o_ptr, l_ptr = pointers((q, k, v, q if block_table is None else block_table,
                                                q if kv_len is None else kv_len, q if q_len is None else q_len,
                                                q if mask is None else mask, q if alibi_slopes is None else alibi_slopes,
-                                               q if sinks is None else sinks, o, o if m is None else m))
+                                               q if sinks is None else sinks, q if k_new is None else k_new,
+                                               q if v_new is None else v_new, o, o if m is None else m))
             if go_merge is None:
                 go_split(stream, *tensors, o_ptr, l_ptr, o_ptr, o_ptr, o_ptr)
                 return o, m
@@ -561,14 +505,14 @@ class _Plan:
             # free), or under graph capture (the graph's private pool), with HOLD_WORKSPACE off or the lock
             # taken a new one, kept (ws) until both launches are queued: freed earlier, another thread's
             # allocation on this stream could take it first.
-            held = HOLD_WORKSPACE and not _capturing() and lock.acquire(blocking=False)
+            held = _launch.HOLD_WORKSPACE and not _launch.capturing() and lock.acquire(blocking=False)
             try:
-                ws = (held_workspace(index, stream, ws_numel) if held
+                ws = (_launch.held_workspace(index, stream, ws_numel) if held
                       else torch.empty(ws_numel, dtype=torch.float32, device=dev))
                 ws_m = ws.data_ptr()
                 ws_l, ws_acc = ws_m + 4 * padded, ws_m + 8 * padded
                 go_split(stream, *tensors, o_ptr, l_ptr, ws_m, ws_l, ws_acc)
-                go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr, tensors[-1])  # (the sinks, or q standing in)
+                go_merge(stream, ws_m, ws_l, ws_acc, o_ptr, l_ptr, tensors[8])  # (the sinks, or q standing in)
             finally:
                 if held:
                     lock.release()
@@ -576,7 +520,8 @@ class _Plan:
 
         return call
 
-    def launch(self, prob: Problem, paged: PagedKV | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    def launch(self, prob: Problem, paged: PagedKV | None, out: torch.Tensor, lse: torch.Tensor | None,
+               append: Append | None = None) -> None:
         """Launch for ``prob`` (of this plan's signature: only its tensors differ from the plan's first)."""
         S = self.n_split
         split, merge = self._kernels(lse is not None)
@@ -587,7 +532,7 @@ class _Plan:
         key = _rt.layout_key(out, lse_arg, ws_m, ws_l, ws_acc)
         device = prob.device.index or 0
         with _interp.interpreter(decode_merge_kernel) if self.interpret else contextlib.nullcontext():
-            split.launch((*_tensors(prob, paged), *self.fixed, *per_call), key, device)
+            split.launch((*_tensors(prob, paged, append), *self.fixed, *per_call), key, device)
             if S > 1:
                 merge.launch((ws_m, ws_l, ws_acc, out, lse_arg, _sinks(prob), *out.stride(), *l_strides, prob.Hq,
                               prob.Nq, prob.D, S), key, device)

@@ -33,6 +33,12 @@ Packing, splitting and the program mapping
 * **Score modifiers** (:mod:`attnlab.score_mods`): the split kernel caps the scores and adds ALiBi per packed row
   (each row its head's slope); a sink is counted once per row, by the merge as one more state (m = the sink,
   l = 1, acc = 0), or by the split kernel itself when it runs alone.
+* **KV append** (``HAS_APPEND``, :mod:`attnlab.kv_append`): KvLen holds the lengths before the append, and
+  the sequence's keys are ``Lk = min(kv_len + n_new, Nk)``. The splits share the cached keys ``[0, kv_len)``
+  as above; the last split of each row tile then reads the appended keys ``[kv_len, Lk)`` from KNew and VNew
+  (always as partial tiles), and the program of row tile 0 among them also stores them to the cache (dense,
+  or through the block table), positions no program reads from the cache in this launch. The call's new keys
+  thus cost one extra tile of the last split and no launch of their own.
 * **Programmatic dependent launch** (``PDL``, Hopper and newer): each split program tells the GPU at its start
   that the merge may launch, and the merge, launched with ``launch_pdl``, waits (``gdc_wait``) until the split
   kernel has finished and its stores are visible. The merge is then launched while the split kernel's last
@@ -69,10 +75,9 @@ if triton is not None:
     from attnlab.backends.triton import tiles
 
     @triton.jit
-    def _block_ids(Bt, t, offs_n, Lk, num_blocks, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The cache block of each key of key tile ``t`` (int64, [BLOCK_N]), read from the block table row
-        ``Bt``: ids clamped to [0, num_blocks), and no entry at or past Lk read (0 there)."""
-        keys = t * BLOCK_N + offs_n
+    def _block_ids(Bt, keys, Lk, num_blocks, BLOCK_SIZE: tl.constexpr):
+        """The cache block of each of ``keys`` (int64), read from the block table row ``Bt``: ids clamped to
+        [0, num_blocks), and no entry at or past Lk read (0 there)."""
         blk = tl.load(Bt + keys // BLOCK_SIZE, mask=keys < Lk, other=0)
         return tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
 
@@ -142,20 +147,52 @@ if triton is not None:
         return m_i, l_i, tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
     @triton.jit
+    def _new_tile(m_i, l_i, acc, q, keys, kn_base, vn_base, k_base, v_base, Bt, r0, e_rows, rows, row_ok,
+                  offs_d, Lk_cache, Lk, Nk, D, off, win_left, win_right, qk_scale, num_blocks,
+                  s_knt, s_knd, s_vnt, s_vnd, s_kn, s_kblk, s_kd, s_vn, s_vblk, s_vd, s_ej, cap2, slope2, alibi_off,
+                  BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+        """Appended keys ``keys`` (cache positions in [Lk_cache, Lk)): read from the new K and V (row
+        ``key - Lk_cache``), written to the cache by the program of row tile 0 (``r0`` its first packed row: one
+        program per kv head), scored, updated."""
+        ok = (keys < Lk)[:, None] & (offs_d < D)[None, :]
+        j = (keys - Lk_cache).to(tl.int64)
+        k = tl.load(kn_base + j[:, None] * s_knt + offs_d[None, :] * s_knd, mask=ok, other=0.0)
+        v = tl.load(vn_base + j[:, None] * s_vnt + offs_d[None, :] * s_vnd, mask=ok, other=0.0)
+        if PAGED:
+            blk = _block_ids(Bt, keys, Lk, num_blocks, BLOCK_SIZE)
+        else:
+            blk = keys.to(tl.int64)  # (unused)
+        k_off, v_off = _key_offsets(blk, keys, s_kn, s_kblk, s_vn, s_vblk, BLOCK_SIZE, PAGED)
+        store = ok & ((keys * 0 + r0) == 0)[:, None]  # (a vector: the interpreter takes no scalar mask)
+        tl.store(k_base + k_off[:, None] + offs_d[None, :] * s_kd, k, mask=store)
+        tl.store(v_base + v_off[:, None] + offs_d[None, :] * s_vd, v, mask=store)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = _scores(q, k, e_rows, keys, rows, row_ok, Lk, Nk, off, win_left, win_right, qk_scale, s_ej,
+                    cap2, slope2, alibi_off, True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, DOT_PRECISION,
+                    HAS_SOFTCAP, HAS_ALIBI)
+        p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 1, True)
+        return m_i, l_i, tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+
+    @triton.jit
     def decode_split_kernel(
-        Q, K, V, BlockTable, KvLen, QLen, Explicit, Alibi, Sinks,
+        Q, K, V, BlockTable, KvLen, QLen, Explicit, Alibi, Sinks, KNew, VNew,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
         s_btb, s_eb, s_eh, s_ei, s_ej, s_ab, s_ah,
-        Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right, cap2,
+        s_knb, s_knh, s_knt, s_knd, s_vnb, s_vnh, s_vnt, s_vnd,
+        Hq, Nq, Nk, D, group, row_tiles, num_blocks, qk_scale, win_left, win_right, cap2, n_new,
         Out, Lse, WsM, WsL, WsAcc, s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         PAGED: tl.constexpr, FINAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-        HAS_SINKS: tl.constexpr,
+        HAS_SINKS: tl.constexpr, HAS_APPEND: tl.constexpr,
     ):
         if PDL:  # the merge may launch now: it waits for this whole kernel before it reads a state
             gdc_launch_dependents()
@@ -169,6 +206,13 @@ if triton is not None:
 
         # ---- lengths (clamped: a device length is never trusted for addressing) and the diagonal -------
         Lk, Lq, off = tiles.lengths(KvLen, QLen, b, zero, Nq, Nk, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
+        # ---- KV append: KvLen holds the lengths before it; keys [0, Lk_cache) are read from the cache, the
+        # appended ones [Lk_cache, Lk) from KNew/VNew by the last split, which also writes them to the cache
+        Lk_cache = Lk
+        if HAS_APPEND:
+            Lk = tl.minimum(Lk_cache + n_new, Nk)
+            if BOTTOM_RIGHT:
+                off = Lk - Lq
 
         # ---- packed rows: r = g * Nq + i is query head kvh * group + g, row i ---------------------------
         offs_m = r0 + tl.arange(0, BLOCK_M)
@@ -182,6 +226,8 @@ if triton is not None:
         lo, hi, full_lo, full_hi = tiles.key_range(zero, zero, i_last, Lk, off, win_left, win_right, HAS_LEFT,
                                                    HAS_RIGHT)
         hi = tl.where(i_last >= 0, tl.maximum(hi, lo), lo)
+        hi = tl.maximum(tl.minimum(hi, Lk_cache), lo)  # the splits share the cached keys
+        full_hi = tl.minimum(full_hi, Lk_cache)
         t_lo = lo // BLOCK_N
         t_hi = tl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
         n_tiles = t_hi - t_lo
@@ -218,23 +264,35 @@ if triton is not None:
         # Paged: the block ids of the next tile are read one tile ahead, so that the K and V loads of a tile
         # never wait for its block-table read. (Dense: blk is an unused placeholder.)
         if PAGED:
-            blk = _block_ids(Bt, zero + s_lo, offs_n, Lk, num_blocks, BLOCK_SIZE, BLOCK_N)
+            blk = _block_ids(Bt, (zero + s_lo) * BLOCK_N + offs_n, Lk_cache, num_blocks, BLOCK_SIZE)
         else:
             blk = offs_n.to(tl.int64)
         for phase in tl.static_range(0 if HAS_LEFT else 1, 3):  # phase 0 needs a band's left edge: else empty
             t_begin, t_end = tiles.phase_range(phase, s_lo, a, c, s_hi)
             for t in range(t_begin, t_end):
                 if PAGED:
-                    blk_next = _block_ids(Bt, zero + t + 1, offs_n, Lk, num_blocks, BLOCK_SIZE, BLOCK_N)
+                    blk_next = _block_ids(Bt, (zero + t + 1) * BLOCK_N + offs_n, Lk_cache, num_blocks,
+                                          BLOCK_SIZE)
                 m_i, l_i, acc = _tile(
                     m_i, l_i, acc, q, zero + t, blk, k_base, v_base, e_rows, rows, row_ok, offs_n, offs_d,
-                    Lk, Nk, D, off, win_left, win_right, qk_scale,
+                    Lk_cache, Nk, D, off, win_left, win_right, qk_scale,
                     s_kn, s_kb, s_kd, s_vn, s_vb, s_vd, s_ej, cap2, slope2, alibi_off,
                     BLOCK_N, BLOCK_SIZE, phase != 1, EVEN_D, PAGED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
                     UPCAST, DOT_PRECISION, HAS_SOFTCAP, HAS_ALIBI,
                 )
                 if PAGED:
                     blk = blk_next
+        if HAS_APPEND:  # the appended keys: the last split only (the others' range is empty)
+            kn_base = KNew + b64 * s_knb + kvh.to(tl.int64) * s_knh
+            vn_base = VNew + b64 * s_vnb + kvh.to(tl.int64) * s_vnh
+            for j0 in range(tl.where(split == S - 1, Lk_cache, Lk), Lk, BLOCK_N):
+                m_i, l_i, acc = _new_tile(
+                    m_i, l_i, acc, q, j0 + offs_n, kn_base, vn_base, k_base, v_base, Bt, r0, e_rows, rows,
+                    row_ok, offs_d, Lk_cache, Lk, Nk, D, off, win_left, win_right, qk_scale, num_blocks,
+                    s_knt, s_knd, s_vnt, s_vnd, s_kn, s_kb, s_kd, s_vn, s_vb, s_vd, s_ej, cap2, slope2, alibi_off,
+                    BLOCK_SIZE, PAGED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, UPCAST, DOT_PRECISION,
+                    HAS_SOFTCAP, HAS_ALIBI,
+                )
 
         # ---- epilogue: padding rows hold the empty state; one split normalizes, several store states ---
         ws_row = (b64 * Hq + heads) * Nq + rows  # (b, h, i) of each packed row
