@@ -453,6 +453,26 @@ def test_autotune_times_direct_launches_and_keeps_the_median_best(monkeypatch):
     assert [c[0] for c in fake.calls] == ["jit"] * 3 + ["fast"] * 9
 
 
+def test_autotune_times_close_candidates_again(monkeypatch):
+    """Candidates within CONFIRM_WITHIN of the first pass's fastest are timed CONFIRM_ROUNDS more times,
+    interleaved, and the lowest median wins: a lucky first timing does not decide; a distant one is not
+    timed again."""
+    import triton.testing
+
+    cfgs = ["a", "b", "c"]
+    seq = {"a": [1.00, 1.10, 1.10, 1.10], "b": [1.02, 1.00, 1.00, 1.00], "c": [1.50]}
+    launched, counted = [], []
+
+    def fake_do_bench(fn, warmup, rep, return_mode):
+        fn()
+        counted.append(launched[-1])
+        return seq[launched[-1]][counted.count(launched[-1]) - 1]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    assert tconfigs.fastest(cfgs, launched.append, "a test") == "b"
+    assert counted.count("a") == counted.count("b") == 1 + tconfigs.CONFIRM_ROUNDS and counted.count("c") == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [c.scaled(4) for c in CHUNK_CASES] + [c.scaled(4) for c in EXTRA_CASES if c.D >= 32],
                          ids=lambda c: f"{c.name}_N{c.Nq}")
