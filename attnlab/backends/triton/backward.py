@@ -318,7 +318,7 @@ def sinks_gradient(prob: Problem, lse: torch.Tensor, delta: torch.Tensor) -> tor
         return None
     sink = sinks.view(1, -1, 1)
     # a row no sequence covers (lse -inf: rows a too small max_seqlen leaves out) has no sink share; NaN propagates
-    p_sink = torch.where(lse == float("-inf"), torch.zeros_like(lse), torch.exp(sink - lse))
+    p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp(sink - lse))
     return -(p_sink * delta).sum(dim=(0, 2))
 
 
