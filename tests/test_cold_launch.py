@@ -205,3 +205,27 @@ def test_first_calls_launch_cold_and_agree_bit_for_bit_with_tritons_launcher():
     assert got["fwd_err"] < 2e-2 and got["decode_err"] < 2e-2
     # one variant without lse and one with (the call that needs a gradient): nothing compiled twice
     assert got["compiled"] == {"attn_fwd_kernel": 2}
+
+
+def test_values_rebuilt_for_a_direct_launch_are_the_binders():
+    """A direct launch rebuilds every parameter's value from the arguments and keywords
+    (:func:`runtime.bound_values`): the same values, in the same order, as Triton's binder gives them (the
+    backward's three launches here)."""
+    from triton.backends.compiler import GPUTarget
+
+    from attnlab.backends.triton import backward, runtime
+    from attnlab.backends.triton.backward import BwdConfig
+    from attnlab.problem import make_problem
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 40, 16, generator=g) for _ in range(3))
+    prob = make_problem(q, k, v, causal=True, sinks=torch.randn(3, generator=g))
+    o, rows = torch.empty_like(q), torch.empty(2, 3, 40)
+    cfg = BwdConfig(16, 16, 1, 1)
+    for fn, _, args, kw in (backward._preprocess_launch(prob, o, rows, o, rows, rows, False),
+                            backward._preprocess_launch(prob, o, rows, o, rows, rows, False, torch.empty(12)),
+                            backward._dkdv_launch(prob, o, rows, rows, torch.empty_like(k), torch.empty_like(v), cfg,
+                                                  False),
+                            backward._dq_launch(prob, o, rows, rows, torch.empty_like(q), cfg, False)):
+        bound, _, _ = cold_launch._binding(fn, GPUTarget("cuda", 90, 32)).binder(*args, **kw)
+        assert tuple(bound.values()) == runtime.bound_values(args, kw, runtime.later_parameters(fn, len(args)))

@@ -280,3 +280,34 @@ def test_compile_ahead_stands_in_a_gradient_only_where_it_shares_the_layout():
     assert not _like_its_gradient(x[:, :1].expand(2, 8, 3, 16))  # broadcast: its gradient is contiguous
     assert not _like_its_gradient(x[..., :8])  # gaps
     assert not _like_its_gradient(torch.randn(2 * 8 * 3 * 16 + 1)[1:].view(2, 8, 3, 16))  # 4 bytes off
+
+
+@pytest.mark.gpu
+def test_a_repeated_backward_launches_directly(monkeypatch):
+    """A backward of a call signature seen before launches its three compiled kernels directly (no JIT launch)
+    and gives the first backward's gradients bit for bit; a dout of another alignment is another key (the JIT
+    again). A GQA window call with sinks, as a gpt-oss layer makes it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    kw = dict(window=(63, 0), align="bottom_right", sinks=torch.randn(8, device="cuda", generator=g))
+    prob = make_problem(q, k, v, **kw)
+    out, lse = attention(q, k, v, return_lse=True, backend="triton", **kw)
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+    jit = []
+    real = triton_bwd.jit_run
+    monkeypatch.setattr(triton_bwd, "jit_run", lambda *a: jit.append(a[0]) or real(*a))
+    monkeypatch.setattr(triton_bwd, "_COMPILED", {})
+    first = triton_bwd.gradients(prob, out, lse, dout)
+    assert len(jit) == 3
+    again = triton_bwd.gradients(prob, out, lse, dout.clone())
+    assert len(jit) == 3, "a repeated backward went through the JIT"
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    odd = torch.empty(dout.numel() + 1, device="cuda", dtype=dout.dtype)[1:].view(dout.shape).copy_(dout)
+    third = triton_bwd.gradients(prob, out, lse, odd)
+    assert len(jit) > 3
+    for a, b in zip(first, third):
+        assert torch.equal(a, b)

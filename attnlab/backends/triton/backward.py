@@ -25,6 +25,7 @@ from concurrent.futures import Future
 import torch
 
 from attnlab.backends.triton import background, configs, tune_cache
+from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.configs import (
     BwdConfig,
     dkdv_candidates,
@@ -118,17 +119,25 @@ def _scalars(prob: Problem) -> list:
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0, cap2]
 
 
-def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool) -> tuple:
-    """(kernel, grid, arguments, keywords) of the preprocess."""
+def _preprocess_grid(prob: Problem, interpret: bool) -> tuple[int, int, int]:
     block_m = INTERPRETER_CONFIG.block_m if interpret else PREPROCESS_BLOCK_M
+    return (triton.cdiv(prob.Nq, block_m), prob.Hq, prob.B)
+
+
+def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_part=None) -> tuple:
+    """(kernel, grid, arguments, keywords) of the preprocess; with ``sink_part`` (float32, one per program) it
+    also stores each program's share of the sinks' gradient there."""
+    grid = _preprocess_grid(prob, interpret)
     spec = prob.spec
     packed = prob.packed
-    grid = (triton.cdiv(prob.Nq, block_m), prob.Hq, prob.B)
     q_len = packed.cu_q if packed is not None else spec.q_len if spec.q_len is not None else lse
-    args = (out, dout, lse, delta, lse2, q_len, *batch_strides(out, packed), *batch_strides(dout, packed),
+    has_sinks = sink_part is not None
+    args = (out, dout, lse, delta, lse2, q_len, prob.mods.sinks32 if has_sinks else lse,
+            sink_part if has_sinks else lse, *batch_strides(out, packed), *batch_strides(dout, packed),
             *batch_strides(lse, packed), prob.Hq, prob.Nq, prob.Dv, prob.q.shape[2])
-    kw = dict(BLOCK_M=block_m, BLOCK_DV=padded_head_dim(prob.Dv), HAS_Q_LEN=spec.q_len is not None,
-              VARLEN=packed is not None, num_warps=1 if interpret else 4, **configs.COMPILE_OPTIONS)
+    kw = dict(BLOCK_M=INTERPRETER_CONFIG.block_m if interpret else PREPROCESS_BLOCK_M,
+              BLOCK_DV=padded_head_dim(prob.Dv), HAS_Q_LEN=spec.q_len is not None, VARLEN=packed is not None,
+              HAS_SINKS=has_sinks, num_warps=1 if interpret else 4, **configs.COMPILE_OPTIONS)
     return bwd_preprocess, grid, args, kw
 
 
@@ -172,24 +181,53 @@ def _launch_fitting(launch, cfg: BwdConfig, space: list[BwdConfig], what: str) -
             cfg = nxt
 
 
-def _go(launch: tuple, interpret: bool) -> None:
+#: Compiled backward kernels by (kernel, the call's signature and its per-call tensors' layouts, config): a later
+#: backward of the same key launches its kernel directly, without Triton's argument binding (as the forward's
+#: plans do). The arguments are built as for the first launch; only the tensors' addresses differ.
+_COMPILED: dict[tuple, tuple] = {}
+
+
+def _go(launch: tuple, interpret: bool, key: tuple | None = None) -> None:
+    """Run ``(kernel, grid, args, keywords)``: interpreted; compiled through the JIT the first time of ``key``
+    (None: every time); after that, directly."""
     kernel, grid, args, kw = launch
     if interpret:
         interpreted_fn(kernel)[grid](*args, **kw)
-    else:
-        jit_run(kernel, grid, args, kw)
+        return
+    hit = _COMPILED.get(key) if key is not None and _rt.FAST_LAUNCH else None
+    if hit is not None:
+        go, later = hit
+        go((*grid, 1, 1)[:3], _rt.current_stream(torch.cuda.current_device()), _rt.bound_values(args, kw, later))
+        return
+    compiled = jit_run(kernel, grid, args, kw)
+    if key is not None and _rt.FAST_LAUNCH and _rt.fast_launch_supported(compiled):
+        if len(_COMPILED) >= 3 * _rt.MAX_PLANS:
+            _COMPILED.pop(next(iter(_COMPILED)), None)
+        _COMPILED[key] = (_rt.launcher(compiled), _rt.later_parameters(kernel, len(args)))
 
 
-def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool) -> None:
-    _go(_preprocess_launch(prob, out, lse, dout, delta, lse2, interpret), interpret)
+def _launch_key(prob: Problem, *tensors: torch.Tensor) -> tuple | None:
+    """What a backward's compiled kernels depend on besides their configs: the call's signature and the layouts of
+    the per-call tensors (out, dout, lse, Delta, the base-2 lse, dq, dk, dv); None for a packed call, whose
+    prefix sums the signature does not hold (it launches through the JIT every time)."""
+    if prob.packed is not None:
+        return None
+    return (_rt.call_signature(prob), _rt.layout_key(*tensors))
 
 
-def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool) -> None:
-    _go(_dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret), interpret)
+def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool, key: tuple | None = None,
+                       sink_part: torch.Tensor | None = None) -> None:
+    _go(_preprocess_launch(prob, out, lse, dout, delta, lse2, interpret, sink_part), interpret,
+        None if key is None else ("preprocess", sink_part is not None, key))
 
 
-def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> None:
-    _go(_dq_launch(prob, dout, delta, lse2, dq, cfg, interpret), interpret)
+def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool, key: tuple | None = None) -> None:
+    _go(_dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret), interpret,
+        None if key is None else ("dkdv", cfg, key))
+
+
+def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool, key: tuple | None = None) -> None:
+    _go(_dq_launch(prob, dout, delta, lse2, dq, cfg, interpret), interpret, None if key is None else ("dq", cfg, key))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,7 +262,8 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     # float32 rows, q, k, v for dq, dk, dv where torch.empty_like (which makes those) keeps their strides, out
     # for dout.
     dq, dk, dv = (x if _like_its_gradient(x) else torch.empty_like(x) for x in (prob.q, prob.k, prob.v))
-    launches = (_preprocess_launch(prob, out, lse, out, lse, lse, False),
+    launches = (_preprocess_launch(prob, out, lse, out, lse, lse, False,
+                                   lse if prob.mods.sinks is not None else None),
                 _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
                 _dq_launch(prob, out, lse, lse, dq, q_cfg, False))
     _ahead[key] = [background.ahead(kernel, grid, args, kw, prob.device) for kernel, grid, args, kw in launches]
@@ -310,6 +349,20 @@ def backward(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Te
     return gradients(prob, out, lse, dout, dlse)[:3]
 
 
+def _sink_shares(prob: Problem, dlse: torch.Tensor | None, interpret: bool) -> torch.Tensor | None:
+    """The buffer of the preprocess's shares of the sinks' gradient (one float per program), or None: no sinks,
+    or an lse gradient (which enters Delta after the preprocess: :func:`sinks_gradient` then sums in torch)."""
+    if prob.mods.sinks is None or dlse is not None:
+        return None
+    grid = _preprocess_grid(prob, interpret)
+    return torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.float32, device=prob.device)
+
+
+def _summed_shares(prob: Problem, shares: torch.Tensor) -> torch.Tensor:
+    """d sinks [Hq] from the preprocess's shares, stored by (batch entry, head, row tile)."""
+    return shares.view(prob.B, prob.Hq, -1).sum(dim=(0, 2)).neg_()
+
+
 def sinks_gradient(prob: Problem, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
     """d sinks [Hq] float32 from the forward's lse and Delta - dlse (0 for rows no key reaches, before dlse):
     ``-sum over rows of p_sink * (Delta - dlse)``, ``p_sink = exp(sink - lse)``, each row's sink counted once."""
@@ -365,28 +418,30 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     delta = (torch.zeros if packed is not None and not packed.checked else torch.empty)(
         rows, dtype=torch.float32, device=prob.device)
     lse2 = torch.empty_like(delta)
+    shares = _sink_shares(prob, dlse, interpret)
     if interpret:
         with interpreter(bwd_preprocess):
-            _launch_preprocess(prob, out, lse, dout, delta, lse2, True)
+            _launch_preprocess(prob, out, lse, dout, delta, lse2, True, sink_part=shares)
             _minus_dlse(delta, dlse)
             _launch_dkdv(prob, dout, delta, lse2, dk, dv, INTERPRETER_CONFIG, True)
             _launch_dq(prob, dout, delta, lse2, dq, INTERPRETER_CONFIG, True)
-        return dq, dk, dv, sinks_gradient(prob, lse, delta)
+        return dq, dk, dv, _summed_shares(prob, shares) if shares is not None else sinks_gradient(prob, lse, delta)
     same = torch.cuda.current_device() == prob.q.get_device()
     _wait_ahead(prob, out)
     with contextlib.nullcontext() if same else torch.cuda.device(prob.device):
-        _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
+        key = _launch_key(prob, out, dout, lse, delta, lse2, dq, dk, dv)
+        _launch_preprocess(prob, out, lse, dout, delta, lse2, False, key, shares)
         _minus_dlse(delta, dlse)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)
-        kv_done = _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False), kv_cfg,
+        kv_done = _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key), kv_cfg,
                                   dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel")
-        q_done = _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False), q_cfg,
+        q_done = _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
                                  dq_candidates(prob.dtype, block_d), "the backward's dQ kernel")
         if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
             key = tune_key(prob)
             (_tuned if key in _tuned else _picked)[key] = (kv_done, q_done)
-    return dq, dk, dv, sinks_gradient(prob, lse, delta)
+    return dq, dk, dv, _summed_shares(prob, shares) if shares is not None else sinks_gradient(prob, lse, delta)
 
 
 def _dlse_or_zero(dlse: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

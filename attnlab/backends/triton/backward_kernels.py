@@ -21,7 +21,9 @@ Three launches, each a grid of programs over tiles of the [Nq, Nk] score matrix 
 
 1. ``bwd_preprocess``: grid ``(ceil(Nq / BLOCK_M), Hq, B)``. One program reads a [BLOCK_M, D] tile of O
    and dO and writes Delta and the base-2 lse (``Lse2``, +inf for empty and padding rows) of its rows:
-   float32 [B, Hq, Nq], contiguous.
+   float32 [B, Hq, Nq], contiguous. With sinks (``HAS_SINKS``) it also stores its rows' share of the sink's
+   gradient, ``sum p_sink * Delta`` with ``p_sink = exp(sink - lse)``, one float per program; the host sums the
+   shares of each head (no atomics: deterministic).
 2. ``bwd_dkdv_kernel``: grid ``(ceil(Nk / BLOCK_N), Hkv, B)``. One program owns one key tile of one kv
    head: it loads K and V ([BLOCK_N, D]) once and keeps dK and dV accumulators (float32) for them while
    query tiles of ``BLOCK_M`` rows stream past. The score tile is held transposed, ``S^T = K Q^T``
@@ -154,12 +156,13 @@ if triton is not None:
     # -----------------------------------------------------------------------------------------------
     @triton.jit
     def bwd_preprocess(
-        O, DO, Lse, Delta, Lse2, QLen,
+        O, DO, Lse, Delta, Lse2, QLen, Sinks, SinkPart,
         s_ob, s_oh, s_on, s_od,
         s_gb, s_gh, s_gn, s_gd,
         s_lb, s_lh, s_ln,
         Hq, Nq, Dv, Tq,
         BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_Q_LEN: tl.constexpr, VARLEN: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
@@ -187,6 +190,9 @@ if triton is not None:
         out_ptrs = _row_base(b64, h64, q0, Hq, Nq, Tq, VARLEN) + rows
         tl.store(Delta + out_ptrs, delta, mask=rows < n_rows)
         tl.store(Lse2 + out_ptrs, lse2, mask=rows < n_rows)
+        if HAS_SINKS:  # this tile's share of the sink's gradient: sum of p_sink * Delta, p_sink = exp(sink - lse)
+            p_sink = tl.where(live, tl.math.exp2((tl.load(Sinks + h) - lse) * 1.4426950408889634), 0.0)
+            tl.store(SinkPart + (b64 * Hq + h64) * tl.num_programs(0) + pid_m, tl.sum(p_sink * delta, 0))
 
     # -----------------------------------------------------------------------------------------------
     # 2. dK and dV: a key tile stationary, query tiles streaming

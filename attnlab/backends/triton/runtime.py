@@ -219,6 +219,18 @@ def registers(kernel, device: int) -> int:
     return int(kernel.n_regs)
 
 
+def later_parameters(fn, n_args: int) -> tuple[tuple[str, object], ...]:
+    """(name, default) of each parameter of ``fn`` after its first ``n_args`` (what keywords or defaults give)."""
+    return tuple((p.name, p.default) for p in fn.params[n_args:])
+
+
+def bound_values(args: Sequence, kw: dict, later: tuple) -> tuple:
+    """Every parameter's value in signature order, as Triton's binder gives them (what :func:`run_compiled` and
+    :func:`launcher` take): the positional ``args``, then each later parameter ``(name, default)`` of ``later``
+    (:func:`later_parameters`) from ``kw`` or its default."""
+    return (*args, *(kw[n] if n in kw else d for n, d in later))
+
+
 def jit_run(fn, grid: tuple, args: Sequence, kw: dict):
     """``fn[grid](*args, **kw)`` on a GPU: through Triton's JIT, or, where first launches take the cold path
     (:mod:`~attnlab.backends.triton.cold_launch`), compiled as the JIT compiles it and launched through the
