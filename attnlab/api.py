@@ -297,10 +297,10 @@ def _attention_backward_body(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, kv_len: torch.Tensor | None, q_len: torch.Tensor | None,
     mask: torch.Tensor | None, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None, opts: Options,
-    backend: str, mask_grad: bool,
+    backend: str, mask_grad: bool, sinks_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dmask, dsinks) in the caller's layout; dmask is empty unless ``mask_grad``, dsinks empty
-    without sinks (else in sinks' dtype).
+    unless ``sinks_grad`` (the sinks require grad; then in sinks' dtype).
 
     The kernel backends (Triton, CUDA) take the Triton backward kernels from the saved out and lse; the
     backends built from PyTorch ops, and any call whose bias needs a gradient, the chunked PyTorch backward.
@@ -314,28 +314,29 @@ def _attention_backward_body(
     if be.kernel_backward and not mask_grad and _triton_backward_available():
         from attnlab.backends.triton.backward import gradients
 
-        dq, dk, dv, dsinks = gradients(prob, prob.to_layout(out), lse, prob.to_layout(dout), dlse)
+        dq, dk, dv, dsinks = gradients(prob, prob.to_layout(out), lse, prob.to_layout(dout), dlse,
+                                       sinks_grad=sinks_grad)
         return (prob.to_layout(dq), prob.to_layout(dk), prob.to_layout(dv), none(),
-                none() if dsinks is None else dsinks.to(sinks.dtype))
+                none() if dsinks is None or not sinks_grad else dsinks.to(sinks.dtype))
     dtype = torch.float64 if be.name == "reference" else torch.float32
     dq, dk, dv, dbias, dsinks = textbook_backward(prob, prob.to_layout(dout), dlse, dtype=dtype,
                                                   bias_grad=mask_grad)
     dmask = sum_to_shape(dbias, mask.shape).to(mask.dtype) if mask_grad else none()
     return (prob.to_layout(dq).to(q.dtype), prob.to_layout(dk).to(k.dtype), prob.to_layout(dv).to(v.dtype),
-            dmask, none() if dsinks is None else dsinks.to(sinks.dtype))
+            dmask, none() if dsinks is None or not sinks_grad else dsinks.to(sinks.dtype))
 
 
 _BWD_BEFORE = [("dout", _Tensor), ("dlse", _OptTensor), ("q", _Tensor), ("k", _Tensor), ("v", _Tensor),
                ("out", _Tensor), ("lse", _Tensor), ("kv_len", _OptTensor), ("q_len", _OptTensor), ("mask", _OptTensor),
                ("alibi_slopes", _OptTensor), ("sinks", _OptTensor)]
-_BWD_AFTER = [("backend", str), ("mask_grad", bool)]
+_BWD_AFTER = [("backend", str), ("mask_grad", bool), ("sinks_grad", bool)]
 _BWD_RETURNS = tuple[_Tensor, _Tensor, _Tensor, _Tensor, _Tensor]
 
 
 def _attention_backward_fake(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, alibi_slopes, sinks,
-                             opts: Options, backend: str, mask_grad: bool):
+                             opts: Options, backend: str, mask_grad: bool, sinks_grad: bool):
     dmask = torch.empty_like(mask) if mask_grad else q.new_empty((0,))
-    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty((0,))
+    dsinks = torch.empty_like(sinks) if sinks is not None and sinks_grad else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask, dsinks
 
 
@@ -375,7 +376,7 @@ def _backward(ctx, dout, dlse, backward_op=None):
     dlse = dlse if ctx.want_lse else None
     backward_op = backward_op or torch.ops.attnlab.attention_backward
     dq, dk, dv, dmask, dsinks = backward_op(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, alibi_slopes,
-                                            sinks, *ctx.options, ctx.mask_grad)
+                                            sinks, *ctx.options, ctx.mask_grad, ctx.sinks_grad)
     # One gradient per op input: q, k, v, kv_len, q_len, mask, block_table (gathered before the op whenever a
     # gradient is needed, so always None here), alibi_slopes (never a gradient), sinks, then the non-tensor
     # arguments.

@@ -363,6 +363,15 @@ def _summed_shares(prob: Problem, shares: torch.Tensor) -> torch.Tensor:
     return shares.view(prob.B, prob.Hq, -1).sum(dim=(0, 2)).neg_()
 
 
+def _sinks_result(prob: Problem, shares: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor,
+                  wanted: bool) -> torch.Tensor | None:
+    """d sinks of a backward: the preprocess's shares summed, else (with an lse gradient) :func:`sinks_gradient`;
+    None when not ``wanted`` or without sinks."""
+    if not wanted:
+        return None
+    return _summed_shares(prob, shares) if shares is not None else sinks_gradient(prob, lse, delta)
+
+
 def sinks_gradient(prob: Problem, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
     """d sinks [Hq] float32 from the forward's lse and Delta - dlse (0 for rows no key reaches, before dlse):
     ``-sum over rows of p_sink * (Delta - dlse)``, ``p_sink = exp(sink - lse)``, each row's sink counted once."""
@@ -376,9 +385,10 @@ def sinks_gradient(prob: Problem, lse: torch.Tensor, delta: torch.Tensor) -> tor
 
 
 def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-              dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+              dlse: torch.Tensor | None = None, sinks_grad: bool = True,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The gradients (dq, dk, dv, dsinks) of attention for ``prob`` given the upstream gradient ``dout``; dsinks
-    is float32 [Hq], or None without sinks.
+    is float32 [Hq], or None without sinks or when ``sinks_grad`` is False (nothing is computed for it then).
 
     ``out`` and ``dout`` are [B, Hq, Nq, Dv] (any strides), ``lse`` float32 [B, Hq, Nq] as the forward wrote
     them (natural log, -inf for rows with no allowed key); for a packed call [1, Hq, total, Dv] and
@@ -411,25 +421,26 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     if no_key or (interpret and spec.kv_len is not None and not bool(spec.kv_len.any())):  # host tensor: no sync
         # every row's lse is its sink alone (or -inf): the sinks' gradient is the sum of dlse
         dsinks = None
-        if prob.mods.sinks is not None:
+        if prob.mods.sinks is not None and sinks_grad:
             dsinks = sinks_gradient(prob, lse, -_dlse_or_zero(dlse, lse))
         return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
     # [B, Hq, Nq]; packed [1, Hq, total], zeros where a too small max_seqlen may leave rows unwritten
     delta = (torch.zeros if packed is not None and not packed.checked else torch.empty)(
         rows, dtype=torch.float32, device=prob.device)
     lse2 = torch.empty_like(delta)
-    shares = _sink_shares(prob, dlse, interpret)
+    shares = _sink_shares(prob, dlse, interpret) if sinks_grad else None
     if interpret:
         with interpreter(bwd_preprocess):
             _launch_preprocess(prob, out, lse, dout, delta, lse2, True, sink_part=shares)
             _minus_dlse(delta, dlse)
             _launch_dkdv(prob, dout, delta, lse2, dk, dv, INTERPRETER_CONFIG, True)
             _launch_dq(prob, dout, delta, lse2, dq, INTERPRETER_CONFIG, True)
-        return dq, dk, dv, _summed_shares(prob, shares) if shares is not None else sinks_gradient(prob, lse, delta)
+        return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
     same = torch.cuda.current_device() == prob.q.get_device()
-    _wait_ahead(prob, out)
+    key = _launch_key(prob, out, dout, lse, delta, lse2, dq, dk, dv)
+    if key is None or ("preprocess", shares is not None, key) not in _COMPILED:  # else compiled (and launched)
+        _wait_ahead(prob, out)
     with contextlib.nullcontext() if same else torch.cuda.device(prob.device):
-        key = _launch_key(prob, out, dout, lse, delta, lse2, dq, dk, dv)
         _launch_preprocess(prob, out, lse, dout, delta, lse2, False, key, shares)
         _minus_dlse(delta, dlse)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
@@ -441,7 +452,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
             key = tune_key(prob)
             (_tuned if key in _tuned else _picked)[key] = (kv_done, q_done)
-    return dq, dk, dv, _summed_shares(prob, shares) if shares is not None else sinks_gradient(prob, lse, delta)
+    return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
 
 
 def _dlse_or_zero(dlse: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
