@@ -29,9 +29,10 @@ from attnlab.masks import BIAS_DTYPES, device_lengths, int_lengths
 
 #: A backend's fast call: (q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks[, k_new, v_new]) ->
 #: (out, lse or None), the new keys and values only for a call with a KV append (kv_len: the lengths before it);
-#: the slopes are the caller's float32 [Hq] or [B, Hq] tensor, the sinks float32 and contiguous; lengths are None or
-#: contiguous, 16-byte aligned int32 [B] GPU tensors, NOT clamped (the Triton kernels clamp every length they
-#: load: :func:`attnlab.backends.triton.tiles.lengths`; a backend whose kernels do not must clamp them itself),
+#: the slopes are the caller's float32 [Hq] or [B, Hq] tensor, the sinks contiguous (in their own dtype);
+#: lengths are None or contiguous, 16-byte aligned int32 [B] GPU tensors, NOT clamped (the Triton kernels clamp
+#: every length they load: :func:`attnlab.backends.triton.tiles.lengths`; a backend whose kernels do not must
+#: clamp them itself),
 #: the same dtype and alignment as the whole way's lengths (its compiled kernels are specialized on them);
 #: the mask and block table are the caller's tensors or None. None back means "take the whole way" (a global
 #: switch the plan depends on has changed since).
@@ -130,7 +131,7 @@ class _Entry:
     (a new int32 tensor each call, on the call's stream), True for a GPU tensor passed as given (int32,
     contiguous and 16-byte aligned, as the whole way's clamped copy is: no kernel of its own) or the limit of
     the clamped int32 copy of any other GPU tensor (an int64 one, say); and whether the sinks go as given
-    (float32 and contiguous) or as a float32 copy, as the whole way's."""
+    (contiguous) or as a contiguous copy, as the whole way's."""
 
     __slots__ = ("device", "fast", "kv", "ql", "sinks_as_given")
 
@@ -153,7 +154,7 @@ class _Entry:
         kv = None if self.kv is None else self._lengths(self.kv, kv_len)
         ql = None if self.ql is None else self._lengths(self.ql, q_len)
         if sinks is not None and not self.sinks_as_given:
-            sinks = sinks.float().contiguous()
+            sinks = sinks.contiguous()
         if k_new is not None:  # a KV append's fast call (only a backend that writes it in its launch makes one)
             return self.fast(q, k, v, kv, ql, mask, block_table, alibi_slopes, sinks, k_new, v_new)
         return self.fast(q, k, v, kv, ql, mask, block_table, alibi_slopes, sinks)
@@ -177,7 +178,7 @@ def remember(key: tuple, fast: FastCall, prob, kv_len: Any, q_len: Any) -> None:
         return True if as_given else limit  # (dtype, strides and alignment are in the signature)
 
     sinks = prob.mods.sinks
-    as_given = sinks is None or (sinks.dtype == torch.float32 and sinks.stride() == (1,))
+    as_given = sinks is None or sinks.stride() == (1,)
     evict_oldest(_CALLS, MAX_CALLS)
     _CALLS[key] = _Entry(fast, prob.device.index, lengths(kv_len, prob.Nk), lengths(q_len, prob.Nq), as_given)
 

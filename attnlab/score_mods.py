@@ -29,8 +29,9 @@ class ScoreMods:
     alibi: torch.Tensor | None = None
     #: the caller's sinks [Hq] (any float dtype; its gradient is returned in that dtype)
     sinks: torch.Tensor | None = None
-    #: the sinks as the kernels read them: float32, contiguous, detached (made once per call)
-    sinks32: torch.Tensor | None = None
+    #: the sinks as the kernels read them: detached and contiguous, in their own dtype (the kernels compute in
+    #: float32); no copy unless they are strided
+    kernel_sinks: torch.Tensor | None = None
 
     @property
     def any(self) -> bool:
@@ -68,7 +69,7 @@ class ScoreMods:
             if tuple(t.shape) != (Hq,):
                 raise ValueError(f"sinks must have shape [Hq] = [{Hq}]; got {list(t.shape)}")
             sinks = t
-        return cls(softcap, alibi, sinks, None if sinks is None else sinks.detach().float().contiguous())
+        return cls(softcap, alibi, sinks, None if sinks is None else sinks.detach().contiguous())
 
     def empty_lse(self, lse: torch.Tensor) -> torch.Tensor:
         """The lse of rows with no allowed key, shaped like ``lse`` ([B, Hq, N]): -inf, or each head's sink."""

@@ -159,13 +159,14 @@ def test_modifiers_the_whole_way_refuses_or_copies_have_no_signature(kw, monkeyp
     assert _sig(q, q, q, **kw) is None
 
 
-def test_an_entry_gives_the_sinks_as_float32(monkeypatch):
-    """Sinks go to the kernels in float32 and contiguous, as the whole way's copy: as given when they are."""
+def test_an_entry_gives_the_sinks_contiguous_in_their_dtype(monkeypatch):
+    """Sinks go to the kernels contiguous and in their own dtype (the kernels compute in float32), as the whole
+    way's: as given when they are contiguous, else a contiguous copy; never converted."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     seen = []
     fast = lambda *a: seen.append(a) or ("out", None)
-    f32, bf16 = torch.randn(4), torch.randn(4).bfloat16()
-    calls._Entry(fast, 0, kv=None, ql=None, sinks_as_given=True)(*[None] * 7, None, f32)
-    calls._Entry(fast, 0, kv=None, ql=None, sinks_as_given=False)(*[None] * 7, None, bf16)
-    assert seen[0][8] is f32
-    assert seen[1][8].dtype == torch.float32 and torch.equal(seen[1][8], bf16.float())
+    bf16, strided = torch.randn(4).bfloat16(), torch.randn(8).bfloat16()[::2]
+    calls._Entry(fast, 0, kv=None, ql=None, sinks_as_given=True)(*[None] * 7, None, bf16)
+    calls._Entry(fast, 0, kv=None, ql=None, sinks_as_given=False)(*[None] * 7, None, strided)
+    assert seen[0][8] is bf16
+    assert seen[1][8].dtype == torch.bfloat16 and seen[1][8].is_contiguous() and torch.equal(seen[1][8], strided)

@@ -132,7 +132,7 @@ def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_
     packed = prob.packed
     q_len = packed.cu_q if packed is not None else spec.q_len if spec.q_len is not None else lse
     has_sinks = sink_part is not None
-    args = (out, dout, lse, delta, lse2, q_len, prob.mods.sinks32 if has_sinks else lse,
+    args = (out, dout, lse, delta, lse2, q_len, prob.mods.kernel_sinks if has_sinks else lse,
             sink_part if has_sinks else lse, *batch_strides(out, packed), *batch_strides(dout, packed),
             *batch_strides(lse, packed), prob.Hq, prob.Nq, prob.Dv, prob.q.shape[2])
     kw = dict(BLOCK_M=INTERPRETER_CONFIG.block_m if interpret else PREPROCESS_BLOCK_M,
@@ -375,7 +375,7 @@ def _sinks_result(prob: Problem, shares: torch.Tensor | None, lse: torch.Tensor,
 def sinks_gradient(prob: Problem, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
     """d sinks [Hq] float32 from the forward's lse and Delta - dlse (0 for rows no key reaches, before dlse):
     ``-sum over rows of p_sink * (Delta - dlse)``, ``p_sink = exp(sink - lse)``, each row's sink counted once."""
-    sinks = prob.mods.sinks32
+    sinks = prob.mods.kernel_sinks
     if sinks is None:
         return None
     sink = sinks.view(1, -1, 1)

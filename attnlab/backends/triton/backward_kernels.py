@@ -191,7 +191,7 @@ if triton is not None:
         tl.store(Delta + out_ptrs, delta, mask=rows < n_rows)
         tl.store(Lse2 + out_ptrs, lse2, mask=rows < n_rows)
         if HAS_SINKS:  # this tile's share of the sink's gradient: sum of p_sink * Delta, p_sink = exp(sink - lse)
-            p_sink = tl.where(live, tl.math.exp2((tl.load(Sinks + h) - lse) * 1.4426950408889634), 0.0)
+            p_sink = tl.where(live, tl.math.exp2((tl.load(Sinks + h).to(tl.float32) - lse) * 1.4426950408889634), 0.0)
             tl.store(SinkPart + (b64 * Hq + h64) * tl.num_programs(0) + pid_m, tl.sum(p_sink * delta, 0))
 
     # -----------------------------------------------------------------------------------------------

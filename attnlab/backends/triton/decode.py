@@ -338,8 +338,8 @@ def _new_keys(append: Append) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _sinks(prob: Problem) -> torch.Tensor:
-    """The sinks as the kernels read them (float32), or q standing in (never read)."""
-    return prob.mods.sinks32 if prob.mods.sinks is not None else prob.q
+    """The sinks as the kernels read them (contiguous, in their dtype), or q standing in (never read)."""
+    return prob.mods.kernel_sinks if prob.mods.sinks is not None else prob.q
 
 
 class _Plan:

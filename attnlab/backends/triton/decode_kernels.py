@@ -300,7 +300,7 @@ if triton is not None:
         if FINAL:
             sink2 = tl.zeros([BLOCK_M], tl.float32)
             if HAS_SINKS:  # each packed row's head's sink, base 2 (with several splits the merge adds it, once)
-                sink2 = tl.load(Sinks + heads, mask=row_ok, other=0.0) * 1.4426950408889634
+                sink2 = tl.load(Sinks + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
             _store_final(Out, Lse, b64, heads, rows, offs_d, row_ok, live_row, m_i, l_i, acc, D,
                          s_ob, s_oh, s_on, s_od, s_lb, s_lh, s_ln, sink2, WRITE_LSE, HAS_SINKS)
         else:
@@ -370,7 +370,7 @@ if triton is not None:
             acc = acc * alpha + tl.sum(a_s * w[:, None], 0)
             m = m_new
         if HAS_SINKS:  # the row's head's sink, once: one more state of m = sink, l = 1, acc = 0
-            sink2 = tl.load(Sinks + h) * 1.4426950408889634
+            sink2 = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
             m_new = tl.maximum(m, sink2)
             gone = m_new == float("-inf")
             alpha = tl.where(gone, 0.0, tl.math.exp2(m - m_new))

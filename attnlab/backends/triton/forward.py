@@ -46,7 +46,7 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
         precision = "ieee"  # ignored for half types (their products are exact in float32)
     mods = prob.mods
     alibi = mods.alibi if mods.alibi is not None else q  # placeholders when absent (never read)
-    sinks = mods.sinks32 if mods.sinks is not None else q
+    sinks = mods.kernel_sinks if mods.sinks is not None else q
     a_strides = mods.alibi.stride() if mods.alibi is not None else (0, 0)
     cap2 = mods.softcap * LOG2E if mods.softcap is not None else 0.0
     head = [q, k, v]
@@ -162,7 +162,7 @@ class _Plan:
         mods = prob.mods  # the slopes' strides, the cap and which modifiers are present are in the plan's key
         mid = (spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q,
                explicit if explicit is not None else q, mods.alibi if mods.alibi is not None else q,
-               mods.sinks32 if mods.sinks is not None else q, *mid_rest)
+               mods.kernel_sinks if mods.sinks is not None else q, *mid_rest)
         # The launcher takes every parameter in signature order, the constants (which come last) too.
         args = (*_bind(head, mid, tail, out, lse), *constants)
         _rt.run_compiled(kernel, self.grid, _rt.stream_of(self.device), args)

@@ -319,7 +319,7 @@ if triton is not None:
             slope2 = tl.load(Alibi + b64 * s_ab + h.to(tl.int64) * s_ah) * 1.4426950408889634
         sink2 = 0.0
         if HAS_SINKS:  # the head's sink logit, in base 2
-            sink2 = tl.load(Sinks + h) * 1.4426950408889634
+            sink2 = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
         alibi_off = Lk - Lq
 
         # ---- a tile of padding rows (i0 >= Lq): zeros and lse = -inf, and nothing of Q, K, V read --------

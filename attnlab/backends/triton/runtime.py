@@ -266,5 +266,5 @@ def call_signature(prob: Problem) -> tuple:
         _aligned(q), _aligned(k), _aligned(v), _aligned(e), _aligned(spec.kv_len), _aligned(spec.q_len),
         _cfg.TF32, _cfg.AUTOTUNE, _cfg.SHIPPED_ONLY,
         prob.mods.softcap, None if prob.mods.alibi is None else (prob.mods.alibi.stride(), _aligned(prob.mods.alibi)),
-        None if prob.mods.sinks is None else _aligned(prob.mods.sinks32),
+        None if prob.mods.sinks is None else (prob.mods.kernel_sinks.dtype, _aligned(prob.mods.kernel_sinks)),
     )
