@@ -3,11 +3,16 @@
 Host time: the wall time of N back-to-back calls without synchronizing, divided by N, while the GPU is kept
 busy (so the CPU side is what is measured), the least of 5 rounds. Prints one line per (case, competitor),
 then a profile of the public call's repeated (fast) path.
+
+``--train``: instead, a gpt-oss-like training layer (B2 Hq64 Hkv8 N4096 D64 bf16, a 128-key window; q, k, v
+require grad) with and without bf16 sinks, forward and forward + backward, in interleaved rounds: each call's time
+(CUDA events over 30 back-to-back calls) and the host time of issuing them.
 """
 
 from __future__ import annotations
 
 import cProfile
+import functools
 import pstats
 import sys
 import time
@@ -68,7 +73,44 @@ def decode(q, k, v, lens, caches):
     }
 
 
+def train_window(rounds: int = 3, n: int = 30) -> None:
+    """The ``--train`` A/B (module docstring)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 64, 4096, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 8, 4096, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    sinks = (2 * torch.randn(64, device="cuda", generator=g)).to(torch.bfloat16)
+    dout = torch.randn(2, 64, 4096, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def fwd(with_sinks: bool):
+        return attnlab.attention(q, k, v, window=(127, 0), sinks=sinks if with_sinks else None)
+
+    def fwd_bwd(with_sinks: bool):
+        return torch.autograd.grad(fwd(with_sinks), (q, k, v), dout)
+
+    for r in range(rounds):
+        for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            for with_sinks in (False, True):
+                call = functools.partial(fn, with_sinks)
+                for _ in range(5):
+                    call()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t = time.perf_counter()
+                start.record()
+                for _ in range(n):
+                    call()
+                end.record()
+                host = (time.perf_counter() - t) / n * 1e6
+                torch.cuda.synchronize()
+                print(f"round {r} {name} sinks={with_sinks}: {start.elapsed_time(end) / n * 1e3:.0f} us per call, "
+                      f"host {host:.0f} us", flush=True)
+
+
 def main() -> int:
+    if "--train" in sys.argv[1:]:
+        train_window()
+        return 0
     torch.manual_seed(0)
     for B, H, N, D, causal in [(1, 8, 128, 64, True), (4, 16, 512, 64, False), (2, 32, 256, 128, True)]:
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
