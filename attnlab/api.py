@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -32,6 +33,10 @@ from attnlab.problem import make_problem
 from attnlab.textbook_backward import sum_to_shape, textbook_backward
 
 _poison = False
+#: The Problem an eager call that needs a gradient validated, handed to its forward (``given``) and, through the
+#: autograd context, to its backward (``backward``), so that neither validates the same call again. Per thread;
+#: set only around the one call that takes it.
+_handoff = threading.local()
 
 
 @contextlib.contextmanager
@@ -162,12 +167,26 @@ def attention(
         else:
             # Validate first (the same TypeError/ValueError as without grad); the forward then takes the lengths
             # as validated (int32 on q's device), not converted again.
-            spec = _problem(q, k, v, kv_len, q_len, mask, *mods, opts).spec
-            kv_len, q_len = spec.kv_len, spec.q_len
+            prob = _problem(q, k, v, kv_len, q_len, mask, *mods, opts)
+            kv_len, q_len = prob.spec.kv_len, prob.spec.q_len
         args = (q, k, v, kv_len, q_len, mask, block_table, *mods, *opts.flat(), backend, return_lse, needs_grad)
-        eager = not torch.compiler.is_compiling() and plain_eager(q, k, v)
-        out, lse = _EagerAttention.apply(*args) if eager else torch.ops.attnlab.attention(*args)
+        if not torch.compiler.is_compiling() and plain_eager(q, k, v):
+            _handoff.given = (args[:9], opts, prob)  # (the op's tensor arguments: block_table is None here)
+            try:
+                out, lse = _EagerAttention.apply(*args)
+            finally:
+                _handoff.given = None
+        else:
+            out, lse = torch.ops.attnlab.attention(*args)
     return (out, lse) if return_lse else out
+
+
+def _given_problem(tensors: tuple, opts: Options):
+    """The Problem the caller validated for exactly these op arguments (the same objects and options), or None."""
+    given = getattr(_handoff, "given", None)
+    if given is None or given[1] != opts or any(a is not b for a, b in zip(given[0], tensors, strict=True)):
+        return None
+    return given[2]
 
 
 def _check_call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts: Options) -> None:
@@ -227,7 +246,8 @@ def _run(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, opts: O
         paged = paged_kv(k, v, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk, dtype=prob.dtype,
                          device=prob.device, kv_len=prob.spec.kv_len)
     else:
-        prob = _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts)
+        prob = (_given_problem((q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks), opts)
+                or _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts))
     be = _backends.resolve(backend, prob, needs_grad=needs_grad)
     fused = append is not None and be.fuses_append
     if append is not None and not fused:
@@ -305,7 +325,7 @@ def _attention_backward_body(
     The kernel backends (Triton, CUDA) take the Triton backward kernels from the saved out and lse; the
     backends built from PyTorch ops, and any call whose bias needs a gradient, the chunked PyTorch backward.
     """
-    prob = _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts)
+    prob = getattr(_handoff, "backward", None) or _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts)
     be = _backends.resolve(backend, prob, needs_grad=True)
 
     def none() -> torch.Tensor:  # a new empty tensor each time: an op's outputs must not alias each other
@@ -366,6 +386,8 @@ def _setup_context(ctx, inputs, output) -> None:
                           a["sinks"])
     ctx.sinks_grad = a["sinks"] is not None and a["sinks"].requires_grad
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient tensor: dlse is None
+    # an eager call's validated Problem, for its backward (None through the op: the backward validates again)
+    ctx.problem = _given_problem(inputs[:len(_OP_BEFORE)], Options.from_flat(*(a[n] for n, _ in Options.FLAT)))
 
 
 def _backward(ctx, dout, dlse, backward_op=None):
@@ -374,9 +396,14 @@ def _backward(ctx, dout, dlse, backward_op=None):
     if dout is None:
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.want_lse else None
+    eager = backward_op is not None  # (the eager twin's backward: the op's implementation, called directly)
     backward_op = backward_op or torch.ops.attnlab.attention_backward
-    dq, dk, dv, dmask, dsinks = backward_op(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, alibi_slopes,
-                                            sinks, *ctx.options, ctx.mask_grad, ctx.sinks_grad)
+    _handoff.backward = ctx.problem if eager else None
+    try:
+        dq, dk, dv, dmask, dsinks = backward_op(dout, dlse, q, k, v, out, lse, kv_len, q_len, mask, alibi_slopes,
+                                                sinks, *ctx.options, ctx.mask_grad, ctx.sinks_grad)
+    finally:
+        _handoff.backward = None
     # One gradient per op input: q, k, v, kv_len, q_len, mask, block_table (gathered before the op whenever a
     # gradient is needed, so always None here), alibi_slopes (never a gradient), sinks, then the non-tensor
     # arguments.

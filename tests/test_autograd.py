@@ -144,3 +144,34 @@ def test_fake_tensors_that_need_grad_go_through_the_op():
         q = torch.randn(1, 2, 8, 8, requires_grad=True)
         out, lse = attnlab.attention(q, q, q, causal=True, backend="triton", return_lse=True)
     assert isinstance(out, FakeTensor) and out.shape == q.shape and lse.shape == (1, 2, 8)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_eager_training_step_validates_once(backend, monkeypatch):
+    """An eager call that needs a gradient validates its problem once: the forward and the backward take the
+    Problem the call made (on a slow host each validation is tens of us of a host-bound step); the gradients are
+    those of a step that validated three times."""
+    from attnlab import api
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 21, 4, 16, generator=g) for _ in range(3))  # [B, N, H, D]
+    sinks = torch.randn(4, generator=g)
+    kw = dict(window=(5, 0), align="bottom_right", kv_len=[21, 9], sinks=sinks, backend=backend, layout="bnhd")
+
+    def step():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = attnlab.attention(*leaves, **kw)
+        out.backward(torch.ones_like(out))
+        return [x.grad for x in leaves]
+
+    made = []
+    real = api.make_problem
+    monkeypatch.setattr(api, "make_problem", lambda *a, **k: made.append(1) or real(*a, **k))
+    once = step()
+    assert len(made) == 1
+    monkeypatch.setattr(api, "_given_problem", lambda *a: None)  # no hand-off: every stage validates again
+    monkeypatch.setattr(api._handoff, "backward", None, raising=False)
+    thrice = step()
+    assert len(made) == 4
+    for a, b in zip(once, thrice):
+        assert torch.equal(a, b)
