@@ -119,9 +119,12 @@ def _scalars(prob: Problem) -> list:
             spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0, cap2]
 
 
+def _preprocess_block_m(interpret: bool) -> int:
+    return INTERPRETER_CONFIG.block_m if interpret else PREPROCESS_BLOCK_M
+
+
 def _preprocess_grid(prob: Problem, interpret: bool) -> tuple[int, int, int]:
-    block_m = INTERPRETER_CONFIG.block_m if interpret else PREPROCESS_BLOCK_M
-    return (triton.cdiv(prob.Nq, block_m), prob.Hq, prob.B)
+    return (triton.cdiv(prob.Nq, _preprocess_block_m(interpret)), prob.Hq, prob.B)
 
 
 def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_part=None) -> tuple:
@@ -135,7 +138,7 @@ def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_
     args = (out, dout, lse, delta, lse2, q_len, prob.mods.kernel_sinks if has_sinks else lse,
             sink_part if has_sinks else lse, *batch_strides(out, packed), *batch_strides(dout, packed),
             *batch_strides(lse, packed), prob.Hq, prob.Nq, prob.Dv, prob.q.shape[2])
-    kw = dict(BLOCK_M=INTERPRETER_CONFIG.block_m if interpret else PREPROCESS_BLOCK_M,
+    kw = dict(BLOCK_M=_preprocess_block_m(interpret),
               BLOCK_DV=padded_head_dim(prob.Dv), HAS_Q_LEN=spec.q_len is not None, VARLEN=packed is not None,
               HAS_SINKS=has_sinks, num_warps=1 if interpret else 4, **configs.COMPILE_OPTIONS)
     return bwd_preprocess, grid, args, kw
@@ -262,8 +265,10 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     # float32 rows, q, k, v for dq, dk, dv where torch.empty_like (which makes those) keeps their strides, out
     # for dout.
     dq, dk, dv = (x if _like_its_gradient(x) else torch.empty_like(x) for x in (prob.q, prob.k, prob.v))
+    # (the preprocess stores the sinks' shares when they require grad: the variant a backward without dlse runs)
+    sinks = prob.mods.sinks
     launches = (_preprocess_launch(prob, out, lse, out, lse, lse, False,
-                                   lse if prob.mods.sinks is not None else None),
+                                   lse if sinks is not None and sinks.requires_grad else None),
                 _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
                 _dq_launch(prob, out, lse, lse, dq, q_cfg, False))
     _ahead[key] = [background.ahead(kernel, grid, args, kw, prob.device) for kernel, grid, args, kw in launches]
