@@ -36,9 +36,10 @@ Three launches, each a grid of programs over tiles of the [Nq, Nk] score matrix 
    Each dQ element is written by one program: deterministic, no atomics.
 
 With a value head dim of its own, V, dO, dV and the preprocess run over Dv (``BLOCK_DV``), Q, K, dQ, dK over
-D. Packed sequences (``VARLEN``) map programs as the forward does (:mod:`~.forward_kernel`): each finds its
-sequence's first row and key from the prefix sums and bounds every load and store by the sequence's own
-lengths; Delta and Lse2 are then [Hq, total_q].
+D. Packed sequences (``VARLEN``) map programs as the forward does (:mod:`~.forward_kernel`): the grids' first
+axis holds packed slots (``total // BLOCK + B``, :func:`tiles.packed_tile`) in place of the tile index, the batch
+axis is 1, and each program finds its sequence's first row and key from the prefix sums and bounds every load
+and store by the sequence's own lengths; Delta and Lse2 are then [Hq, total_q].
 
 Both loops recompute S (and dP) from Q, K, V, dO: dQ's pass costs two extra products, the price of writing
 every gradient once.
@@ -164,9 +165,12 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_Q_LEN: tl.constexpr, VARLEN: tl.constexpr,
         HAS_SINKS: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
         h = tl.program_id(1)
-        b = tl.program_id(2)
+        if VARLEN:  # grid (packed slots, Hq, 1)
+            b, pid_m = tiles.packed_tile(QLen, tl.program_id(0), Tq, BLOCK_M)
+        else:
+            pid_m = tl.program_id(0)
+            b = tl.program_id(2)
         i0 = pid_m * BLOCK_M
         zero = i0 * 0
         # (QLen stands in for the keys' prefix sums too: only the rows are used here)
@@ -192,7 +196,9 @@ if triton is not None:
         tl.store(Lse2 + out_ptrs, lse2, mask=rows < n_rows)
         if HAS_SINKS:  # this tile's share of the sink's gradient: sum of p_sink * Delta, p_sink = exp(sink - lse)
             p_sink = tl.where(live, tl.math.exp2((tl.load(Sinks + h).to(tl.float32) - lse) * 1.4426950408889634), 0.0)
-            tl.store(SinkPart + (b64 * Hq + h64) * tl.num_programs(0) + pid_m, tl.sum(p_sink * delta, 0))
+            # stored head-major, one float per program: the host sums each head's row of shares
+            share = (h64 * tl.num_programs(2) + tl.program_id(2)) * tl.num_programs(0) + tl.program_id(0)
+            tl.store(SinkPart + share, tl.sum(p_sink * delta, 0))
 
     # -----------------------------------------------------------------------------------------------
     # 2. dK and dV: a key tile stationary, query tiles streaming
@@ -255,9 +261,12 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
     ):
         # ---- which tile: key tile pid_n of kv head kvh, batch b -----------------------------------------
-        pid_n = tl.program_id(0)
         kvh = tl.program_id(1)
-        b = tl.program_id(2)
+        if VARLEN:  # grid (packed slots, Hkv, 1): a sequence's first key tile (the most rows) first
+            b, pid_n = tiles.packed_tile(KvLen, tl.program_id(0), Tk, BLOCK_N)
+        else:
+            pid_n = tl.program_id(0)
+            b = tl.program_id(2)
         n0 = pid_n * BLOCK_N
         zero = n0 * 0
         row_base_nq = Nq  # Delta and Lse2 are laid out by the bound, not by a packed sequence's length
@@ -362,9 +371,12 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
     ):
         # ---- which tile: row tile pid_m (last first) of query head h, batch b; kv head h // group --------
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
         h = tl.program_id(1)
-        b = tl.program_id(2)
+        if VARLEN:  # grid (packed slots, Hq, 1), the last slot first
+            b, pid_m = tiles.packed_tile(QLen, tl.num_programs(0) - 1 - tl.program_id(0), Tq, BLOCK_M)
+        else:
+            pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+            b = tl.program_id(2)
         i0 = pid_m * BLOCK_M
         zero = i0 * 0
         row_base_nq = Nq  # Delta and Lse2 are laid out by the bound, not by a packed sequence's length

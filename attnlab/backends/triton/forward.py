@@ -106,14 +106,17 @@ def _rows_outer(prob: Problem, cfg: Config) -> bool:
     "Row tiles outermost"). Heads then share less of their K/V in L2, which the (compute-bound) float32
     candidates afford.
     """
-    return cfg.rows_outer and triton.cdiv(prob.Nq, cfg.block_m) <= 65535
+    return cfg.rows_outer and prob.packed is None and triton.cdiv(prob.Nq, cfg.block_m) <= 65535
 
 
 def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
-    """One program per (row tile, query head, batch entry)."""
+    """One program per (row tile, query head, batch entry); packed, per (slot, query head), the slots
+    holding every sequence's row tiles (:func:`~attnlab.backends.triton.tiles.packed_tile`)."""
+    if prob.packed is not None:
+        return (_rt.packed_slots(prob.q.shape[2], cfg.block_m, prob.B), prob.Hq, 1)
     if _rows_outer(prob, cfg):
         return (prob.Hq, prob.B, triton.cdiv(prob.Nq, cfg.block_m))
-    return (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)  # packed: B sequences of at most Nq rows
+    return (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
 
 
 class _Plan:

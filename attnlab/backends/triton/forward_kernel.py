@@ -13,12 +13,14 @@ D padded to a power of two ``BLOCK_D`` >= 16 with zeros), then streams K/V tiles
 through the online softmax and writes its [BLOCK_M, D] slice of the output and its lse once at the end.
 v may have its own head dim ``Dv`` (padded to ``BLOCK_DV``): Q K^T runs over D, P V and the output over Dv.
 
-Packed sequences (``VARLEN``, :func:`attnlab.attention_varlen`): the "batch" axis of the grid is the
-sequence, ``Nq``/``Nk`` are the bounds ``max_seqlen_q``/``max_seqlen_k``, and the kernel reads the prefix sums
-where it reads the lengths otherwise. A program finds its sequence's first row and key and its lengths
-(:func:`tiles.sequence`, clamped into the tensors), adds the first row and key to its bases (batch strides
-are 0), and from then on treats the sequence's lengths as the row and key bounds, so no load or store
-crosses into the next sequence. Row tiles past a short sequence's end exit at once.
+Packed sequences (``VARLEN``, :func:`attnlab.attention_varlen`): the grid is ``(Tq // BLOCK_M + B, Hq, 1)``,
+packed slots rather than ``B * ceil(max_seqlen_q / BLOCK_M)`` programs that mostly exit: :func:`tiles.packed_tile`
+finds a slot's sequence and row tile (the last slot first). ``Nq``/``Nk`` are the bounds
+``max_seqlen_q``/``max_seqlen_k``, and the kernel reads the prefix sums where it reads the lengths otherwise. A
+program finds its sequence's first row and key and its lengths (:func:`tiles.sequence`, clamped into the
+tensors), adds the first row and key to its bases (batch strides are 0), and from then on treats the sequence's
+lengths as the row and key bounds, so no load or store crosses into the next sequence. A slot past its
+sequence's end exits at once.
 Every address is computed from the caller's strides (any layout, transposed views, a non-unit D
 stride); the large parts of an offset (batch, head, the tile's first row or key) are 64-bit scalars, the
 in-tile parts 32-bit vectors.
@@ -293,7 +295,10 @@ if triton is not None:
         KEY_AXIS: tl.constexpr, ROWS_OUTER: tl.constexpr, VARLEN: tl.constexpr,
     ):
         # ---- which tile: row tile pid_m (last first), query head h, batch b; kv head h // group ----------
-        if ROWS_OUTER:  # grid (Hq, B, row tiles): the longest row tiles of every head first
+        if VARLEN:  # grid (packed slots, Hq, 1): the last sequence's last row tile first
+            b, pid_m = tiles.packed_tile(QLen, tl.num_programs(0) - 1 - tl.program_id(0), Tq, BLOCK_M)
+            h = tl.program_id(1)
+        elif ROWS_OUTER:  # grid (Hq, B, row tiles): the longest row tiles of every head first
             pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
             h = tl.program_id(0)
             b = tl.program_id(1)

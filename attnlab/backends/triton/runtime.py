@@ -41,6 +41,13 @@ def batch_strides(t: torch.Tensor, packed: Packed | None) -> tuple[int, ...]:
     return (0, *t.stride()[1:]) if packed is not None else t.stride()
 
 
+def packed_slots(total: int, block: int, n_seq: int) -> int:
+    """Programs along a packed grid's first axis: ``total // block + n_seq`` slots hold every tile of ``n_seq``
+    sequences of ``total`` rows (or keys) in all, with at most one idle slot per sequence
+    (:func:`~attnlab.backends.triton.tiles.packed_tile`, which reads n_seq back from this count)."""
+    return total // block + n_seq
+
+
 def pointers(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """The tensors' device addresses. Triton's launcher (3.4 to 3.9) takes an int for a pointer parameter as
     the address itself; given a tensor it calls ``data_ptr()`` and asks the driver whether the address is a

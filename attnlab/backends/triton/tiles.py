@@ -90,6 +90,27 @@ if triton is not None:
         return q0, k0, Lq, Lk, off, n_rows, n_keys
 
     @triton.jit
+    def packed_tile(Cu, slot, T, BLOCK: tl.constexpr):
+        """(b, t) of program ``slot`` of a packed grid over ``T`` rows (or keys) cut into tiles of ``BLOCK``:
+        sequence b and its tile t, from the prefix sums ``Cu`` (cu_seqlens, read on the GPU).
+
+        Sequence b owns the slots from ``start(b) = cu[b] // BLOCK + b`` on (cu clamped into [0, T]). Two
+        neighbouring starts are at least as many slots apart as the first sequence has tiles, so ``T // BLOCK + B``
+        slots (the grid the host launches, whence ``B = num_programs - T // BLOCK``) hold every tile and at most
+        one idle slot per sequence, rather than ``B * ceil(max_seqlen / BLOCK)`` programs that mostly exit. b is
+        the number of starts after the first that are at most ``slot``, counted 256 prefix sums at a time. A
+        slot that holds no tile (past its sequence's end, or prefix sums out of order) gets a t whose rows all
+        lie past T: the caller's bounds leave it idle."""
+        n_seq = tl.num_programs(0) - T // BLOCK
+        b = slot * 0
+        for c0 in range(1, n_seq, 256):
+            idx = c0 + tl.arange(0, 256)
+            start = tl.minimum(tl.maximum(tl.load(Cu + idx, mask=idx < n_seq, other=0), 0), T) // BLOCK + idx
+            b += tl.sum(((start <= slot) & (idx < n_seq)).to(tl.int32), 0)
+        t = slot - (tl.minimum(tl.maximum(tl.load(Cu + b), 0), T) // BLOCK + b)
+        return b, tl.where(t < 0, T // BLOCK + 1, t)
+
+    @triton.jit
     def key_range(lo, i0, i_last, Lk, off, win_left, win_right, HAS_LEFT: tl.constexpr,
                    HAS_RIGHT: tl.constexpr):
         """Keys ``[lo, hi)`` that some row of ``[i0, i_last]`` may see and ``[full_lo, full_hi)`` that every
