@@ -119,32 +119,18 @@ if triton is not None:
         return tiles.tile_ranges(lo, hi, full_lo, full_hi, BLOCK_M)
 
     @triton.jit
-    def _modified(s, lse2, rows, keys, row0, key0, cap2, slope2, alibi_off, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KEY_AXIS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-        """The score modifiers on base-2 scores (soft cap, then ALiBi), the cap's derivative ``1 - tanh^2`` (1.0
-        without a cap), by which the gradient of a capped score reaches q and k, and the rows' lse2 to subtract.
-
-        ALiBi on a tile whose rows ``[row0, row0 + BLOCK_M)`` and keys ``[key0, key0 + BLOCK_N)`` lie wholly on one
-        side of the diagonal (``d = i + off - j`` of one sign, ``sigma``) is split: ``-slope2 * |d| =
-        sigma * slope2 * ((j - key0) - (i + off - key0))``, a key term added to the scores and a row term added to
-        lse2 (subtracted next), one add per score rather than three. Counted from the tile's first key, both
-        terms stay small wherever p is not negligible, so float32 loses nothing to cancellation. A tile that
-        crosses the diagonal takes ``|d|`` per score."""
+    def _modified(s, rows, keys, cap2, slope2, alibi_off, KEY_AXIS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr):
+        """The score modifiers on base-2 scores (soft cap, then ALiBi) and the cap's derivative ``1 - tanh^2``
+        (1.0 without a cap), by which the gradient of a capped score reaches q and k."""
         dcap = 1.0
         if HAS_SOFTCAP:
             s = tiles.softcap(s, cap2)
             t = s / cap2
             dcap = 1.0 - t * t
         if HAS_ALIBI:
-            d_min = row0 + alibi_off - (key0 + BLOCK_N - 1)
-            d_max = row0 + BLOCK_M - 1 + alibi_off - key0
-            if (d_min >= 0) | (d_max <= 0):
-                sigma = tl.where(d_min >= 0, slope2, -slope2)
-                s = s + tl.expand_dims(sigma * (keys - key0).to(tl.float32), 1 - KEY_AXIS)
-                lse2 = lse2 + sigma * (rows + alibi_off - key0).to(tl.float32)
-            else:
-                s = tiles.alibi(s, rows, keys, alibi_off, slope2, KEY_AXIS)
-        return s, dcap, lse2
+            s = tiles.alibi(s, rows, keys, alibi_off, slope2, KEY_AXIS)
+        return s, dcap
 
     @triton.jit
     def _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, KEY_AXIS: tl.constexpr, HAS_MASK: tl.constexpr):
@@ -219,12 +205,12 @@ if triton is not None:
     # -----------------------------------------------------------------------------------------------
     @triton.jit
     def _dkdv_row_tile(
-        dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, m0, n0, keys, Lk, off, win_left, win_right,
+        dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, m0, keys, Lk, off, win_left, win_right,
         Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale, cap2, slope2, alibi_off,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-        PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
-        HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
+        EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PARTIAL: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """dK and dV updated with the query rows ``[m0, m0 + BLOCK_M)`` of one head (scores held as S^T)."""
         offs_m = tl.arange(0, BLOCK_M)
@@ -243,8 +229,7 @@ if triton is not None:
 
         # S^T = K Q^T in base 2, masked; P^T = exp2(S^T - lse2) (0 for rows with lse2 = +inf)
         s_t = tiles.score_mod(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale)
-        s_t, dcap, lse2 = _modified(s_t, lse2, rows, keys, m0, n0, cap2, slope2, alibi_off, BLOCK_M, BLOCK_N,
-                                    0, HAS_SOFTCAP, HAS_ALIBI)
+        s_t, dcap = _modified(s_t, rows, keys, cap2, slope2, alibi_off, 0, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_MASK or HAS_BIAS:
             s_t = _explicit(s_t, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 0, HAS_MASK)
         if PARTIAL:
@@ -319,10 +304,10 @@ if triton is not None:
                 t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
                 for t in range(t_begin, t_end):
                     dk, dv = _dkdv_row_tile(
-                        dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, zero + t * BLOCK_M, n0,
+                        dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, zero + t * BLOCK_M,
                         keys, Lk, off, win_left, win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale,
-                        cap2, slope2, Lk - Lq, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP,
-                        HAS_ALIBI, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                        cap2, slope2, Lk - Lq, BLOCK_M, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI,
+                        phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
                         Q.dtype.element_ty, DOT_PRECISION, UPCAST,
                     )
 
@@ -341,12 +326,12 @@ if triton is not None:
     # -----------------------------------------------------------------------------------------------
     @triton.jit
     def _dq_key_tile(
-        dq, q, do, lse2, delta, k_base, v_base, e_base, n0, i0, rows, Lk, off, win_left, win_right,
+        dq, q, do, lse2, delta, k_base, v_base, e_base, n0, rows, Lk, off, win_left, win_right,
         Nq, Nk, D, Dv, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale, cap2, slope2, alibi_off,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-        PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
-        HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
+        EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PARTIAL: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """dQ updated with the keys ``[n0, n0 + BLOCK_N)``."""
         offs_n = tl.arange(0, BLOCK_N)
@@ -357,8 +342,7 @@ if triton is not None:
         k = _load_rows(k_base + n64 * s_kn, offs_n, Lk - n0, offs_d, D, s_kn, s_kd, PARTIAL, EVEN_D, UPCAST)
         v = _load_rows(v_base + n64 * s_vn, offs_n, Lk - n0, offs_dv, Dv, s_vn, s_vd, PARTIAL, EVEN_DV, UPCAST)
         s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)  # base 2
-        s, dcap, lse2 = _modified(s, lse2, rows, keys, i0, n0, cap2, slope2, alibi_off, BLOCK_M, BLOCK_N, 1,
-                                  HAS_SOFTCAP, HAS_ALIBI)
+        s, dcap = _modified(s, rows, keys, cap2, slope2, alibi_off, 1, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_MASK or HAS_BIAS:
             s = _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 1, HAS_MASK)
         if PARTIAL:
@@ -429,9 +413,9 @@ if triton is not None:
             t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
             for t in range(t_begin, t_end):
                 dq = _dq_key_tile(
-                    dq, q, do, lse2, delta, k_base, v_base, e_base, zero + t * BLOCK_N, i0, rows, Lk, off,
+                    dq, q, do, lse2, delta, k_base, v_base, e_base, zero + t * BLOCK_N, rows, Lk, off,
                     win_left, win_right, Nq, Nk, D, Dv, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, qk_scale, cap2, slope2,
-                    Lk - Lq, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI, phase != 1,
+                    Lk - Lq, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI, phase != 1,
                     HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
                     Q.dtype.element_ty, DOT_PRECISION, UPCAST,
                 )
