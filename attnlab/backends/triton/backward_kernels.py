@@ -119,19 +119,15 @@ if triton is not None:
         return tiles.tile_ranges(lo, hi, full_lo, full_hi, BLOCK_M)
 
     @triton.jit
-    def _shifted(s, lse2, rows, keys, cap2, slope2, alibi_off, KEY_AXIS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr):
-        """``s - lse2`` (``lse2`` one per row, broadcast along the keys) with the score modifiers, soft cap first,
-        then ALiBi, and the cap's derivative ``1 - tanh^2`` (1.0 without a cap), by which the gradient of a capped
-        score reaches q and k. lse2 comes off before ALiBi: the terms after the cap (ALiBi, a bias, the masks'
-        -inf) are sums that commute with it, and without a cap the scale's multiply and the subtraction fuse into
-        one FMA, which leaves ALiBi two operations per score."""
+    def _modified(s, rows, keys, cap2, slope2, alibi_off, KEY_AXIS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr):
+        """The score modifiers on base-2 scores (soft cap, then ALiBi) and the cap's derivative ``1 - tanh^2``
+        (1.0 without a cap), by which the gradient of a capped score reaches q and k."""
         dcap = 1.0
         if HAS_SOFTCAP:
             s = tiles.softcap(s, cap2)
             t = s / cap2
             dcap = 1.0 - t * t
-        s = s - tl.expand_dims(lse2, KEY_AXIS)
         if HAS_ALIBI:
             s = tiles.alibi(s, rows, keys, alibi_off, slope2, KEY_AXIS)
         return s, dcap
@@ -231,14 +227,14 @@ if triton is not None:
             lse2 = tl.load(lse2_base + rows)
             delta = tl.load(delta_base + rows)
 
-        # S^T = K Q^T in base 2 less each row's lse2, masked; P^T = exp2 of it (0 for rows with lse2 = +inf)
+        # S^T = K Q^T in base 2, masked; P^T = exp2(S^T - lse2) (0 for rows with lse2 = +inf)
         s_t = tiles.score_mod(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale)
-        s_t, dcap = _shifted(s_t, lse2, rows, keys, cap2, slope2, alibi_off, 0, HAS_SOFTCAP, HAS_ALIBI)
+        s_t, dcap = _modified(s_t, rows, keys, cap2, slope2, alibi_off, 0, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_MASK or HAS_BIAS:
             s_t = _explicit(s_t, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 0, HAS_MASK)
         if PARTIAL:
             s_t = tiles.band(s_t, keys, rows, Lk, off, win_left, win_right, 0, HAS_LEFT, HAS_RIGHT)
-        p_t = tl.math.exp2(s_t)
+        p_t = tl.math.exp2(s_t - lse2[None, :])
         dv = tl.dot(_operand(p_t, DTYPE, UPCAST), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T
         ds_t = p_t * (dp_t - delta[None, :])  # dS^T = P^T * (dP^T - Delta)
@@ -346,12 +342,12 @@ if triton is not None:
         k = _load_rows(k_base + n64 * s_kn, offs_n, Lk - n0, offs_d, D, s_kn, s_kd, PARTIAL, EVEN_D, UPCAST)
         v = _load_rows(v_base + n64 * s_vn, offs_n, Lk - n0, offs_dv, Dv, s_vn, s_vd, PARTIAL, EVEN_DV, UPCAST)
         s = tiles.score_mod(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale)  # base 2
-        s, dcap = _shifted(s, lse2, rows, keys, cap2, slope2, alibi_off, 1, HAS_SOFTCAP, HAS_ALIBI)  # less lse2
+        s, dcap = _modified(s, rows, keys, cap2, slope2, alibi_off, 1, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_MASK or HAS_BIAS:
             s = _explicit(s, e_base, rows, keys, Nq, Nk, s_ei, s_ej, 1, HAS_MASK)
         if PARTIAL:
             s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
-        p = tl.math.exp2(s)
+        p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # dP = dO V^T
         ds = p * (dp - delta[:, None])  # dS = P * (dP - Delta)
         if HAS_SOFTCAP:  # through the cap: times 1 - tanh^2
