@@ -142,8 +142,8 @@ def test_gradients_match_float64_autograd(kw, dtype, backend, lse_grad):
                                 {"window": (20, 7), "align": "top_left", "q_len": [45, 17]}],
                          ids=["full_kv_len", "causal_br_kv_len", "window_q_len"])
 def test_alibi_gradients_over_many_tiles(kw):
-    """ALiBi's gradients where the kernels' tiles lie on both sides of the diagonal and across it (the backward
-    splits the distance on one-sided tiles): float32 within 2e-5 relative to the largest gradient."""
+    """ALiBi's gradients where the kernels' tiles lie on both sides of the diagonal and across it, with lengths
+    that put tile corners on it: float32 within 2e-5 relative to the largest gradient."""
     g = torch.Generator().manual_seed(11)
     q, k, v = torch.randn(2, 3, 45, 16, generator=g), torch.randn(2, 3, 53, 16, generator=g), torch.randn(
         2, 3, 53, 16, generator=g)

@@ -185,8 +185,8 @@ if triton is not None:
         head's slope times log2(e), ``alibi_off`` = Lk - Lq of the row's sequence, whatever the alignment).
 
         The positions become float32 per row and per key, before the broadcast: an int-to-float conversion per
-        score runs at an eighth of the FMA rate, while a float difference and its absolute value (a free operand
-        modifier) cost one add. Positions below 2**24 are exact in float32."""
+        score would run on a slow pipe, while a float difference and its absolute value (an operand modifier) cost
+        one add (docs/decisions.md, "ALiBi's distance in the kernels"). Positions below 2**24 are exact."""
         row_pos = (rows + alibi_off).to(tl.float32)
         key_pos = keys.to(tl.float32)
         dist = tl.expand_dims(row_pos, KEY_AXIS) - tl.expand_dims(key_pos, 1 - KEY_AXIS)
