@@ -92,6 +92,53 @@ def test_hundreds_of_sequences_each_find_their_tiles():
         assert (got.double() - exp).abs().max() < 1e-4
 
 
+def _unchecked(prob, cu):
+    """``prob`` with prefix sums ``cu`` taken as never read back (as GPU ones are): not validated, only clamped."""
+    import dataclasses
+
+    return dataclasses.replace(prob, packed=dataclasses.replace(prob.packed, cu_q=cu, cu_k=cu, checked=False))
+
+
+def _packed_gradients(prob, out, lse, dout):
+    from attnlab.backends.triton.backward import gradients
+
+    bhnd = lambda t: t.unsqueeze(0).transpose(1, 2)
+    return gradients(prob, bhnd(out), lse, bhnd(dout))[:3]
+
+
+def test_unchecked_prefix_sums_of_no_sequence_launch_nothing():
+    """Prefix sums [0] over tensors that hold rows: no program runs (none reads past the prefix sums), and the
+    gradients are zero."""
+    from attnlab.problem import make_packed_problem
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(40, 2, 16, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    prob = _unchecked(make_packed_problem(q, k, v, cu, cu, 40, 40), cu[:1])  # cu[1] lies just past the view
+    out, dout = torch.randn(40, 2, 16, generator=g), torch.randn(40, 2, 16, generator=g)
+    for grad in _packed_gradients(prob, out, torch.randn(1, 2, 40, generator=g), dout):
+        assert (grad == 0).all()
+
+
+def test_unchecked_prefix_sums_out_of_order_never_read_stale_memory(monkeypatch):
+    """Decreasing prefix sums leave some tiles to no program: rows the preprocess never visits must not feed the
+    dK/dV pass whatever the memory held (stale memory stands in as NaN)."""
+    from attnlab.problem import make_packed_problem
+    from attnlab.varlen import _forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(100, 1, 16, generator=g) for _ in range(3))
+    ok = torch.tensor([0, 50, 50, 100], dtype=torch.int32)
+    prob = _unchecked(make_packed_problem(q, k, v, ok, ok, 100, 100), torch.tensor([0, 100, 50, 100],
+                                                                                  dtype=torch.int32))
+    out, lse = _forward(prob, True, needs_grad=True)
+    assert torch.isfinite(out).all()
+    real = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, *a, **kw: real(t, *a, **kw).fill_(float("nan")))
+    for grad in _packed_gradients(prob, out, lse.unsqueeze(0), torch.randn(out.shape, generator=g)):
+        assert torch.isfinite(grad).all()
+
+
 def test_no_sequence_at_all():
     q, k, v = torch.randn(0, 2, 8), torch.randn(0, 2, 8), torch.randn(0, 2, 8)
     cu = torch.zeros(1, dtype=torch.int32)

@@ -36,8 +36,8 @@ class TritonBackend(Backend):
             return IMPORT_ERROR
         if prob.device.type not in ("cuda", "cpu"):
             return f"runs on CUDA tensors (compiled) or CPU tensors (interpreter); got {prob.device}"
-        if prob.B > 65535 or prob.Hq > 65535:
-            return f"grid limit: B and Hq must be at most 65535; got B={prob.B}, Hq={prob.Hq}"
+        if (prob.packed is None and prob.B > 65535) or prob.Hq > 65535:  # packed sequences share the first axis
+            return f"grid limit: B (unpacked) and Hq must be at most 65535; got B={prob.B}, Hq={prob.Hq}"
         if prob.device.type == "cuda" and prob.dtype == torch.bfloat16:
             major, _ = torch.cuda.get_device_capability(prob.device)
             if major < 8:

@@ -427,7 +427,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     # max_seqlen): their gradients start as zeros rather than uninitialized.
     new = torch.zeros_like if packed is not None and not packed.checked else torch.empty_like
     dq, dk, dv = new(prob.q), new(prob.k), new(prob.v)
-    no_key = dq.numel() == 0 or dk.numel() == 0
+    no_key = dq.numel() == 0 or dk.numel() == 0 or prob.B == 0
     interpret = not prob.q.is_cuda
     spec = prob.spec
     if no_key or (interpret and spec.kv_len is not None and not bool(spec.kv_len.any())):  # host tensor: no sync
@@ -436,10 +436,12 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         if prob.mods.sinks is not None and sinks_grad:
             dsinks = sinks_gradient(prob, lse, -_dlse_or_zero(dlse, lse))
         return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
-    # [B, Hq, Nq]; packed [1, Hq, total], zeros where a too small max_seqlen may leave rows unwritten
-    delta = (torch.zeros if packed is not None and not packed.checked else torch.empty)(
-        rows, dtype=torch.float32, device=prob.device)
-    lse2 = torch.empty_like(delta)
+    # [B, Hq, Nq]; packed [1, Hq, total]. Prefix sums never checked may leave rows to no program (a too small
+    # max_seqlen, or sums out of order): those rows start as Delta = 0 and lse2 = +inf, so that p = 0 wherever
+    # the dK/dV pass meets them.
+    unchecked = packed is not None and not packed.checked
+    delta = (torch.zeros if unchecked else torch.empty)(rows, dtype=torch.float32, device=prob.device)
+    lse2 = torch.full_like(delta, float("inf")) if unchecked else torch.empty_like(delta)
     shares = _sink_shares(prob, dlse, interpret) if sinks_grad else None
     if interpret:
         with interpreter(bwd_preprocess):

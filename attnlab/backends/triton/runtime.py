@@ -44,8 +44,9 @@ def batch_strides(t: torch.Tensor, packed: Packed | None) -> tuple[int, ...]:
 def packed_slots(total: int, block: int, n_seq: int) -> int:
     """Programs along a packed grid's first axis: ``total // block + n_seq`` slots hold every tile of ``n_seq``
     sequences of ``total`` rows (or keys) in all, with at most one idle slot per sequence
-    (:func:`~attnlab.backends.triton.tiles.packed_tile`, which reads n_seq back from this count)."""
-    return total // block + n_seq
+    (:func:`~attnlab.backends.triton.tiles.packed_tile`, which reads n_seq back from this count); none without
+    a sequence, whatever the tensors hold."""
+    return total // block + n_seq if n_seq > 0 else 0
 
 
 def pointers(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
