@@ -425,7 +425,8 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         lse = lse.float()
     # A packed call whose sequences were not checked on the host may leave rows or keys out (a too small
     # max_seqlen): their gradients start as zeros rather than uninitialized.
-    new = torch.zeros_like if packed is not None and not packed.checked else torch.empty_like
+    unchecked = packed is not None and not packed.checked
+    new = torch.zeros_like if unchecked else torch.empty_like
     dq, dk, dv = new(prob.q), new(prob.k), new(prob.v)
     no_key = dq.numel() == 0 or dk.numel() == 0 or prob.B == 0
     interpret = not prob.q.is_cuda
@@ -439,7 +440,6 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     # [B, Hq, Nq]; packed [1, Hq, total]. Prefix sums never checked may leave rows to no program (a too small
     # max_seqlen, or sums out of order): those rows start as Delta = 0 and lse2 = +inf, so that p = 0 wherever
     # the dK/dV pass meets them.
-    unchecked = packed is not None and not packed.checked
     delta = (torch.zeros if unchecked else torch.empty)(rows, dtype=torch.float32, device=prob.device)
     lse2 = torch.full_like(delta, float("inf")) if unchecked else torch.empty_like(delta)
     shares = _sink_shares(prob, dlse, interpret) if sinks_grad else None
