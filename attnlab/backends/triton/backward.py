@@ -37,7 +37,7 @@ from attnlab.backends.triton.configs import (
 )
 from attnlab.backends.triton.forward_kernel import LOG2E
 from attnlab.backends.triton.interpreter import interpreted_fn, interpreter
-from attnlab.backends.triton.runtime import batch_strides, jit_run, packed_slots
+from attnlab.backends.triton.runtime import batch_strides, jit_run, tile_grid
 from attnlab.problem import Problem
 
 try:
@@ -123,15 +123,8 @@ def _preprocess_block_m(interpret: bool) -> int:
     return INTERPRETER_CONFIG.block_m if interpret else PREPROCESS_BLOCK_M
 
 
-def _grid(prob: Problem, n: int, total: int, block: int, heads: int) -> tuple[int, int, int]:
-    """(tiles of ``n`` rows or keys, heads, B); packed, (slots over the ``total`` rows or keys, heads, 1)."""
-    if prob.packed is not None:
-        return (packed_slots(total, block, prob.B), heads, 1)
-    return (triton.cdiv(n, block), heads, prob.B)
-
-
 def _preprocess_grid(prob: Problem, interpret: bool) -> tuple[int, int, int]:
-    return _grid(prob, prob.Nq, prob.q.shape[2], _preprocess_block_m(interpret), prob.Hq)
+    return tile_grid(prob, prob.Nq, prob.q.shape[2], _preprocess_block_m(interpret), prob.Hq)
 
 
 def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_part=None) -> tuple:
@@ -154,7 +147,7 @@ def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_
 def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool) -> tuple:
     """(kernel, grid, arguments, keywords) of the dK/dV kernel with ``cfg``."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    grid = _grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv)
+    grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv)
     pk = prob.packed
     args = (prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, *ptrs,
             *batch_strides(prob.q, pk), *batch_strides(prob.k, pk), *batch_strides(prob.v, pk),
@@ -167,7 +160,7 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
 def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> tuple:
     """(kernel, grid, arguments, keywords) of the dQ kernel with ``cfg``."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    grid = _grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq)
+    grid = tile_grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq)
     pk = prob.packed
     args = (prob.q, prob.k, prob.v, dout, lse2, delta, dq, *ptrs,
             *batch_strides(prob.q, pk), *batch_strides(prob.k, pk), *batch_strides(prob.v, pk),

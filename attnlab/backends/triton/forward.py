@@ -112,11 +112,9 @@ def _rows_outer(prob: Problem, cfg: Config) -> bool:
 def _grid(prob: Problem, cfg: Config) -> tuple[int, int, int]:
     """One program per (row tile, query head, batch entry); packed, per (slot, query head), the slots
     holding every sequence's row tiles (:func:`~attnlab.backends.triton.tiles.packed_tile`)."""
-    if prob.packed is not None:
-        return (_rt.packed_slots(prob.q.shape[2], cfg.block_m, prob.B), prob.Hq, 1)
     if _rows_outer(prob, cfg):
         return (prob.Hq, prob.B, triton.cdiv(prob.Nq, cfg.block_m))
-    return (triton.cdiv(prob.Nq, cfg.block_m), prob.Hq, prob.B)
+    return _rt.tile_grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq)
 
 
 class _Plan:

@@ -49,6 +49,14 @@ def packed_slots(total: int, block: int, n_seq: int) -> int:
     return total // block + n_seq if n_seq > 0 else 0
 
 
+def tile_grid(prob: Problem, n: int, total: int, block: int, heads: int) -> tuple[int, int, int]:
+    """A grid of one program per (tile of ``block`` of the ``n`` rows or keys, head, batch entry); packed, per
+    (slot over the ``total`` rows or keys, head): :func:`packed_slots`."""
+    if prob.packed is not None:
+        return (packed_slots(total, block, prob.B), heads, 1)
+    return (triton.cdiv(n, block), heads, prob.B)
+
+
 def pointers(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """The tensors' device addresses. Triton's launcher (3.4 to 3.9) takes an int for a pointer parameter as
     the address itself; given a tensor it calls ``data_ptr()`` and asks the driver whether the address is a
