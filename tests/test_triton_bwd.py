@@ -311,3 +311,65 @@ def test_a_repeated_backward_launches_directly(monkeypatch):
     assert len(jit) > 3
     for a, b in zip(first, third):
         assert torch.equal(a, b)
+
+
+def _gpu_case(seed: int = 11):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(2, 8, 700, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 4, 700, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    kw = dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(8, device="cuda", generator=g))
+    out, lse = attention(q, k, v, return_lse=True, backend="triton", **kw)
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+    return make_problem(q, k, v, **kw), out, lse, dout
+
+
+def _poisoned_gradients(prob, out, lse, dout):
+    """:func:`gradients` right after blocks of the gradients' sizes were filled with NaN and freed, so that the
+    caching allocator hands them out again (and so for Delta and the base-2 lse): a gradient read before its pass
+    ended, or computed before the preprocess, is NaN, not a stale right one."""
+    poison = [torch.full_like(x, float("nan")) for x in (prob.q, prob.k, prob.v, lse, lse)]
+    del poison
+    return triton_bwd.gradients(prob, out, lse, dout)
+
+
+@pytest.mark.gpu
+def test_two_streams_give_one_streams_gradients_and_wait_for_each_other(monkeypatch):
+    """The dQ pass on its side stream: the gradients equal the one-stream backward's bit for bit, also when the
+    current stream is slow to reach the preprocess (the side stream must wait for it) and when the dQ pass is slow
+    to finish (the current stream must wait for it before the gradients are read)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    prob, out, lse, dout = _gpu_case()
+    monkeypatch.setattr(triton_bwd, "TWO_STREAMS", False)
+    want = triton_bwd.gradients(prob, out, lse, dout)
+    monkeypatch.setattr(triton_bwd, "TWO_STREAMS", True)
+    for a, b in zip(want, triton_bwd.gradients(prob, out, lse, dout)):
+        assert torch.equal(a, b)
+    sleep = 200_000_000  # GPU cycles: about 0.1 s, far longer than the whole backward
+    real_pre, real_dq = triton_bwd._launch_preprocess, triton_bwd._launch_dq
+    monkeypatch.setattr(triton_bwd, "_launch_preprocess",
+                        lambda *a, **k: (torch.cuda._sleep(sleep), real_pre(*a, **k))[1])
+    for a, b in zip(want, _poisoned_gradients(prob, out, lse, dout)):
+        assert torch.equal(a, b), "the dQ pass ran before the preprocess"
+    monkeypatch.setattr(triton_bwd, "_launch_preprocess", real_pre)
+    monkeypatch.setattr(triton_bwd, "_launch_dq", lambda *a, **k: (torch.cuda._sleep(sleep), real_dq(*a, **k))[1])
+    for a, b in zip(want, _poisoned_gradients(prob, out, lse, dout)):
+        assert torch.equal(a, b), "the gradients were read before the dQ pass ended"
+
+
+@pytest.mark.gpu
+def test_two_stream_backward_replays_in_a_cuda_graph():
+    """The fork to the side stream and the join are captured: a replayed backward gives the eager gradients."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from attnlab.bench.replay import capture
+
+    prob, out, lse, dout = _gpu_case(12)
+    want = triton_bwd.gradients(prob, out, lse, dout)
+    graph, got = capture(lambda: triton_bwd.gradients(prob, out, lse, dout))
+    for t in got[:3]:
+        t.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(want[:3], got[:3]):
+        assert torch.equal(a, b)

@@ -57,6 +57,11 @@ PREPROCESS_BLOCK_M = 64
 #: Whether a GPU launch of a problem not tuned before times the candidates first (ATTNLAB_AUTOTUNE=1); by default
 #: the configs come from the shipped table (:mod:`.tuned_table`) and tuning happens only when asked (:func:`tune`).
 AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
+#: Whether a GPU backward runs its dQ pass on a second stream beside the dK/dV pass (ATTNLAB_BWD_STREAMS=0: one
+#: stream, one pass after the other). Both passes read only what the preprocess wrote, so their grids may share
+#: the GPU: dQ programs take the SMs that the dK/dV pass's last wave leaves idle (docs/decisions.md, "The
+#: backward's two passes side by side").
+TWO_STREAMS: bool = os.environ.get("ATTNLAB_BWD_STREAMS", "1") != "0"
 #: Config pairs tuned in this process or found in the persistent cache, by tune key.
 _tuned: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
 #: Config pairs taken from the shipped table or the heuristic defaults, by tune key.
@@ -452,14 +457,40 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         _minus_dlse(delta, dlse)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)
-        kv_done = _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key), kv_cfg,
-                                  dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel")
-        q_done = _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
-                                 dq_candidates(prob.dtype, block_d), "the backward's dQ kernel")
+        kv_done, q_done = _side_by_side(
+            lambda: _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key), kv_cfg,
+                                    dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel"),
+            lambda: _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
+                                    dq_candidates(prob.dtype, block_d), "the backward's dQ kernel"),
+            prob.device)
         if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
             key = tune_key(prob)
             (_tuned if key in _tuned else _picked)[key] = (kv_done, q_done)
     return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
+
+
+#: The side stream of each device that the dQ pass runs on (see TWO_STREAMS).
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_by_side(first, second, device: torch.device) -> tuple:
+    """``(first(), second())``: first on the current stream, second on the device's side stream, which starts
+    after everything queued on the current stream so far; the current stream then waits for the side stream,
+    so that whatever follows (and every tensor's reuse by the caching allocator) comes after both. One stream,
+    one after the other, without TWO_STREAMS. Graph capture follows the fork and the join."""
+    if not TWO_STREAMS:
+        return first(), second()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        side = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    main = torch.cuda.current_stream(index)
+    side.wait_stream(main)
+    a = first()
+    with torch.cuda.stream(side):
+        b = second()
+    main.wait_stream(side)
+    return a, b
 
 
 def _dlse_or_zero(dlse: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
