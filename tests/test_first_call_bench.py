@@ -19,6 +19,7 @@ def test_a_cold_only_run_writes_one_process_rows_under_its_name(tmp_path):
     assert [(r["kind"], r["cold"], r["status"]) for r in rows] == [("fwd", "True", "ok"),
                                                                     ("warm-new-shape", "True", "ok")]
     assert all(float(r["first_call_s"]) > 0 for r in rows)
+    assert "background settled in" in rows[1]["notes"] and "background" not in rows[0]["notes"]
 
 
 @pytest.mark.parametrize("argv, says", [
