@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from concurrent.futures import Future
 
@@ -57,11 +58,13 @@ PREPROCESS_BLOCK_M = 64
 #: Whether a GPU launch of a problem not tuned before times the candidates first (ATTNLAB_AUTOTUNE=1); by default
 #: the configs come from the shipped table (:mod:`.tuned_table`) and tuning happens only when asked (:func:`tune`).
 AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
-#: Whether a GPU backward runs its dQ pass on a second stream beside the dK/dV pass (ATTNLAB_BWD_STREAMS=0: one
+#: Whether a GPU backward may run its dQ pass on a second stream beside the dK/dV pass (ATTNLAB_BWD_STREAMS=0: one
 #: stream, one pass after the other). Both passes read only what the preprocess wrote, so their grids may share
-#: the GPU: dQ programs take the SMs that the dK/dV pass's last wave leaves idle (docs/decisions.md, "The
-#: backward's two passes side by side").
+#: the GPU: dQ programs take the SMs that the dK/dV pass's last wave leaves idle. It does so when the dK/dV grid
+#: holds at least MIN_WAVES programs per SM: below that the fork and the join cost more than the tail they fill
+#: (docs/decisions.md, "The backward's two passes side by side").
 TWO_STREAMS: bool = os.environ.get("ATTNLAB_BWD_STREAMS", "1") != "0"
+MIN_WAVES = 6
 #: Config pairs tuned in this process or found in the persistent cache, by tune key.
 _tuned: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
 #: Config pairs taken from the shipped table or the heuristic defaults, by tune key.
@@ -457,7 +460,9 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         _minus_dlse(delta, dlse)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)
-        kv_done, q_done = _side_by_side(
+        kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv)
+        two = TWO_STREAMS and kv_grid[0] * kv_grid[1] * kv_grid[2] >= MIN_WAVES * _sm_count(prob.device)
+        kv_done, q_done = _side_by_side(two,
             lambda: _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key), kv_cfg,
                                     dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel"),
             lambda: _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
@@ -473,12 +478,21 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _side_by_side(first, second, device: torch.device) -> tuple:
-    """``(first(), second())``: first on the current stream, second on the device's side stream, which starts
-    after everything queued on the current stream so far; the current stream then waits for the side stream,
-    so that whatever follows (and every tensor's reuse by the caching allocator) comes after both. One stream,
-    one after the other, without TWO_STREAMS. Graph capture follows the fork and the join."""
-    if not TWO_STREAMS:
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _side_by_side(two: bool, first, second, device: torch.device) -> tuple:
+    """``(first(), second())``. With ``two``: first on the current stream, second on the device's side stream,
+    which starts after everything queued on the current stream so far; the current stream then waits for the
+    side stream, so that whatever follows (and every tensor's reuse by the caching allocator) comes after both.
+    Else one stream, one after the other. Graph capture follows the fork and the join."""
+    if not two:
         return first(), second()
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _SIDE_STREAMS.get(index)
