@@ -159,22 +159,27 @@ with torch.no_grad():
 out = attnlab.attention(q, k, v, causal=True, backend="triton")
 dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
 qd = q.detach()[:, :, :1].contiguous()
-with torch.no_grad():
-    dec_first = attnlab.attention(qd, k.detach(), v.detach(), causal=True, align="bottom_right",
-                                  backend="triton-decode")
+kd, vd = (torch.randn(2, 2, 4096, 64, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+with torch.no_grad():  # long enough for several splits: the split kernel, then the merge
+    dec_first = attnlab.attention(qd, kd, vd, causal=True, align="bottom_right", backend="triton-decode")
 torch.cuda.synchronize()
+from attnlab.backends.triton import decode
+decode_kernels = [c for p in decode._PLANS.values() for pair in p.kernels.values() for kn in pair
+                  for c in kn.compiled.values()]
+report["decode_cold"] = [(bool(c.metadata.launch_pdl), cold_launch.cold_kernel(c) is not None)
+                         for c in decode_kernels]
 background.settle()
 report["ready"] = all(cold_launch.cold_kernel(kn).ready for kn in kernels)
 report["driver_made"] = driver._active is not None
 with torch.no_grad():
     third = attnlab.attention(q, k, v, causal=True, backend="triton")
-    dec_again = attnlab.attention(qd, k.detach(), v.detach(), causal=True, align="bottom_right",
-                                  backend="triton-decode")
+    dec_again = attnlab.attention(qd, kd, vd, causal=True, align="bottom_right", backend="triton-decode")
 out2 = attnlab.attention(q, k, v, causal=True, backend="triton")
 dq2, dk2, dv2 = torch.autograd.grad(out2, (q, k, v), do)
 torch.cuda.synchronize()
 ref = attnlab.reference(q.detach(), k.detach(), v.detach(), causal=True)[0]
-ref_dec = attnlab.reference(qd, k.detach(), v.detach(), causal=True, align="bottom_right")[0]
+ref_dec = attnlab.reference(qd, kd, vd, causal=True, align="bottom_right")[0]
+report["hopper"] = torch.cuda.get_device_capability()[0] >= 9
 report["compiled"] = {f.__name__: runtime.compiled_count(f) for f in (forward._k.attn_fwd_kernel,)}
 report.update(
     same_fwd=bool(torch.equal(first, second) and torch.equal(first, third) and torch.equal(out, out2)),
@@ -200,11 +205,28 @@ def test_first_calls_launch_cold_and_agree_bit_for_bit_with_tritons_launcher():
     if not got["usable"]:
         pytest.skip(f"the cold path does not apply to triton {triton.__version__}")
     assert got["forward_cold"] and all(got["forward_cold"])
+    # the decode's split kernel and its merge, the merge a programmatic dependent launch on Hopper: all cold
+    assert len(got["decode_cold"]) == 2 and all(cold for _, cold in got["decode_cold"])
+    assert any(pdl for pdl, _ in got["decode_cold"]) == got["hopper"]
     assert got["ready"] and got["driver_made"]
     assert got["same_fwd"] and got["same_bwd"] and got["same_decode"] and got["finite"]
     assert got["fwd_err"] < 2e-2 and got["decode_err"] < 2e-2
     # one variant without lse and one with (the call that needs a gradient): nothing compiled twice
     assert got["compiled"] == {"attn_fwd_kernel": 2}
+
+
+def test_the_pdl_launch_config_has_cuda_hs_layout():
+    """``CUlaunchConfig`` and ``CUlaunchAttribute`` as cuda.h lays them out on x86-64 (sizes and offsets), with
+    one attribute: programmatic stream serialization allowed."""
+    import ctypes
+
+    assert ctypes.sizeof(cold_launch.LaunchAttribute) == 72 and cold_launch.LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(cold_launch.LaunchConfig) == 56
+    assert [getattr(cold_launch.LaunchConfig, f).offset for f in ("hStream", "attrs", "numAttrs")] == [32, 40, 48]
+    config, _attr = cold_launch.pdl_config((5, 3, 2), 256, 4096, 77)
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX, config.blockDimY) == (5, 3, 2, 256, 1)
+    assert (config.sharedMemBytes, config.hStream, config.numAttrs) == (4096, 77, 1)
+    assert config.attrs.contents.id == 6 and list(config.attrs.contents.value)[:2] == [1, 0]
 
 
 def test_values_rebuilt_for_a_direct_launch_are_the_binders():

@@ -19,9 +19,10 @@ The rule:
   (it packs the arguments in C, where this module packs them in Python).
 * Only where this is known to be right: triton 3.5 and 3.6 (a launcher per signature; the kernel's parameters are
   its non-constexpr arguments, then the global and profile scratch pointers), a kernel with no scratch buffer,
-  one CTA per program, no cooperative or PDL launch, and arguments of plain types (pointers, integers,
-  float32); no launch hook set (a profiler's hooks see Triton's own launches); ATTNLAB_COLD_LAUNCH not "0".
-  Anything else takes the JIT's path.
+  one CTA per program, no cooperative launch, and arguments of plain types (pointers, integers, float32); no
+  launch hook set (a profiler's hooks see Triton's own launches); ATTNLAB_COLD_LAUNCH not "0". Anything else
+  takes the JIT's path. A kernel compiled for programmatic dependent launch (``launch_pdl``, the decode's) is
+  launched with ``cuLaunchKernelEx`` and that one attribute, as Triton's launcher launches it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ _CU_FUNC_MAX_THREADS, _CU_FUNC_SHARED_STATIC, _CU_FUNC_LOCAL_BYTES, _CU_FUNC_NUM
 _CU_FUNC_MAX_DYNAMIC_SHARED = 8
 _CU_DEV_SHARED_OPTIN = 97
 _CU_FUNC_CACHE_PREFER_SHARED = 1
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _lib: Any = None
 _lib_tried = False
 
@@ -83,8 +85,35 @@ def _libcuda():
             return None
         lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
                                        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         _lib = lib
     return _lib
+
+
+class LaunchAttribute(ctypes.Structure):
+    """cuda.h's ``CUlaunchAttribute``: an attribute id, padding to 8 bytes, and a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """cuda.h's ``CUlaunchConfig``: grid and block sizes, dynamic shared memory, stream and attributes."""
+
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+def pdl_config(grid: Sequence[int], block: int, shared: int, stream: int) -> tuple[LaunchConfig, LaunchAttribute]:
+    """A ``cuLaunchKernelEx`` config whose one attribute allows programmatic stream serialization (the launch may
+    begin before the previous kernel on the stream ends; the kernel's ``griddepcontrol.wait`` orders it), and that
+    attribute (keep it alive until the launch has returned)."""
+    attr = LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    config = LaunchConfig(*grid, block, 1, 1, shared, stream, ctypes.pointer(attr), 1)
+    return config, attr
 
 
 def _check(code: int, what: str) -> None:
@@ -143,6 +172,7 @@ class ColdKernel:
         meta = compiled.metadata
         self.block = 32 * meta.num_warps
         self.shared = meta.shared
+        self.pdl = bool(getattr(meta, "launch_pdl", False))
         self.function: ctypes.c_void_p | None = None
         self.n_regs: int | None = None
         self.ready = False  #: Triton's launcher is built: launches go through it
@@ -186,6 +216,10 @@ class ColdKernel:
         if gx * gy * gz == 0:
             return
         params, _keep = pack(self.types, values)
+        if self.pdl:
+            config, _attr = pdl_config(grid, self.block, self.shared, stream)
+            _check(_lib.cuLaunchKernelEx(ctypes.byref(config), self.function, params, None), "cuLaunchKernelEx")
+            return
         _check(_lib.cuLaunchKernel(self.function, gx, gy, gz, self.block, 1, 1, self.shared, stream, params, None),
                "cuLaunchKernel")
 
@@ -267,7 +301,7 @@ def _eligible(compiled) -> list[type] | None:
     meta = compiled.metadata
     if (getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0)
             or getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False)
-            or getattr(meta, "launch_pdl", False) or getattr(meta, "tensordesc_meta", None)):
+            or getattr(meta, "tensordesc_meta", None)):
         return None
     return parameter_types(compiled.src.signature)
 
