@@ -270,6 +270,30 @@ def test_gradients_gpu_large(dtype, D):
     _check(case, dtype, "cuda")
 
 
+def test_shapes_the_jit_specializes_alike_share_their_backward_compiled_ahead():
+    """The key of a backward compiled ahead follows its configs and what Triton specializes on: N 1000 and 1048
+    (neither a multiple of 16) with the same configs share it, so a new shape of compiled variants starts no
+    background work; N 1008 (a multiple of 16), another window width, D 100 (16 does not divide it) or another
+    config does not."""
+    from attnlab.backends.triton.backward import _ahead_key
+    from attnlab.backends.triton.configs import BwdConfig
+
+    cfgs = (BwdConfig(64, 128, 8, 3), BwdConfig(128, 64, 8, 3))
+
+    def key(N, window=(256, 0), D=96, cfgs=cfgs):
+        q = torch.empty(2, 8, N, D, dtype=torch.float16)
+        k = torch.empty(2, 1, N, D, dtype=torch.float16)
+        prob = make_problem(q, k, k, window=window, align="top_left")
+        return _ahead_key(prob, torch.empty_like(q), cfgs)
+
+    assert key(1000) == key(1048)
+    assert key(1000) != key(1008)
+    assert key(1000) != key(1000, window=(255, 0))
+    assert key(1000) == key(1000, D=80)  # the same padded head dim, 16 divides both: one variant
+    assert key(1000) != key(1000, D=100)
+    assert key(1000) != key(1000, cfgs=(BwdConfig(64, 128, 8, 2), cfgs[1]))
+
+
 def test_compile_ahead_stands_in_a_gradient_only_where_it_shares_the_layout():
     """compile_ahead reuses q, k, v as the stand-ins of dq, dk, dv (compiled for their strides and alignment)
     only where torch.empty_like(x), which the backward allocates, would have x's strides and alignment."""

@@ -249,10 +249,22 @@ _ahead: dict[tuple, list[Future]] = {}
 MAX_AHEAD = 64
 
 
-def _ahead_key(prob: Problem, out: torch.Tensor) -> tuple:
+def _specialized(values) -> tuple:
+    """What Triton's JIT specializes an integer argument on: whether it is 1 and whether 16 divides it."""
+    return tuple((int(x) == 1, int(x) % 16 == 0) for x in values)
+
+
+def _ahead_key(prob: Problem, out: torch.Tensor, cfgs: tuple[BwdConfig, BwdConfig]) -> tuple:
+    """What a backward compiled ahead with configs ``cfgs`` is remembered by: the device, dtype and head dim, the
+    configs, the mask and modifier constants, and the sizes and strides as the JIT specializes them. A new shape
+    that maps to compiled variants finds its key taken and starts no background work (which would take the GIL
+    from the call it runs beside)."""
     spec = prob.spec
-    return (tune_key(prob), prob.q.stride(), prob.k.stride(), prob.v.stride(), out.stride(), configs.kind_of(prob),
-            spec.align, spec.explicit is not None and (spec.explicit.dtype, spec.explicit.stride()))
+    sizes = (prob.Nq, prob.Nk, prob.D, prob.Dv, prob.group, spec.left or 0, spec.right or 0)
+    return (prob.device.index, prob.dtype, problem_head_dim(prob), cfgs,
+            _specialized((*prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *out.stride(), *sizes)),
+            configs.kind_of(prob), spec.align,
+            spec.explicit is not None and (spec.explicit.dtype, _specialized(spec.explicit.stride())))
 
 
 def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -263,12 +275,12 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     real call's layout only costs the background work."""
     if triton is None or not prob.q.is_cuda or AUTOTUNE or not configs.COMPILE_AHEAD:
         return
-    key = _ahead_key(prob, out)
+    kv_cfg, q_cfg = configs_for(prob, *[None] * 6)  # no tuning here: the table's configs or the defaults
+    key = _ahead_key(prob, out, (kv_cfg, q_cfg))
     if key in _ahead:
         return
     if len(_ahead) >= MAX_AHEAD:
         _ahead.pop(next(iter(_ahead)))
-    kv_cfg, q_cfg = configs_for(prob, *[None] * 6)  # no tuning here: the table's configs or the defaults
     # Stand-ins with the layouts the backward will have (warmup compiles, it launches nothing): lse for the
     # float32 rows, q, k, v for dq, dk, dv where torch.empty_like (which makes those) keeps their strides, out
     # for dout.
@@ -291,7 +303,9 @@ def _like_its_gradient(x: torch.Tensor) -> bool:
 
 def _wait_ahead(prob: Problem, out: torch.Tensor) -> None:
     """Wait for the background compiles of ``prob``'s backward, if any (their errors are the real launch's)."""
-    background.wait(_ahead.get(_ahead_key(prob, out), ()))
+    if AUTOTUNE or not configs.COMPILE_AHEAD or not _ahead:
+        return
+    background.wait(_ahead.get(_ahead_key(prob, out, configs_for(prob, *[None] * 6)), ()))
 
 
 def _fastest(configs: list[BwdConfig], launch) -> BwdConfig:
