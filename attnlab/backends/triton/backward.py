@@ -386,8 +386,9 @@ def _sink_shares(prob: Problem, dlse: torch.Tensor | None, interpret: bool) -> t
 
 
 def _summed_shares(prob: Problem, shares: torch.Tensor) -> torch.Tensor:
-    """d sinks [Hq] from the preprocess's shares, stored head-major (one row of programs per head)."""
-    return shares.view(prob.Hq, -1).sum(dim=1).neg_()
+    """d sinks [Hq] from the preprocess's shares, stored head-major (one row of programs per head) and negated
+    (one torch op here: each costs tens of microseconds of host time)."""
+    return shares.view(prob.Hq, -1).sum(dim=1)
 
 
 def _sinks_result(prob: Problem, shares: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor,

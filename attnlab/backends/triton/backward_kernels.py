@@ -22,7 +22,7 @@ Three launches, each a grid of programs over tiles of the [Nq, Nk] score matrix 
 1. ``bwd_preprocess``: grid ``(ceil(Nq / BLOCK_M), Hq, B)``. One program reads a [BLOCK_M, D] tile of O
    and dO and writes Delta and the base-2 lse (``Lse2``, +inf for empty and padding rows) of its rows:
    float32 [B, Hq, Nq], contiguous. With sinks (``HAS_SINKS``) it also stores its rows' share of the sink's
-   gradient, ``sum p_sink * Delta`` with ``p_sink = exp(sink - lse)``, one float per program; the host sums the
+   gradient, ``-sum p_sink * Delta`` with ``p_sink = exp(sink - lse)``, one float per program; the host sums the
    shares of each head (no atomics: deterministic).
 2. ``bwd_dkdv_kernel``: grid ``(ceil(Nk / BLOCK_N), Hkv, B)``. One program owns one key tile of one kv
    head: it loads K and V ([BLOCK_N, D]) once and keeps dK and dV accumulators (float32) for them while
@@ -194,11 +194,11 @@ if triton is not None:
         out_ptrs = _row_base(b64, h64, q0, Hq, Nq, Tq, VARLEN) + rows
         tl.store(Delta + out_ptrs, delta, mask=rows < n_rows)
         tl.store(Lse2 + out_ptrs, lse2, mask=rows < n_rows)
-        if HAS_SINKS:  # this tile's share of the sink's gradient: sum of p_sink * Delta, p_sink = exp(sink - lse)
+        if HAS_SINKS:  # this tile's share of the sink's gradient: -sum of p_sink * Delta, p_sink = exp(sink - lse)
             p_sink = tl.where(live, tl.math.exp2((tl.load(Sinks + h).to(tl.float32) - lse) * 1.4426950408889634), 0.0)
             # stored head-major, one float per program: the host sums each head's row of shares
             share = (h64 * tl.num_programs(2) + tl.program_id(2)) * tl.num_programs(0) + tl.program_id(0)
-            tl.store(SinkPart + share, tl.sum(p_sink * delta, 0))
+            tl.store(SinkPart + share, -tl.sum(p_sink * delta, 0))
 
     # -----------------------------------------------------------------------------------------------
     # 2. dK and dV: a key tile stationary, query tiles streaming
