@@ -125,3 +125,21 @@ def test_the_client_models_read_the_recorded_run(tmp_path, monkeypatch):
     got = mf.client_models("some-gpu")
     assert got.loc[("gemma2", "attnlab"), "logits err"] == 0.2 and got.loc[("gemma2", "eager"), "step ms"] == 2.0
     assert got.attrs == {"checks_passed": False, "commit": "abcdef0", "bound": 1.5}
+
+
+def test_the_sinks_replay_reads_the_newest_recorded_run(tmp_path, monkeypatch):
+    import json
+
+    folder = tmp_path / "experiments" / "some-gpu"
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(mf, "DATA_DIR", tmp_path)
+    assert mf.sinks_replay("some-gpu") is None
+    rows = [{"variant": v, "graph_ms": g, "graph_over_plain": g / 2.0, "eager_ms": 3.0, "eager_over_plain": 1.0}
+            for v, g in (("plain", 2.0), ("sinks", 2.1), ("sinks_requiring_grad", 2.2))]
+    old = {"environment": {"commit": "aaaaaaa111", "date_utc": "2026-12-01T00:00:00Z"}, "rows": rows[:2]}
+    new = {"environment": {"commit": "bbbbbbb222", "date_utc": "2026-12-04T00:00:00Z"}, "rows": rows}
+    (folder / "window-sinks-graph-aaaaaaa.json").write_text(json.dumps(old))
+    (folder / "window-sinks-graph-bbbbbbb.json").write_text(json.dumps(new))
+    got = mf.sinks_replay("some-gpu")
+    assert got.attrs["commit"] == "bbbbbbb" and list(got.index) == ["plain", "sinks", "sinks_requiring_grad"]
+    assert got.loc["sinks_requiring_grad", "graph_over_plain"] == pytest.approx(1.1)

@@ -258,6 +258,20 @@ def _latest_record(stem: str, gpu: str) -> tuple[str, dict] | None:
     return max(found, key=lambda f: (str(f[1].get("environment", {}).get("date_utc", "")), f[0]))
 
 
+def sinks_replay(gpu: str = "nvidia-h200") -> pd.DataFrame | None:
+    """The gpt-oss-like window layer's fwd+bwd plain, with sinks and with sinks requiring grad (from
+    ``data/experiments/<gpu>/window-sinks-graph-<commit>.json``): GPU time by CUDA-graph replay and eager wall
+    time, each also over the plain call's; None before it is recorded."""
+    got = _latest_record("window-sinks-graph", gpu)
+    if got is None:
+        return None
+    rec = got[1]
+    out = pd.DataFrame(rec["rows"]).set_index("variant")[["graph_ms", "graph_over_plain", "eager_ms",
+                                                            "eager_over_plain"]]
+    out.attrs["commit"] = str(rec["environment"].get("commit", "?"))[:7]
+    return out
+
+
 def provider_steps(gpu: str = "nvidia-h200") -> pd.DataFrame | None:
     """The recorded training steps through SDPA's flash backend, PyTorch's kernel against attnlab's as its
     provider (``python -m attnlab.bench.llama_sdpa`` and ``.varlen_attn_step``, from
