@@ -7,6 +7,7 @@ import importlib.util
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,10 +62,32 @@ def test_a_background_compile_serializes_loads_first(monkeypatch):
     class Pool:
         def submit(self, fn, *args):
             seen.append("submitted")
+            done = Future()
+            done.set_result(None)
+            return done
 
     monkeypatch.setattr(background, "_pool", Pool())
     background.ahead(SimpleNamespace(device_caches={0: None}), (1,), (), {}, torch.device("cuda", 0))
     assert seen == ["serialized", "submitted"]
+
+
+def test_drain_waits_for_work_and_the_work_it_starts():
+    """background.drain returns only once nothing submitted is left running, also work that running work
+    submitted (a compile that starts its launcher's build)."""
+    done = []
+
+    def second():
+        time.sleep(0.2)
+        done.append("second")
+
+    def first():
+        time.sleep(0.2)
+        background._submit(second)
+        done.append("first")
+
+    background._submit(first)
+    background.drain()
+    assert done == ["first", "second"] and not background._inflight
 
 
 @pytest.mark.gpu

@@ -280,11 +280,12 @@ def test_shapes_the_jit_specializes_alike_share_their_backward_compiled_ahead():
 
     cfgs = (BwdConfig(64, 128, 8, 3), BwdConfig(128, 64, 8, 3))
 
-    def key(N, window=(256, 0), D=96, cfgs=cfgs):
-        q = torch.empty(2, 8, N, D, dtype=torch.float16)
+    def key(N, window=(256, 0), D=96, cfgs=cfgs, Hq=8, Dv=None, sinks=None):
+        q = torch.empty(2, Hq, N, D, dtype=torch.float16)
         k = torch.empty(2, 1, N, D, dtype=torch.float16)
-        prob = make_problem(q, k, k, window=window, align="top_left")
-        return _ahead_key(prob, torch.empty_like(q), cfgs)
+        v = torch.empty(2, 1, N, Dv or D, dtype=torch.float16)
+        prob = make_problem(q, k, v, window=window, align="top_left", sinks=sinks)
+        return _ahead_key(prob, torch.empty(2, Hq, N, Dv or D, dtype=torch.float16), cfgs)
 
     assert key(1000) == key(1048)
     assert key(1000) != key(1008)
@@ -292,6 +293,10 @@ def test_shapes_the_jit_specializes_alike_share_their_backward_compiled_ahead():
     assert key(1000) == key(1000, D=80)  # the same padded head dim, 16 divides both: one variant
     assert key(1000) != key(1000, D=100)
     assert key(1000) != key(1000, cfgs=(BwdConfig(64, 128, 8, 2), cfgs[1]))
+    assert key(1000) != key(1000, Hq=16)  # Hq 8 and 16: both multiples of 8, not of 16
+    assert key(1000, D=128, Dv=128) != key(1000, D=32, Dv=128)  # the same larger head dim, other tiles for q.k
+    sinks = torch.zeros(8)
+    assert key(1000, sinks=sinks) != key(1000, sinks=sinks.clone().requires_grad_())  # the preprocess's variant
 
 
 def test_compile_ahead_stands_in_a_gradient_only_where_it_shares_the_layout():
@@ -392,6 +397,7 @@ def test_two_stream_backward_replays_in_a_cuda_graph(monkeypatch):
     monkeypatch.setattr(triton_bwd, "MIN_WAVES", 0)
 
     prob, out, lse, dout = _gpu_case(12)
+    monkeypatch.setattr(triton_bwd, "TWO_STREAMS", True)  # whatever ATTNLAB_BWD_STREAMS says
     want = triton_bwd.gradients(prob, out, lse, dout)
     graph, got = capture(lambda: triton_bwd.gradients(prob, out, lse, dout))
     for t in got[:3]:
@@ -408,6 +414,7 @@ def test_a_backward_of_few_waves_stays_on_one_stream(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     prob, out, lse, dout = _gpu_case(13)
+    monkeypatch.setattr(triton_bwd, "TWO_STREAMS", True)  # whatever ATTNLAB_BWD_STREAMS says
     seen = []
     real = triton_bwd._side_by_side
     monkeypatch.setattr(triton_bwd, "_side_by_side", lambda two, *a: seen.append(two) or real(two, *a))

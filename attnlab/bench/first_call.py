@@ -204,13 +204,13 @@ def child(problem: str, competitor: str, device: str) -> list[dict[str, Any]]:
 
 
 def settle() -> float:
-    """Wait for the work a first call left on attnlab's worker threads (Triton's launchers being built), as a
-    notebook's next cell finds it done: the warm-new-shape row times a warm process, not one still compiling.
-    Returns the seconds waited (0 when the Triton backend was never imported)."""
+    """Wait for the work a first call left on attnlab's worker threads (compiles ahead, Triton's launchers being
+    built), as a notebook's next cell finds it done: the warm-new-shape row times a warm process, not one still
+    compiling. Returns the seconds waited (0 when the Triton backend was never imported)."""
     background = sys.modules.get("attnlab.backends.triton.background")
     t0 = time.perf_counter()
     if background is not None:
-        background.settle()
+        background.drain()
     return time.perf_counter() - t0
 
 

@@ -79,11 +79,18 @@ def ahead(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -> F
     return _submit(_compile, kernel, grid, args, kw, device)
 
 
+#: Work submitted and not yet done (a future leaves the set when it completes).
+_inflight: set[Future] = set()
+
+
 def _submit(work, *args) -> Future:
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="attnlab-compile")
-    return _pool.submit(work, *args)
+    future = _pool.submit(work, *args)
+    _inflight.add(future)
+    future.add_done_callback(_inflight.discard)
+    return future
 
 
 def _make_handles(compiled, device: int, cold) -> None:
@@ -110,6 +117,14 @@ def settle() -> None:
     after a first call, or a test that compares the two launch routes, calls it)."""
     while _pending:
         wait([_pending.pop()])
+
+
+def drain() -> None:
+    """Wait until no background work is left: compiles ahead, launcher builds, and the work they start (a
+    benchmark that times a warm process calls it)."""
+    while _inflight:
+        wait(list(_inflight))
+    settle()
 
 
 def wait(futures) -> None:

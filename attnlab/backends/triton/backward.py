@@ -255,16 +255,20 @@ def _specialized(values) -> tuple:
 
 
 def _ahead_key(prob: Problem, out: torch.Tensor, cfgs: tuple[BwdConfig, BwdConfig]) -> tuple:
-    """What a backward compiled ahead with configs ``cfgs`` is remembered by: the device, dtype and head dim, the
-    configs, the mask and modifier constants, and the sizes and strides as the JIT specializes them. A new shape
+    """What a backward compiled ahead with configs ``cfgs`` is remembered by: the device, dtype and head dims, the
+    configs, the mask and modifier constants, and the sizes, strides and addresses as the JIT specializes them
+    (a key too coarse only skips a compile the launch then does itself). A new shape
     that maps to compiled variants finds its key taken and starts no background work (which would take the GIL
     from the call it runs beside)."""
-    spec = prob.spec
-    sizes = (prob.Nq, prob.Nk, prob.D, prob.Dv, prob.group, spec.left or 0, spec.right or 0)
-    return (prob.device.index, prob.dtype, problem_head_dim(prob), cfgs,
-            _specialized((*prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *out.stride(), *sizes)),
-            configs.kind_of(prob), spec.align,
-            spec.explicit is not None and (spec.explicit.dtype, _specialized(spec.explicit.stride())))
+    spec, mods = prob.spec, prob.mods
+    ints = (*prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *out.stride(), prob.Nq, prob.Nk, prob.D, prob.Dv,
+            prob.Hq, prob.group, prob.q.shape[2], prob.k.shape[2], spec.left or 0, spec.right or 0)
+    return (prob.device.index, prob.dtype, padded_head_dim(prob.D), padded_head_dim(prob.Dv), cfgs,
+            _specialized(ints), any(abs(int(x)) >= 2**31 for x in ints),  # 64-bit integers: another signature
+            tuple(t.data_ptr() % 16 == 0 for t in (prob.q, prob.k, prob.v, out)),
+            configs.kind_of(prob), spec.align, mods.sinks is not None and mods.sinks.requires_grad,
+            spec.explicit is not None and (spec.explicit.dtype, _specialized(spec.explicit.stride())),
+            mods.alibi is not None and _specialized(mods.alibi.stride()))
 
 
 def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -489,8 +493,12 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
 
 
-#: The side stream of each device that the dQ pass runs on (see TWO_STREAMS).
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+#: The side stream of each (device, current stream) that the dQ pass runs on (see TWO_STREAMS): one per current
+#: stream, so that a thread capturing a CUDA graph on its stream never shares a side stream with another thread's
+#: eager backward. At most MAX_SIDE_STREAMS are remembered (torch hands streams out from a pool: one forgotten is
+#: never destroyed, and work queued on it runs on).
+_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+MAX_SIDE_STREAMS = 16
 
 
 @functools.cache
@@ -503,22 +511,28 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _side_by_side(two: bool, first, second, device: torch.device) -> tuple:
-    """``(first(), second())``. With ``two``: first on the current stream, second on the device's side stream,
+    """``(first(), second())``. With ``two``: first on the current stream, second on that stream's side stream,
     which starts after everything queued on the current stream so far; the current stream then waits for the
-    side stream, so that whatever follows (and every tensor's reuse by the caching allocator) comes after both.
-    Else one stream, one after the other. Graph capture follows the fork and the join."""
+    side stream (also when a launch raised, so that a graph capture is never left forked), so that whatever
+    follows (and every tensor's reuse by the caching allocator) comes after both. Else one stream, one after the
+    other. Graph capture follows the fork and the join."""
     if not two:
         return first(), second()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    side = _SIDE_STREAMS.get(index)
-    if side is None:
-        side = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
     main = torch.cuda.current_stream(index)
+    key = (index, main.cuda_stream)
+    side = _SIDE_STREAMS.get(key)
+    if side is None:
+        if len(_SIDE_STREAMS) >= MAX_SIDE_STREAMS:
+            _SIDE_STREAMS.pop(next(iter(_SIDE_STREAMS)), None)
+        side = _SIDE_STREAMS[key] = torch.cuda.Stream(index)
     side.wait_stream(main)
-    a = first()
-    with torch.cuda.stream(side):
-        b = second()
-    main.wait_stream(side)
+    try:
+        a = first()
+        with torch.cuda.stream(side):
+            b = second()
+    finally:
+        main.wait_stream(side)
     return a, b
 
 

@@ -85,8 +85,9 @@ def _libcuda():
             return None
         lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
                                        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
-                                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        if hasattr(lib, "cuLaunchKernelEx"):  # CUDA 11.8 and newer drivers; PDL kernels need it (see _eligible)
+            lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -302,6 +303,8 @@ def _eligible(compiled) -> list[type] | None:
     if (getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0)
             or getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False)
             or getattr(meta, "tensordesc_meta", None)):
+        return None
+    if getattr(meta, "launch_pdl", False) and not hasattr(_libcuda(), "cuLaunchKernelEx"):
         return None
     return parameter_types(compiled.src.signature)
 
