@@ -257,9 +257,9 @@ def _specialized(values) -> tuple:
 def _ahead_key(prob: Problem, out: torch.Tensor, cfgs: tuple[BwdConfig, BwdConfig]) -> tuple:
     """What a backward compiled ahead with configs ``cfgs`` is remembered by: the device, dtype and head dims, the
     configs, the mask and modifier constants, and the sizes, strides and addresses as the JIT specializes them
-    (a key too coarse only skips a compile the launch then does itself). A new shape
-    that maps to compiled variants finds its key taken and starts no background work (which would take the GIL
-    from the call it runs beside)."""
+    (a key too coarse only skips a compile the launch then does itself). A new shape that maps to compiled
+    variants finds its key taken and starts no background work (which would take the GIL from the call it runs
+    beside)."""
     spec, mods = prob.spec, prob.mods
     ints = (*prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *out.stride(), prob.Nq, prob.Nk, prob.D, prob.Dv,
             prob.Hq, prob.group, prob.q.shape[2], prob.k.shape[2], spec.left or 0, spec.right or 0)
