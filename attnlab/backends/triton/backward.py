@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 from concurrent.futures import Future
 
@@ -480,7 +479,8 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)
         kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv)
-        two = TWO_STREAMS and kv_grid[0] * kv_grid[1] * kv_grid[2] >= MIN_WAVES * _sm_count(prob.device)
+        sms = _rt.sm_count(_device_index(prob.device))
+        two = TWO_STREAMS and kv_grid[0] * kv_grid[1] * kv_grid[2] >= MIN_WAVES * sms
         kv_done, q_done = _side_by_side(two,
             lambda: _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key), kv_cfg,
                                     dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel"),
@@ -501,13 +501,8 @@ _SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 MAX_SIDE_STREAMS = 16
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    return _sms(device.index if device.index is not None else torch.cuda.current_device())
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _side_by_side(two: bool, first, second, device: torch.device) -> tuple:
@@ -518,7 +513,7 @@ def _side_by_side(two: bool, first, second, device: torch.device) -> tuple:
     other. Graph capture follows the fork and the join."""
     if not two:
         return first(), second()
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     main = torch.cuda.current_stream(index)
     key = (index, main.cuda_stream)
     side = _SIDE_STREAMS.get(key)

@@ -21,6 +21,7 @@ from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.configs import padded_head_dim, pow2_bucket
 from attnlab.backends.triton.decode_launch import Kernel
 from attnlab.backends.triton.forward_kernel import triton
+from attnlab.backends.triton.runtime import sm_count as _sm_count
 from attnlab.fast_calls import evict_oldest, tensor_key
 from attnlab.paged import PagedKV, paged_kv
 from attnlab.problem import Problem
@@ -175,11 +176,6 @@ def resident_programs(kernel, num_warps: int, device_index: int) -> int | None:
         regs, shared, num_warps, regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536) or 65536,
         shared_per_sm=getattr(props, "shared_memory_per_multiprocessor", 0) or 233472,
         threads_per_sm=props.max_threads_per_multi_processor)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.cache

@@ -6,6 +6,7 @@ arguments that vary from call to call, and the key that a launch plan is kept by
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 
@@ -47,6 +48,12 @@ def packed_slots(total: int, block: int, n_seq: int) -> int:
     (:func:`~attnlab.backends.triton.tiles.packed_tile`, which reads n_seq back from this count); none without
     a sequence, whatever the tensors hold."""
     return total // block + n_seq if n_seq > 0 else 0
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """The SMs of CUDA device ``device_index`` (what split counts and grid waves are measured in)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def tile_grid(prob: Problem, n: int, total: int, block: int, heads: int) -> tuple[int, int, int]:
