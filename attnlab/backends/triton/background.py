@@ -79,6 +79,14 @@ def ahead(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -> F
     return _submit(_compile, kernel, grid, args, kw, device)
 
 
+def submit(work, *args) -> Future:
+    """Run ``work(*args)`` on a worker thread, with kernel loads serialized as for :func:`ahead` (the Hopper
+    forward's compile uses it)."""
+    warm_start.wait()
+    serialize_kernel_loads()
+    return _submit(work, *args)
+
+
 #: Work submitted and not yet done (a future leaves the set when it completes).
 _inflight: set[Future] = set()
 

@@ -292,7 +292,10 @@ def compile_only(fn, args: Sequence, kw: dict, device: int, target=None):
     compiled = b.kernels.get(key)
     if compiled is None:
         options, signature, constexprs, attrs = fn._pack_args(b.backend, kw, bound, specialization, options)
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=b.target,
+        source = ASTSource
+        if getattr(fn, "is_gluon", lambda: False)():
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        compiled = triton.compile(source(fn, signature, constexprs, attrs), target=b.target,
                                   options=options.__dict__)
         b.kernels[key] = compiled
     return compiled, tuple(bound.values())
