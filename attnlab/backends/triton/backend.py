@@ -8,6 +8,7 @@ import torch
 from attnlab import warm_start
 from attnlab.backends import Availability, Backend
 from attnlab.backends.triton import configs as _cfg
+from attnlab.backends.triton import hopper_forward as hopper
 from attnlab.backends.triton.decode import decode_forward, decode_supported, gpu_plan
 from attnlab.backends.triton.forward import autotune, jit_launch, plan_for
 from attnlab.backends.triton.forward_kernel import IMPORT_ERROR
@@ -53,12 +54,15 @@ class TritonBackend(Backend):
             _on_device(prob, out, lse, lambda: jit_launch(prob, out, lse, _cfg.config_for(prob, out, lse, autotune),
                                                           interpret=False))
             return
-        _on_device(prob, out, lse, lambda: plan_for(prob, out, lse).launch(prob, out, lse))
+        _on_device(prob, out, lse, lambda: hopper.forward(prob, out, lse)
+                   or plan_for(prob, out, lse).launch(prob, out, lse))
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None, append=None):
         if (append is not None or not prob.q.is_cuda or paged is not None or prob.packed is not None
                 or prob.Dv != prob.D or _empty_problem(prob, out)):  # (a fast call allocates out like q)
             return None  # an empty call launched nothing: no plan to build (or tune) for it
+        if hopper.unsupported(prob, out) is None:  # on sm_90: the Hopper kernel's call once it is compiled
+            return hopper.fast_call(prob, out, lse)
         return plan_for(prob, out, lse).fast_call(prob, out, lse)
 
 

@@ -1,0 +1,233 @@
+"""The Hopper forward's host side: which calls it takes, when it is compiled, and its launch.
+
+On an sm_90 GPU the ``triton`` backend's forward runs the Gluon kernel of
+:mod:`~attnlab.backends.triton.hopper_kernel` (warp-specialized, TMA, warpgroup MMA) for the calls
+:func:`unsupported` accepts, and the portable kernel for every other call.
+
+When it is compiled. A first call must not wait for a compile that a portable kernel already avoids
+(:mod:`~attnlab.backends.triton.cold_launch`), so by default (``ATTNLAB_HOPPER=1``) the first call of a kernel
+variant starts its compile on a worker thread and runs the portable kernel; the calls after the compile has
+finished run the Hopper kernel. Both compute the contract and pass the checker, but their float32 sums run in
+different orders, so the first calls and the later ones may differ in the last bits. ``ATTNLAB_HOPPER=sync``
+compiles on the first call and waits (benchmarks and tests: every call runs one kernel);
+``ATTNLAB_HOPPER=0`` keeps every call on the portable kernel. :func:`set_mode` switches at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from concurrent.futures import Future
+
+import torch
+
+from attnlab.problem import Problem
+
+BLOCK_M = 64  #: rows per consumer warpgroup; a program owns two such halves
+STAGES = 2  #: K/V slots in the ring (2 x 2 x 128 x 128 x 2 bytes + the Q tile: 160 KiB at D 128)
+CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader's warpgroup keeps 24)
+MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
+HEAD_DIMS = (64, 128)
+LOG2E = 1.4426950408889634
+MODES = ("0", "1", "sync")
+
+_mode = os.environ.get("ATTNLAB_HOPPER", "1")
+
+
+def set_mode(mode: str) -> str:
+    """Set how the Hopper forward is used (module docstring): "1" (compile in the background, the default),
+    "sync" (compile on the first call) or "0" (never); returns the previous mode."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"ATTNLAB_HOPPER must be one of {MODES}; got {mode!r}")
+    prev, _mode = _mode, mode
+    return prev
+
+
+def mode() -> str:
+    """The current mode ("0", "1" or "sync")."""
+    return _mode
+
+
+@functools.cache
+def _kernel_module():
+    """The Gluon kernel's module, or the reason it cannot be imported (a triton without Gluon's Hopper API)."""
+    try:
+        from attnlab.backends.triton import hopper_kernel
+    except Exception as err:  # any import failure means: no Hopper path
+        return f"the Hopper kernel needs triton's Gluon Hopper API: {err}"
+    return hopper_kernel
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _on_sm90(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on an sm_90 GPU (Hopper; the warpgroup MMA is sm_90's alone)."""
+    return t.is_cuda and _is_sm90(t.device.index)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A tensor TMA can read: last dim contiguous, other strides and the base 16-byte aligned."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
+
+
+def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
+    """Why the Hopper forward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
+    or 128, no mask, the causal and window bands in either alignment, Nq != Nk, GQA and lse; lengths, explicit
+    masks and biases, packed sequences and the score modifiers run on the portable kernel."""
+    if _mode == "0":
+        return "ATTNLAB_HOPPER=0"
+    q = prob.q
+    if not _on_sm90(q):
+        return "sm_90 GPUs only"
+    if prob.dtype not in (torch.float16, torch.bfloat16):
+        return "float16 and bfloat16 only"
+    if prob.D != prob.Dv or prob.D not in HEAD_DIMS:
+        return f"D = Dv in {HEAD_DIMS} only"
+    spec = prob.spec
+    if prob.packed is not None or spec.kv_len is not None or spec.q_len is not None:
+        return "no lengths or packed sequences"
+    if spec.mask is not None or spec.bias is not None or prob.mods.any:
+        return "no explicit mask, bias or score modifier"
+    if prob.B * prob.Hq > 65535:
+        return "B * Hq must be at most 65535 (the grid's second axis)"
+    if not all(_tma_ready(t) for t in (q, prob.k, prob.v, out)):
+        return "TMA needs the last dim contiguous and 16-byte aligned strides and bases"
+    if isinstance(_kernel_module(), str):
+        return _kernel_module()
+    return None
+
+
+def _layout(block: list[int], dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, t.dtype))
+
+
+def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: int | None, bottom_right: bool,
+                 block_n: int, stages: int) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, keywords) of one launch on [B, H, N, D] views."""
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    args = (_descriptor(q, [1, 1, BLOCK_M, D]), _descriptor(k, [1, 1, block_n, D]),
+            _descriptor(v, [1, 1, block_n, D]), _descriptor(out, [1, 1, BLOCK_M, D]),
+            lse if lse is not None else out, *(lse.stride() if lse is not None else (0, 0, 0)),
+            Nq, Nk, Hq, Hq // k.shape[1], qk_scale, left if left is not None else 0, right if right is not None else 0)
+    kw = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=D, STAGES=stages, HAS_LEFT=left is not None,
+              HAS_RIGHT=right is not None, BOTTOM_RIGHT=bottom_right, WRITE_LSE=lse is not None,
+              CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS)
+    grid = (-(-Nq // (2 * BLOCK_M)), B * Hq)
+    return grid, args, kw
+
+
+def _problem_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> tuple[tuple, tuple, dict]:
+    spec = prob.spec
+    return _launch_args(prob.q, prob.k, prob.v, out, lse, prob.scale * LOG2E, spec.left, spec.right,
+                        spec.align == "bottom_right", 128, STAGES)
+
+
+def _variant(prob: Problem, lse: torch.Tensor | None) -> tuple:
+    """What a compiled kernel is specialized on, beyond what every taken call shares (16-byte alignment)."""
+    spec = prob.spec
+    return (prob.q.device.index, prob.dtype, prob.D, spec.left is not None, spec.right is not None,
+            spec.align == "bottom_right", lse is not None)
+
+
+launches = 0  #: Hopper launches by the whole way so far (tests read it; fast calls do not count)
+
+#: Compiles by variant: a Future while in flight, then True (ready) or the error's text (never taken).
+_compiles: dict[tuple, Future | bool | str] = {}
+_lock = threading.Lock()
+
+
+def _compile(grid: tuple, args: tuple, kw: dict, device: int) -> None:
+    kernel = _kernel_module().attn_fwd_hopper
+    with torch.cuda.device(device):
+        compiled = kernel.warmup(*args, grid=grid, **kw)
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+
+
+def _ready(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
+    """Whether the variant's kernel is compiled; starts (or, in sync mode, runs) its compile if not."""
+    key = _variant(prob, lse)
+    state = _compiles.get(key)
+    if state is True:
+        return True
+    if isinstance(state, str):
+        return False
+    if isinstance(state, Future):
+        if _mode == "sync":
+            _settle(key, state)
+        elif state.done():
+            _settle(key, state)
+        return _compiles.get(key) is True
+    grid, args, kw = _problem_args(prob, out, lse)
+    from attnlab.backends.triton import background
+
+    with _lock:
+        if key not in _compiles:
+            _kernel_module().attn_fwd_hopper.device_caches[prob.q.device.index]  # made here, not on a worker
+            _compiles[key] = background.submit(_compile, grid, args, kw, prob.q.device.index)
+    return _ready(prob, out, lse) if _mode == "sync" else False
+
+
+def _settle(key: tuple, future: Future) -> None:
+    try:
+        future.result()
+        _compiles[key] = True
+    except Exception as err:  # a variant that does not compile stays on the portable kernel
+        _compiles[key] = f"{type(err).__name__}: {err}"
+
+
+def forward(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
+    """Run the Hopper forward for ``prob`` if it takes it and its kernel is compiled; False when the caller runs
+    the portable kernel instead (not taken, or still compiling)."""
+    if unsupported(prob, out) is not None or not _ready(prob, out, lse):
+        return False
+    grid, args, kw = _problem_args(prob, out, lse)
+    _kernel_module().attn_fwd_hopper[grid](*args, **kw)
+    global launches
+    launches += 1
+    return True
+
+
+def fast_call(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
+    """The fast call of ``prob``'s signature (:mod:`attnlab.fast_calls`) when the Hopper forward takes it: out and
+    lse allocated as this call's were and one launch; None on a call made before the kernel is compiled (that
+    call takes the whole way)."""
+    key, write_lse = _variant(prob, lse), lse is not None
+    lse_shape, dev = (prob.B, prob.Hq, prob.Nq), prob.device
+    spec, scale = prob.spec, prob.scale * LOG2E
+    left, right, bottom_right = spec.left, spec.right, spec.align == "bottom_right"
+    kernel = _kernel_module().attn_fwd_hopper
+    bnhd = prob.layout == "bnhd"
+    empty_like, contiguous = torch.empty_like, torch.contiguous_format
+
+    def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
+        if _compiles.get(key) is not True or _mode == "0":
+            return None
+        o = empty_like(q, memory_format=contiguous)  # in the caller's layout, as the whole way allocates it
+        m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
+        if bnhd:  # the kernel reads [B, H, N, D] views
+            grid, args, kw = _launch_args(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          o.transpose(1, 2), m, scale, left, right, bottom_right, 128, STAGES)
+        else:
+            grid, args, kw = _launch_args(q, k, v, o, m, scale, left, right, bottom_right, 128, STAGES)
+        kernel[grid](*args, **kw)
+        return o, m
+
+    return call

@@ -1,0 +1,254 @@
+"""The Hopper forward kernel (sm_90, Gluon): warp-specialized, TMA loads, warpgroup MMA.
+
+Tiling and warp mapping
+-----------------------
+One program owns ``2 * BLOCK_M`` query rows (BLOCK_M = 64) of one (batch b, query head h); the grid is
+``(ceil(Nq / (2 * BLOCK_M)), B * Hq)``, row tiles last-first so that under a causal band the longest start
+first. Query head h reads kv head ``h // group``. The program's warps split into three partitions:
+
+- a **loader** (one warp) that issues TMA copies: the two halves of the Q tile once, then K and V tiles of
+  ``BLOCK_N`` keys into a ring of ``STAGES`` shared-memory slots, each slot guarded by a *ready* barrier (the
+  copy's bytes landed) and an *empty* barrier (both consumers are done with it);
+- two **consumers** (a warpgroup of four warps each, rows ``[0, BLOCK_M)`` and ``[BLOCK_M, 2 * BLOCK_M)`` of the
+  tile) that run ``S = Q K^T`` and ``acc += P V`` as warpgroup MMAs (``wgmma``) straight from the shared slots
+  and keep the online softmax in the accumulator's registers. The two consumers run free of each other, so
+  one's softmax overlaps the other's matrix products on the tensor cores.
+
+Inside a consumer the products are pipelined by one tile: for key tile j it issues ``S_j = Q K_j^T`` and then
+``acc += P_{j-1} V_{j-1}``, waits for the first only, and computes the softmax of ``S_j`` while the second runs.
+The wgmma groups retire in issue order, so ``warpgroup_mma_wait(1)`` returns once ``S_j`` is done.
+
+Online softmax in base 2 (as :mod:`~attnlab.backends.triton.forward_kernel`)
+---------------------------------------------------------------------
+``s = (q . k) * scale * log2(e)``; per row ``m_i`` (running max), ``l_i`` (running sum of ``exp2(s - m_i)``),
+``acc`` (running sum of ``exp2(s - m_i) v``, float32). ``alpha = exp2(m_i - m_new)`` rescales ``acc`` once
+its pending product has landed. A row that has seen no allowed key has ``m_new = -inf``; the subtraction uses 0
+there, which keeps every ``p`` and ``alpha`` at exactly 0. At the end ``out = acc / l_i`` and
+``lse = (m_i + log2 l_i) ln 2``; a row with ``l_i = 0`` writes 0 and lse = -inf. P is rounded to the input
+dtype before ``P V``.
+
+Masks: the band (causal or window, either alignment) and the key bound. Tiles that every row of a consumer
+sees whole skip the mask arithmetic; the others apply it. Tiles outside the band are never loaded. The TMA
+descriptors are four-dimensional ``[B, H, N, D]`` over the caller's strides, so rows past N read as zeros and
+stores past Nq are clipped by the copy engine. What this kernel computes is :func:`hopper_forward.unsupported`'s; every
+other call runs the portable kernel.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# triton 3.6 names the TMA copies async_copy_*; later releases name them async_load / async_store.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@gluon.jit
+def _full_tiles(i0, Nq, Nk, off, win_left, win_right, t_lo, t_hi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Key tiles ``[f_lo, f_hi)`` inside ``[t_lo, t_hi)`` that every row of ``[i0, i0 + BLOCK_M)`` sees whole."""
+    i_last = gl.minimum(i0 + BLOCK_M, Nq) - 1
+    full_lo = t_lo * 0
+    full_hi = Nk + t_lo * 0
+    if HAS_LEFT:
+        full_lo = gl.maximum(full_lo, i_last + off - win_left)
+    if HAS_RIGHT:
+        full_hi = gl.minimum(full_hi, i0 + off + win_right + 1)
+    f_lo = gl.minimum(gl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, t_lo), t_hi)
+    f_hi = gl.maximum(gl.minimum(gl.maximum(full_hi, 0) // BLOCK_N, t_hi), f_lo)
+    return f_lo, f_hi
+
+
+@gluon.jit
+def _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_left, win_right,
+                    BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """One key tile's step of the online softmax: (p, m_new, l_new, alpha) from the raw products ``S``."""
+    s = S * qk_scale
+    if (j < f_lo) | (j >= f_hi):  # a partial tile: the key bound and the band
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S.type.layout))
+        key_j = gl.expand_dims(keys, 0)
+        row_i = gl.expand_dims(rows, 1)
+        ok = (key_j < Nk) & (row_i >= 0)
+        if HAS_LEFT:
+            ok = ok & (key_j >= row_i + off - win_left)
+        if HAS_RIGHT:
+            ok = ok & (key_j <= row_i + off + win_right)
+        s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _consumer(HALF: gl.constexpr, descs, bufs, bars, Lse, where, bounds, qk_scale,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr):
+    """Rows ``[m0 + HALF * BLOCK_M, + BLOCK_M)``: the pipelined loop over the key tiles and the epilogue."""
+    q_desc, o_desc = descs[0], descs[3]
+    q_bufs, k_bufs, v_bufs = bufs
+    q_bar, k_ready, k_empty, v_ready, v_empty = bars
+    b, h, m0, s_lb, s_lh, s_ln = where[0], where[1], where[3], where[4], where[5], where[6]
+    Nq, Nk, off, win_left, win_right, t_lo, t_hi = bounds
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_desc.dtype
+
+    i0 = m0 + HALF * BLOCK_M
+    rows = i0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    f_lo, f_hi = _full_tiles(i0, Nq, Nk, off, win_left, win_right, t_lo, t_hi, BLOCK_M, BLOCK_N, HAS_LEFT,
+                             HAS_RIGHT)
+    q_tile = q_bufs.index(HALF).reshape([BLOCK_M, HEAD_D])
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+
+    mbarrier.wait(q_bar, 0)
+    if t_hi > t_lo:
+        # ---- the first tile: S_0 and its softmax (acc is still zero) ----
+        mbarrier.wait(k_ready.index(0), 0)
+        k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
+        S = warpgroup_mma(q_tile, k_t, zero_s, use_acc=False, is_async=True)
+        S = warpgroup_mma_wait(0, deps=(S, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, alpha = _softmax_update(S, t_lo, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_left,
+                                             win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # ---- tile j: issue S_j, then P_{j-1} V_{j-1}; the softmax of S_j runs while the second is on the tensor cores
+        for j in range(t_lo + 1, t_hi):
+            it = j - t_lo
+            slot = it % STAGES
+            prev = (it - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+            k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
+            S = warpgroup_mma(q_tile, k_t, zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+            S = warpgroup_mma_wait(1, deps=(S, ))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p, m_i, l_i, alpha = _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_left,
+                                                 win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # ---- the last tile's P V ----
+        it = t_hi - 1 - t_lo
+        last = it % STAGES
+        mbarrier.wait(v_ready.index(last), (it // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # ---- epilogue: normalize, stage through the (now free) Q slot, one TMA store; lse ----
+    live = l_i != 0.0
+    l_div = gl.where(live, l_i, 1.0)
+    scale_o = gl.convert_layout(gl.where(live, 1.0 / l_div, 0.0), gl.SliceLayout(1, o_layout))
+    out = acc * gl.expand_dims(scale_o, 1)
+    q_tile.store(out.to(dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [b, h, i0, 0], q_bufs.index(HALF))
+    if WRITE_LSE:
+        lse = gl.where(live, (m_i + gl.log2(l_div)) * 0.6931471805599453, float("-inf"))
+        l_ptrs = Lse + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + rows.to(gl.int64) * s_ln
+        gl.store(l_ptrs, lse, mask=rows < Nq)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _loader(HALF: gl.constexpr, descs, bufs, bars, Lse, where, bounds, qk_scale,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr):
+    """The TMA partition: both Q halves once, then K_j and V_j into the ring as slots free up."""
+    q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
+    q_bufs, k_bufs, v_bufs = bufs
+    q_bar, k_ready, k_empty, v_ready, v_empty = bars
+    b, h, kvh, m0 = where[0], where[1], where[2], where[3]
+    t_lo, t_hi = bounds[5], bounds[6]
+
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [b, h, m0, 0], q_bar, q_bufs.index(0))
+    _tma_load(q_desc, [b, h, m0 + BLOCK_M, 0], q_bar, q_bufs.index(1))
+    for j in range(t_lo, t_hi):
+        it = j - t_lo
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)  # a fresh barrier reads as phase 1 done
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot))
+
+
+@gluon.jit(do_not_specialize=["Lse", "s_lb", "s_lh", "s_ln", "Nq", "Nk", "Hq", "group", "win_left", "win_right"])
+def attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, Lse, s_lb, s_lh, s_ln, Nq, Nk, Hq, group, qk_scale,
+                    win_left, win_right,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+                    WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    kvh = h // group
+    m0 = pid_m * (2 * BLOCK_M)
+    if BOTTOM_RIGHT:
+        off = Nk - Nq
+    else:
+        off = Nk * 0
+    # ---- the key tiles [t_lo, t_hi) that some row of the program's 2 * BLOCK_M rows may see ----
+    i_last = gl.minimum(m0 + 2 * BLOCK_M, Nq) - 1
+    lo = m0 * 0
+    hi = Nk + m0 * 0
+    if HAS_LEFT:
+        lo = gl.maximum(lo, m0 + off - win_left)
+    if HAS_RIGHT:
+        hi = gl.minimum(hi, i_last + off + win_right + 1)
+    t_lo = lo // BLOCK_N
+    t_hi = gl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
+
+    # ---- shared memory: both Q halves, the K and V rings, their barriers ----
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+
+    descs = (q_desc, k_desc, v_desc, o_desc)
+    bufs = (q_bufs, k_bufs, v_bufs)
+    bars = (q_bar, k_ready, k_empty, v_ready, v_empty)
+    where = (b, h, kvh, m0, s_lb, s_lh, s_ln)
+    bounds = (Nq, Nk, off, win_left, win_right, t_lo, t_hi)
+    gl.warp_specialize([
+        (_consumer, (0, descs, bufs, bars, Lse, where, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                     HAS_LEFT, HAS_RIGHT, WRITE_LSE)),
+        (_consumer, (1, descs, bufs, bars, Lse, where, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                     HAS_LEFT, HAS_RIGHT, WRITE_LSE)),
+        (_loader, (0, descs, bufs, bars, Lse, where, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                   HAS_LEFT, HAS_RIGHT, WRITE_LSE)),
+    ], [4, 1], [CONSUMER_REGS, 24])

@@ -1,0 +1,236 @@
+"""The Hopper forward (attnlab.backends.triton.hopper_forward): which calls it takes, that it compiles for sm_90
+with the installed triton (CPU), and on an sm_90 GPU that it computes the contract through the public call, in its
+first calls and its fast calls, with gradients, in CUDA graphs and under torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.backends.triton import background
+from attnlab.backends.triton import hopper_forward as hopper
+from attnlab.check import compare
+from attnlab.problem import make_problem
+
+
+def _qkv(B=1, Hq=4, Hkv=2, Nq=200, Nk=200, D=64, dtype=torch.bfloat16, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(B, Hq, Nq, D, dtype=dtype, device=device, generator=g),
+            torch.randn(B, Hkv, Nk, D, dtype=dtype, device=device, generator=g),
+            torch.randn(B, Hkv, Nk, D, dtype=dtype, device=device, generator=g))
+
+
+# ---- which calls it takes (CPU: the device check stubbed) ----------------------------------------------------
+
+
+@pytest.fixture
+def on_sm90(monkeypatch):
+    monkeypatch.setattr(hopper, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(hopper, "_mode", "1")
+
+
+def _why(q, k, v, **kw):
+    prob = make_problem(q, k, v, **kw)
+    return hopper.unsupported(prob, torch.empty_like(prob.q))
+
+
+def test_takes_dense_causal_window_gqa_and_either_alignment(on_sm90):
+    if isinstance(hopper._kernel_module(), str):
+        pytest.skip(hopper._kernel_module())
+    q, k, v = _qkv(Nq=100, Nk=300)
+    assert _why(q, k, v) is None
+    assert _why(q, k, v, causal=True, align="bottom_right") is None
+    assert _why(q, k, v, window=(64, 0), align="top_left") is None
+    assert _why(*_qkv(D=128, dtype=torch.float16)) is None
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(dtype=torch.float32), "float16 and bfloat16"),
+    (dict(D=96), "D = Dv"),
+    (dict(D=256), "D = Dv"),
+])
+def test_refuses_what_it_does_not_compute(on_sm90, kw, reason):
+    assert reason in _why(*_qkv(**kw))
+
+
+@pytest.mark.parametrize("extra, reason", [
+    (dict(kv_len=[100, 50]), "lengths"),
+    (dict(mask=torch.ones(200, 200, dtype=torch.bool)), "explicit mask"),
+    (dict(softcap=30.0), "score modifier"),
+])
+def test_refuses_lengths_masks_and_modifiers(on_sm90, extra, reason):
+    q, k, v = _qkv(B=2)
+    assert reason in _why(q, k, v, **extra)
+
+
+def test_refuses_what_tma_cannot_read(on_sm90):
+    _, k, v = _qkv(D=64)
+    strided = torch.randn(1, 4, 200, 128, dtype=torch.bfloat16)[..., ::2]  # D stride 2
+    assert "TMA" in _why(strided, k, v)
+    odd = torch.randn(1, 4, 200 * 64 + 1, dtype=torch.bfloat16)[..., 1:].view(1, 4, 200, 64)  # base off by 2 bytes
+    assert "TMA" in _why(odd, k, v)
+
+
+def test_off_sm90_and_switched_off_it_takes_nothing(monkeypatch):
+    q, k, v = _qkv()
+    assert "sm_90" in _why(q, k, v)  # a CPU tensor
+    monkeypatch.setattr(hopper, "_on_sm90", lambda t: True)
+    prev = hopper.set_mode("0")
+    try:
+        assert "ATTNLAB_HOPPER=0" in _why(q, k, v)
+    finally:
+        hopper.set_mode(prev)
+    with pytest.raises(ValueError, match="ATTNLAB_HOPPER must be one of"):
+        hopper.set_mode("on")
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("band", [dict(), dict(left=None, right=0), dict(left=100, right=0)])
+def test_compiles_for_sm90_with_the_installed_triton(D, band):
+    """The kernel compiles for sm_90 (no GPU needed): a Gluon API change in a new triton shows here first."""
+    if isinstance(hopper._kernel_module(), str):
+        pytest.skip(hopper._kernel_module())
+    from triton.backends.compiler import GPUTarget
+
+    from attnlab.backends.triton.cold_launch import compile_only
+
+    q, k, v = _qkv(D=D, Nq=300, Nk=500)
+    out, lse = torch.empty_like(q), torch.empty(1, 4, 300)
+    _, args, kw = hopper._launch_args(q, k, v, out, lse, 0.1, band.get("left"), band.get("right"), True, 128,
+                                      hopper.STAGES)
+    compiled = compile_only(hopper._kernel_module().attn_fwd_hopper, args, kw, 0, target=GPUTarget("cuda", 90, 32))[0]
+    assert compiled.metadata.num_warps == 12  # two consumer warpgroups and the loader's
+    assert compiled.metadata.shared <= 227 * 1024
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+
+
+# ---- on an sm_90 GPU ------------------------------------------------------------------------------------------
+
+needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                                reason="needs an sm_90 GPU")
+
+CASES = {
+    "full": dict(shape=dict(Nq=1000, Nk=1000, D=128), kw=dict()),
+    "causal": dict(shape=dict(Nq=1000, Nk=1000, D=128), kw=dict(causal=True)),
+    "causal_br_short_q": dict(shape=dict(Nq=333, Nk=777, D=64), kw=dict(causal=True, align="bottom_right")),
+    "causal_br_long_q": dict(shape=dict(Nq=777, Nk=333, D=64), kw=dict(causal=True, align="bottom_right")),
+    "causal_tl_long_q": dict(shape=dict(Nq=777, Nk=333, D=128), kw=dict(causal=True, align="top_left")),
+    "window": dict(shape=dict(Nq=1500, Nk=1500, D=128), kw=dict(window=(200, 0))),
+    "window_both_br": dict(shape=dict(Nq=513, Nk=1025, D=64), kw=dict(window=(100, 50), align="bottom_right")),
+    "one_key": dict(shape=dict(Nq=64, Nk=1, D=128), kw=dict()),
+    "fp16_causal": dict(shape=dict(Nq=300, Nk=300, D=128, dtype=torch.float16), kw=dict(causal=True)),
+    "window_empty_rows": dict(shape=dict(Nq=300, Nk=300, D=64), kw=dict(window=(None, -50))),
+}
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_public_call_runs_the_hopper_kernel_and_meets_the_contract(case):
+    spec = CASES[case]
+    q, k, v = _qkv(B=2, Hq=8, Hkv=2, device="cuda", seed=3, **spec["shape"])
+    kw = spec["kw"]
+    prev, before = hopper.set_mode("sync"), hopper.launches
+    try:
+        out, lse = attnlab.attention(q, k, v, backend="triton", return_lse=True, **kw)
+    finally:
+        hopper.set_mode(prev)
+    assert hopper.launches == before + 1, "the call did not run the Hopper kernel"
+    ref, ref_lse = attnlab.reference(q, k, v, **kw)
+    assert compare(out, ref).passed, compare(out, ref)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    live = torch.isfinite(ref_lse)
+    assert (lse[live] - ref_lse[live]).abs().max().item() < 1e-4
+    assert not torch.isnan(out).any()
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_strided_views_and_the_bnhd_layout():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    big = torch.randn(2, 300, 3, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (big[:, :, i] for i in range(3))  # [B, N, H, D] views of one packed tensor
+    prev, before = hopper.set_mode("sync"), hopper.launches
+    try:
+        out = attnlab.attention(q, k, v, layout="bnhd", causal=True, backend="triton")
+    finally:
+        hopper.set_mode(prev)
+    assert hopper.launches == before + 1
+    assert compare(out, attnlab.reference(q, k, v, layout="bnhd", causal=True)[0]).passed
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_background_mode_runs_the_portable_kernel_until_the_compile_is_done():
+    """Default mode: the first call of a new variant starts the compile and runs the portable kernel; once the
+    compile is done, calls (the whole way and fast calls) run the Hopper kernel; all pass the checker."""
+    from attnlab import fast_calls
+
+    q, k, v = _qkv(B=1, Hq=4, Hkv=4, Nq=700, Nk=900, D=64, device="cuda", seed=9)
+    kw = dict(window=(300, 7), align="bottom_right")  # a variant no other test compiles
+    prev = hopper.set_mode("1")
+    try:
+        prob = make_problem(q, k, v, **kw)
+        for lse in (None, q):  # forget the variant, with and without lse
+            hopper._compiles.pop(hopper._variant(prob, lse), None)
+        fast_calls.clear()
+        before = hopper.launches
+        first = attnlab.attention(q, k, v, backend="triton", **kw)
+        assert hopper.launches == before  # the portable kernel ran
+        background.drain()
+        second = attnlab.attention(q, k, v, backend="triton", **kw)  # the fast call, now the Hopper kernel
+        fast_calls.clear()
+        third = attnlab.attention(q, k, v, backend="triton", **kw)  # the whole way
+        assert hopper.launches == before + 1
+    finally:
+        hopper.set_mode(prev)
+    ref = attnlab.reference(q, k, v, **kw)[0]
+    for out in (first, second, third):
+        assert compare(out, ref).passed
+    assert torch.equal(second, third)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("kw", [dict(causal=True), dict()])
+def test_gradients_after_the_hopper_forward(kw):
+    q, k, v = _qkv(B=2, Hq=8, Hkv=2, Nq=300, Nk=300, D=128, device="cuda", seed=4)
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    prev, before = hopper.set_mode("sync"), hopper.launches
+    try:
+        attnlab.attention(*leaves, backend="triton", **kw).backward(dout)
+    finally:
+        hopper.set_mode(prev)
+    assert hopper.launches == before + 1
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    attnlab.reference(*ref, **kw)[0].backward(dout.double())
+    for name, a, r in zip("qkv", leaves, ref):
+        err = (a.grad.double() - r.grad).abs().max().item()
+        assert err <= 2e-2 * r.grad.abs().max().item(), f"d{name}: {err:.3g}"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_graph_capture_and_compile_fullgraph():
+    from attnlab.bench.replay import capture
+
+    q, k, v = _qkv(B=2, Hq=8, Hkv=8, Nq=512, Nk=512, D=128, device="cuda", seed=6)
+    prev = hopper.set_mode("sync")
+    try:
+        graph, out = capture(lambda: attnlab.attention(q, k, v, causal=True, backend="triton"))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = attnlab.attention(q, k, v, causal=True, backend="triton")
+        assert torch.equal(out, want)
+
+        def f(q, k, v):
+            return attnlab.attention(q, k, v, causal=True, backend="triton")
+
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(f, fullgraph=True)(q, k, v), want)
+    finally:
+        hopper.set_mode(prev)
