@@ -96,7 +96,7 @@ def test_suites_are_well_formed():
         assert all(c.suite == name for c in cases)
         for c in cases:
             c.spec()  # valid keywords
-    assert len(bench.dense_suite()) == 24
+    assert len(bench.dense_suite()) == 25  # 24 of the grid and the sliding window
     pad = bench.padding_suite()
     kv = pad[0].kv_len
     assert kv == bench.padding_suite()[0].kv_len  # seeded

@@ -53,6 +53,13 @@ def _version(mod: str) -> str:
     return str(getattr(m, "__version__", "?"))
 
 
+def _hopper_mode() -> str:
+    """How the ``triton`` backend's forward used its Hopper kernel in this run (:mod:`hopper_forward`'s mode)."""
+    from attnlab.backends.triton import hopper_forward as hopper
+
+    return hopper.mode()
+
+
 def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
     """The environment a result depends on: device, driver, library versions, commit, date, command."""
     from attnlab import __version__
@@ -78,6 +85,7 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
         "cupy": _version("cupy"),
         "device": device,
         "tf32_matmul_default": _tf32(),
+        "hopper_forward": _hopper_mode(),
     }
     if os.environ.get("ATTNLAB_BENCH_COMMAND"):
         env["restarted_as"] = shlex.join(["python", "-m", "attnlab", "bench", *argv])

@@ -125,7 +125,8 @@ def _seeded_lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
 
 
 def dense_suite(device: str = "cuda") -> list[BenchCase]:
-    """bf16 and fp16; D 64 and 128; (B, N) = (8, 1024), (4, 4096), (1, 16384), H 16; causal and not."""
+    """bf16 and fp16; D 64 and 128; (B, N) = (8, 1024), (4, 4096), (1, 16384), H 16; causal and not; and one
+    sliding window of 1024 keys at N 16384."""
     cases = []
     for dt in ("bfloat16", "float16"):
         for D in (64, 128):
@@ -134,6 +135,9 @@ def dense_suite(device: str = "cuda") -> list[BenchCase]:
                     tag = "bf16" if dt == "bfloat16" else "fp16"
                     name = f"{tag}_b{B}_h16_n{N}_d{D}_{'causal' if causal else 'full'}"
                     cases.append(BenchCase("dense", name, B=B, Hq=16, Nq=N, D=D, dtype=dt, causal=causal))
+    # a sliding window (Mistral-like) on a long sequence: compiled Flex's block mask is the rival here
+    cases.append(BenchCase("dense", "bf16_b1_h16_n16384_d128_window1024", B=1, Hq=16, Nq=16384, D=128,
+                           dtype="bfloat16", window=(1024, 0)))
     return cases
 
 
