@@ -22,6 +22,7 @@ from concurrent.futures import Future
 
 import torch
 
+from attnlab.backends.triton import runtime as _rt
 from attnlab.problem import Problem
 
 BLOCK_M = 64  #: rows per consumer warpgroup; a program owns two such halves
@@ -138,6 +139,41 @@ def _problem_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) ->
                         spec.align == "bottom_right", 128, STAGES)
 
 
+class _Desc:
+    """What Triton's launcher reads of a host tensor descriptor (base, shape, strides, padding) for a repeated
+    launch; the block and the shared layout are the compiled kernel's, fixed by its variant."""
+
+    __slots__ = ("base", "padding", "shape", "strides")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.base, self.shape, self.strides, self.padding = t, list(t.shape), list(t.stride()), "zero"
+
+
+#: Compiled kernels by variant, for launches without the JIT's binding (built descriptors, specialization).
+_kernels: dict[tuple, object] = {}
+
+
+def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, right: int | None,
+            bottom_right: bool) -> None:
+    """One launch on [B, H, N, D] views: the first of a variant through the JIT, later ones straight to the
+    compiled kernel's launcher with the values the JIT would pass (every parameter the JIT specializes on is in
+    the variant: the ints are not specialized, the descriptors' types follow dtype and D)."""
+    compiled = _kernels.get(key)
+    if compiled is None:
+        grid, args, kw = _launch_args(q, k, v, out, lse, qk_scale, left, right, bottom_right, 128, STAGES)
+        compiled = _kernel_module().attn_fwd_hopper[grid](*args, **kw)
+        if _rt.fast_launch_supported(compiled):
+            _kernels[key] = compiled
+        return
+    B, Hq, Nq, D = q.shape
+    write_lse = lse is not None
+    values = (_Desc(q), _Desc(k), _Desc(v), _Desc(out), lse if write_lse else out,
+              *(lse.stride() if write_lse else (0, 0, 0)), Nq, k.shape[2], Hq, Hq // k.shape[1], qk_scale,
+              0 if left is None else left, 0 if right is None else right,
+              BLOCK_M, 128, D, STAGES, left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS)
+    _rt.run_compiled(compiled, (-(-Nq // (2 * BLOCK_M)), B * Hq, 1), _rt.stream_of(q.device.index), values)
+
+
 def _variant(prob: Problem, lse: torch.Tensor | None) -> tuple:
     """What a compiled kernel is specialized on, beyond what every taken call shares (16-byte alignment)."""
     spec = prob.spec
@@ -185,6 +221,14 @@ def _ready(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
     return _ready(prob, out, lse) if _mode == "sync" else False
 
 
+def _compiled(key: tuple) -> bool:
+    """Whether the variant ``key``'s compile has finished well (settling a finished one)."""
+    state = _compiles.get(key)
+    if isinstance(state, Future) and state.done():
+        _settle(key, state)
+    return _compiles.get(key) is True
+
+
 def _settle(key: tuple, future: Future) -> None:
     try:
         future.result()
@@ -198,8 +242,9 @@ def forward(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
     the portable kernel instead (not taken, or still compiling)."""
     if unsupported(prob, out) is not None or not _ready(prob, out, lse):
         return False
-    grid, args, kw = _problem_args(prob, out, lse)
-    _kernel_module().attn_fwd_hopper[grid](*args, **kw)
+    spec = prob.spec
+    _launch(_variant(prob, lse), prob.q, prob.k, prob.v, out, lse, prob.scale * LOG2E, spec.left, spec.right,
+            spec.align == "bottom_right")
     global launches
     launches += 1
     return True
@@ -213,21 +258,19 @@ def fast_call(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
     lse_shape, dev = (prob.B, prob.Hq, prob.Nq), prob.device
     spec, scale = prob.spec, prob.scale * LOG2E
     left, right, bottom_right = spec.left, spec.right, spec.align == "bottom_right"
-    kernel = _kernel_module().attn_fwd_hopper
     bnhd = prob.layout == "bnhd"
     empty_like, contiguous = torch.empty_like, torch.contiguous_format
 
     def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
-        if _compiles.get(key) is not True or _mode == "0":
+        if _mode == "0" or not _compiled(key):
             return None
         o = empty_like(q, memory_format=contiguous)  # in the caller's layout, as the whole way allocates it
         m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
         if bnhd:  # the kernel reads [B, H, N, D] views
-            grid, args, kw = _launch_args(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          o.transpose(1, 2), m, scale, left, right, bottom_right, 128, STAGES)
+            _launch(key, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o.transpose(1, 2), m, scale, left,
+                    right, bottom_right)
         else:
-            grid, args, kw = _launch_args(q, k, v, o, m, scale, left, right, bottom_right, 128, STAGES)
-        kernel[grid](*args, **kw)
+            _launch(key, q, k, v, o, m, scale, left, right, bottom_right)
         return o, m
 
     return call
