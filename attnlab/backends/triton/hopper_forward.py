@@ -26,7 +26,7 @@ from attnlab.backends.triton import runtime as _rt
 from attnlab.problem import Problem
 
 BLOCK_M = 64  #: rows per consumer warpgroup; a program owns two such halves
-STAGES = 2  #: K/V slots in the ring (2 x 2 x 128 x 128 x 2 bytes, the Q and O halves: 192 KiB at D 128)
+STAGES = 2  #: K/V slots in the ring (2 x 2 x 128 x 128 x 2 bytes + the Q tile: 160 KiB at D 128)
 CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader's warpgroup keeps 24)
 MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
 HEAD_DIMS = (64, 128)
@@ -96,8 +96,8 @@ def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
         return "no lengths or packed sequences"
     if spec.mask is not None or spec.bias is not None or prob.mods.any:
         return "no explicit mask, bias or score modifier"
-    if -(-prob.Nq // (2 * BLOCK_M)) * prob.B * prob.Hq >= 2**31:
-        return "at most 2**31 - 1 work items (row tiles of 128 x B x Hq)"
+    if prob.B * prob.Hq > 65535:
+        return "B * Hq must be at most 65535 (the grid's second axis)"
     if not all(_tma_ready(t) for t in (q, prob.k, prob.v, out)):
         return "TMA needs the last dim contiguous and 16-byte aligned strides and bases"
     if isinstance(_kernel_module(), str):
@@ -117,32 +117,26 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, t.dtype))
 
 
-def _grid(q: torch.Tensor, sms: int) -> tuple[int, int, int]:
-    """One program per SM, or per work item where there are fewer (items: row tiles of 2 * BLOCK_M x B x Hq)."""
-    B, Hq, Nq, _ = q.shape
-    return (min(sms, -(-Nq // (2 * BLOCK_M)) * B * Hq), 1, 1)
-
-
 def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: int | None, bottom_right: bool,
-                 block_n: int, stages: int, sms: int) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, keywords) of one launch on [B, H, N, D] views, for a GPU of ``sms`` SMs."""
+                 block_n: int, stages: int) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, keywords) of one launch on [B, H, N, D] views."""
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     args = (_descriptor(q, [1, 1, BLOCK_M, D]), _descriptor(k, [1, 1, block_n, D]),
             _descriptor(v, [1, 1, block_n, D]), _descriptor(out, [1, 1, BLOCK_M, D]),
             lse if lse is not None else out, *(lse.stride() if lse is not None else (0, 0, 0)),
-            Nq, Nk, B, Hq, Hq // k.shape[1], qk_scale, left if left is not None else 0,
-            right if right is not None else 0)
+            Nq, Nk, Hq, Hq // k.shape[1], qk_scale, left if left is not None else 0, right if right is not None else 0)
     kw = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=D, STAGES=stages, HAS_LEFT=left is not None,
               HAS_RIGHT=right is not None, BOTTOM_RIGHT=bottom_right, WRITE_LSE=lse is not None,
               CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS)
-    return _grid(q, sms), args, kw
+    grid = (-(-Nq // (2 * BLOCK_M)), B * Hq)
+    return grid, args, kw
 
 
 def _problem_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> tuple[tuple, tuple, dict]:
     spec = prob.spec
     return _launch_args(prob.q, prob.k, prob.v, out, lse, prob.scale * LOG2E, spec.left, spec.right,
-                        spec.align == "bottom_right", 128, STAGES, _rt.sm_count(prob.q.device.index))
+                        spec.align == "bottom_right", 128, STAGES)
 
 
 class _Desc:
@@ -166,8 +160,7 @@ def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, ri
     the variant: the ints are not specialized, the descriptors' types follow dtype and D)."""
     compiled = _kernels.get(key)
     if compiled is None:
-        grid, args, kw = _launch_args(q, k, v, out, lse, qk_scale, left, right, bottom_right, 128, STAGES,
-                                      _rt.sm_count(q.device.index))
+        grid, args, kw = _launch_args(q, k, v, out, lse, qk_scale, left, right, bottom_right, 128, STAGES)
         compiled = _kernel_module().attn_fwd_hopper[grid](*args, **kw)
         if _rt.fast_launch_supported(compiled):
             _kernels[key] = compiled
@@ -175,11 +168,10 @@ def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, ri
     B, Hq, Nq, D = q.shape
     write_lse = lse is not None
     values = (_Desc(q), _Desc(k), _Desc(v), _Desc(out), lse if write_lse else out,
-              *(lse.stride() if write_lse else (0, 0, 0)), Nq, k.shape[2], B, Hq, Hq // k.shape[1], qk_scale,
+              *(lse.stride() if write_lse else (0, 0, 0)), Nq, k.shape[2], Hq, Hq // k.shape[1], qk_scale,
               0 if left is None else left, 0 if right is None else right,
               BLOCK_M, 128, D, STAGES, left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS)
-    index = q.device.index
-    _rt.run_compiled(compiled, _grid(q, _rt.sm_count(index)), _rt.stream_of(index), values)
+    _rt.run_compiled(compiled, (-(-Nq // (2 * BLOCK_M)), B * Hq, 1), _rt.stream_of(q.device.index), values)
 
 
 def _variant(prob: Problem, lse: torch.Tensor | None) -> tuple:
