@@ -20,7 +20,8 @@ class TritonBackend(Backend):
 
     name = "triton"
     takes = ("float32/float16/bfloat16, D and Dv 1-256, every mask, softcap, ALiBi slopes, sinks, packed "
-             "sequences natively; CUDA tensors compiled, CPU tensors interpreted")
+             "sequences natively; CUDA tensors compiled (on sm_90 a Hopper kernel for float16/bfloat16, D = Dv "
+             "of 64 or 128, no lengths, mask or modifier), CPU tensors interpreted")
     kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.backends.triton.backward)
     description = (
         "fused Triton forward kernel: online softmax in exp2, block skipping, every mask, GQA; "
