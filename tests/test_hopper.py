@@ -85,6 +85,59 @@ def test_off_sm90_and_switched_off_it_takes_nothing(monkeypatch):
         hopper.set_mode("on")
 
 
+@pytest.fixture
+def fake_compiles(monkeypatch):
+    """The compile machinery with its GPU parts stubbed: (the submitted work, the futures handed back)."""
+    import collections
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    submitted, futures = [], []
+
+    def submit(*work):
+        submitted.append(work)
+        futures.append(Future())
+        return futures[-1]
+
+    kernel = SimpleNamespace(attn_fwd_hopper=SimpleNamespace(device_caches=collections.defaultdict(dict)))
+    monkeypatch.setattr(hopper, "_kernel_module", lambda: kernel)
+    monkeypatch.setattr(hopper, "_problem_args", lambda prob, out, lse: ((1, 1, 1), (), {}))
+    monkeypatch.setattr(background, "submit", submit)
+    monkeypatch.setattr(hopper, "_compiles", {})
+    monkeypatch.setattr(hopper, "_seen", set())
+    return submitted, futures
+
+
+def test_a_variants_first_call_starts_nothing_and_its_second_the_compile(on_sm90, fake_compiles):
+    submitted, futures = fake_compiles
+    prob = make_problem(*_qkv())
+    out = torch.empty_like(prob.q)
+    assert not hopper._ready(prob, out, None) and not submitted  # first call: the portable kernel alone
+    assert not hopper._ready(prob, out, None) and len(submitted) == 1  # second: the compile starts
+    assert not hopper._ready(prob, out, None) and len(submitted) == 1  # in flight: not started twice
+    assert not hopper._compiled(hopper._variant(prob, None))
+    futures[0].set_result(None)
+    assert hopper._compiled(hopper._variant(prob, None)) and hopper._ready(prob, out, None)
+    lse = torch.empty(1, 4, 200)  # another variant (with lse), whose compile fails: it stays portable
+    hopper._ready(prob, out, lse)
+    hopper._ready(prob, out, lse)
+    futures[1].set_exception(RuntimeError("no such instruction"))
+    assert not hopper._ready(prob, out, lse)
+    assert "no such instruction" in hopper._compiles[hopper._variant(prob, lse)]
+    assert len(submitted) == 2
+
+
+def test_sync_mode_compiles_on_the_first_call_and_waits(on_sm90, fake_compiles, monkeypatch):
+    submitted, futures = fake_compiles
+    monkeypatch.setattr(hopper, "_mode", "sync")
+    prob = make_problem(*_qkv(D=128))
+    out = torch.empty_like(prob.q)
+    import threading
+
+    threading.Timer(0.05, lambda: futures[0].set_result(None)).start()  # the compile finishes a little later
+    assert hopper._ready(prob, out, None) and len(submitted) == 1
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("band", [dict(), dict(left=None, right=0), dict(left=100, right=0)])
 def test_compiles_for_sm90_with_the_installed_triton(D, band):
@@ -164,8 +217,8 @@ def test_strided_views_and_the_bnhd_layout():
 @pytest.mark.gpu
 @needs_sm90
 def test_background_mode_runs_the_portable_kernel_until_the_compile_is_done():
-    """Default mode: the first call of a new variant starts the compile and runs the portable kernel; once the
-    compile is done, calls (the whole way and fast calls) run the Hopper kernel; all pass the checker."""
+    """Default mode: the first two calls of a new variant run the portable kernel (the second starts the compile);
+    once the compile is done, calls (the whole way and fast calls) run the Hopper kernel; all pass the checker."""
     from attnlab import fast_calls
 
     q, k, v = _qkv(B=1, Hq=4, Hkv=4, Nq=700, Nk=900, D=64, device="cuda", seed=9)
@@ -175,10 +228,12 @@ def test_background_mode_runs_the_portable_kernel_until_the_compile_is_done():
         prob = make_problem(q, k, v, **kw)
         for lse in (None, q):  # forget the variant, with and without lse
             hopper._compiles.pop(hopper._variant(prob, lse), None)
+            hopper._seen.discard(hopper._variant(prob, lse))
         fast_calls.clear()
         before = hopper.launches
         first = attnlab.attention(q, k, v, backend="triton", **kw)
-        assert hopper.launches == before  # the portable kernel ran
+        attnlab.attention(q, k, v, backend="triton", **kw)  # the second call starts the compile
+        assert hopper.launches == before  # the portable kernel ran both
         background.drain()
         second = attnlab.attention(q, k, v, backend="triton", **kw)  # the fast call, now the Hopper kernel
         fast_calls.clear()

@@ -6,10 +6,11 @@ On an sm_90 GPU the ``triton`` backend's forward runs the Gluon kernel of
 
 When it is compiled. A first call must not wait for a compile that a portable kernel already avoids
 (:mod:`~attnlab.backends.triton.cold_launch`), so by default (``ATTNLAB_HOPPER=1``) the first call of a kernel
-variant starts its compile on a worker thread and runs the portable kernel; the calls after the compile has
-finished run the Hopper kernel. Both compute the contract and pass the checker, but their float32 sums run in
-different orders, so the first calls and the later ones may differ in the last bits. ``ATTNLAB_HOPPER=sync``
-compiles on the first call and waits (benchmarks and tests: every call runs one kernel);
+variant runs the portable kernel and nothing else (a first forward and backward compile their own kernels; a
+compile beside them would share the GIL), the second starts the Hopper kernel's compile on a worker thread, and
+the calls after it has finished run the Hopper kernel. Both compute the contract and pass the checker, but their
+float32 sums run in different orders, so the first calls and the later ones may differ in the last bits.
+``ATTNLAB_HOPPER=sync`` compiles on the first call and waits (benchmarks and tests: every call runs one kernel);
 ``ATTNLAB_HOPPER=0`` keeps every call on the portable kernel. :func:`set_mode` switches at run time.
 """
 
@@ -185,6 +186,7 @@ launches = 0  #: Hopper launches by the whole way so far (tests read it; fast ca
 
 #: Compiles by variant: a Future while in flight, then True (ready) or the error's text (never taken).
 _compiles: dict[tuple, Future | bool | str] = {}
+_seen: set[tuple] = set()  #: variants called once, their compile not started yet
 _lock = threading.Lock()
 
 
@@ -198,7 +200,8 @@ def _compile(grid: tuple, args: tuple, kw: dict, device: int) -> None:
 
 
 def _ready(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
-    """Whether the variant's kernel is compiled; starts (or, in sync mode, runs) its compile if not."""
+    """Whether the variant's kernel is compiled; on its second call starts its compile (in sync mode: on its first,
+    and waits)."""
     key = _variant(prob, lse)
     state = _compiles.get(key)
     if state is True:
@@ -211,6 +214,9 @@ def _ready(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
         elif state.done():
             _settle(key, state)
         return _compiles.get(key) is True
+    if _mode != "sync" and key not in _seen:  # the variant's first call: the portable kernel alone
+        _seen.add(key)
+        return False
     grid, args, kw = _problem_args(prob, out, lse)
     from attnlab.backends.triton import background
 
