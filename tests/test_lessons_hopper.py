@@ -43,3 +43,20 @@ def test_the_recorded_routes_and_profile_read_back():
     assert list(prof.columns) == ["attnlab (triton)", "cuDNN"]
     assert prof.loc["threads per block", "cuDNN"] == 384
     assert len(prof) == len(hopper.PROFILE_METRICS) + 1
+
+
+def test_the_gluon_kernels_first_run_reads_back(tmp_path):
+    run = {"check": [{"case": "a", "passed": True}, {"case": "b", "passed": False}],
+           "time": [{"case": "x", "ms": {"hopper": 1.0, "triton": 1.5, "sdpa-cudnn": 0.9}},
+                    {"case": "w", "ms": {"hopper": 0.5, "triton": 0.6}}, {"case": "e", "error": "boom"}]}
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(run))
+    table, passed, total = hopper.gluon_kernel(path)
+    assert (passed, total) == (1, 2)
+    assert list(table.index) == ["x", "w"]
+    assert table.loc["x", "Gluon x cuDNN"] == pytest.approx(0.9)
+    assert table.loc["x", "Gluon x portable"] == pytest.approx(1.5)
+    assert table.loc["w", "Gluon x cuDNN"] is None or table["Gluon x cuDNN"].isna()["w"]
+    assert hopper.gluon_kernel(tmp_path / "absent.json") is None
+    recorded = hopper.gluon_kernel()
+    assert recorded is not None and recorded[1] == recorded[2] and len(recorded[0]) == 6

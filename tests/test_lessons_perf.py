@@ -45,3 +45,15 @@ def test_backward_bars_draw_what_was_timed_and_nothing_else():
     bars = [p for p in fig.axes[0].patches]
     assert sorted(round(b.get_width()) for b in bars if b.get_width() > 0) == [300, 380, 400]
     assert figures.backward_bars(bwd, "fwd") is None  # a mode the suite did not time
+
+
+def test_the_dense_grid_and_its_window_rows_apart():
+    df = pd.DataFrame({"case": ["a", "a", "w", "w"], "backend": ["triton", "sdpa-cudnn", "triton", "flex"],
+                       "window": [None, None, "1024:0", "1024:0"], "status": "ok", "ms": [1.0, 0.9, 0.3, 0.45]})
+    grid, window = perf.dense_split(df)
+    assert list(grid["case"].unique()) == ["a"] and list(window["case"].unique()) == ["w"]
+    assert perf.speed_ratios(window, "triton", "flex")["w"] == 1.5
+    old = df.drop(columns="window")  # a suite recorded before the window row
+    grid, window = perf.dense_split(old)
+    assert len(grid) == 4 and window.empty
+    assert perf.dense_split(None) == (None, None)

@@ -1,6 +1,7 @@
 """The forward's Hopper routes as recorded on the GPU (``tools/hopper_routes.py``): the public Triton call, the
 same call with forced configs, TMA tensor-descriptor loads and triton's automatic warp specialization, each timed
-beside cuDNN; and Nsight Compute's view of attnlab's and cuDNN's forward kernels. Nothing is timed here.
+beside cuDNN; Nsight Compute's view of attnlab's and cuDNN's forward kernels; and the first measure of the
+warp-specialized Gluon kernel (``attnlab/backends/triton/hopper_kernel.py``). Nothing is timed here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ _DIR = DATA_DIR / "experiments" / "nvidia-h200"
 #: The route runs (the warp-specialized kernels ran in a process of their own) and the profile.
 ROUTE_FILES = (_DIR / "hopper-routes-e059209.json", _DIR / "hopper-routes-ws-e059209.json")
 PROFILE_FILE = _DIR / "ncu-forward-causal-e059209.csv"
+#: The Gluon kernel's first run: its checks against the float64 reference, then times beside cuDNN and the
+#: portable kernel (docs/decisions.md, "The forward on Hopper: a warp-specialized Gluon kernel").
+GLUON_FILE = _DIR / "hopper-gluon-first-e01d16c.json"
 
 #: Route families by the prefix of their names in the files, as the notebook says them.
 FAMILIES = {"triton": "public call, shipped config", "triton cfg": "public call, best forced config",
@@ -82,3 +86,25 @@ def profile(path: Path | str = PROFILE_FILE) -> pd.DataFrame | None:
             if label is not None:
                 col[label] = float(r["Metric Value"].replace(",", ""))
     return pd.DataFrame(table)
+
+
+def gluon_kernel(path: Path | str = GLUON_FILE) -> tuple[pd.DataFrame, int, int] | None:
+    """The Gluon kernel's first run: (per case its time and the portable kernel's and cuDNN's, in ms, and the speed
+    of each over cuDNN's; checks passed; checks run); None when the file is absent."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    run = json.loads(p.read_text())
+    rows = []
+    for r in run["time"]:
+        if "ms" not in r:
+            continue
+        ms = r["ms"]
+        cudnn = ms.get("sdpa-cudnn")
+        rows.append({"case": r["case"], "Gluon kernel (ms)": ms["hopper"], "portable kernel (ms)": ms["triton"],
+                     "cuDNN (ms)": cudnn,
+                     "Gluon x cuDNN": cudnn / ms["hopper"] if cudnn else None,
+                     "portable x cuDNN": cudnn / ms["triton"] if cudnn else None,
+                     "Gluon x portable": ms["triton"] / ms["hopper"]})
+    checks = run["check"]
+    return pd.DataFrame(rows).set_index("case"), sum(bool(c.get("passed")) for c in checks), len(checks)

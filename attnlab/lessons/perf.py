@@ -125,10 +125,21 @@ def speed_ratios(df: pd.DataFrame | None, backend: str, baseline: str) -> pd.Ser
     return b.loc[both] / a.loc[both]
 
 
+def dense_split(df: pd.DataFrame | None) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+    """The dense suite as (its grid of full and causal configs, its sliding-window rows); a suite recorded
+    before the window row has none."""
+    if df is None:
+        return None, None
+    if "window" not in df:
+        return df, df.iloc[:0]
+    banded = df["window"].notna() & (df["window"].astype(str).str.len() > 0)
+    return df[~banded], df[banded]
+
+
 def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float, read_tbps: float | None = None) -> str:
     """The takeaways of notebook 08 as Markdown, every figure computed from the recorded suites."""
     out = []
-    dense = data.get("dense")
+    dense, window = dense_split(data.get("dense"))
     if dense is not None:
         tri, cud, fa = tflops_of(dense, "triton"), tflops_of(dense, "sdpa-cudnn"), tflops_of(dense, "sdpa-flash")
         r_fa, r_cud = speed_ratios(dense, "triton", "sdpa-flash"), speed_ratios(dense, "triton", "sdpa-cudnn")
@@ -143,6 +154,10 @@ def takeaways(data: Mapping[str, pd.DataFrame | None], *, copy_tbps: float, read
             f"{tb.median():.2f}x FlashAttention-2), memory-bound as notebook 01 predicts. attnlab's CUDA kernels "
             + ", ".join(f"{k} {_rng(v, '{:.1f}')}" for k, v in cuda.items() if len(v))
             + " TFLOP/s: float32 arithmetic on CUDA cores, there to be read and measured.")
+    if window is not None and len(speed_ratios(window, "triton", "flex")):
+        out.append(f"* **Sliding window** (N 16384, 1024 keys): Triton {_rng(tflops_of(window, 'triton'))} "
+                   f"TFLOP/s, {_rng(speed_ratios(window, 'triton', 'flex'), '{:.2f}')}x compiled FlexAttention with "
+                   "its block mask.")
     pad = data.get("padding")
     if pad is not None:
         r_flex = speed_ratios(pad, "triton", "flex")
