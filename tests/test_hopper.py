@@ -68,8 +68,52 @@ def test_refuses_what_tma_cannot_read(on_sm90):
     _, k, v = _qkv(D=64)
     strided = torch.randn(1, 4, 200, 128, dtype=torch.bfloat16)[..., ::2]  # D stride 2
     assert "TMA" in _why(strided, k, v)
-    odd = torch.randn(1, 4, 200 * 64 + 1, dtype=torch.bfloat16)[..., 1:].view(1, 4, 200, 64)  # base off by 2 bytes
+    flat = torch.randn(4 * 200 * 64 + 8, dtype=torch.bfloat16)
+    odd = flat[1:1 + 4 * 200 * 64].view(1, 4, 200, 64)  # aligned strides, the base 2 bytes off
     assert "TMA" in _why(odd, k, v)
+    assert _why(flat[8:8 + 4 * 200 * 64].view(1, 4, 200, 64), k, v) is None or isinstance(hopper._kernel_module(), str)
+    shared = torch.randn(1, 1, 200, 64, dtype=torch.bfloat16).expand(1, 2, 200, 64)  # one kv head broadcast: stride 0
+    assert "TMA" in _why(_qkv(D=64)[0], shared, shared)
+
+
+def test_light_descriptors_carry_every_field_the_launcher_reads():
+    """A repeated launch hands the launcher :class:`_Desc` objects instead of TensorDescriptors: every field of the
+    installed triton's descriptor but the block and layout (fixed by the compiled kernel) must be there, equal."""
+    if isinstance(hopper._kernel_module(), str):
+        pytest.skip(hopper._kernel_module())
+    import dataclasses
+
+    t = _qkv(D=128)[0]
+    real = hopper._descriptor(t, [1, 1, hopper.BLOCK_M, 128])
+    light = hopper._Desc(t)
+    for f in dataclasses.fields(real):
+        if f.name in ("block_shape", "layout"):
+            continue
+        a, b = getattr(light, f.name), getattr(real, f.name)
+        if f.name == "base":
+            assert a is b
+        else:
+            assert (list(a) == list(b)) if f.name in ("shape", "strides") else a == b, f.name
+
+
+def test_band_widths_are_clamped_to_the_same_band():
+    q, k, _ = _qkv(Nq=100, Nk=300)
+    assert hopper._width(None, q, k) is None
+    assert hopper._width(50, q, k) == 50 and hopper._width(-7, q, k) == -7
+    assert hopper._width(2**40, q, k) == 400 and hopper._width(-(2**40), q, k) == -400
+
+
+@pytest.mark.parametrize("given, mode", [("0", "0"), ("off", "0"), ("False", "0"), ("1", "1"), ("on", "1"),
+                                         ("sync", "sync"), (" SYNC ", "sync")])
+def test_the_environment_switch_and_its_spellings(monkeypatch, given, mode):
+    monkeypatch.setenv("ATTNLAB_HOPPER", given)
+    assert hopper._from_environment() == mode
+
+
+def test_an_unknown_environment_value_warns_and_keeps_the_default(monkeypatch):
+    monkeypatch.setenv("ATTNLAB_HOPPER", "maybe")
+    with pytest.warns(UserWarning, match="ATTNLAB_HOPPER='maybe'"):
+        assert hopper._from_environment() == "1"
 
 
 def test_off_sm90_and_switched_off_it_takes_nothing(monkeypatch):
@@ -121,9 +165,11 @@ def test_a_variants_first_call_starts_nothing_and_its_second_the_compile(on_sm90
     lse = torch.empty(1, 4, 200)  # another variant (with lse), whose compile fails: it stays portable
     hopper._ready(prob, out, lse)
     hopper._ready(prob, out, lse)
+    assert not hopper.failed(prob, lse)
     futures[1].set_exception(RuntimeError("no such instruction"))
     assert not hopper._ready(prob, out, lse)
     assert "no such instruction" in hopper._compiles[hopper._variant(prob, lse)]
+    assert hopper.failed(prob, lse) and not hopper.failed(prob, None)
     assert len(submitted) == 2
 
 
@@ -216,6 +262,29 @@ def test_strided_views_and_the_bnhd_layout():
 
 @pytest.mark.gpu
 @needs_sm90
+def test_fast_calls_in_the_bnhd_layout():
+    """The second call of a signature is its fast call: [B, N, H, D] tensors go to the kernel as views."""
+    from attnlab import fast_calls
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q, k, v = (torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    prev = hopper.set_mode("sync")
+    try:
+        fast_calls.clear()
+        first = attnlab.attention(q, k, v, layout="bnhd", causal=True, backend="triton", return_lse=True)
+        assert len(fast_calls._CALLS) == 1
+        q2 = torch.randn_like(q)
+        second = attnlab.attention(q2, k, v, layout="bnhd", causal=True, backend="triton", return_lse=True)
+    finally:
+        hopper.set_mode(prev)
+    for (out, lse), qq in ((first, q), (second, q2)):
+        ref, ref_lse = attnlab.reference(qq, k, v, layout="bnhd", causal=True)
+        assert out.shape == qq.shape and compare(out, ref).passed
+        assert (lse - ref_lse).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_background_mode_runs_the_portable_kernel_until_the_compile_is_done():
     """Default mode: the first two calls of a new variant run the portable kernel (the second starts the compile);
     once the compile is done, calls (the whole way and fast calls) run the Hopper kernel; all pass the checker."""
@@ -273,9 +342,10 @@ def test_graph_capture_and_compile_fullgraph():
     from attnlab.bench.replay import capture
 
     q, k, v = _qkv(B=2, Hq=8, Hkv=8, Nq=512, Nk=512, D=128, device="cuda", seed=6)
-    prev = hopper.set_mode("sync")
+    prev, before = hopper.set_mode("sync"), hopper.launches
     try:
         graph, out = capture(lambda: attnlab.attention(q, k, v, causal=True, backend="triton"))
+        assert hopper.launches > before, "the captured call did not run the Hopper kernel"
         q.copy_(torch.randn_like(q))
         graph.replay()
         torch.cuda.synchronize()

@@ -62,7 +62,7 @@ class TritonBackend(Backend):
         if (append is not None or not prob.q.is_cuda or paged is not None or prob.packed is not None
                 or prob.Dv != prob.D or _empty_problem(prob, out)):  # (a fast call allocates out like q)
             return None  # an empty call launched nothing: no plan to build (or tune) for it
-        if hopper.unsupported(prob, out) is None:  # on sm_90: the Hopper kernel's call once it is compiled
+        if hopper.unsupported(prob, out) is None and not hopper.failed(prob, lse):  # sm_90: once it is compiled
             return hopper.fast_call(prob, out, lse)
         return plan_for(prob, out, lse).fast_call(prob, out, lse)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import warnings
 from concurrent.futures import Future
 
 import torch
@@ -34,7 +35,21 @@ HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 MODES = ("0", "1", "sync")
 
-_mode = os.environ.get("ATTNLAB_HOPPER", "1")
+_SPELLINGS = {"0": "0", "false": "0", "off": "0", "no": "0", "1": "1", "true": "1", "on": "1", "yes": "1", "": "1",
+              "sync": "sync"}
+
+
+def _from_environment() -> str:
+    """ATTNLAB_HOPPER as a mode; an unknown value warns and leaves the default."""
+    given = os.environ.get("ATTNLAB_HOPPER", "1")
+    mode = _SPELLINGS.get(given.strip().lower())
+    if mode is None:
+        warnings.warn(f"ATTNLAB_HOPPER={given!r} is not one of 0, 1 or sync (or off/on): using 1", stacklevel=2)
+        return "1"
+    return mode
+
+
+_mode = _from_environment()
 
 
 def set_mode(mode: str) -> str:
@@ -73,10 +88,11 @@ def _on_sm90(t: torch.Tensor) -> bool:
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
-    """A tensor TMA can read: last dim contiguous, other strides and the base 16-byte aligned."""
+    """A tensor TMA can read: last dim contiguous, other strides positive (no broadcast) and, with the base,
+    16-byte aligned."""
     size = t.element_size()
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
+            and all(s > 0 and (s * size) % 16 == 0 for s in t.stride()[:-1]))
 
 
 def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
@@ -136,22 +152,42 @@ def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: in
 
 def _problem_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> tuple[tuple, tuple, dict]:
     spec = prob.spec
-    return _launch_args(prob.q, prob.k, prob.v, out, lse, prob.scale * LOG2E, spec.left, spec.right,
+    q, k = prob.q, prob.k
+    return _launch_args(q, k, prob.v, out, lse, prob.scale * LOG2E, _width(spec.left, q, k), _width(spec.right, q, k),
                         spec.align == "bottom_right", 128, STAGES)
 
 
-class _Desc:
-    """What Triton's launcher reads of a host tensor descriptor (base, shape, strides, padding) for a repeated
-    launch; the block and the shared layout are the compiled kernel's, fixed by its variant."""
+@functools.cache
+def _descriptor_defaults() -> dict:
+    """The installed triton's host tensor descriptor fields that have defaults (padding; triton 3.9 adds
+    round_f32_to_tf32), so that :class:`_Desc` carries every field its launcher reads."""
+    import dataclasses
 
-    __slots__ = ("base", "padding", "shape", "strides")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return {f.name: f.default for f in dataclasses.fields(TensorDescriptor) if f.default is not dataclasses.MISSING}
+
+
+class _Desc:
+    """What Triton's launcher reads of a host tensor descriptor for a repeated launch: base, shape, strides and
+    the fields with defaults; the block and the shared layout are the compiled kernel's, fixed by its variant."""
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.base, self.shape, self.strides, self.padding = t, list(t.shape), list(t.stride()), "zero"
+        self.__dict__.update(_descriptor_defaults())
+        self.base, self.shape, self.strides = t, list(t.shape), list(t.stride())
 
 
 #: Compiled kernels by variant, for launches without the JIT's binding (built descriptors, specialization).
 _kernels: dict[tuple, object] = {}
+
+
+def _width(w: int | None, q: torch.Tensor, k: torch.Tensor) -> int | None:
+    """A band width clamped to +-(Nq + Nk): the same band (past that every key, or none, is on its side), and
+    every bound the kernel computes from it stays a 32-bit int (the JIT types an int argument by its value)."""
+    if w is None:
+        return None
+    bound = q.shape[2] + k.shape[2]
+    return max(-bound, min(w, bound))
 
 
 def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, right: int | None,
@@ -159,6 +195,7 @@ def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, ri
     """One launch on [B, H, N, D] views: the first of a variant through the JIT, later ones straight to the
     compiled kernel's launcher with the values the JIT would pass (every parameter the JIT specializes on is in
     the variant: the ints are not specialized, the descriptors' types follow dtype and D)."""
+    left, right = _width(left, q, k), _width(right, q, k)
     compiled = _kernels.get(key)
     if compiled is None:
         grid, args, kw = _launch_args(q, k, v, out, lse, qk_scale, left, right, bottom_right, 128, STAGES)
@@ -225,6 +262,11 @@ def _ready(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
             _kernel_module().attn_fwd_hopper.device_caches[prob.q.device.index]  # made here, not on a worker
             _compiles[key] = background.submit(_compile, grid, args, kw, prob.q.device.index)
     return _ready(prob, out, lse) if _mode == "sync" else False
+
+
+def failed(prob: Problem, lse: torch.Tensor | None) -> bool:
+    """Whether the variant's compile failed (its calls stay on the portable kernel for good)."""
+    return isinstance(_compiles.get(_variant(prob, lse)), str)
 
 
 def _compiled(key: tuple) -> bool:
