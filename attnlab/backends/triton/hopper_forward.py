@@ -28,6 +28,7 @@ from attnlab.backends.triton import runtime as _rt
 from attnlab.problem import Problem
 
 BLOCK_M = 64  #: rows per consumer warpgroup; a program owns two such halves
+BLOCK_N = 128  #: keys per tile (a consumer's 64 x 128 float32 scores: 64 registers per thread)
 STAGES = 2  #: K/V slots in the ring (2 x 2 x 128 x 128 x 2 bytes + the Q tile: 160 KiB at D 128)
 CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader's warpgroup keeps 24)
 MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
@@ -134,27 +135,32 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, t.dtype))
 
 
-def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: int | None, bottom_right: bool,
-                 block_n: int, stages: int) -> tuple[tuple, tuple, dict]:
+def _grid(q: torch.Tensor) -> tuple[int, int, int]:
+    """One program per 2 * BLOCK_M query rows of each (batch, query head)."""
+    B, Hq, Nq, _ = q.shape
+    return (-(-Nq // (2 * BLOCK_M)), B * Hq, 1)
+
+
+def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: int | None,
+                 bottom_right: bool) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, keywords) of one launch on [B, H, N, D] views."""
-    B, Hq, Nq, D = q.shape
+    Hq, Nq, D = q.shape[1:]
     Nk = k.shape[2]
-    args = (_descriptor(q, [1, 1, BLOCK_M, D]), _descriptor(k, [1, 1, block_n, D]),
-            _descriptor(v, [1, 1, block_n, D]), _descriptor(out, [1, 1, BLOCK_M, D]),
+    args = (_descriptor(q, [1, 1, BLOCK_M, D]), _descriptor(k, [1, 1, BLOCK_N, D]),
+            _descriptor(v, [1, 1, BLOCK_N, D]), _descriptor(out, [1, 1, BLOCK_M, D]),
             lse if lse is not None else out, *(lse.stride() if lse is not None else (0, 0, 0)),
             Nq, Nk, Hq, Hq // k.shape[1], qk_scale, left if left is not None else 0, right if right is not None else 0)
-    kw = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=D, STAGES=stages, HAS_LEFT=left is not None,
+    kw = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES, HAS_LEFT=left is not None,
               HAS_RIGHT=right is not None, BOTTOM_RIGHT=bottom_right, WRITE_LSE=lse is not None,
               CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS)
-    grid = (-(-Nq // (2 * BLOCK_M)), B * Hq)
-    return grid, args, kw
+    return _grid(q), args, kw
 
 
 def _problem_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> tuple[tuple, tuple, dict]:
     spec = prob.spec
     q, k = prob.q, prob.k
     return _launch_args(q, k, prob.v, out, lse, prob.scale * LOG2E, _width(spec.left, q, k), _width(spec.right, q, k),
-                        spec.align == "bottom_right", 128, STAGES)
+                        spec.align == "bottom_right")
 
 
 @functools.cache
@@ -198,18 +204,18 @@ def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, ri
     left, right = _width(left, q, k), _width(right, q, k)
     compiled = _kernels.get(key)
     if compiled is None:
-        grid, args, kw = _launch_args(q, k, v, out, lse, qk_scale, left, right, bottom_right, 128, STAGES)
+        grid, args, kw = _launch_args(q, k, v, out, lse, qk_scale, left, right, bottom_right)
         compiled = _kernel_module().attn_fwd_hopper[grid](*args, **kw)
         if _rt.fast_launch_supported(compiled):
             _kernels[key] = compiled
         return
-    B, Hq, Nq, D = q.shape
+    Hq, Nq, D = q.shape[1:]
     write_lse = lse is not None
     values = (_Desc(q), _Desc(k), _Desc(v), _Desc(out), lse if write_lse else out,
               *(lse.stride() if write_lse else (0, 0, 0)), Nq, k.shape[2], Hq, Hq // k.shape[1], qk_scale,
               0 if left is None else left, 0 if right is None else right,
-              BLOCK_M, 128, D, STAGES, left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS)
-    _rt.run_compiled(compiled, (-(-Nq // (2 * BLOCK_M)), B * Hq, 1), _rt.stream_of(q.device.index), values)
+              BLOCK_M, BLOCK_N, D, STAGES, left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS)
+    _rt.run_compiled(compiled, _grid(q), _rt.stream_of(q.device.index), values)
 
 
 def _variant(prob: Problem, lse: torch.Tensor | None) -> tuple:
