@@ -202,6 +202,28 @@ def test_compiles_for_sm90_with_the_installed_triton(D, band):
     assert compiled.metadata.shared <= 227 * 1024
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    assert _ptxas_spills(ptx) == 0, "the Hopper kernel spills registers"
+
+
+def _ptxas_spills(ptx: str) -> int:
+    """Bytes of spill stores ptxas reports for ``ptx`` on sm_90a (the ptxas triton compiled it with)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as d:
+        src = f"{d}/k.ptx"
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", f"{d}/k.cubin"], capture_output=True,
+                             text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    found = re.findall(r"(\d+) bytes spill stores", res.stderr + res.stdout)
+    assert found, res.stderr[-2000:]
+    return sum(int(x) for x in found)
 
 
 # ---- on an sm_90 GPU ------------------------------------------------------------------------------------------
