@@ -132,21 +132,19 @@ def test_off_sm90_and_switched_off_it_takes_nothing(monkeypatch):
 @pytest.fixture
 def fake_compiles(monkeypatch):
     """The compile machinery with its GPU parts stubbed: (the submitted work, the futures handed back)."""
-    import collections
     from concurrent.futures import Future
     from types import SimpleNamespace
 
     submitted, futures = [], []
 
-    def submit(*work):
-        submitted.append(work)
+    def ahead(*work, **how):
+        submitted.append((work, how))
         futures.append(Future())
         return futures[-1]
 
-    kernel = SimpleNamespace(attn_fwd_hopper=SimpleNamespace(device_caches=collections.defaultdict(dict)))
-    monkeypatch.setattr(hopper, "_kernel_module", lambda: kernel)
+    monkeypatch.setattr(hopper, "_kernel_module", lambda: SimpleNamespace(attn_fwd_hopper=object()))
     monkeypatch.setattr(hopper, "_problem_args", lambda prob, out, lse: ((1, 1, 1), (), {}))
-    monkeypatch.setattr(background, "submit", submit)
+    monkeypatch.setattr(background, "ahead", ahead)
     monkeypatch.setattr(hopper, "_compiles", {})
     monkeypatch.setattr(hopper, "_seen", set())
     return submitted, futures
@@ -158,6 +156,7 @@ def test_a_variants_first_call_starts_nothing_and_its_second_the_compile(on_sm90
     out = torch.empty_like(prob.q)
     assert not hopper._ready(prob, out, None) and not submitted  # first call: the portable kernel alone
     assert not hopper._ready(prob, out, None) and len(submitted) == 1  # second: the compile starts
+    assert submitted[0][1] == {"jit": True}  # into the JIT's cache: the cold path does not launch it
     assert not hopper._ready(prob, out, None) and len(submitted) == 1  # in flight: not started twice
     assert not hopper._compiled(hopper._variant(prob, None))
     futures[0].set_result(None)

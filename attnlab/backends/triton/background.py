@@ -4,9 +4,9 @@ Triton's compiler (its MLIR and LLVM passes, ptxas, and the C compiler that buil
 releases the GIL, so a kernel compiled on a worker thread overlaps the caller's own compile. :func:`ahead`
 compiles ``kernel`` for the arguments given (``JITFunction.warmup``: nothing is launched) and builds its
 launcher, so that the real launch later finds both in Triton's caches. The backward's three kernels
-(:func:`attnlab.backends.triton.backward.compile_ahead`) and the decode's merge kernel use it. Where first launches
-take the cold path (:mod:`~attnlab.backends.triton.cold_launch`), it compiles into that path's cache, and
-:func:`handles` builds a cold-launched kernel's Triton launcher here, after its first launch.
+(:func:`attnlab.backends.triton.backward.compile_ahead`), the decode's merge kernel and the Hopper forward use
+it. Where first launches take the cold path (:mod:`~attnlab.backends.triton.cold_launch`), it compiles into that
+path's cache, and :func:`handles` builds a cold-launched kernel's Triton launcher here, after its first launch.
 
 Compiling is safe on several threads (Triton's own asynchronous compile mode does it). Making a compiled
 kernel's handles (its launcher, a C extension module always named ``__triton_launcher``, built and loaded, and
@@ -57,8 +57,8 @@ def serialize_kernel_loads() -> bool:
     return True
 
 
-def _compile(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -> None:
-    if cold_launch.usable():  # into the cold path's cache; the first launch loads it and starts its launcher
+def _compile(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device, cold: bool) -> None:
+    if cold:  # into the cold path's cache; the first launch loads it and starts its launcher
         cold_launch.compile_only(kernel, args, kw, device.index)
         return
     with torch.cuda.device(device):
@@ -68,23 +68,17 @@ def _compile(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -
             init()
 
 
-def ahead(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device) -> Future:
+def ahead(kernel, grid: tuple, args: tuple, kw: dict, device: torch.device, jit: bool = False) -> Future:
     """Start compiling ``kernel[grid](*args, **kw)`` on a worker thread; the future's error, if any, is the
-    real launch's too (it compiles again there and raises it). The JIT's per-device state is made here, on
-    the caller's thread, so that workers never race to make it."""
+    real launch's too (it compiles again there and raises it). With ``jit`` (a kernel the cold path does not
+    launch, such as the Hopper forward's), into the JIT's cache even where first launches take the cold path.
+    The JIT's per-device state is made here, on the caller's thread, so that workers never race to make it."""
     warm_start.wait()
     serialize_kernel_loads()
-    if not cold_launch.usable():
+    cold = cold_launch.usable() and not jit
+    if not cold:
         kernel.device_caches[device.index]
-    return _submit(_compile, kernel, grid, args, kw, device)
-
-
-def submit(work, *args) -> Future:
-    """Run ``work(*args)`` on a worker thread, with kernel loads serialized as for :func:`ahead` (the Hopper
-    forward's compile uses it)."""
-    warm_start.wait()
-    serialize_kernel_loads()
-    return _submit(work, *args)
+    return _submit(_compile, kernel, grid, args, kw, device, cold)
 
 
 #: Work submitted and not yet done (a future leaves the set when it completes).

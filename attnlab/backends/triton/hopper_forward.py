@@ -233,15 +233,6 @@ _seen: set[tuple] = set()  #: variants called once, their compile not started ye
 _lock = threading.Lock()
 
 
-def _compile(grid: tuple, args: tuple, kw: dict, device: int) -> None:
-    kernel = _kernel_module().attn_fwd_hopper
-    with torch.cuda.device(device):
-        compiled = kernel.warmup(*args, grid=grid, **kw)
-        init = getattr(compiled, "_init_handles", None)
-        if init is not None:
-            init()
-
-
 def _ready(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
     """Whether the variant's kernel is compiled; on its second call starts its compile (in sync mode: on its first,
     and waits)."""
@@ -254,9 +245,7 @@ def _ready(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
     if isinstance(state, Future):
         if _mode == "sync":
             _settle(key, state)
-        elif state.done():
-            _settle(key, state)
-        return _compiles.get(key) is True
+        return _compiled(key)
     if _mode != "sync" and key not in _seen:  # the variant's first call: the portable kernel alone
         _seen.add(key)
         return False
@@ -265,8 +254,8 @@ def _ready(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
 
     with _lock:
         if key not in _compiles:
-            _kernel_module().attn_fwd_hopper.device_caches[prob.q.device.index]  # made here, not on a worker
-            _compiles[key] = background.submit(_compile, grid, args, kw, prob.q.device.index)
+            _compiles[key] = background.ahead(_kernel_module().attn_fwd_hopper, grid, args, kw, prob.q.device,
+                                              jit=True)
     return _ready(prob, out, lse) if _mode == "sync" else False
 
 
