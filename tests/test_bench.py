@@ -479,6 +479,72 @@ def test_gpu_timing_and_memory_columns():
     assert rows["sdpa-flash"]["ms"] < rows["torch"]["ms"]
 
 
+# ---- graph_ms: the calls' time in CUDA-graph replay ------------------------------------------------------
+
+
+def test_graph_column_is_the_median_replay_or_empty_with_a_note(monkeypatch):
+    """``graph_ms`` is the median of the replays; a call that cannot be captured leaves it empty, says why,
+    and the row keeps its event timings; a capture that broke the CUDA context raises like any failed call."""
+    from attnlab.bench import replay
+
+    monkeypatch.setattr(replay, "graph_times", lambda call, sets: [3.0, 1.0, 2.0, 9.0])
+    notes: list[str] = []
+    assert bench_runner.graph_column(lambda i: None, 2, torch.device("cuda"), notes) == 2.5 and notes == []
+
+    def refuse(call, sets):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(replay, "graph_times", refuse)
+    monkeypatch.setattr(bench_runner, "context_ok", lambda device: True)
+    assert bench_runner.graph_column(lambda i: None, 2, torch.device("cuda"), notes) == ""
+    assert notes == ["graph replay: RuntimeError: operation not permitted when stream is capturing"]
+    monkeypatch.setattr(bench_runner, "context_ok", lambda device: False)
+    with pytest.raises(RuntimeError, match="capturing"):
+        bench_runner.graph_column(lambda i: None, 2, torch.device("cuda"), [])
+
+
+def test_graph_suites_are_the_decode_ones_and_a_cpu_row_leaves_graph_ms_empty(monkeypatch):
+    """Only the suites of short calls replay graphs; on a CPU no graph is captured and the column stays empty."""
+    from attnlab.bench import replay
+
+    assert {n for n, s in bench.SUITES.items() if s.graph} == {"decode", "scoremod-decode"}
+    assert bench.COLUMNS[-1] == "graph_ms"
+
+    def never(call, sets):
+        raise AssertionError("no CUDA graph on a CPU")
+
+    monkeypatch.setattr(replay, "graph_times", never)
+    case = bench.suite_cases("decode", "cpu")[0]
+    (row,) = bench.run_case(case, bench.competitors(["sdpa"]), _cpu_opts())
+    assert row["status"] == "ok" and row["graph_ms"] == "" and row["suite"] == "decode", row["notes"]
+
+
+@pytest.mark.gpu
+def test_gpu_graph_ms_beside_the_event_timings():
+    """On a GPU, in a graph suite: every competitor that captures gets ``graph_ms`` (at most its event-timed
+    median plus noise: the host's launches are gone); one that synchronizes inside the call cannot be
+    captured, gets an empty ``graph_ms`` and a note, and the competitors after it still run."""
+    case = bench.BenchCase("decode", "graph", B=4, Hq=8, Hkv=2, Nq=1, Nk=4096, D=128, dtype="bfloat16")
+
+    def syncing(inp):
+        def call(i):
+            out = torch.nn.functional.scaled_dot_product_attention(inp.qs[i], inp.ks[i].repeat_interleave(4, 1),
+                                                                   inp.vs[i].repeat_interleave(4, 1))
+            torch.cuda.synchronize()
+            return out
+
+        return bench.Prepared(call=call)
+
+    opts = bench.Options(device="cuda", max_reps=10, run_id="test", gpu=torch.cuda.get_device_name())
+    comps = [*bench.competitors(["triton-decode", "auto-paged16"]), bench.Competitor("syncing", "test", syncing),
+             *bench.competitors(["sdpa-flash"])]
+    rows = {r["backend"]: r for r in bench.run_case(case, comps, opts)}
+    assert all(r["status"] == "ok" for r in rows.values()), {k: r["notes"] for k, r in rows.items()}
+    for name in ("triton-decode", "auto-paged16", "sdpa-flash"):
+        assert 0 < rows[name]["graph_ms"] <= 1.2 * rows[name]["ms"], rows[name]
+    assert rows["syncing"]["graph_ms"] == "" and "graph replay:" in rows["syncing"]["notes"]
+
+
 # ---- the public call, host time, the new suites ---------------------------------------------------------
 
 

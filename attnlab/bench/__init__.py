@@ -48,6 +48,9 @@ among them keeps the timed calls from reading a warm L2. For each competitor:
 4. host time (``host_us``): a GPU sleep of :data:`HOST_SLEEP_CYCLES` is queued, then up to 10 calls run
    back to back without a synchronize; their wall time over their number. The host never waits for the GPU
    there unless the call synchronizes, which shows as a host time near the sleep's and a note.
+5. graph replay (``graph_ms``; suites of short calls, ``Suite.graph``: decode and scoremod-decode): 20 calls
+   rotating over the sets are captured in one CUDA graph and replayed 10 times; the median replay over 20.
+   It is the kernels' time with the host's launches gone, beside the event-timed ``ms`` that includes them.
 
 A failed check, an exception, an out-of-memory error, an unsupported configuration and an unavailable
 backend each give a row with its ``status`` and no timing: nothing is dropped.

@@ -23,7 +23,7 @@ from attnlab.bench.runner import (
     short_error,
     status_rows,
 )
-from attnlab.bench.suites import BenchCase
+from attnlab.bench.suites import SUITES, BenchCase
 from attnlab.bench.timing import Options, case_timing, free_memory
 from attnlab.bench.truth import make_case_inputs, make_truth
 
@@ -36,6 +36,8 @@ def run_case(
     dev = torch.device(opts.device)
     max_reps, budget, min_reps = case_timing(case, opts)
     counts = case_counts(case)
+    suite = SUITES.get(case.suite)
+    graph = suite is not None and suite.graph
     rows: list[dict[str, Any]] = []
 
     def emit(row):
@@ -78,7 +80,7 @@ def run_case(
         for comp in todo:
             if not case.backward:
                 forward.append(run_one_steps(comp, inp, truth, opts, counts, max_reps, budget, min_reps,
-                                             rounds=opts.rounds))
+                                             rounds=opts.rounds, graph=graph))
             elif opts.deadline is not None and time.time() > opts.deadline:
                 for r in status_rows(case, comp, opts, counts, status="skipped", notes="deadline reached"):
                     emit(r)

@@ -115,11 +115,13 @@ def measure(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tu
 def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timing: tuple[int, float, int],
                   notes: list[str], mark: Callable[[], str | None] | None = None,
                   after: Callable[[], str | None] | None = None, cold: Callable[[], None] | None = None,
-                  rounds: int = 1, context: Callable[[], contextlib.AbstractContextManager] | None = None):
+                  rounds: int = 1, context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                  graph: bool = False):
     """:func:`measure` as a generator that yields between ``rounds`` rounds of its timed calls (each round
     after the first starts with ROUND_WARMUP untimed calls), so that a caller can run other competitors'
     rounds in between; it returns (with StopIteration) what :func:`measure` returns. Each stretch runs in
-    ``context()`` (the competitor's: e.g. SDPA restricted to one kernel), entered anew after every yield."""
+    ``context()`` (the competitor's: e.g. SDPA restricted to one kernel), entered anew after every yield.
+    ``graph`` (a GPU only) adds ``graph_ms``, the calls' time in CUDA-graph replay (:func:`graph_column`)."""
     max_reps, budget_ms, min_reps = timing
     enter = context or contextlib.nullcontext
     caught: list = []
@@ -158,6 +160,7 @@ def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timi
     with stretch():
         host_us, busy = measure_host(call, sets, host_calls(est_ms), dev, start=at)
         bad = after() if after is not None else None
+        graph_ms = graph_column(call, sets, dev, notes) if graph and dev.type == "cuda" and not bad else ""
     eager = eager_fallbacks(caught)
     if bad or eager:
         return None, bad or eager[0]
@@ -166,7 +169,22 @@ def measure_steps(call: Callable[[int], Any], sets: int, dev: torch.device, timi
     if not busy:
         notes.append(HOST_NOT_HIDDEN)
     return {"ms": median(times), "ms_min": min(times), "ms_iqr": quantile(times, 0.75) - quantile(times, 0.25),
-            "reps": len(times), "peak_extra_mib": peak, "host_us": host_us}, None
+            "reps": len(times), "peak_extra_mib": peak, "host_us": host_us, "graph_ms": graph_ms}, None
+
+
+def graph_column(call: Callable[[int], Any], sets: int, dev: torch.device, notes: list[str]) -> float | str:
+    """The row's ``graph_ms``: the median replay of the calls captured in a CUDA graph (the GPU time without
+    the host's launches), or empty with a note when the call cannot be captured; a capture that broke the
+    CUDA context raises, as any failed call does."""
+    from attnlab.bench.replay import graph_times
+
+    try:
+        return median(graph_times(call, sets))
+    except Exception as e:
+        if not context_ok(dev):
+            raise
+        notes.append(f"graph replay: {short_error(e, 160)}")
+        return ""
 
 
 def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None) -> list:
@@ -210,10 +228,10 @@ def run_one(
 
 def run_one_steps(
     comp: Competitor, inp: CaseInputs, truth: Truth, opts: Options, counts: dict[str, Any], max_reps: int,
-    budget_ms: float, min_reps: int, rounds: int = 1,
+    budget_ms: float, min_reps: int, rounds: int = 1, graph: bool = False,
 ):
     """:func:`run_one` as a generator that yields between its ``rounds`` rounds of timed calls
-    (:func:`measure_steps`) and returns the row."""
+    (:func:`measure_steps`; ``graph``: with ``graph_ms``) and returns the row."""
     from attnlab.check import compare
 
     case, dev = inp.case, inp.device
@@ -250,7 +268,7 @@ def run_one_steps(
     try:
         timed, bad = yield from measure_steps(prep.call, inp.sets, dev, (max_reps, budget_ms, min_reps), notes,
                                               prep.mark, prep.after_timing, prep.cold, rounds=rounds,
-                                              context=lambda: entered(prep))
+                                              context=lambda: entered(prep), graph=graph)
         if bad:
             return make_row(case, comp, opts, counts, status="fallback", passed=True, notes="; ".join([*notes, bad]),
                         **base)

@@ -50,6 +50,10 @@ mode                      ``fwd`` (every forward suite), ``fwd+bwd`` or ``bwd`` 
 host_us                   host time per call, microseconds: wall time of back-to-back calls, not
                           synchronized, queued behind a GPU sleep so the host never waits for the GPU
                           unless the call synchronizes (on a CPU: the wall time of the call)
+graph_ms                  median GPU time per call in CUDA-graph replay (20 calls rotating over the input
+                          sets in one graph, 10 replays), milliseconds: the kernels' time without the
+                          host's launches. Suites with ``graph=True`` on a GPU (decode, scoremod-decode);
+                          else empty, and empty with a note when the call cannot be captured
 ========================  ==========================================================================
 
 Beside each CSV, ``<suite>.json`` holds the environment: GPU name, driver, torch, CUDA, cuDNN, triton,
@@ -73,7 +77,7 @@ COLUMNS = [
     "B", "Hq", "Hkv", "Nq", "Nk", "D", "dtype", "causal", "align", "window", "mask", "lengths",
     "allowed_frac", "flops", "bytes", "ms", "ms_min", "ms_iqr", "reps", "tflops", "gbps",
     "peak_extra_mib", "setup_mib", "max_abs_err", "rel_l2", "base_max_abs", "check_scope", "sets",
-    "notes", "device", "gpu", "path", "mode", "host_us",
+    "notes", "device", "gpu", "path", "mode", "host_us", "graph_ms",
 ]
 
 STATUSES = ("ok", "failed", "oom", "unsupported", "unavailable", "error", "fallback", "skipped")

@@ -337,6 +337,9 @@ class Suite:
     backends: tuple[str, ...] | None = None
     #: seconds after the suite's start when it starts no new measurement, unless ``--deadline-s`` is given
     deadline_s: float | None = None
+    #: also time the calls in CUDA-graph replay (the ``graph_ms`` column): short calls, where the host's
+    #: launches can hide the kernel's time
+    graph: bool = False
 
 
 #: The rivals of the latency suite: the public call (triton, auto), its kernel path, and SDPA's fused kernels.
@@ -355,7 +358,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("fp32", fp32_suite, all_rank=0),
     Suite("padding", padding_suite, all_rank=1),
     Suite("prefill", prefill_suite, all_rank=2),
-    Suite("decode", decode_suite, all_rank=3, backends=DECODE_BACKENDS),
+    Suite("decode", decode_suite, all_rank=3, backends=DECODE_BACKENDS, graph=True),
     Suite("dense", dense_suite, all_rank=5),
     Suite("memory", memory_suite, all_rank=4, timing=(3, 50.0, 1)),
     Suite("latency", latency_suite, all_rank=6, timing=(100, 20.0, 10), backends=LATENCY_BACKENDS,
@@ -367,7 +370,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("quick", quick_suite),
     Suite("tuning", tuning_suite, timing=(10, 50.0, 3), backends=("triton-table", "triton-tuned", "sdpa-cudnn")),
     Suite("scoremod", scoremod_suite, timing=(10, 50.0, 3), backends=("auto", "flex", "sdpa-cudnn")),
-    Suite("scoremod-decode", scoremod_decode_suite, backends=("auto", "auto-paged16")),
+    Suite("scoremod-decode", scoremod_decode_suite, backends=("auto", "auto-paged16"), graph=True),
 )}
 
 
