@@ -45,6 +45,36 @@ def test_the_recorded_routes_and_profile_read_back():
     assert len(prof) == len(hopper.PROFILE_METRICS) + 1
 
 
+def test_a_profile_of_both_masks_reads_tensor_pipe_and_stalls_per_kernel_and_mask(tmp_path):
+    """The export ``tools/hopper_routes.py --profile`` makes: launches in the order ours, cuDNN (full), ours,
+    cuDNN (causal); section metrics and the raw ones (tensor pipe, stall reasons) land in one column each."""
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    kernels = ["attn_fwd_hopper", "cudnn_generated_fort_native_sdpa_sm90_x"] * 2
+    lines = [head]
+    for i, kname in enumerate(kernels):
+        block = "(384, 1, 1)"
+        def row(section, metric, value, i=i, kname=kname, block=block):
+            return f'"{i}","1","python3","h","{kname}","1","7","{block}","(32, 64, 1)","0","9.0","{section}",' \
+                   f'"{metric}","x","{value}"'
+        lines += [row("GPU Speed Of Light Throughput", "Duration", f"{1000 + i:,}"),
+                  row("Occupancy", "Achieved Occupancy", "18.5"),
+                  row("Command line profiler metrics",
+                      "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", str(50 + i)),
+                  row("Command line profiler metrics",
+                      "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio", "0.25"),
+                  row("Command line profiler metrics", "smsp__something_else", "3")]
+    path = tmp_path / "ncu.csv"
+    path.write_text("\n".join(lines) + "\n")
+    prof = hopper.profile(path, masks=("full", "causal"))
+    assert list(prof.columns) == ["attnlab (Gluon), full", "cuDNN, full", "attnlab (Gluon), causal",
+                                  "cuDNN, causal"]
+    assert prof.loc["duration (ns, ncu's locked clocks)"].tolist() == [1000, 1001, 1002, 1003]
+    assert prof.loc["tensor pipe active, wgmma (%)", "cuDNN, causal"] == 53
+    assert prof.loc["stall: long_scoreboard", "attnlab (Gluon), full"] == 0.25
+    assert "smsp__something_else" not in prof.index and prof.loc["threads per block"].eq(384).all()
+
+
 def test_the_gluon_kernels_first_run_reads_back(tmp_path):
     run = {"check": [{"case": "a", "passed": True}, {"case": "b", "passed": False}],
            "time": [{"case": "x", "ms": {"hopper": 1.0, "triton": 1.5, "sdpa-cudnn": 0.9}},

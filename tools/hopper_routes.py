@@ -13,12 +13,17 @@ What it compares, on bf16 D128 (and one D64) problems, each timed over interleav
   whole contract.
 
 Usage on the GPU: ``PYTHONPATH=. python tools/hopper_routes.py OUT.json [--ws]``; ``--interpret`` checks the route
-kernel through Triton's interpreter on the CPU (small shapes). ``--profile [causal]`` runs one attnlab and one
-cuDNN forward (B4 H16 N4096 D128 bf16) between cudaProfilerStart and Stop, both warmed up first, for Nsight
-Compute:
+kernel through Triton's interpreter on the CPU (small shapes). ``--profile [full|causal]`` runs one attnlab and
+one cuDNN forward (B4 H16 N4096 D128 bf16; both masks when neither is named: full first) between
+cudaProfilerStart and Stop, all warmed up first, for Nsight Compute. attnlab's call is the public one in the
+Hopper kernel's sync mode, so on sm_90 the profiled kernel is the Gluon one. The profile the Hopper issue asks
+for (tensor-pipe activity, occupancy, stall reasons per issued instruction), read by
+:func:`attnlab.lessons.hopper.profile`:
 
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --csv --page details python tools/hopper_routes.py --profile causal
+        --section ComputeWorkloadAnalysis --metrics regex:sm__pipe_tensor_op_[gh]mma_cycles_active.avg.pct.* \
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+        --csv --page details python tools/hopper_routes.py --profile
 """
 
 from __future__ import annotations
@@ -239,8 +244,10 @@ def interpret_check() -> None:
         print("causal" if causal else "full", float((got - want).abs().max()))
 
 
-def profile(causal: bool) -> None:
-    """One warmed-up forward of attnlab's ``triton`` and one of cuDNN's, alone in the profiled region."""
+def profile(masks: tuple[bool, ...]) -> None:
+    """Per mask (False: full, True: causal), one warmed-up forward of attnlab's public ``triton`` call and one
+    of cuDNN's, alone in the profiled region in that order."""
+    os.environ.setdefault("ATTNLAB_HOPPER", "sync")  # compile the Hopper kernel on its first call
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import attnlab
@@ -248,19 +255,21 @@ def profile(causal: bool) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
 
-    def ours():
+    def ours(causal):
         return attnlab.attention(q, k, v, causal=causal, backend="triton")
 
-    def cudnn():
+    def cudnn(causal):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    for _ in range(3):
-        ours(), cudnn()
+    for causal in masks:
+        for _ in range(3):
+            ours(causal), cudnn(causal)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    ours()
-    cudnn()
+    for causal in masks:
+        ours(causal)
+        cudnn(causal)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 
@@ -269,6 +278,7 @@ if __name__ == "__main__":
     if "--interpret" in sys.argv:
         interpret_check()
     elif "--profile" in sys.argv:
-        profile("causal" in sys.argv)
+        named = tuple(m for m, word in ((False, "full"), (True, "causal")) if word in sys.argv)
+        profile(named or (False, True))
     else:
         run(sys.argv[1], "--ws" in sys.argv)

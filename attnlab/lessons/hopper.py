@@ -71,20 +71,43 @@ def routes(paths: tuple[Path | str, ...] = ROUTE_FILES) -> pd.DataFrame | None:
     return out.sort_index(key=lambda ix: ix.map(order) if ix.name == "case" else ix.map(fam))
 
 
-def profile(path: Path | str = PROFILE_FILE) -> pd.DataFrame | None:
+#: Kernel names in the profile by the prefix ncu reports, as the notebook says them.
+PROFILE_KERNELS = {"attn_fwd_hopper": "attnlab (Gluon)", "attn_fwd_kernel": "attnlab (triton)", "cudnn": "cuDNN"}
+#: The raw metrics ``tools/hopper_routes.py``'s ncu command adds (section "Command line profiler metrics").
+TENSOR_METRICS = {
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor pipe active, wgmma (%)",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor pipe active, mma.sync (%)",
+}
+_STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
+
+
+def profile(path: Path | str = PROFILE_FILE, masks: tuple[str, ...] = ("causal",)) -> pd.DataFrame | None:
     """The selected ncu metrics (rows) of attnlab's and cuDNN's forward kernels (columns), with each kernel's
-    threads per block; None when the export is absent."""
+    threads per block; None when the export is absent. A kernel's k-th launch in the export is ``masks[k]``
+    (``tools/hopper_routes.py --profile`` runs full, then causal); with one mask the columns are the kernels'
+    names alone. Exports made with the raw metrics add the tensor pipe's activity and, per stall reason, the
+    cycles a warp spent stalled on it per issued instruction (``stall: <reason>``)."""
     p = Path(path)
     if not p.exists():
         return None
     table: dict[str, dict[str, float]] = {}
+    launches: dict[str, str] = {}  # ncu's launch ID -> column
     with p.open() as f:
         for r in csv.DictReader(f):
-            name = "attnlab (triton)" if r["Kernel Name"].startswith("attn_fwd") else "cuDNN"
-            col = table.setdefault(name, {"threads per block": float(r["Block Size"].strip("()").split(",")[0])})
-            label = PROFILE_METRICS.get((r["Section Name"], r["Metric Name"]))
-            if label is not None:
-                col[label] = float(r["Metric Value"].replace(",", ""))
+            col = launches.get(r["ID"])
+            if col is None:
+                name = next((v for k, v in PROFILE_KERNELS.items() if r["Kernel Name"].startswith(k)),
+                            r["Kernel Name"][:40])
+                k = sum(c.split(",")[0] == name for c in table)
+                col = name if len(masks) == 1 else f"{name}, {masks[k] if k < len(masks) else k + 1}"
+                launches[r["ID"]] = col
+                table[col] = {"threads per block": float(r["Block Size"].strip("()").split(",")[0])}
+            metric, value = r["Metric Name"], r["Metric Value"].replace(",", "")
+            label = PROFILE_METRICS.get((r["Section Name"], metric)) or TENSOR_METRICS.get(metric)
+            if label is None and metric.startswith(_STALL[0]) and metric.endswith(_STALL[1]):
+                label = "stall: " + metric[len(_STALL[0]):-len(_STALL[1])]
+            if label is not None and value not in ("", "n/a"):
+                table[col][label] = float(value)
     return pd.DataFrame(table)
 
 
