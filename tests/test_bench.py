@@ -720,6 +720,22 @@ def _bwd_case():
     return bench.BenchCase("t", "bw", B=2, Hq=2, Nq=20, D=16, causal=True, kv_len=(20, 11), backward=True)
 
 
+def test_the_one_pass_backward_competitor_runs_every_call_in_its_mode_and_restores_it(monkeypatch):
+    """``triton-dq-atomic``: the public triton call whose backward adds dQ up in the dK/dV pass; its three rows
+    pass the gradient check, the dQ pass never runs under it, and the shipped mode is back afterwards."""
+    from attnlab.backends.triton import backward as triton_bwd
+
+    def no_dq_pass(*a, **k):
+        raise AssertionError("the dQ pass ran under triton-dq-atomic")
+
+    monkeypatch.setattr(triton_bwd, "_launch_dq", no_dq_pass)
+    monkeypatch.setattr(triton_bwd, "DQ_MODE", "pass")
+    rows = bench.run_case(_bwd_case(), bench.competitors(["triton-dq-atomic"]), _cpu_opts())
+    assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd", "bwd"]
+    assert all(r["status"] == "ok" and r["passed"] for r in rows), [r["notes"] for r in rows]
+    assert "dQ by atomics" in rows[2]["notes"] and triton_bwd.DQ_MODE == "pass"
+
+
 def test_backward_gate_and_flops():
     """Wrong gradients with a right output: every mode failed and untimed; right ones: three timed rows."""
     from attnlab.api import attention

@@ -216,6 +216,61 @@ def test_gradients_cpu(case, dtype):
     _check(case, dtype, "cpu")
 
 
+#: The one-pass backward (dQ added up by atomics in the dK/dV pass) on a cross-section of the matrix: every mask
+#: kind, both alignments, empty rows and keys, GQA/MQA, views, D 1 to 256, Dv != D, and the packed cases.
+ONE_PASS = [c for c in CASES if c[0].name in {
+    "dense_odd", "causal_br_nq>nk", "causal_tl_nq<nk", "window_br_nq>nk_d40", "q_len_kv_len", "kv_len_all_zero",
+    "bool_1h1k_causal", "bias_b1qk_kv_len", "gqa", "mqa_bnhd_transposed_window", "strided_d_causal_d40", "d1",
+    "d256", "decode_nq1", "dv_d24_dv40_gqa_window_br", "dv_d192_dv128_causal_br"}]
+
+
+@pytest.fixture
+def atomic_dq(monkeypatch):
+    """The backward in its one-pass mode (ATTNLAB_BWD_DQ=atomic), its dQ pass never launched."""
+    monkeypatch.setattr(triton_bwd, "DQ_MODE", "atomic")
+
+    def no_dq_pass(*a, **k):
+        raise AssertionError("the one-pass backward launched the dQ pass")
+
+    monkeypatch.setattr(triton_bwd, "_launch_dq", no_dq_pass)
+
+
+@pytest.mark.parametrize(("case", "dtype"), ONE_PASS, ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
+def test_one_pass_gradients_cpu(case, dtype, atomic_dq):
+    _check(case, dtype, "cpu")
+
+
+@pytest.mark.parametrize(("case", "dtype"), PACKED, ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
+def test_one_pass_packed_gradients_cpu(case, dtype, atomic_dq):
+    _check_packed(case, dtype, "cpu")
+
+
+def test_one_pass_gives_way_to_two_while_torch_asks_for_determinism(monkeypatch):
+    """Under torch.use_deterministic_algorithms the atomic mode runs the dQ pass (a sum in a fixed order); an
+    unknown mode is refused by name."""
+    case = Case("gqa_causal", B=1, Hq=4, Hkv=2, Nq=21, Nk=27, D=16, causal=True, align="bottom_right")
+    q, k, v, kw = make_inputs(case, dtype=F32, device="cpu", seed=3)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+    launched = []
+    real = triton_bwd._launch_dq
+    monkeypatch.setattr(triton_bwd, "_launch_dq", lambda *a, **k: (launched.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(triton_bwd, "DQ_MODE", "atomic")
+    atomic = _triton_grads(q, k, v, dout, kw)
+    assert launched == []
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        two = _triton_grads(q, k, v, dout, kw)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert launched == [1]
+    for a, b in zip(atomic, two):
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+    monkeypatch.setattr(triton_bwd, "DQ_MODE", "atomics")
+    with pytest.raises(ValueError, match="ATTNLAB_BWD_DQ must be one of"):
+        _triton_grads(q, k, v, dout, kw)
+
+
 def test_empty_problems_launch_nothing():
     for nq, nk in ((0, 5), (5, 0), (0, 0)):
         q, k, v = torch.randn(1, 2, nq, 8), torch.randn(1, 2, nk, 8), torch.randn(1, 2, nk, 8)
@@ -268,6 +323,20 @@ def test_gradients_gpu_large(dtype, D):
     case = Case("gqa_causal_large", B=2, Hq=4, Hkv=2, Nq=1000, Nk=1100, D=D, causal=True, align="bottom_right",
                 kv_len=(1100, 700))
     _check(case, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("case", "dtype"), CASES + PACKED,
+                         ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
+def test_one_pass_gradients_gpu(case, dtype, atomic_dq):
+    (_check_packed if case.seqs is not None else _check)(case.scaled(8), dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_one_pass_gradients_gpu_large(dtype, D, atomic_dq):
+    test_gradients_gpu_large(dtype, D)
 
 
 def test_shapes_the_jit_specializes_alike_share_their_backward_compiled_ahead():

@@ -479,16 +479,44 @@ def _config_source_competitor(name: str) -> Competitor:
     return Competitor(name, "attnlab", prepare)
 
 
+#: The Triton public call with its backward's dQ added up by atomics inside the dK/dV pass
+#: (``backward.DQ_MODE = "atomic"`` around its calls): the one-pass backward beside the shipped two-pass one.
+DQ_ATOMIC = "triton-dq-atomic"
+
+
+def _dq_atomic_competitor() -> Competitor:
+    """:data:`DQ_ATOMIC`: ``attnlab.attention(..., backend="triton")``, every call (and its backward) inside a
+    context that switches the backward to its one-pass mode and back."""
+
+    @contextlib.contextmanager
+    def one_pass():
+        from attnlab.backends.triton import backward
+
+        was, backward.DQ_MODE = backward.DQ_MODE, "atomic"
+        try:
+            yield
+        finally:
+            backward.DQ_MODE = was
+
+    def prepare(inp: CaseInputs) -> Prepared:
+        prep = _attnlab_competitor("triton").prepare(inp)
+        prep.context = one_pass
+        prep.notes = [*prep.notes, "backward: dQ by atomics in the dK/dV pass"]
+        return prep
+
+    return Competitor(DQ_ATOMIC, "attnlab", prepare)
+
+
 def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
     """The competitors by name (default: every attnlab backend docs/contract.md lists or the registry holds,
     except ``reference``; then ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``, ``flex``).
-    Also by name only: ``auto``, ``reference``, :data:`CONFIG_SOURCES`, ``<backend>-kernel``
+    Also by name only: ``auto``, ``reference``, :data:`CONFIG_SOURCES`, :data:`DQ_ATOMIC`, ``<backend>-kernel``
     (:func:`_kernel_competitor`) and ``<backend>-paged<block size>`` (:func:`_paged_competitor`)."""
     from attnlab import backends as _b
 
     attn = list(DESIGN_BACKENDS) + [n for n in _b.registry() if n not in DESIGN_BACKENDS and n != "reference"]
     public = [*attn, "reference", "auto"]
-    known = [*public, *(n + KERNEL_SUFFIX for n in attn), *SDPA_KINDS, "flex", *CONFIG_SOURCES]
+    known = [*public, *(n + KERNEL_SUFFIX for n in attn), *SDPA_KINDS, "flex", *CONFIG_SOURCES, DQ_ATOMIC]
     names = [*attn, *SDPA_KINDS, "flex"] if names is None else list(names)
     out = []
     for n in names:
@@ -498,6 +526,8 @@ def competitors(names: Iterable[str] | None = None) -> list[Competitor]:
             out.append(_flex_competitor())
         elif n in CONFIG_SOURCES:
             out.append(_config_source_competitor(n))
+        elif n == DQ_ATOMIC:
+            out.append(_dq_atomic_competitor())
         elif n in public or n in _b.registry():
             out.append(_attnlab_competitor(n))
         elif PAGED_INFIX in n and n.split(PAGED_INFIX)[0] in public and n.split(PAGED_INFIX)[1].isdigit():

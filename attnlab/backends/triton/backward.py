@@ -3,7 +3,8 @@
 :func:`backward` takes what the forward saved (out and its lse) and the upstream gradient dout, and runs
 three kernels (:mod:`attnlab.backends.triton.backward_kernels` explains the math, the tiling and the program mapping):
 a preprocess (Delta = rowsum(dO * O), the base-2 lse), dK/dV with a key tile stationary (GQA/MQA groups
-summed in registers, no atomics), and dQ in its own pass (deterministic, no atomics). The whole contract is
+summed in registers, no atomics), and dQ in its own pass (deterministic, no atomics); or, with ``DQ_MODE``
+``atomic``, dQ added up by atomics inside the dK/dV pass, and no third kernel. The whole contract is
 supported: causal and windows in both alignments, kv_len and q_len, bool masks and additive biases (a
 constant: it gets no gradient), GQA/MQA, any strides, float32 / float16 / bfloat16, D from 1 to 256.
 
@@ -64,10 +65,22 @@ AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
 #: (docs/decisions.md, "The backward's two passes side by side").
 TWO_STREAMS: bool = os.environ.get("ATTNLAB_BWD_STREAMS", "1") != "0"
 MIN_WAVES = 6
+#: How a backward computes dQ (ATTNLAB_BWD_DQ): ``pass``, its own pass over row tiles (deterministic); ``atomic``,
+#: inside the dK/dV pass, added into a float32 dQ by atomics (two products fewer per tile pair; the sum's order
+#: varies from run to run). ``atomic`` gives way to ``pass`` while torch.are_deterministic_algorithms_enabled().
+DQ_MODES = ("pass", "atomic")
+DQ_MODE: str = os.environ.get("ATTNLAB_BWD_DQ", "pass")
 #: Config pairs tuned in this process or found in the persistent cache, by tune key.
 _tuned: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
 #: Config pairs taken from the shipped table or the heuristic defaults, by tune key.
 _picked: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
+
+
+def one_pass(prob: Problem) -> bool:
+    """Whether ``prob``'s backward adds dQ up atomically in the dK/dV pass (:data:`DQ_MODE`)."""
+    if DQ_MODE not in DQ_MODES:
+        raise ValueError(f"ATTNLAB_BWD_DQ must be one of {DQ_MODES}; got {DQ_MODE!r}")
+    return DQ_MODE == "atomic" and not torch.are_deterministic_algorithms_enabled()
 
 
 def tune_key(prob: Problem) -> tuple:
@@ -151,16 +164,22 @@ def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_
     return bwd_preprocess, grid, args, kw
 
 
-def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool) -> tuple:
-    """(kernel, grid, arguments, keywords) of the dK/dV kernel with ``cfg``."""
+def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool,
+                 dq_acc: torch.Tensor | None = None, dq_like: torch.Tensor | None = None) -> tuple:
+    """(kernel, grid, arguments, keywords) of the dK/dV kernel with ``cfg``; with ``dq_acc`` (float32, zeroed) the
+    one-pass variant, which adds dQ into it, read through ``dq_like``'s strides when given (a compile ahead's
+    stand-in)."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
     grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv)
     pk = prob.packed
-    args = (prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, *ptrs,
+    dq_strides = batch_strides(dq_like if dq_like is not None else dq_acc, pk) if dq_acc is not None else (0,) * 4
+    args = (prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, dq_acc if dq_acc is not None else dk, *ptrs,
             *batch_strides(prob.q, pk), *batch_strides(prob.k, pk), *batch_strides(prob.v, pk),
-            *batch_strides(dout, pk), *batch_strides(dk, pk), *batch_strides(dv, pk), *e_strides, *_scalars(prob))
+            *batch_strides(dout, pk), *batch_strides(dk, pk), *batch_strides(dv, pk), *dq_strides, *e_strides,
+            *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **configs.COMPILE_OPTIONS)
+              DQ_ATOMIC=dq_acc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+              **configs.COMPILE_OPTIONS)
     return bwd_dkdv_kernel, grid, args, kw
 
 
@@ -231,9 +250,10 @@ def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool, key: 
         None if key is None else ("preprocess", sink_part is not None, key))
 
 
-def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool, key: tuple | None = None) -> None:
-    _go(_dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret), interpret,
-        None if key is None else ("dkdv", cfg, key))
+def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool, key: tuple | None = None,
+                 dq_acc: torch.Tensor | None = None) -> None:
+    _go(_dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret, dq_acc), interpret,
+        None if key is None else ("dkdv", cfg, dq_acc is not None, key))
 
 
 def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool, key: tuple | None = None) -> None:
@@ -262,7 +282,7 @@ def _ahead_key(prob: Problem, out: torch.Tensor, cfgs: tuple[BwdConfig, BwdConfi
     spec, mods = prob.spec, prob.mods
     ints = (*prob.q.stride(), *prob.k.stride(), *prob.v.stride(), *out.stride(), prob.Nq, prob.Nk, prob.D, prob.Dv,
             prob.Hq, prob.group, prob.q.shape[2], prob.k.shape[2], spec.left or 0, spec.right or 0)
-    return (prob.device.index, prob.dtype, padded_head_dim(prob.D), padded_head_dim(prob.Dv), cfgs,
+    return (prob.device.index, prob.dtype, padded_head_dim(prob.D), padded_head_dim(prob.Dv), cfgs, one_pass(prob),
             _specialized(ints), any(abs(int(x)) >= 2**31 for x in ints),  # 64-bit integers: another signature
             tuple(t.data_ptr() % 16 == 0 for t in (prob.q, prob.k, prob.v, out)),
             configs.kind_of(prob), spec.align, mods.sinks is not None and mods.sinks.requires_grad,
@@ -290,10 +310,13 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     dq, dk, dv = (x if _like_its_gradient(x) else torch.empty_like(x) for x in (prob.q, prob.k, prob.v))
     # (the preprocess stores the sinks' shares when they require grad: the variant a backward without dlse runs)
     sinks = prob.mods.sinks
-    launches = (_preprocess_launch(prob, out, lse, out, lse, lse, False,
-                                   lse if sinks is not None and sinks.requires_grad else None),
-                _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
-                _dq_launch(prob, out, lse, lse, dq, q_cfg, False))
+    pre = _preprocess_launch(prob, out, lse, out, lse, lse, False, lse if sinks is not None and sinks.requires_grad
+                             else None)
+    if one_pass(prob):  # lse stands in for the float32 dQ (the strides are dq's: the kernel reads those)
+        launches = (pre, _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False, dq_acc=lse, dq_like=dq))
+    else:
+        launches = (pre, _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
+                    _dq_launch(prob, out, lse, lse, dq, q_cfg, False))
     _ahead[key] = [background.ahead(kernel, grid, args, kw, prob.device) for kernel, grid, args, kw in launches]
 
 
@@ -462,12 +485,17 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     delta = (torch.zeros if unchecked else torch.empty)(rows, dtype=torch.float32, device=prob.device)
     lse2 = torch.full_like(delta, float("inf")) if unchecked else torch.empty_like(delta)
     shares = _sink_shares(prob, dlse, interpret) if sinks_grad else None
+    # one pass: dQ added up in float32 by the dK/dV pass, then rounded into dq
+    dq_acc = torch.zeros_like(dq, dtype=torch.float32) if one_pass(prob) else None
     if interpret:
         with interpreter(bwd_preprocess):
             _launch_preprocess(prob, out, lse, dout, delta, lse2, True, sink_part=shares)
             _minus_dlse(delta, dlse)
-            _launch_dkdv(prob, dout, delta, lse2, dk, dv, INTERPRETER_CONFIG, True)
-            _launch_dq(prob, dout, delta, lse2, dq, INTERPRETER_CONFIG, True)
+            _launch_dkdv(prob, dout, delta, lse2, dk, dv, INTERPRETER_CONFIG, True, dq_acc=dq_acc)
+            if dq_acc is None:
+                _launch_dq(prob, dout, delta, lse2, dq, INTERPRETER_CONFIG, True)
+            else:
+                dq.copy_(dq_acc)
         return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
     same = torch.cuda.current_device() == prob.q.get_device()
     key = _launch_key(prob, out, dout, lse, delta, lse2, dq, dk, dv)
@@ -480,13 +508,20 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         block_d = problem_head_dim(prob)
         kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv)
         sms = _rt.sm_count(_device_index(prob.device))
-        two = TWO_STREAMS and kv_grid[0] * kv_grid[1] * kv_grid[2] >= MIN_WAVES * sms
-        kv_done, q_done = _side_by_side(two,
-            lambda: _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key), kv_cfg,
-                                    dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel"),
-            lambda: _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
-                                    dq_candidates(prob.dtype, block_d), "the backward's dQ kernel"),
-            prob.device)
+
+        def dkdv() -> BwdConfig:
+            return _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key, dq_acc),
+                                   kv_cfg, dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel")
+
+        if dq_acc is not None:
+            kv_done, q_done = dkdv(), q_cfg
+            dq.copy_(dq_acc)
+        else:
+            two = TWO_STREAMS and kv_grid[0] * kv_grid[1] * kv_grid[2] >= MIN_WAVES * sms
+            kv_done, q_done = _side_by_side(two, dkdv,
+                lambda: _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
+                                        dq_candidates(prob.dtype, block_d), "the backward's dQ kernel"),
+                prob.device)
         if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
             key = tune_key(prob)
             (_tuned if key in _tuned else _picked)[key] = (kv_done, q_done)

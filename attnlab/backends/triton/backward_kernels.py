@@ -35,6 +35,11 @@ Three launches, each a grid of programs over tiles of the [Nq, Nk] score matrix 
    loaded once; key tiles of kv head ``h // group`` stream past and dQ += dS K accumulates in float32.
    Each dQ element is written by one program: deterministic, no atomics.
 
+One pass (``DQ_ATOMIC``): the dK/dV kernel also multiplies the dS tile it already holds by its K tile and adds
+``scale * dS K`` into a float32 dQ (zeroed first) with relaxed atomic adds, and launch 3 is skipped: five
+products per tile pair instead of seven, for one float32 add per dQ element and key tile, in no fixed order (dQ
+is not bitwise reproducible; the host keeps two passes when torch asks for deterministic algorithms).
+
 With a value head dim of its own, V, dO, dV and the preprocess run over Dv (``BLOCK_DV``), Q, K, dQ, dK over
 D. Packed sequences (``VARLEN``) map programs as the forward does (:mod:`~.forward_kernel`): the grids' first
 axis holds packed slots (``total // BLOCK + B``, :func:`tiles.packed_tile`) in place of the tile index, the batch
@@ -205,14 +210,16 @@ if triton is not None:
     # -----------------------------------------------------------------------------------------------
     @triton.jit
     def _dkdv_row_tile(
-        dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, m0, keys, Lk, off, win_left, win_right,
-        Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale, cap2, slope2, alibi_off,
+        dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, dq_base, m0, keys, Lk, off, win_left,
+        win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, s_dqn, s_dqd, qk_scale, scale, cap2, slope2,
+        alibi_off,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
         EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PARTIAL: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-        DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     ):
-        """dK and dV updated with the query rows ``[m0, m0 + BLOCK_M)`` of one head (scores held as S^T)."""
+        """dK and dV updated with the query rows ``[m0, m0 + BLOCK_M)`` of one head (scores held as S^T); with
+        ``DQ_ATOMIC`` also these keys' share of the rows' dQ, ``scale * dS K``, added into the float32 ``dq_base``."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -240,25 +247,32 @@ if triton is not None:
         ds_t = p_t * (dp_t - delta[None, :])  # dS^T = P^T * (dP^T - Delta)
         if HAS_SOFTCAP:  # through the cap: times 1 - tanh^2
             ds_t = ds_t * dcap
-        dk = tl.dot(_operand(ds_t, DTYPE, UPCAST), q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q
+        ds_op = _operand(ds_t, DTYPE, UPCAST)
+        dk = tl.dot(ds_op, q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q
+        if DQ_ATOMIC:  # dQ[rows] += scale * dS K: one add per element and key tile, in no fixed order
+            offs_d = tl.arange(0, BLOCK_D)
+            dq = tl.dot(tl.trans(ds_op), k, input_precision=DOT_PRECISION) * scale
+            dq_ptrs = dq_base + rows.to(tl.int64)[:, None] * s_dqn + offs_d[None, :] * s_dqd
+            tl.atomic_add(dq_ptrs, dq, mask=(rows < Nq)[:, None] & (offs_d < D)[None, :], sem="relaxed")
         return dk, dv
 
     @triton.jit
     def bwd_dkdv_kernel(
-        Q, K, V, DO, Lse2, Delta, DK, DV, KvLen, QLen, Explicit, Alibi,
+        Q, K, V, DO, Lse2, Delta, DK, DV, DQ, KvLen, QLen, Explicit, Alibi,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
         s_gb, s_gh, s_gn, s_gd,
         s_dkb, s_dkh, s_dkn, s_dkd,
         s_dvb, s_dvh, s_dvn, s_dvd,
+        s_dqb, s_dqh, s_dqn, s_dqd,
         s_eb, s_eh, s_ei, s_ej, s_ab, s_ah,
         Hq, Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, scale, win_left, win_right, cap2,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     ):
         # ---- which tile: key tile pid_n of kv head kvh, batch b -----------------------------------------
         kvh = tl.program_id(1)
@@ -296,6 +310,7 @@ if triton is not None:
             do_base = DO + b64 * s_gb + h64 * s_gh + q0.to(tl.int64) * s_gn
             row0 = _row_base(b64, h64, q0, Hq, row_base_nq, Tq, VARLEN)
             e_base = Explicit + b64 * s_eb + h64 * s_eh
+            dq_base = DQ + b64 * s_dqb + h64 * s_dqh + q0.to(tl.int64) * s_dqn
             slope2 = 0.0
             if HAS_ALIBI:  # this query head's slope, in base 2
                 slope2 = tl.load(Alibi + b64 * s_ab + h64 * s_ah) * 1.4426950408889634
@@ -304,11 +319,11 @@ if triton is not None:
                 t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
                 for t in range(t_begin, t_end):
                     dk, dv = _dkdv_row_tile(
-                        dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, zero + t * BLOCK_M,
-                        keys, Lk, off, win_left, win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, qk_scale,
-                        cap2, slope2, Lk - Lq, BLOCK_M, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI,
-                        phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
-                        Q.dtype.element_ty, DOT_PRECISION, UPCAST,
+                        dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, dq_base,
+                        zero + t * BLOCK_M, keys, Lk, off, win_left, win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd,
+                        s_ei, s_ej, s_dqn, s_dqd, qk_scale, scale, cap2, slope2, Lk - Lq, BLOCK_M, BLOCK_D, BLOCK_DV,
+                        EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                        Q.dtype.element_ty, DOT_PRECISION, UPCAST, DQ_ATOMIC,
                     )
 
         # ---- epilogue: dK = scale * sum dS^T Q; keys no row sees keep 0 --------------------------------
