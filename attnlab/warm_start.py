@@ -43,10 +43,18 @@ def _warm() -> None:
             sys.setswitchinterval(before)
 
 
-def _cache_key() -> None:
-    from triton.runtime.cache import triton_key
+def triton_key_function():
+    """Triton's cached hash of its installation (``triton.runtime.cache.triton_key``; in triton 3.4,
+    ``triton.compiler.compiler.triton_key``)."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        from triton.compiler.compiler import triton_key
+    return triton_key
 
-    triton_key()  # functools.lru_cache: kept for the process
+
+def _cache_key() -> None:
+    triton_key_function()()  # functools.lru_cache: kept for the process
 
 
 def _gluon() -> None:

@@ -122,6 +122,10 @@ def test_the_compile_never_builds_tritons_driver_module():
     pointers."""
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton ships no ptxas")
+    from triton.runtime import jit
+
+    if not hasattr(jit, "compute_cache_key"):  # triton 3.4: first launches go through its JIT
+        pytest.skip(f"triton {triton.__version__}'s JIT has no compute_cache_key, which the cold path's compile uses")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(_OFFLINE), "3"], capture_output=True, text=True,
                          env=env, timeout=600)

@@ -8,9 +8,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from attnlab import sdpa_provider
 from attnlab.bench import llama_sdpa
 
 
+@pytest.mark.skipif(not sdpa_provider.available(), reason=f"torch {torch.__version__} has no flash registry "
+                    "(torch.nn.attention.activate_flash_attention_impl, torch 2.11 on): the provider cannot activate")
 def test_the_three_variants_run_and_compare(tmp_path):
     shape = llama_sdpa.Shape(B=1, N=24, layers=2, Hq=4, Hkv=2, D=16, intermediate=64, vocab=50)
     result = llama_sdpa.run(str(tmp_path / "llama.json"), shape, device="cpu", dtype=torch.float32)

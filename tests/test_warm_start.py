@@ -22,8 +22,7 @@ def fresh(monkeypatch):
 
 def test_the_thread_computes_tritons_cache_key_for_the_process(fresh):
     pytest.importorskip("triton")
-    from triton.runtime.cache import triton_key
-
+    triton_key = fresh.triton_key_function()
     triton_key.cache_clear()
     fresh.start()
     fresh.wait()
