@@ -196,6 +196,7 @@ def test_compiles_for_sm90_with_the_installed_triton(D, band):
     q, k, v = _qkv(D=D, Nq=300, Nk=500)
     out, lse = torch.empty_like(q), torch.empty(1, 4, 300)
     _, args, kw = hopper._launch_args(q, k, v, out, lse, 0.1, band.get("left"), band.get("right"), True)
+    assert kw["enable_fp_fusion"] is True  # stated, not left to triton's default (which triton 3.10 turns off)
     compiled = compile_only(hopper._kernel_module().attn_fwd_hopper, args, kw, 0, target=GPUTarget("cuda", 90, 32))[0]
     assert compiled.metadata.num_warps == 12  # two consumer warpgroups and the loader's
     assert compiled.metadata.shared <= 227 * 1024

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 
 import torch
 
+from attnlab.backends.triton import configs
 from attnlab.backends.triton import runtime as _rt
 from attnlab.problem import Problem
 
@@ -152,7 +153,7 @@ def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: in
             Nq, Nk, Hq, Hq // k.shape[1], qk_scale, left if left is not None else 0, right if right is not None else 0)
     kw = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES, HAS_LEFT=left is not None,
               HAS_RIGHT=right is not None, BOTTOM_RIGHT=bottom_right, WRITE_LSE=lse is not None,
-              CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS)
+              CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
     return _grid(q), args, kw
 
 
