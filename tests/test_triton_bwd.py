@@ -245,6 +245,23 @@ def test_one_pass_packed_gradients_cpu(case, dtype, atomic_dq):
     _check_packed(case, dtype, "cpu")
 
 
+def test_one_pass_has_configs_of_its_own():
+    """The one-pass mode's dK/dV space starts from 32-row query tiles at D 128 (half types); its configs are tuned
+    and cached under a name of their own, for which the shipped table has no entries (it gives none, not an
+    error), so a two-pass config never stands in for it."""
+    from attnlab.backends.triton import configs, tune_cache, tuned_table
+    from attnlab.backends.triton.configs import BwdConfig
+
+    assert configs.dkdv_candidates(BF16, 128, one_pass=True)[0] == BwdConfig(32, 128, 8, 3)
+    assert configs.dkdv_candidates(BF16, 64, one_pass=True) == configs.dkdv_candidates(BF16, 64)
+    assert configs.dkdv_candidates(F32, 128, one_pass=True) == configs.dkdv_candidates(F32, 128)
+    assert triton_bwd._tables(True)[0] == "bwd1" and triton_bwd._tables(False)[0] == "bwd"
+    key = (BF16, 128, "causal", 1, 4096, 4096, 64)
+    assert tuned_table.lookup("bwd", "sm90", key) is not None
+    assert tuned_table.lookup("bwd1", "sm90", key) is None
+    assert tune_cache.kernel_source_hash("bwd1") == tune_cache.kernel_source_hash("bwd")
+
+
 def test_one_pass_gives_way_to_two_while_torch_asks_for_determinism(monkeypatch):
     """Under torch.use_deterministic_algorithms the atomic mode runs the dQ pass (a sum in a fixed order); an
     unknown mode is refused by name."""

@@ -74,6 +74,15 @@ DQ_MODE: str = os.environ.get("ATTNLAB_BWD_DQ", "pass")
 _tuned: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
 #: Config pairs taken from the shipped table or the heuristic defaults, by tune key.
 _picked: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
+#: The one-pass mode's (:func:`one_pass`): tuned (``"bwd1"`` in the persistent cache; the shipped table has none)
+#: and picked (its first candidates), by tune key.
+_tuned1: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
+_picked1: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
+
+
+def _tables(one: bool) -> tuple[str, dict, dict]:
+    """(the tune cache's kernel name, the tuned and the picked configs) of the two-pass or the one-pass mode."""
+    return ("bwd1", _tuned1, _picked1) if one else ("bwd", _tuned, _picked)
 
 
 def one_pass(prob: Problem) -> bool:
@@ -345,24 +354,34 @@ def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig
     tuned now, which overwrites dq, dk, dv (the final launch comes after)."""
     key = tune_key(prob)
     block_d = problem_head_dim(prob)
-    kv_space, q_space = dkdv_candidates(prob.dtype, block_d), dq_candidates(prob.dtype, block_d)
+    one = one_pass(prob)
+    kv_space, q_space = dkdv_candidates(prob.dtype, block_d, one), dq_candidates(prob.dtype, block_d)
+    kernel, tuned, picked = _tables(one)
 
     def parse(value: list) -> tuple[BwdConfig, BwdConfig] | None:
         kv, q = (BwdConfig(**c) for c in value)
         return (kv, q) if kv in kv_space and q in q_space else None
 
-    return configs.choose("bwd", prob, key, parse, (kv_space[0], q_space[0]), _tuned, _picked, AUTOTUNE,
+    return configs.choose(kernel, prob, key, parse, (kv_space[0], q_space[0]), tuned, picked, AUTOTUNE,
                           lambda: _tune(prob, dout, delta, lse2, dq, dk, dv, key))
 
 
 def _tune(prob: Problem, dout, delta, lse2, dq, dk, dv, key: tuple) -> tuple[BwdConfig, BwdConfig]:
+    """The fastest dK/dV and dQ configs of ``prob`` in its mode, stored; the one-pass mode times its dK/dV kernel
+    (adding into a scratch dQ) and keeps the dQ space's first."""
     block_d = problem_head_dim(prob)
-    kv_space, q_space = dkdv_candidates(prob.dtype, block_d), dq_candidates(prob.dtype, block_d)
-    got = (
-        _fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False)),
-        _fastest(q_space, lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False)),
-    )
-    tune_cache.store("bwd", prob.device.index, key[1:], [dataclasses.asdict(c) for c in got])
+    one = one_pass(prob)
+    kv_space, q_space = dkdv_candidates(prob.dtype, block_d, one), dq_candidates(prob.dtype, block_d)
+    if one:
+        acc = torch.zeros_like(dq, dtype=torch.float32)
+        got = (_fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, dq_acc=acc)),
+               q_space[0])
+    else:
+        got = (
+            _fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False)),
+            _fastest(q_space, lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False)),
+        )
+    tune_cache.store(_tables(one)[0], prob.device.index, key[1:], [dataclasses.asdict(c) for c in got])
     return got
 
 
@@ -375,7 +394,7 @@ def tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> tuple[BwdConfig
     _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
     dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
     key = tune_key(prob)
-    got = _tuned[key] = _tune(prob, dout, delta, lse2, dq, dk, dv, key)
+    got = _tables(one_pass(prob))[1][key] = _tune(prob, dout, delta, lse2, dq, dk, dv, key)
     return got
 
 
@@ -506,14 +525,15 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         _minus_dlse(delta, dlse)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)
+        one = dq_acc is not None
         kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv)
         sms = _rt.sm_count(_device_index(prob.device))
 
         def dkdv() -> BwdConfig:
             return _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key, dq_acc),
-                                   kv_cfg, dkdv_candidates(prob.dtype, block_d), "the backward's dK/dV kernel")
+                                   kv_cfg, dkdv_candidates(prob.dtype, block_d, one), "the backward's dK/dV kernel")
 
-        if dq_acc is not None:
+        if one:
             kv_done, q_done = dkdv(), q_cfg
             dq.copy_(dq_acc)
         else:
@@ -524,7 +544,8 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
                 prob.device)
         if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
             key = tune_key(prob)
-            (_tuned if key in _tuned else _picked)[key] = (kv_done, q_done)
+            _, tuned, picked = _tables(one)
+            (tuned if key in tuned else picked)[key] = (kv_done, q_done)
     return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
 
 

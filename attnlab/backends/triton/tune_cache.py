@@ -42,6 +42,9 @@ KERNEL_MODULES = {
     "fwd": ("attnlab.backends.triton.forward_kernel", "attnlab.backends.triton.tiles"),
     "bwd": ("attnlab.backends.triton.backward_kernels", "attnlab.backends.triton.forward_kernel",
             "attnlab.backends.triton.tiles"),
+    # the backward in its one-pass mode (dQ added up inside the dK/dV pass): configs of its own
+    "bwd1": ("attnlab.backends.triton.backward_kernels", "attnlab.backends.triton.forward_kernel",
+             "attnlab.backends.triton.tiles"),
 }
 
 

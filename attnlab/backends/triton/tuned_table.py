@@ -29,7 +29,8 @@ TABLE_PATH = Path(__file__).with_name("tuned_table.json")
 #: The table's layout version: a file of another version counts as empty.
 FORMAT = 1
 #: The key fields that must match exactly, per kernel; the size fields are matched by distance.
-EXACT_FIELDS = {"fwd": ("dtype", "block_d", "tf32"), "bwd": ("dtype", "block_d", "group")}
+EXACT_FIELDS = {"fwd": ("dtype", "block_d", "tf32"), "bwd": ("dtype", "block_d", "group"),
+                "bwd1": ("dtype", "block_d", "group")}
 SIZE_FIELDS = ("nq", "nk", "bh")
 
 
