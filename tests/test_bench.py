@@ -599,9 +599,14 @@ def test_new_suites_are_as_the_issues_ask():
     (alibi,) = bench.bias_suite()
     assert (alibi.B, alibi.Hq, alibi.Nq, alibi.D, alibi.causal) == (4, 16, 2048, 128, True)
     bw = bench.backward_suite()
-    assert {(c.B, c.Nq, c.causal) for c in bw if c.kv_len is None} == {(4, 4096, False), (4, 4096, True),
-                                                                       (1, 16384, False), (1, 16384, True)}
-    assert all(c.backward and c.D == 128 and c.Hq == 16 for c in bw)
+    mha = [c for c in bw if c.Hkv is None]
+    assert {(c.B, c.Nq, c.causal) for c in mha if c.kv_len is None} == {(4, 4096, False), (4, 4096, True),
+                                                                        (1, 16384, False), (1, 16384, True)}
+    assert all(c.backward and c.D == 128 and c.Hq == 16 for c in mha)
+    # the Hopper issue's GQA 32/8 row: the causal B4 H16 N4096 row's twin (as many query heads, the same work)
+    (gqa,) = [c for c in bw if c.Hkv is not None]
+    assert (gqa.B * gqa.Hq, gqa.Hq, gqa.Hkv, gqa.Nq, gqa.D, gqa.causal, gqa.backward) == (64, 32, 8, 4096, 128, True,
+                                                                                         True)
     assert [c.kv_len for c in bw if c.kv_len is not None] == [bench.padding_suite()[0].kv_len]
     assert bench.SUITES["latency"].backends and "sdpa-flash" in bench.SUITES["latency"].backends
     assert all(bench.SUITES[s].deadline_s for s in ("latency", "bias", "backward"))
@@ -792,7 +797,7 @@ def test_keep_others_and_estimate_without_gpu(tmp_path, capsys):
     capsys.readouterr()
     assert attnlab_main(["bench", "--suite", "backward", "latency", "--estimate"]) == 0  # several suites, one process
     out = capsys.readouterr().out
-    assert "backward 5 cases" in out and "latency 8 cases" in out and out.index("backward") < out.index("latency")
+    assert "backward 6 cases" in out and "latency 8 cases" in out and out.index("backward") < out.index("latency")
 
 
 def test_backward_without_a_retained_graph_is_fwdbwd_minus_fwd():

@@ -253,20 +253,24 @@ def bias_suite(device: str = "cuda") -> list[BenchCase]:
 
 def backward_suite(device: str = "cuda") -> list[BenchCase]:
     """Training: fwd, fwd+bwd and bwd through the public call, bf16 D128: B8 H16 N4096 with the padding
-    suite's kv_len first (flex is its rival), then B4 H16 N4096 and B1 H16 N16384, dense and causal (cheapest
+    suite's kv_len first (flex is its rival), then B4 H16 N4096 dense and causal, its GQA twin (B2 Hq32 Hkv8:
+    the same query heads and work, a quarter of the K/V) causal, and B1 H16 N16384 dense and causal (cheapest
     first, so a deadline cuts the costliest). Tiny shapes on a CPU."""
     if str(device).startswith("cpu"):
-        shapes, pad = [(1, 2, 32, 16)], (2, 1, 40, 16)
+        shapes, pad, gqa = [(1, 2, 32, 16)], (2, 1, 40, 16), (1, 4, 2, 32, 16)
     else:
-        shapes, pad = [(4, 16, 4096, 128), (1, 16, 16384, 128)], (8, 16, 4096, 128)
+        shapes, pad, gqa = [(4, 16, 4096, 128), (1, 16, 16384, 128)], (8, 16, 4096, 128), (2, 32, 8, 4096, 128)
     B, H, N, D = pad
     kv = _seeded_lengths(B, N // 4, N, seed=6)  # the padding suite's lengths at B8 N4096
     cases = [BenchCase("backward", f"bf16_b{B}_h{H}_n{N}_d{D}_kvlen", B=B, Hq=H, Nq=N, D=D, kv_len=kv,
                        backward=True)]
-    cases += [BenchCase("backward", f"bf16_b{B}_h{H}_n{N}_d{D}_{'causal' if c else 'full'}", B=B, Hq=H, Nq=N, D=D,
-                        causal=c, backward=True)
-              for B, H, N, D in shapes for c in (False, True)]
-    return cases
+    mha = [BenchCase("backward", f"bf16_b{B}_h{H}_n{N}_d{D}_{'causal' if c else 'full'}", B=B, Hq=H, Nq=N, D=D,
+                     causal=c, backward=True)
+           for B, H, N, D in shapes for c in (False, True)]
+    B, Hq, Hkv, N, D = gqa
+    twin = BenchCase("backward", f"bf16_b{B}_hq{Hq}_hkv{Hkv}_n{N}_d{D}_causal", B=B, Hq=Hq, Hkv=Hkv, Nq=N, D=D,
+                     causal=True, backward=True)
+    return cases + mha[:2] + [twin] + mha[2:]
 
 
 def tuning_suite(device: str = "cuda") -> list[BenchCase]:
