@@ -34,6 +34,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setattr(tc, "_loaded", {})
     monkeypatch.setattr(tconfigs, "_tuned", {})
     monkeypatch.setattr(tbwd, "_tuned", {})
+    monkeypatch.setattr(tbwd, "_tuned1", {})
     return tmp_path
 
 
@@ -42,6 +43,7 @@ def _forget() -> None:
     tc._loaded.clear()
     tconfigs._tuned.clear()
     tbwd._tuned.clear()
+    tbwd._tuned1.clear()
 
 
 def test_round_trip(cache):

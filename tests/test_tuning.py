@@ -85,6 +85,8 @@ def fresh(monkeypatch, tmp_path):
         monkeypatch.setattr(mod, "_tuned", {})
         monkeypatch.setattr(mod, "_picked", {})
         monkeypatch.setattr(mod, "AUTOTUNE", False)
+    monkeypatch.setattr(tbwd, "_tuned1", {})
+    monkeypatch.setattr(tbwd, "_picked1", {})
     monkeypatch.setattr(tc, "_loaded", {})
     monkeypatch.setattr(tc, "_environment", lambda index: ("NVIDIA H200", "3.6.0"))
     monkeypatch.setattr(tt, "gpu_family", lambda device=None: "sm90")

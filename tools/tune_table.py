@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tune_table: needs a CUDA GPU", file=sys.stderr)
         return 2
     os.environ["ATTNLAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnlab-tune-table-")  # tune anew, touch no cache
+    backward.DQ_MODE = "pass"  # the table's "bwd" entries are two-pass pairs, whatever ATTNLAB_BWD_DQ says
     path = Path(args.out)
     try:
         data = json.loads(path.read_text())

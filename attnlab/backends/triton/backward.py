@@ -67,9 +67,11 @@ TWO_STREAMS: bool = os.environ.get("ATTNLAB_BWD_STREAMS", "1") != "0"
 MIN_WAVES = 6
 #: How a backward computes dQ (ATTNLAB_BWD_DQ): ``pass``, its own pass over row tiles (deterministic); ``atomic``,
 #: inside the dK/dV pass, added into a float32 dQ by atomics (two products fewer per tile pair; the sum's order
-#: varies from run to run). ``atomic`` gives way to ``pass`` while torch.are_deterministic_algorithms_enabled().
+#: varies from run to run). ``atomic`` gives way to ``pass`` while torch.are_deterministic_algorithms_enabled(),
+#: and above ONE_PASS_MAX_D (the larger padded head dim), where its dK/dV kernel spills in every candidate config.
 DQ_MODES = ("pass", "atomic")
 DQ_MODE: str = os.environ.get("ATTNLAB_BWD_DQ", "pass")
+ONE_PASS_MAX_D = 128
 #: Config pairs tuned in this process or found in the persistent cache, by tune key.
 _tuned: dict[tuple, tuple[BwdConfig, BwdConfig]] = {}
 #: Config pairs taken from the shipped table or the heuristic defaults, by tune key.
@@ -89,7 +91,8 @@ def one_pass(prob: Problem) -> bool:
     """Whether ``prob``'s backward adds dQ up atomically in the dK/dV pass (:data:`DQ_MODE`)."""
     if DQ_MODE not in DQ_MODES:
         raise ValueError(f"ATTNLAB_BWD_DQ must be one of {DQ_MODES}; got {DQ_MODE!r}")
-    return DQ_MODE == "atomic" and not torch.are_deterministic_algorithms_enabled()
+    return (DQ_MODE == "atomic" and problem_head_dim(prob) <= ONE_PASS_MAX_D
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 def tune_key(prob: Problem) -> tuple:
@@ -254,9 +257,11 @@ def _launch_key(prob: Problem, *tensors: torch.Tensor) -> tuple | None:
 
 
 def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool, key: tuple | None = None,
-                       sink_part: torch.Tensor | None = None) -> None:
+                       sink_part: torch.Tensor | None = None, one: bool = False) -> None:
+    """The preprocess; its fast-launch key names the mode (``one``) too, so that a backward's first call in
+    either mode is the one that waits for its kernels compiled ahead."""
     _go(_preprocess_launch(prob, out, lse, dout, delta, lse2, interpret, sink_part), interpret,
-        None if key is None else ("preprocess", sink_part is not None, key))
+        None if key is None else ("preprocess", sink_part is not None, one, key))
 
 
 def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool, key: tuple | None = None,
@@ -518,10 +523,10 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
     same = torch.cuda.current_device() == prob.q.get_device()
     key = _launch_key(prob, out, dout, lse, delta, lse2, dq, dk, dv)
-    if key is None or ("preprocess", shares is not None, key) not in _COMPILED:  # else compiled (and launched)
+    if key is None or ("preprocess", shares is not None, dq_acc is not None, key) not in _COMPILED:  # else compiled
         _wait_ahead(prob, out)
     with contextlib.nullcontext() if same else torch.cuda.device(prob.device):
-        _launch_preprocess(prob, out, lse, dout, delta, lse2, False, key, shares)
+        _launch_preprocess(prob, out, lse, dout, delta, lse2, False, key, shares, dq_acc is not None)
         _minus_dlse(delta, dlse)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)

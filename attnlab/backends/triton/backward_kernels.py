@@ -210,7 +210,7 @@ if triton is not None:
     # -----------------------------------------------------------------------------------------------
     @triton.jit
     def _dkdv_row_tile(
-        dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, dq_base, m0, keys, Lk, off, win_left,
+        dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, dq_base, m0, keys, Lq, Lk, off, win_left,
         win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, s_dqn, s_dqd, qk_scale, scale, cap2, slope2,
         alibi_off,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
@@ -225,8 +225,9 @@ if triton is not None:
         offs_dv = tl.arange(0, BLOCK_DV)
         rows = m0 + offs_m
         m64 = m0.to(tl.int64)
-        q = _load_rows(q_base + m64 * s_qn, offs_m, Nq - m0, offs_d, D, s_qn, s_qd, PARTIAL, EVEN_D, UPCAST)
-        do = _load_rows(do_base + m64 * s_gn, offs_m, Nq - m0, offs_dv, Dv, s_gn, s_gd, PARTIAL, EVEN_DV, UPCAST)
+        # padding rows (past Lq) read as 0: their p is 0 by their +inf lse2, and so must their q and dO be
+        q = _load_rows(q_base + m64 * s_qn, offs_m, Lq - m0, offs_d, D, s_qn, s_qd, PARTIAL, EVEN_D, UPCAST)
+        do = _load_rows(do_base + m64 * s_gn, offs_m, Lq - m0, offs_dv, Dv, s_gn, s_gd, PARTIAL, EVEN_DV, UPCAST)
         if PARTIAL:
             lse2 = tl.load(lse2_base + rows, mask=rows < Nq, other=float("inf"))
             delta = tl.load(delta_base + rows, mask=rows < Nq, other=0.0)
@@ -296,9 +297,11 @@ if triton is not None:
         offs_dv = tl.arange(0, BLOCK_DV)
         keys = n0 + offs_n
         b64, kvh64, n64 = b.to(tl.int64), kvh.to(tl.int64), (k0 + n0).to(tl.int64)
-        k = _load_rows(K + b64 * s_kb + kvh64 * s_kh + n64 * s_kn, offs_n, Nk - n0, offs_d, D, s_kn, s_kd,
+        # keys past the length read as 0 (their scores are masked; the one-pass dQ multiplies by K and V too, so
+        # whatever lies past the length, NaN in a cache included, must not enter)
+        k = _load_rows(K + b64 * s_kb + kvh64 * s_kh + n64 * s_kn, offs_n, Lk - n0, offs_d, D, s_kn, s_kd,
                        True, EVEN_D, UPCAST)
-        v = _load_rows(V + b64 * s_vb + kvh64 * s_vh + n64 * s_vn, offs_n, Nk - n0, offs_dv, Dv, s_vn, s_vd,
+        v = _load_rows(V + b64 * s_vb + kvh64 * s_vh + n64 * s_vn, offs_n, Lk - n0, offs_dv, Dv, s_vn, s_vd,
                        True, EVEN_DV, UPCAST)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -320,7 +323,8 @@ if triton is not None:
                 for t in range(t_begin, t_end):
                     dk, dv = _dkdv_row_tile(
                         dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, dq_base,
-                        zero + t * BLOCK_M, keys, Lk, off, win_left, win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd,
+                        zero + t * BLOCK_M, keys, Lq, Lk, off, win_left, win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn,
+                        s_gd,
                         s_ei, s_ej, s_dqn, s_dqd, qk_scale, scale, cap2, slope2, Lk - Lq, BLOCK_M, BLOCK_D, BLOCK_DV,
                         EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
                         Q.dtype.element_ty, DOT_PRECISION, UPCAST, DQ_ATOMIC,
@@ -408,9 +412,10 @@ if triton is not None:
         rows = i0 + offs_m
         b64, h64, i64 = b.to(tl.int64), h.to(tl.int64), (q0 + i0).to(tl.int64)
         kvh64 = (h // group).to(tl.int64)
-        q = _load_rows(Q + b64 * s_qb + h64 * s_qh + i64 * s_qn, offs_m, Nq - i0, offs_d, D, s_qn, s_qd,
+        # padding rows (past Lq) read as 0, so that their dQ is exactly 0 whatever lies there
+        q = _load_rows(Q + b64 * s_qb + h64 * s_qh + i64 * s_qn, offs_m, Lq - i0, offs_d, D, s_qn, s_qd,
                        True, EVEN_D, UPCAST)
-        do = _load_rows(DO + b64 * s_gb + h64 * s_gh + i64 * s_gn, offs_m, Nq - i0, offs_dv, Dv, s_gn, s_gd,
+        do = _load_rows(DO + b64 * s_gb + h64 * s_gh + i64 * s_gn, offs_m, Lq - i0, offs_dv, Dv, s_gn, s_gd,
                         True, EVEN_DV, UPCAST)
         row0 = _row_base(b64, h64, q0, Hq, row_base_nq, Tq, VARLEN)
         lse2 = tl.load(Lse2 + row0 + rows, mask=rows < Nq, other=float("inf"))

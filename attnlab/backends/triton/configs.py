@@ -147,8 +147,8 @@ class BwdConfig:
 def dkdv_candidates(dtype: torch.dtype, block_d: int, one_pass: bool = False) -> list[BwdConfig]:
     """GPU configs of the dK/dV kernel (the first is the default): a large key tile (stationary: K, V
     and two float32 accumulators live for the whole program) and a smaller query tile that streams. With
-    ``one_pass`` (dQ added up inside it) half types at D 128 start from 32-row query tiles: the third
-    product's operands and dQ tile leave 64-row tiles spilling (ptxas, sm_90)."""
+    ``one_pass`` (dQ added up inside it; head dims up to 128) half types at D 128 start from 32-row query
+    tiles: the third product's operands and dQ tile leave 64-row tiles spilling (ptxas, sm_90)."""
     if one_pass and dtype != torch.float32 and 64 < block_d <= 128:
         return [BwdConfig(32, 128, 8, 3), BwdConfig(32, 128, 8, 2), BwdConfig(64, 128, 8, 3), BwdConfig(64, 64, 8, 3)]
     if dtype == torch.float32:  # IEEE products on the FMA units: small tiles, registers are the limit
