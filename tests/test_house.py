@@ -114,5 +114,23 @@ def test_measurements_and_logs_stay_out_of_the_code():
     assert not logs, logs
 
 
+def test_tools_import_what_the_package_has():
+    """Every ``from attnlab... import name`` in tools/ names something the package still defines (the tools run
+    on the GPU only, so nothing else would notice a name that went away)."""
+    import ast
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnlab"):
+                module = importlib.import_module(node.module)
+                for a in node.names:  # a name the module defines, or a submodule of a package
+                    sub = hasattr(module, "__path__") and importlib.util.find_spec(f"{node.module}.{a.name}")
+                    if not hasattr(module, a.name) and not sub:
+                        missing.append(f"{path.name}: {node.module}.{a.name}")
+    assert not missing, missing
+
+
 def test_few_tools():
     assert len([p for d in ("scripts", "tools") for p in (ROOT / d).glob("*.py")]) <= 8

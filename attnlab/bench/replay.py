@@ -59,3 +59,11 @@ def graph_times(call, sets: int, calls: int = 20, reps: int = 10) -> list[float]
     finally:
         del g
     return times
+
+
+def decode_inputs(B: int, Hkv: int, Nk: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Seeded bf16 decode inputs: q [B, 32, 1, 128], k and v [B, Hkv, Nk, 128] (the decode suite's shapes)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    return q, k, v
