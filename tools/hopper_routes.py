@@ -247,10 +247,12 @@ def interpret_check() -> None:
 def profile(masks: tuple[bool, ...]) -> None:
     """Per mask (False: full, True: causal), one warmed-up forward of attnlab's public ``triton`` call and one
     of cuDNN's, alone in the profiled region in that order."""
-    os.environ.setdefault("ATTNLAB_HOPPER", "sync")  # compile the Hopper kernel on its first call
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import attnlab
+    from attnlab.backends.triton import hopper_forward
+
+    hopper_forward.set_mode("sync")  # compile the Hopper kernel on its first call (never the portable one)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))

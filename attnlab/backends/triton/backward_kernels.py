@@ -251,7 +251,6 @@ if triton is not None:
         ds_op = _operand(ds_t, DTYPE, UPCAST)
         dk = tl.dot(ds_op, q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q
         if DQ_ATOMIC:  # dQ[rows] += scale * dS K: one add per element and key tile, in no fixed order
-            offs_d = tl.arange(0, BLOCK_D)
             dq = tl.dot(tl.trans(ds_op), k, input_precision=DOT_PRECISION) * scale
             dq_ptrs = dq_base + rows.to(tl.int64)[:, None] * s_dqn + offs_d[None, :] * s_dqd
             tl.atomic_add(dq_ptrs, dq, mask=(rows < Nq)[:, None] & (offs_d < D)[None, :], sem="relaxed")
