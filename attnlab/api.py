@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,10 +26,10 @@ import torch
 from attnlab import backends as _backends
 from attnlab import fast_calls as _calls
 from attnlab import kv_append
-from attnlab.masks import plain_int
-from attnlab.options import Options, define_op, eager_function, plain_eager
+from attnlab.fp8 import attention_fp8
+from attnlab.options import Options, define_op, eager_function, lengths_arg, plain_eager
 from attnlab.paged import gather_paged, paged_kv, paged_placeholders
-from attnlab.problem import make_problem
+from attnlab.problem import FP8, make_problem
 from attnlab.textbook_backward import sum_to_shape, textbook_backward
 
 _poison = False
@@ -74,6 +74,9 @@ def attention(
     sinks: torch.Tensor | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Masked multi-head attention ``softmax(scale * q k^T + bias, masked) v``.
 
@@ -94,6 +97,11 @@ def attention(
     (FlashAttention's rule, never materialized); ``sinks`` ([Hq], gpt-oss) adds one virtual key of that logit
     and value 0 to every row's softmax: lse counts it, an empty row gives 0 with lse = its sink, and the sinks
     get a gradient.
+
+    FP8 (:mod:`attnlab.fp8`): float8_e4m3fn q, k and v, whose real values are their stored values times
+    ``q_descale``, ``k_descale``, ``v_descale`` (None for 1, a number, a one-element tensor, or float32 [B, H] per
+    head: q's heads for q, the kv heads for k and v). The output is bfloat16; a forward only (no gradient, no paged
+    cache or append); the kernel is ``triton`` on compute capability 8.9+.
 
     KV append (:mod:`attnlab.kv_append`): with ``k_new`` and ``v_new`` ([B, Hkv, Nnew, D] in the call's layout) and
     ``kv_len`` (required: the lengths before the append, not modified), k and v are caches (dense, or paged
@@ -119,6 +127,11 @@ def attention(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
+    if getattr(q, "dtype", None) == FP8 or q_descale is not None or k_descale is not None or v_descale is not None:
+        return attention_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, kv_len=kv_len,
+                             q_len=q_len, mask=mask, alibi_slopes=alibi_slopes, sinks=sinks,
+                             opts=Options.of(causal, window, align, scale, layout, softcap), backend=backend,
+                             return_lse=return_lse, block_table=block_table, k_new=k_new, poison=_poison)
     if v_new is not None and k_new is None:
         raise ValueError("k_new and v_new come together; k_new is missing")
     needs_grad = torch.is_grad_enabled() and (
@@ -163,7 +176,7 @@ def attention(
             block_table = None
         if torch.compiler.is_compiling():
             # The op takes lengths as tensors: Python ints and lists become (host) tensors, validated in the op.
-            kv_len, q_len = _lengths_arg(kv_len), _lengths_arg(q_len)
+            kv_len, q_len = lengths_arg(kv_len), lengths_arg(q_len)
         else:
             # Validate first (the same TypeError/ValueError as without grad); the forward then takes the lengths
             # as validated (int32 on q's device), not converted again.
@@ -199,24 +212,6 @@ def _check_call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks, 
     prob = _problem(q, kd, vd, kv_len, q_len, mask, alibi_slopes, sinks, opts)
     paged_kv(k, v, block_table, B=prob.B, Hkv=prob.Hkv, D=prob.D, Nk=prob.Nk, dtype=prob.dtype,
              device=prob.device, kv_len=prob.spec.kv_len)
-
-
-def _lengths_arg(value: Any) -> Any:
-    """kv_len / q_len as the op takes them: None or a tensor (ints and sequences become a CPU tensor)."""
-    if value is None or isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, bool):
-        raise TypeError("lengths must be an int, a sequence of ints or an integer tensor of shape [B]; got a bool")
-    value = plain_int(value)
-    if isinstance(value, int):
-        return torch.tensor(value, dtype=torch.int64)
-    if isinstance(value, Sequence):
-        value = [plain_int(x) for x in value]
-    if isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        return torch.tensor(value, dtype=torch.int64)
-    raise TypeError(
-        f"lengths must be an int, a sequence of ints or an integer tensor of shape [B]; got {value!r}"
-    )
 
 
 def _problem(q, k, v, kv_len, q_len, mask, alibi_slopes, sinks, opts: Options):

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from attnlab.problem import FP8
+
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: How q, k, v are laid out in memory: "contiguous" in the layout; "transposed": made [B, N, H, D]
@@ -172,7 +174,21 @@ def make_inputs(case: Case, *, dtype: torch.dtype, device, seed: int):
     kw: dict[str, Any] = {"layout": case.layout, **mask_keywords(case, device)}
     if case.mask is not None:
         kw["mask"] = make_mask(case.mask, case.B, case.Hq, case.Nq, case.nk, device, gen)
+    if dtype == FP8:
+        kw.update(fp8_descales(case.B, case.Hq, case.hkv, device, gen))
     return q, k, v, {**kw, **score_mod_keywords(case, case.B, dtype, device, gen)}
+
+
+def fp8_descales(B: int, Hq: int, Hkv: int, device, gen: torch.Generator) -> dict[str, Any]:
+    """Descales for FP8 inputs drawn in [0.5, 1.5): q's and v's per head ([B, Hq], [B, Hkv]), k's per tensor."""
+    draw = lambda *shape: (torch.rand(shape, generator=gen) + 0.5).to(device)
+    return {"q_descale": draw(B, Hq), "k_descale": draw(1), "v_descale": draw(B, Hkv)}
+
+
+def takes_dtype(case: Case, dtype: torch.dtype) -> bool:
+    """Whether ``case`` is checked in ``dtype``: its own dtypes, and FP8 where it is not packed (asked for
+    explicitly: FP8 is a forward of its own, :mod:`attnlab.fp8`)."""
+    return dtype in case.dtypes or (dtype == FP8 and case.seqs is None)
 
 
 def score_mod_keywords(case: Case, B: int, dtype: torch.dtype, device, gen: torch.Generator) -> dict[str, Any]:
@@ -184,8 +200,9 @@ def score_mod_keywords(case: Case, B: int, dtype: torch.dtype, device, gen: torc
     if case.alibi is not None:
         shape = (case.Hq,) if case.alibi == "h" else (B, case.Hq)
         kw["alibi_slopes"] = (torch.rand(shape, generator=gen) * 0.9 + 0.1).to(device)
-    if case.sinks:
-        kw["sinks"] = (2 * torch.randn(case.Hq, generator=gen)).to(device=device, dtype=dtype)
+    if case.sinks:  # (FP8 inputs: bfloat16 sinks, the output's dtype)
+        kw["sinks"] = (2 * torch.randn(case.Hq, generator=gen)).to(device=device,
+                                                                  dtype=torch.bfloat16 if dtype == FP8 else dtype)
     return kw
 
 

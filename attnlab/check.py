@@ -30,6 +30,9 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-5, 1e-5),
     torch.float16: (5e-3, 5e-3),
     torch.bfloat16: (4e-2, 4e-2),
+    # float8_e4m3fn inputs (bfloat16 out): exact inputs, P rounded to e4m3 (unit roundoff 2^-4), so an element
+    # errs by at most 2^-4 * sum_j p_j |v_j|; the abs/rel criterion is a sanity bound, the baseline the sharp one
+    torch.float8_e4m3fn: (2.0**-3, 2.0**-4),
 }
 
 #: Unit roundoff of each dtype: the floor of the baseline criterion is this times max|ref|.
@@ -38,6 +41,7 @@ UNIT_ROUNDOFF: dict[torch.dtype, float] = {
     torch.float32: 2.0**-24,
     torch.float16: 2.0**-11,
     torch.bfloat16: 2.0**-8,
+    torch.float8_e4m3fn: 2.0**-8,  # the bfloat16 output's
 }
 
 
@@ -207,7 +211,7 @@ def verify(
 
     from attnlab import backends as _backends
     from attnlab.api import poison_outputs
-    from attnlab.cases import default_cases, make_inputs
+    from attnlab.cases import default_cases, make_inputs, takes_dtype
 
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if backends is None:
@@ -221,7 +225,7 @@ def verify(
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     rows = []
-    jobs = [(c, dt) for c in cases for dt in dtypes if dt in c.dtypes]
+    jobs = [(c, dt) for c in cases for dt in dtypes if takes_dtype(c, dt)]
     it: Iterable = jobs
     if progress:
         from tqdm.auto import tqdm
@@ -266,7 +270,7 @@ def verify(
 
 def _lse_atol(dtype: torch.dtype) -> float:
     """lse is float32 from float32 scores: its error is that of the scores, so scaled to the input dtype."""
-    return {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-4)
+    return {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float8_e4m3fn: 1e-2}.get(dtype, 1e-4)
 
 
 def _not_taken(name: str, q, k, v, kw) -> str | None:
@@ -276,7 +280,7 @@ def _not_taken(name: str, q, k, v, kw) -> str | None:
 
     if name == "auto":
         return None
-    return _backends.registry()[name].unsupported(problem_of(q, k, v, kw))
+    return _backends.why_not(_backends.registry()[name], problem_of(q, k, v, kw))
 
 
 def _packed(kw: dict) -> bool:

@@ -9,10 +9,13 @@ the op, its fake implementation and its autograd formula without another list to
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+from attnlab.masks import plain_int
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,24 @@ class Options:
                   scale: float | None, layout: str, softcap: float | None) -> Options:
         """The inverse of :meth:`flat`."""
         return cls(causal, (left, right) if has_window else None, align, scale, layout, softcap)
+
+
+def lengths_arg(value: Any) -> Any:
+    """kv_len / q_len as the op takes them: None or a tensor (ints and sequences become a CPU tensor)."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, bool):
+        raise TypeError("lengths must be an int, a sequence of ints or an integer tensor of shape [B]; got a bool")
+    value = plain_int(value)
+    if isinstance(value, int):
+        return torch.tensor(value, dtype=torch.int64)
+    if isinstance(value, Sequence):
+        value = [plain_int(x) for x in value]
+    if isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return torch.tensor(value, dtype=torch.int64)
+    raise TypeError(
+        f"lengths must be an int, a sequence of ints or an integer tensor of shape [B]; got {value!r}"
+    )
 
 
 def define_op(qualname: str, before: list[tuple[str, Any]], after: list[tuple[str, Any]], returns: Any, body, fake):

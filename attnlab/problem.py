@@ -23,6 +23,8 @@ from attnlab.score_mods import ScoreMods
 
 LAYOUTS = ("bhnd", "bnhd")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The 8-bit float the FP8 forward takes (with its descales; :func:`descales`); its output is bfloat16.
+FP8 = torch.float8_e4m3fn
 MAX_HEAD_DIM = 256
 
 
@@ -59,6 +61,9 @@ class Problem:
     layout: str
     packed: Packed | None = None
     mods: ScoreMods = field(default_factory=ScoreMods)  #: softcap, ALiBi slopes, sinks (:mod:`attnlab.score_mods`)
+    #: FP8 inputs only: float32 [B, Hq, 3], per query head the descales of q, of its kv head's k and of its v
+    #: (:func:`descales`); None for every other dtype.
+    descale: torch.Tensor | None = None
 
     @property
     def B(self) -> int:
@@ -103,6 +108,11 @@ class Problem:
         return self.q.dtype
 
     @property
+    def out_dtype(self) -> torch.dtype:
+        """The output's dtype: q's, except bfloat16 for FP8 inputs."""
+        return torch.bfloat16 if self.q.dtype == FP8 else self.q.dtype
+
+    @property
     def device(self) -> torch.device:
         return self.q.device
 
@@ -119,10 +129,10 @@ class Problem:
         if self.packed is not None:
             total = self.q.shape[2]
             make = torch.empty if self.packed.checked else torch.zeros
-            out = make((total, self.Hq, self.Dv), dtype=self.dtype, device=self.device)
+            out = make((total, self.Hq, self.Dv), dtype=self.out_dtype, device=self.device)
             return out, out.unsqueeze(0).transpose(1, 2)
         shape = (self.B, self.Hq, self.Nq, self.Dv) if self.layout == "bhnd" else (self.B, self.Nq, self.Hq, self.Dv)
-        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        out = torch.empty(shape, dtype=self.out_dtype, device=self.device)
         return out, (out if self.layout == "bhnd" else out.transpose(1, 2))
 
     def new_lse(self) -> torch.Tensor:
@@ -159,6 +169,9 @@ def make_problem(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
 ) -> Problem:
     """Validate the arguments of :func:`attnlab.attention` and return the normalized :class:`Problem`.
 
@@ -170,7 +183,7 @@ def make_problem(
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
     if layout == "bnhd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    allowed = DTYPES + ((torch.float64,) if allow_float64 else ())
+    allowed = DTYPES + ((torch.float64,) if allow_float64 else ()) + (FP8,)
     if q.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
         raise TypeError(f"q has dtype {q.dtype}; this backend takes {names}")
@@ -203,7 +216,46 @@ def make_problem(
         kv_len=kv_len, q_len=q_len, mask=mask,
     )
     mods = ScoreMods.build(B, Hq, q.device, softcap, alibi_slopes, sinks)
-    return Problem(q=q, k=k, v=v, spec=spec, scale=float(scale), layout=layout, mods=mods)
+    descale = descales(q, Hkv, q_descale, k_descale, v_descale)
+    return Problem(q=q, k=k, v=v, spec=spec, scale=float(scale), layout=layout, mods=mods, descale=descale)
+
+
+def descales(q: torch.Tensor, Hkv: int, q_descale: Any, k_descale: Any, v_descale: Any) -> torch.Tensor | None:
+    """The FP8 descales of a call with q ``[B, Hq, N, D]`` as one float32 ``[B, Hq, 3]`` tensor (q's, its kv
+    head's k's, v's), or None for other dtypes. Each descale is None (1), a number, a one-element float tensor (per
+    tensor) or a float tensor ``[B, H]`` (per head: H is q's heads for q_descale, the kv heads for the others), on
+    q's device. The input's real value is its stored value times its descale, as FlashAttention-3 has it."""
+    given = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if q.dtype != FP8:
+        named = [n for n, d in given.items() if d is not None]
+        if named:
+            raise ValueError(f"{', '.join(named)} apply to float8_e4m3fn inputs only; q has dtype {q.dtype}")
+        return None
+    B, Hq = q.shape[0], q.shape[1]
+    planes = [_descale(n, d, B, Hq if n == "q_descale" else Hkv, q.device) for n, d in given.items()]
+    group = Hq // Hkv
+    planes[1:] = [p.repeat_interleave(group, dim=1) for p in planes[1:]]  # a kv head's value for each query head
+    return torch.stack(planes, dim=-1).contiguous()
+
+
+def _descale(name: str, d: Any, B: int, H: int, device: torch.device) -> torch.Tensor:
+    """One descale as float32 ``[B, H]`` on ``device``."""
+    if d is None:
+        d = 1.0
+    if isinstance(d, numbers.Real) and not isinstance(d, bool):
+        if not math.isfinite(d):
+            raise ValueError(f"{name} must be finite; got {d}")
+        return torch.full((B, H), float(d), dtype=torch.float32, device=device)
+    if not isinstance(d, torch.Tensor) or not d.dtype.is_floating_point or d.dtype == FP8:
+        raise TypeError(f"{name} must be a number or a float tensor (one element, or [B, H] per head); got {d!r}")
+    if d.device != device:
+        raise ValueError(f"{name} is on {d.device} but q is on {device}")
+    if d.numel() == 1:
+        return d.reshape(1, 1).float().expand(B, H)
+    if tuple(d.shape) != (B, H):
+        raise ValueError(f"{name} must have one element (per tensor) or shape [B, H] = [{B}, {H}] (per head); got "
+                         f"{list(d.shape)}")
+    return d.float()
 
 
 def _prefix_sums(name: str, cu: Any, total: int, device: torch.device) -> tuple[torch.Tensor, bool]:
@@ -256,6 +308,9 @@ def make_packed_problem(
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name} must have rank 3 ([total, H, D], packed sequences); got shape {list(t.shape)}")
+    if q.dtype == FP8:
+        raise TypeError("attention_varlen takes float32, float16 or bfloat16; the FP8 forward is attnlab.attention "
+                        "with q_descale, k_descale, v_descale")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must hold the same packed keys; got {k.shape[0]} and {v.shape[0]} rows")
     if (causal or window is not None) and align is None:

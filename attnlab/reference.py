@@ -9,6 +9,7 @@ k and v are never repeated.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -70,8 +71,22 @@ def softmax_rows(s: torch.Tensor, v: torch.Tensor, group: int,
     return out, lse
 
 
+def dequantized(prob: Problem, dtype: torch.dtype) -> Problem:
+    """An FP8 problem with q, k, v as their real values in ``dtype`` (stored value times descale), and every
+    other problem as it is. (Each e4m3 value is exact in float32; times a float32 descale, exact in float64.)"""
+    if prob.descale is None:
+        return prob
+    d = prob.descale.to(dtype)  # [B, Hq, 3]
+    g = prob.group
+    q = prob.q.to(dtype) * d[:, :, 0, None, None]
+    k = prob.k.to(dtype) * d[:, ::g, 1, None, None]  # (a kv head's descale, repeated over its query heads)
+    v = prob.v.to(dtype) * d[:, ::g, 2, None, None]
+    return dataclasses.replace(prob, q=q, k=k, v=v, descale=None)
+
+
 def reference_forward(prob: Problem, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 (out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) of a validated problem, as bhnd tensors."""
+    prob = dequantized(prob, torch.float64)
     B, Hq, Nq, Nk, Dv = prob.B, prob.Hq, prob.Nq, prob.Nk, prob.Dv
     out = torch.zeros(B, Hq, Nq, Dv, dtype=torch.float64, device=prob.device)
     lse = torch.full((B, Hq, Nq), float("-inf"), dtype=torch.float64, device=prob.device)
@@ -107,6 +122,9 @@ def reference(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention with the same keywords as :func:`attnlab.attention`; always returns (out, lse).
@@ -119,7 +137,7 @@ def reference(
     prob = make_problem(
         q, k, v, causal=causal, window=window, align=align, kv_len=kv_len, q_len=q_len,
         mask=mask, scale=scale, layout=layout, allow_float64=True, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks,
+        sinks=sinks, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
     )
     out, lse = reference_forward(prob, max_chunk_bytes)
     return prob.to_layout(out), lse

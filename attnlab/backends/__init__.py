@@ -48,6 +48,9 @@ class Backend:
     #: Whether :meth:`forward_append` writes a KV append's new keys into the caches inside its own launch;
     #: other backends get the append written by its own kernel first (:mod:`attnlab.kv_append`).
     fuses_append: bool = False
+    #: Whether the backend takes FP8 (float8_e4m3fn) inputs with their descales (``Problem.descale``); the others
+    #: are refused them by :func:`resolve`, whatever their ``unsupported`` says.
+    takes_fp8: bool = False
 
     def availability(self) -> Availability:
         """Can this backend run on this machine at all (packages, GPU)?"""
@@ -58,7 +61,7 @@ class Backend:
         return None
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        """Compute attention into ``out`` ([B, Hq, Nq, D] view, q's dtype) and ``lse`` ([B, Hq, Nq] float32).
+        """Compute attention into ``out`` ([B, Hq, Nq, D] view, ``prob.out_dtype``) and ``lse`` ([B, Hq, Nq] float32).
 
         ``lse`` is None when the caller did not ask for it. Every element must be written.
         """
@@ -122,6 +125,8 @@ AUTO_ORDER = {
     ("cuda", "float32"): ("cuda-rowmax", "triton", "sdpa"),
     ("cpu", "half"): ("sdpa", "reference"),
     ("cpu", "float32"): ("sdpa", "reference"),
+    ("cuda", "fp8"): ("triton",),
+    ("cpu", "fp8"): ("torch",),
 }
 
 
@@ -197,12 +202,12 @@ def resolve(name: str, prob: Problem, needs_grad: bool = False) -> Backend:
     if not isinstance(name, str):
         raise TypeError(f"backend must be a string, one of {names()}; got {name!r}")
     if name == "auto":
-        kind = "float32" if prob.dtype == torch.float32 else "half"
+        kind = "fp8" if prob.descale is not None else "float32" if prob.dtype == torch.float32 else "half"
         for cand in AUTO_ORDER.get((prob.device.type, kind), ("sdpa",)):
             b = reg.get(cand)
             if b is None or (needs_grad and not b.differentiable) or _hides_nonfinite(cand, prob):
                 continue
-            if b.availability().available and b.unsupported(prob) is None:
+            if b.availability().available and why_not(b, prob) is None:
                 return b
         return reg["torch"]
     if name not in reg:
@@ -211,7 +216,7 @@ def resolve(name: str, prob: Problem, needs_grad: bool = False) -> Backend:
     avail = b.availability()
     if not avail.available:
         raise ValueError(f"backend {name!r} is unavailable here: {avail.reason}")
-    why = b.unsupported(prob)
+    why = why_not(b, prob)
     if why is not None:
         raise ValueError(f"backend {name!r} cannot run this problem: {why}")
     if needs_grad and not b.differentiable:
@@ -222,6 +227,14 @@ def resolve(name: str, prob: Problem, needs_grad: bool = False) -> Backend:
             "or call it under torch.no_grad() / on detached inputs"
         )
     return b
+
+
+def why_not(b: Backend, prob: Problem) -> str | None:
+    """Why backend ``b`` cannot run ``prob``: an FP8 problem on a backend without ``takes_fp8``, or its own reason."""
+    if prob.descale is not None and not b.takes_fp8:
+        fp8 = [n for n, x in registry().items() if x.takes_fp8]
+        return f"it takes no float8_e4m3fn inputs (the FP8 forward runs on {', '.join(fp8)})"
+    return b.unsupported(prob)
 
 
 class _CallableModule(types.ModuleType):

@@ -13,7 +13,8 @@ class ReferenceBackend(Backend):
     """Backend ``reference``: the float64 reference, cast back to the input dtype."""
 
     name = "reference"
-    takes = "every problem, computed in float64 (float64 inputs too); packed sequences padded"
+    takes = "every problem, computed in float64 (float64 inputs too); packed sequences padded; float8_e4m3fn"
+    takes_fp8 = True
     description = "float64 math on the inputs' device, chunked over queries (at most ~256 MiB of scores)"
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:

@@ -10,17 +10,21 @@ from __future__ import annotations
 import torch
 
 from attnlab.backends import Backend
-from attnlab.problem import Problem
-from attnlab.reference import masked_scores
+from attnlab.problem import FP8, Problem
+from attnlab.reference import dequantized, masked_scores
 
 
 class TextbookBackend(Backend):
     name = "torch"
     takes = ("every problem, in the input dtype (materializes the [B, Hq, Nq, Nk] scores); packed sequences "
-             "padded")
+             "padded; float8_e4m3fn as float32 with P rounded to e4m3")
+    takes_fp8 = True
     description = "textbook PyTorch in the input dtype: QK^T, mask, softmax, @V (materializes the scores)"
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        fp8 = prob.descale is not None
+        if fp8:  # FP8: the real values in float32, and P rounded to e4m3 for P V, as an FP8 kernel's MMA takes it
+            prob = dequantized(prob, torch.float32)
         B, Hq, Hkv, Nq, Nk, Dv = prob.B, prob.Hq, prob.Hkv, prob.Nq, prob.Nk, prob.Dv
         # The scores in the input dtype, as the textbook has them; with ALiBi in float32, as a model adds a float32
         # bias: the distance term grows with the sequence, and a half type's rounding of it swamps the scores.
@@ -32,6 +36,8 @@ class TextbookBackend(Backend):
         p = torch.softmax(s, dim=-1)
         empty = (s == float("-inf")).all(dim=-1, keepdim=True)
         p = p.masked_fill(empty, 0.0).to(prob.dtype)  # softmax of an all -inf row is NaN; the contract says 0
+        if fp8:
+            p = p.to(FP8).to(prob.dtype)
         pv = torch.matmul(p[..., :Nk].reshape(B, Hkv, Hq // Hkv, Nq, Nk), prob.v.unsqueeze(2))
         out.copy_(pv.reshape(B, Hq, Nq, Dv))
         if lse is not None:  # from float32 scores, as sdpa's: lse is not a textbook output, and scores grown by

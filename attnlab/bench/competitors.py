@@ -86,7 +86,7 @@ def _attnlab_backend(name: str, inp: CaseInputs):
     avail = be.availability()
     if not avail.available:
         raise Unavailable(avail.reason)
-    why = be.unsupported(prob)
+    why = _b.why_not(be, prob)
     if why is not None:
         raise Unsupported(why)
     if grad and not be.differentiable:

@@ -21,7 +21,9 @@ class TritonBackend(Backend):
     name = "triton"
     takes = ("float32/float16/bfloat16, D and Dv 1-256, every mask, softcap, ALiBi slopes, sinks, packed "
              "sequences natively; CUDA tensors compiled (on sm_90 a Hopper kernel for float16/bfloat16, D = Dv "
-             "of 64 or 128, no lengths, mask or modifier), CPU tensors interpreted")
+             "of 64 or 128, no lengths, mask or modifier), CPU tensors interpreted; float8_e4m3fn forward (compute "
+             "capability 8.9+), without gradients")
+    takes_fp8 = True
     kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.backends.triton.backward)
     description = (
         "fused Triton forward kernel: online softmax in exp2, block skipping, every mask, GQA; "
@@ -44,6 +46,9 @@ class TritonBackend(Backend):
             major, _ = torch.cuda.get_device_capability(prob.device)
             if major < 8:
                 return "bfloat16 needs compute capability 8.0 or newer"
+        if prob.device.type == "cuda" and prob.descale is not None:
+            if torch.cuda.get_device_capability(prob.device) < (8, 9):
+                return "float8_e4m3fn needs compute capability 8.9 or newer (Ada, Hopper): its MMA takes 8-bit floats"
         return None
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
@@ -60,8 +65,9 @@ class TritonBackend(Backend):
 
     def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None, append=None):
         if (append is not None or not prob.q.is_cuda or paged is not None or prob.packed is not None
-                or prob.Dv != prob.D or _empty_problem(prob, out)):  # (a fast call allocates out like q)
-            return None  # an empty call launched nothing: no plan to build (or tune) for it
+                or prob.Dv != prob.D or prob.descale is not None or _empty_problem(prob, out)):
+            return None  # (a fast call allocates out like q; an FP8 call packs its descales per call; an empty
+            # call launched nothing: no plan to build or tune for it)
         if hopper.unsupported(prob, out) is None and not hopper.failed(prob, lse):  # sm_90: once it is compiled
             return hopper.fast_call(prob, out, lse)
         return plan_for(prob, out, lse).fast_call(prob, out, lse)
@@ -80,6 +86,7 @@ class TritonDecodeBackend(TritonBackend):
     )
     reads_paged = True
     fuses_append = True
+    takes_fp8 = False
 
     def unsupported(self, prob: Problem) -> str | None:
         return decode_supported(prob)

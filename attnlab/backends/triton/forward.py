@@ -49,10 +49,12 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
     sinks = mods.kernel_sinks if mods.sinks is not None else q
     a_strides = mods.alibi.stride() if mods.alibi is not None else (0, 0)
     cap2 = mods.softcap * LOG2E if mods.softcap is not None else 0.0
+    descale = prob.descale if prob.descale is not None else q  # FP8 only: [B, Hq, 3]
+    z_strides = prob.descale.stride()[:2] if prob.descale is not None else (0, 0)
     head = [q, k, v]
-    mid = [kv_len, q_len, e, alibi, sinks, *_rt.batch_strides(q, packed), *_rt.batch_strides(k, packed),
+    mid = [kv_len, q_len, e, alibi, sinks, descale, *_rt.batch_strides(q, packed), *_rt.batch_strides(k, packed),
            *_rt.batch_strides(v, packed)]
-    tail = [*e_strides, *a_strides, prob.Nq, prob.Nk, D, Dv, q.shape[2], k.shape[2], prob.group,
+    tail = [*e_strides, *a_strides, *z_strides, prob.Nq, prob.Nk, D, Dv, q.shape[2], k.shape[2], prob.group,
             prob.scale * LOG2E, left, right, cap2]
     constants = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=(block_d == D),
@@ -70,6 +72,7 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
         KEY_AXIS=kernel_key_axis(cfg, prob.dtype),
         ROWS_OUTER=_rows_outer(prob, cfg),
         VARLEN=packed is not None,
+        FP8=prob.descale is not None,
     )
     return head, mid, tail, constants
 
@@ -153,7 +156,7 @@ class _Plan:
         fixed = self.fixed.get(write_lse)
         if fixed is None:
             _, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
-            fixed = self.fixed[write_lse] = (mid[5:], tail, tuple(constants[n] for n in _constexpr_names()))
+            fixed = self.fixed[write_lse] = (mid[6:], tail, tuple(constants[n] for n in _constexpr_names()))
         mid_rest, tail, constants = fixed
         spec, q = prob.spec, prob.q
         explicit = spec.explicit
@@ -163,7 +166,8 @@ class _Plan:
         mods = prob.mods  # the slopes' strides, the cap and which modifiers are present are in the plan's key
         mid = (spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q,
                explicit if explicit is not None else q, mods.alibi if mods.alibi is not None else q,
-               mods.kernel_sinks if mods.sinks is not None else q, *mid_rest)
+               mods.kernel_sinks if mods.sinks is not None else q,
+               prob.descale if prob.descale is not None else q, *mid_rest)
         # The launcher takes every parameter in signature order, the constants (which come last) too.
         args = (*_bind(head, mid, tail, out, lse), *constants)
         _rt.run_compiled(kernel, self.grid, _rt.stream_of(self.device), args)
@@ -195,7 +199,7 @@ class _Plan:
             return None
         write_lse = lse is not None
         _, mid, tail, constants = _arguments(prob, self.cfg, False, write_lse)
-        rest = (*mid[5:], *out.stride(), *(lse.stride() if write_lse else (0, 0, 0)), *tail,
+        rest = (*mid[6:], *out.stride(), *(lse.stride() if write_lse else (0, 0, 0)), *tail,
                 *(constants[n] for n in _constexpr_names()))
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
         lse_shape, dev, index, grid = (prob.B, prob.Hq, prob.Nq), prob.device, self.device, self.grid
@@ -210,7 +214,8 @@ class _Plan:
             m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
             tensors = (q, k, v, o, o if m is None else m, q if kv_len is None else kv_len,
                        q if q_len is None else q_len, q if mask is None else mask,
-                       q if alibi_slopes is None else alibi_slopes, q if sinks is None else sinks)
+                       q if alibi_slopes is None else alibi_slopes, q if sinks is None else sinks,
+                       q)  # (no descale: a fast call is never FP8)
             go(grid, current_stream(index), (*pointers(tensors), *rest))
             return o, m
 

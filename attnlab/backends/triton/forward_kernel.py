@@ -35,7 +35,9 @@ that has seen no allowed key yet has ``m_new = -inf``; ``exp2(-inf - (-inf))`` w
 subtraction uses ``m_safe = 0`` there, which makes both ``alpha`` and every ``p`` exactly 0. At the end
 ``out = acc / l_i`` and ``lse = (m_i + log2 l_i) * ln 2``; rows with ``l_i = 0`` (no allowed key) and
 padding rows (``i >= Lq_b``) write out = 0 and lse = -inf. For float16/bfloat16 inputs P is rounded to
-the input dtype before ``P @ V`` (as FlashAttention does); for float32 both products are exact IEEE
+the input dtype before ``P @ V`` (as FlashAttention does), for float8_e4m3fn (``FP8``) to e4m3, with the
+head's descales of q and k folded into the score scale and v's applied to ``acc`` at the end; for float32 both
+products are exact IEEE
 (``input_precision="ieee"``: no TF32 rounding of the inputs) unless the caller opts into TF32 with
 :func:`~attnlab.backends.triton.configs.allow_tf32`.
 
@@ -145,6 +147,15 @@ if triton is not None:
             s = tiles.alibi(s, rows, keys, alibi_off, slope2, KEY_AXIS)
         return s
 
+    @triton.jit
+    def _round_e4m3(p):
+        """Non-negative float32 ``p`` rounded to the nearest e4m3 value (ties to even, subnormals below 2^-6), as
+        float32: the GPU's conversion, for the interpreter, whose own drops the carry when a value rounds up to
+        the next power of two (triton 3.9: 0.49 became 0.25)."""
+        e = tl.maximum(tl.floor(tl.math.log2(tl.maximum(p, 1e-30))), -6.0)  # p's binade, at least the subnormals
+        ulp = tl.math.exp2(e - 3.0)  # three mantissa bits
+        return ((p / ulp + 8388608.0) - 8388608.0) * ulp  # (adding 2^23 rounds to an integer, ties to even)
+
     # ---- query-major: S = Q K^T [BLOCK_M, BLOCK_N], O += P V --------------------------------------------
 
     @triton.jit
@@ -156,7 +167,7 @@ if triton is not None:
                           HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr,
                           HAS_RIGHT: tl.constexpr,
                           HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          UPCAST_DOT: tl.constexpr, QK_CHUNK: tl.constexpr):
+                          UPCAST_DOT: tl.constexpr, QK_CHUNK: tl.constexpr, FP8: tl.constexpr):
         """Three phases over key tiles: partial [t_lo, f_lo), full [f_lo, f_hi), partial [f_hi, t_hi), one loop
         body specialized at compile time by ``tl.static_range``; returns (m_i, l_i, acc [BLOCK_M, BLOCK_DV])."""
         tile_m = offs_m[:, None]
@@ -195,6 +206,11 @@ if triton is not None:
                 if phase != 1:  # partial tile: the length and band predicate
                     s = tiles.band(s, keys, rows, Lk, off, win_left, win_right, 1, HAS_LEFT, HAS_RIGHT)
                 p, m_i, l_i, acc = tiles.softmax_update(s, m_i, l_i, acc, 1, (phase != 1) | HAS_MASK | HAS_BIAS)
+                if FP8:  # P in e4m3, as the FP8 MMA takes it
+                    if UPCAST_DOT:  # the interpreter: rounded by arithmetic, and kept float32 as V was widened
+                        p = _round_e4m3(p)
+                    else:
+                        p = p.to(tl.float8e4nv)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         return m_i, l_i, acc
 
@@ -277,7 +293,7 @@ if triton is not None:
 
     @triton.jit
     def attn_fwd_kernel(
-        Q, K, V, Out, Lse, KvLen, QLen, Explicit, Alibi, Sinks,
+        Q, K, V, Out, Lse, KvLen, QLen, Explicit, Alibi, Sinks, Descale,
         s_qb, s_qh, s_qn, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
@@ -285,6 +301,7 @@ if triton is not None:
         s_lb, s_lh, s_ln,
         s_eb, s_eh, s_ei, s_ej,
         s_ab, s_ah,
+        s_zb, s_zh,
         Nq, Nk, D, Dv, Tq, Tk, group, qk_scale, win_left, win_right, cap2,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -292,7 +309,7 @@ if triton is not None:
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QK_CHUNK: tl.constexpr,
-        KEY_AXIS: tl.constexpr, ROWS_OUTER: tl.constexpr, VARLEN: tl.constexpr,
+        KEY_AXIS: tl.constexpr, ROWS_OUTER: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     ):
         # ---- which tile: row tile pid_m (last first), query head h, batch b; kv head h // group ----------
         if VARLEN:  # grid (packed slots, Hq, 1): the last sequence's last row tile first
@@ -325,6 +342,11 @@ if triton is not None:
         sink2 = 0.0
         if HAS_SINKS:  # the head's sink logit, in base 2
             sink2 = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        v_descale = 1.0
+        if FP8:  # the head's descales: q's and k's scale the scores, v's the output
+            z = Descale + b64 * s_zb + h.to(tl.int64) * s_zh
+            qk_scale = qk_scale * tl.load(z) * tl.load(z + 1)
+            v_descale = tl.load(z + 2)
         alibi_off = Lk - Lq
 
         # ---- a tile of padding rows (i0 >= Lq): zeros and lse = -inf, and nothing of Q, K, V read --------
@@ -359,7 +381,9 @@ if triton is not None:
                 f_lo, f_hi, Nq, Nk, D, Dv, qk_scale,
                 win_left, win_right, s_qn, s_qd, s_kn, s_kd, s_vn, s_vd, s_ei, s_ej, cap2, slope2, alibi_off,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-                HAS_MASK, HAS_BIAS, DOT_PRECISION, UPCAST_DOT, QK_CHUNK)
+                HAS_MASK, HAS_BIAS, DOT_PRECISION, UPCAST_DOT, QK_CHUNK, FP8)
+        if FP8:
+            acc = acc * v_descale
 
         _epilogue(acc, m_i, l_i, offs_m, offs_dv, rows, Lq, Out, Lse, b64, h, q0, i0, Nq, Dv, s_ob, s_oh, s_on,
                   s_od, s_lb, s_lh, s_ln, sink2, KEY_AXIS, WRITE_LSE, HAS_SINKS)
