@@ -127,13 +127,13 @@ def attention(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
+    if v_new is not None and k_new is None:
+        raise ValueError("k_new and v_new come together; k_new is missing")
     if getattr(q, "dtype", None) == FP8 or q_descale is not None or k_descale is not None or v_descale is not None:
         return attention_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, kv_len=kv_len,
                              q_len=q_len, mask=mask, alibi_slopes=alibi_slopes, sinks=sinks,
                              opts=Options.of(causal, window, align, scale, layout, softcap), backend=backend,
                              return_lse=return_lse, block_table=block_table, k_new=k_new, poison=_poison)
-    if v_new is not None and k_new is None:
-        raise ValueError("k_new and v_new come together; k_new is missing")
     needs_grad = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
         or getattr(v, "requires_grad", False) or getattr(mask, "requires_grad", False)

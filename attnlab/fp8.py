@@ -22,7 +22,7 @@ import torch
 
 from attnlab import backends as _backends
 from attnlab.options import Options, define_op, lengths_arg, plain_eager
-from attnlab.problem import make_problem
+from attnlab.problem import FP8, descales, make_problem
 
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_descale: Any, k_descale: Any,
@@ -32,6 +32,10 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_descal
     """:func:`attnlab.attention` for FP8 inputs (it routes here): out, or (out, lse) with ``return_lse``.
     ``poison``: fill the outputs with NaN before the backend runs (the checker's, :func:`attnlab.api.poison_outputs`;
     eager calls only)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor; got {type(q).__name__}")
+    if q.dtype != FP8:  # descales given with inputs of another dtype: make_problem's error, before any other
+        descales(q, 1, q_descale, k_descale, v_descale)
     if block_table is not None or k_new is not None:
         raise ValueError("the FP8 forward takes dense k and v: no block_table, k_new or v_new (an FP8 call is a "
                          "prefill forward; decode from a bfloat16 or float16 cache)")
@@ -40,14 +44,14 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_descal
         raise ValueError("the FP8 forward has no backward, and an input requires grad: its output would silently "
                          "carry no gradient. Call it under torch.no_grad() or on detached inputs, or train in "
                          "bfloat16")
-    descales = (q_descale, k_descale, v_descale)
+    scales = (q_descale, k_descale, v_descale)
     if torch.compiler.is_compiling() or not plain_eager(q, k, v):
         kv_len, q_len = lengths_arg(kv_len), lengths_arg(q_len)  # (the op takes lengths as tensors)
-        descales = tuple(_as_tensor(n, d, q) for n, d in zip(("q_descale", "k_descale", "v_descale"), descales))
-        out, lse = torch.ops.attnlab.attention_fp8(q, k, v, *descales, kv_len, q_len, mask, alibi_slopes, sinks,
+        scales = tuple(_as_tensor(n, d, q) for n, d in zip(("q_descale", "k_descale", "v_descale"), scales))
+        out, lse = torch.ops.attnlab.attention_fp8(q, k, v, *scales, kv_len, q_len, mask, alibi_slopes, sinks,
                                                    *opts.flat(), backend, return_lse)
     else:
-        out, lse = _fp8_run(q, k, v, *descales, kv_len, q_len, mask, alibi_slopes, sinks, opts, backend, return_lse,
+        out, lse = _fp8_run(q, k, v, *scales, kv_len, q_len, mask, alibi_slopes, sinks, opts, backend, return_lse,
                             poison)
     return (out, lse) if return_lse else out
 

@@ -224,18 +224,27 @@ def descales(q: torch.Tensor, Hkv: int, q_descale: Any, k_descale: Any, v_descal
     """The FP8 descales of a call with q ``[B, Hq, N, D]`` as one float32 ``[B, Hq, 3]`` tensor (q's, its kv
     head's k's, v's), or None for other dtypes. Each descale is None (1), a number, a one-element float tensor (per
     tensor) or a float tensor ``[B, H]`` (per head: H is q's heads for q_descale, the kv heads for the others), on
-    q's device. The input's real value is its stored value times its descale, as FlashAttention-3 has it."""
+    q's device (a one-element one may be on the CPU). q's may also be per kv head, ``[B, Hkv]`` (FlashAttention-3's
+    shape: one value for a group's query heads). The input's real value is its stored value times its descale."""
     given = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if q.dtype != FP8:
         named = [n for n, d in given.items() if d is not None]
         if named:
-            raise ValueError(f"{', '.join(named)} apply to float8_e4m3fn inputs only; q has dtype {q.dtype}")
+            verb = "applies" if len(named) == 1 else "apply"
+            raise ValueError(f"{', '.join(named)} {verb} to float8_e4m3fn inputs only; q has dtype {q.dtype}")
         return None
     B, Hq = q.shape[0], q.shape[1]
-    planes = [_descale(n, d, B, Hq if n == "q_descale" else Hkv, q.device) for n, d in given.items()]
     group = Hq // Hkv
-    planes[1:] = [p.repeat_interleave(group, dim=1) for p in planes[1:]]  # a kv head's value for each query head
+    planes = []
+    for n, d in given.items():
+        p = _descale(n, d, B, Hkv if n != "q_descale" or _per_kv_head(d, B, Hkv) else Hq, q.device)
+        planes.append(p.repeat_interleave(group, dim=1) if p.shape[1] != Hq else p)  # a kv head's, for its group
     return torch.stack(planes, dim=-1).contiguous()
+
+
+def _per_kv_head(d: Any, B: int, Hkv: int) -> bool:
+    """Whether a q descale is given per kv head ([B, Hkv], FlashAttention-3's shape under GQA)."""
+    return isinstance(d, torch.Tensor) and tuple(d.shape) == (B, Hkv)
 
 
 def _descale(name: str, d: Any, B: int, H: int, device: torch.device) -> torch.Tensor:
@@ -248,10 +257,13 @@ def _descale(name: str, d: Any, B: int, H: int, device: torch.device) -> torch.T
         return torch.full((B, H), float(d), dtype=torch.float32, device=device)
     if not isinstance(d, torch.Tensor) or not d.dtype.is_floating_point or d.dtype == FP8:
         raise TypeError(f"{name} must be a number or a float tensor (one element, or [B, H] per head); got {d!r}")
+    if d.numel() == 1:  # a host scalar is read on the host and filled in on q's device: no copy, no sync
+        value = float(d) if d.device.type == "cpu" and device.type != "cpu" else None
+        if value is not None:
+            return torch.full((B, H), value, dtype=torch.float32, device=device)
+        return d.reshape(1, 1).float().expand(B, H)
     if d.device != device:
         raise ValueError(f"{name} is on {d.device} but q is on {device}")
-    if d.numel() == 1:
-        return d.reshape(1, 1).float().expand(B, H)
     if tuple(d.shape) != (B, H):
         raise ValueError(f"{name} must have one element (per tensor) or shape [B, H] = [{B}, {H}] (per head); got "
                          f"{list(d.shape)}")

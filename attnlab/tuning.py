@@ -40,8 +40,10 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
     if prob.device.type != "cuda":
         raise ValueError(f"attnlab.tune tunes GPU launches; got tensors on {prob.device} (the CPU interpreter runs "
                          "one fixed config)")
+    if prob.descale is not None and backward:  # (FP8: the forward alone)
+        raise ValueError("the FP8 forward has no backward to tune; call tune() without backward=True")
     if backward is None:
-        backward = any(t.requires_grad for t in (q, k, v))
+        backward = prob.descale is None and any(t.requires_grad for t in (q, k, v))
     from attnlab import fast_calls as calls
     from attnlab.backends.triton import backward as triton_backward
     from attnlab.backends.triton import configs, forward

@@ -102,6 +102,37 @@ def test_descales_scale_what_they_say():
     assert not compare(base, ref, dtype=F8, base=base_torch).passed  # (without the descales: far off)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy, on the NaN rows in the interpreter)
+def test_nan_in_the_inputs_propagates():
+    """A NaN code in q (or v) makes its row's output NaN, as the reference has it; nothing else changes. (Triton
+    3.9's interpreter widens the e4m3 NaN codes to +-480: the kernel makes them NaN again there.)"""
+    q, k, v, _ = _inputs()
+    clean = attnlab.attention(q, k, v, backend="triton")
+    q[0, 1, 5, 3] = float("nan")
+    v[1, 0, 7, 2] = float("nan")
+    out = attnlab.attention(q, k, v, backend="triton")
+    ref, _ = attnlab.reference(q, k, v)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(out).any()
+    assert torch.equal(out[~torch.isnan(ref)], clean[~torch.isnan(ref)])
+
+
+def test_the_emulation_rounds_p_before_normalizing():
+    """The torch backend (the checker's FP8 baseline) rounds exp(s - row max), as the kernel does: over 2048 keys
+    the normalized P would mostly fall under e4m3's smallest values and the baseline be far off."""
+    q, k, v, _ = _inputs(B=1, Hq=1, Hkv=1, Nq=64, Nk=2048, D=16)
+    ref, _ = attnlab.reference(q, k, v)
+    emul = attnlab.attention(q, k, v, backend="torch")
+    assert compare(emul, ref, dtype=F8).rel_l2 < 0.03
+
+
+def test_q_descale_per_kv_head_is_flashattention3s_shape():
+    """Under GQA a q descale of [B, Hkv] (FlashAttention-3's shape) is its query heads' [B, Hq] repeated."""
+    q, k, v, g = _inputs()
+    dq = torch.rand(2, 2, generator=g) + 0.5
+    assert torch.equal(attnlab.attention(q, k, v, q_descale=dq, backend="triton"),
+                       attnlab.attention(q, k, v, q_descale=dq.repeat_interleave(2, dim=1), backend="triton"))
+
+
 def test_layout_lse_and_empty_rows():
     """bnhd in, bnhd out (bfloat16); lse float32 [B, Hq, Nq]; a row with no key gives 0 and lse -inf."""
     q, k, v, _ = _inputs()
@@ -120,7 +151,10 @@ def test_auto_on_cpu_is_the_emulation():
 @pytest.mark.parametrize(
     ("kwargs", "error", "words"),
     [
-        (dict(q_descale=2.0, dtype=torch.bfloat16), ValueError, "float8_e4m3fn inputs only"),
+        (dict(q_descale=2.0, dtype=torch.bfloat16), ValueError, "q_descale applies to float8_e4m3fn inputs only"),
+        (dict(q_descale=2.0, block_table=torch.zeros(2, 1, dtype=torch.int32), dtype=torch.bfloat16), ValueError,
+         "q_descale applies to float8_e4m3fn inputs only"),
+        (dict(v_new=torch.zeros(2, 2, 1, 32)), ValueError, "k_new and v_new come together"),
         (dict(v_descale=torch.ones(3, 3)), ValueError, "[B, H] = [2, 2]"),
         (dict(k_descale="2"), TypeError, "number or a float tensor"),
         (dict(q_descale=float("nan")), ValueError, "finite"),
@@ -187,19 +221,22 @@ from attnlab.backends.triton import cold_launch, configs, forward
 from attnlab.problem import make_problem
 
 F8 = torch.float8_e4m3fn
-q = torch.randn(1, 2, 256, 128).to(F8)
+D = int(sys.argv[1])
+q = torch.randn(1, 2, 256, D).to(F8)
 prob = make_problem(q, q.clone(), q.clone(), causal=True, v_descale=0.5)
-cfg = configs.candidates(prob.dtype, 128)[0]
+cfg = configs.candidates(prob.dtype, configs.padded_head_dim(D))[0]
 head, mid, tail, constants = forward._arguments(prob, cfg, False, True)
-args = forward._bind(head, mid, tail, torch.empty(1, 2, 256, 128, dtype=torch.bfloat16), torch.empty(1, 2, 256))
+args = forward._bind(head, mid, tail, torch.empty(1, 2, 256, D, dtype=torch.bfloat16), torch.empty(1, 2, 256))
 kw = dict(constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **configs.COMPILE_OPTIONS)
 compiled, _ = cold_launch.compile_only(forward._k.attn_fwd_kernel, args, kw, 0, target=GPUTarget("cuda", 90, 32))
 print(" ".join(sorted(set(re.findall(r"wgmma\\.mma_async\\S*", compiled.asm["ptx"])))))
 """
 
 
-def test_both_products_are_8_bit_wgmma_on_sm90():
-    """Compiled for sm_90 (no GPU needed): Q K^T and P V are e4m3 x e4m3 warpgroup MMAs, nothing 16-bit."""
+@pytest.mark.parametrize("D", [16, 128])
+def test_both_products_are_8_bit_wgmma_on_sm90(D):
+    """Compiled for sm_90 (no GPU needed): Q K^T and P V are e4m3 x e4m3 warpgroup MMAs, nothing 16-bit. D 16
+    compiles too: an 8-bit dot reduces over at least 32, so the kernel pads D to 32 for FP8."""
     from triton.runtime import jit
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
@@ -207,11 +244,12 @@ def test_both_products_are_8_bit_wgmma_on_sm90():
     if not hasattr(jit, "compute_cache_key"):  # triton 3.4
         pytest.skip(f"triton {triton.__version__}'s JIT has no compute_cache_key, which the offline compile uses")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    got = subprocess.run([sys.executable, "-c", _SM90], capture_output=True, text=True, env=env, timeout=600)
+    got = subprocess.run([sys.executable, "-c", _SM90, str(D)], capture_output=True, text=True, env=env, timeout=600)
     assert got.returncode == 0, got.stderr[-2000:]
     forms = got.stdout.split()
     assert forms and all(f.endswith(".f32.e4m3.e4m3") for f in forms), forms
-    assert any(".m64n128k32." in f for f in forms) and any(".m64n64k32." in f for f in forms), forms
+    if D == 128:  # Q K^T over BLOCK_N = 64 keys, P V over D = 128
+        assert any(".m64n128k32." in f for f in forms) and any(".m64n64k32." in f for f in forms), forms
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------------------

@@ -209,6 +209,11 @@ def resolve(name: str, prob: Problem, needs_grad: bool = False) -> Backend:
                 continue
             if b.availability().available and why_not(b, prob) is None:
                 return b
+        if kind == "fp8" and prob.device.type == "cuda":  # not the emulation, silently: its scores fill memory
+            tri = reg.get("triton")
+            why = "triton is not in this build" if tri is None else (tri.availability().reason or tri.unsupported(prob))
+            raise ValueError(f"no FP8 kernel runs this call on this GPU: {why}. backend='torch' emulates it in float32 "
+                             "(materializing the scores)")
         return reg["torch"]
     if name not in reg:
         raise ValueError(f"unknown backend {name!r}; choose one of {names()}")

@@ -28,6 +28,8 @@ def _arguments(prob: Problem, cfg: Config, interpret: bool, write_lse: bool) -> 
     q, k, v = prob.q, prob.k, prob.v
     D, Dv = prob.D, prob.Dv
     block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    if prob.descale is not None:  # an 8-bit tl.dot reduces over at least 32 (D's zero padding adds nothing)
+        block_d = max(block_d, 32)
     explicit = spec.explicit
     if explicit is not None and explicit.dtype == torch.bool:
         explicit = explicit.view(torch.uint8)  # the kernel reads a bool mask as bytes

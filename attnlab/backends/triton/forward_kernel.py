@@ -156,6 +156,14 @@ if triton is not None:
         ulp = tl.math.exp2(e - 3.0)  # three mantissa bits
         return ((p / ulp + 8388608.0) - 8388608.0) * ulp  # (adding 2^23 rounds to an integer, ties to even)
 
+    @triton.jit
+    def _e4m3_nan(x, FIX: tl.constexpr):
+        """``FIX``: the interpreter's widened e4m3 tile with its NaN codes (0x7f, 0xff) made NaN again (triton 3.9's
+        interpreter widens them to +-480, past e4m3's largest finite value, 448); the GPU's conversion keeps them."""
+        if FIX:
+            x = tl.where(tl.abs(x) > 448.0, float("nan"), x)
+        return x
+
     # ---- query-major: S = Q K^T [BLOCK_M, BLOCK_N], O += P V --------------------------------------------
 
     @triton.jit
@@ -173,7 +181,7 @@ if triton is not None:
         tile_m = offs_m[:, None]
         tile_n = offs_n[None, :]
         if QK_CHUNK == 0:
-            q = _load_q(q_tile, offs_m, offs_d, rows, Nq, D, s_qn, s_qd, UPCAST_DOT)
+            q = _e4m3_nan(_load_q(q_tile, offs_m, offs_d, rows, Nq, D, s_qn, s_qd, UPCAST_DOT), FP8 and UPCAST_DOT)
         m_i, l_i, acc = tiles.softmax_start(BLOCK_M, BLOCK_DV, 1)
         for phase in tl.static_range(0 if HAS_LEFT else 1, 3):  # phase 0 needs a band's left edge: else empty
             t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
@@ -184,10 +192,11 @@ if triton is not None:
                 v_ptrs = v_base + n0.to(tl.int64) * s_vn + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd
                 # partial tiles (phase != 1) read no key past Lk; full tiles load without a predicate
                 v = tiles.load_tile(v_ptrs, keys, offs_dv, Lk, Dv, 0, phase != 1, EVEN_DV, UPCAST_DOT)
+                v = _e4m3_nan(v, FP8 and UPCAST_DOT)
                 # s = scale * log2(e) * q k^T (+ log2(e) * bias), in base 2
                 if QK_CHUNK == 0:
                     k = tiles.load_tile(k_ptrs, keys, offs_d, Lk, D, 0, phase != 1, EVEN_D, UPCAST_DOT)
-                    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                    s = tl.dot(q, _e4m3_nan(tl.trans(k), FP8 and UPCAST_DOT), input_precision=DOT_PRECISION)
                 else:
                     # D in chunks of QK_CHUNK columns, Q's re-read from L1 each tile: the FMA lowering of a
                     # float32 dot keeps a thread's operand rows for the whole reduction in registers, so a
