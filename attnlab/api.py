@@ -100,8 +100,8 @@ def attention(
 
     FP8 (:mod:`attnlab.fp8`): float8_e4m3fn q, k and v, whose real values are their stored values times
     ``q_descale``, ``k_descale``, ``v_descale`` (None for 1, a number, a one-element tensor, or float32 [B, H] per
-    head: q's heads for q, the kv heads for k and v). The output is bfloat16; a forward only (no gradient, no paged
-    cache or append); the kernel is ``triton`` on compute capability 8.9+.
+    head: the kv heads for k and v, q's heads or the kv heads for q). The output is bfloat16; a forward only (no
+    gradient, no paged cache or append); the kernel is ``triton`` on compute capability 8.9+.
 
     KV append (:mod:`attnlab.kv_append`): with ``k_new`` and ``v_new`` ([B, Hkv, Nnew, D] in the call's layout) and
     ``kv_len`` (required: the lengths before the append, not modified), k and v are caches (dense, or paged
