@@ -99,7 +99,7 @@ def attention(
     get a gradient.
 
     FP8 (:mod:`attnlab.fp8`): float8_e4m3fn q, k and v, whose real values are their stored values times
-    ``q_descale``, ``k_descale``, ``v_descale`` (None for 1, a number, a one-element tensor, or float32 [B, H] per
+    ``q_descale``, ``k_descale``, ``v_descale`` (None for 1, a number, a one-element tensor, or a float [B, H] per
     head: the kv heads for k and v, q's heads or the kv heads for q). The output is bfloat16; a forward only (no
     gradient, no paged cache or append); the kernel is ``triton`` on compute capability 8.9+.
 

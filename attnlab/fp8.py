@@ -39,7 +39,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_descal
     if block_table is not None or k_new is not None:
         raise ValueError("the FP8 forward takes dense k and v: no block_table, k_new or v_new (an FP8 call is a "
                          "prefill forward; decode from a bfloat16 or float16 cache)")
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in
                                        (q, k, v, mask, sinks, q_descale, k_descale, v_descale)):
         raise ValueError("the FP8 forward has no backward, and an input requires grad: its output would silently "
                          "carry no gradient. Call it under torch.no_grad() or on detached inputs, or train in "
@@ -58,11 +58,15 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_descal
 
 def _as_tensor(name: str, d: Any, q: torch.Tensor) -> torch.Tensor | None:
     """A descale as the op takes it: None or a tensor (a number becomes a float32 scalar on q's device)."""
-    if isinstance(d, numbers.Real) and not isinstance(d, bool):
-        if not math.isfinite(d):
-            raise ValueError(f"{name} must be finite; got {d}")
-        return torch.full((), float(d), dtype=torch.float32, device=q.device)
-    return d
+    if isinstance(d, torch.Tensor) or d is None:
+        return d
+    # (traced, a number that changed between compiled calls is symbolic: not read here, only filled in)
+    traced = torch.compiler.is_compiling()
+    if isinstance(d, bool) or not (traced or isinstance(d, numbers.Real)):
+        raise TypeError(f"{name} must be a number or a float tensor (one element, or [B, H] per head); got {d!r}")
+    if not traced and not math.isfinite(d):
+        raise ValueError(f"{name} must be finite; got {d}")
+    return torch.full((), d, dtype=torch.float32, device=q.device)
 
 
 def _fp8_body(q, k, v, q_descale, k_descale, v_descale, kv_len, q_len, mask, alibi_slopes, sinks, opts: Options,

@@ -257,13 +257,14 @@ def _descale(name: str, d: Any, B: int, H: int, device: torch.device) -> torch.T
         return torch.full((B, H), float(d), dtype=torch.float32, device=device)
     if not isinstance(d, torch.Tensor) or not d.dtype.is_floating_point or d.dtype == FP8:
         raise TypeError(f"{name} must be a number or a float tensor (one element, or [B, H] per head); got {d!r}")
-    if d.numel() == 1:  # a host scalar is read on the host and filled in on q's device: no copy, no sync
-        value = float(d) if d.device.type == "cpu" and device.type != "cpu" else None
-        if value is not None:
-            return torch.full((B, H), value, dtype=torch.float32, device=device)
-        return d.reshape(1, 1).float().expand(B, H)
+    if d.numel() == 1 and d.device.type == "cpu" and device.type != "cpu":
+        # a host scalar is read on the host and filled in on q's device: no copy, no sync (a CUDA graph keeps the
+        # value it was captured with)
+        return torch.full((B, H), float(d), dtype=torch.float32, device=device)
     if d.device != device:
         raise ValueError(f"{name} is on {d.device} but q is on {device}")
+    if d.numel() == 1:
+        return d.reshape(1, 1).float().expand(B, H)
     if tuple(d.shape) != (B, H):
         raise ValueError(f"{name} must have one element (per tensor) or shape [B, H] = [{B}, {H}] (per head); got "
                          f"{list(d.shape)}")

@@ -40,8 +40,14 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
     if prob.device.type != "cuda":
         raise ValueError(f"attnlab.tune tunes GPU launches; got tensors on {prob.device} (the CPU interpreter runs "
                          "one fixed config)")
-    if prob.descale is not None and backward:  # (FP8: the forward alone)
-        raise ValueError("the FP8 forward has no backward to tune; call tune() without backward=True")
+    if prob.descale is not None:  # (FP8: the forward alone, where the GPU has an 8-bit MMA)
+        if backward:
+            raise ValueError("the FP8 forward has no backward to tune; call tune() without backward=True")
+        from attnlab.backends.triton.backend import TritonBackend
+
+        why = TritonBackend().unsupported(prob)
+        if why is not None:
+            raise ValueError(f"attnlab.tune cannot tune this FP8 call: {why}")
     if backward is None:
         backward = prob.descale is None and any(t.requires_grad for t in (q, k, v))
     from attnlab import fast_calls as calls

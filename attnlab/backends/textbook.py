@@ -33,10 +33,15 @@ class TextbookBackend(Backend):
         sinks = prob.mods.sinks
         if sinks is not None:  # the sink as one more key of value 0: a column of logits, dropped after the softmax
             s = torch.cat([s, sinks.to(s.dtype).view(1, Hq, 1, 1).expand(B, Hq, Nq, 1)], dim=-1)
-        if fp8:  # exp(s - row max) rounded to e4m3 (as an FP8 kernel's P V takes it), over the unrounded sum
-            m = s.amax(dim=-1, keepdim=True)
-            e = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0))  # an empty row: every e is 0
+        if fp8:  # exp(s - the keys' max) rounded to e4m3 (as an FP8 kernel's P V takes it), over the unrounded sum;
+            # the sink joins the sum only, as the kernel merges it after its key tiles
+            keys = s[..., :Nk]
+            m = keys.amax(dim=-1, keepdim=True)
+            m = m.masked_fill(m == float("-inf"), 0.0)  # an empty row: every e is 0
+            e = torch.exp(keys - m)
             l = e.sum(dim=-1, keepdim=True)
+            if sinks is not None:
+                l = l + torch.exp(s[..., Nk:] - m)
             p = e.to(FP8).to(prob.dtype) / l.masked_fill(l == 0, 1.0)
         else:
             p = torch.softmax(s, dim=-1)
