@@ -14,15 +14,13 @@ so are paged caches and KV appends. A call runs the custom op ``attnlab::attenti
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import torch
 
 from attnlab import backends as _backends
 from attnlab.options import Options, define_op, lengths_arg, plain_eager
-from attnlab.problem import FP8, descales, make_problem
+from attnlab.problem import FP8, descale_number, descales, make_problem
 
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_descale: Any, k_descale: Any,
@@ -58,14 +56,11 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_descal
 
 def _as_tensor(name: str, d: Any, q: torch.Tensor) -> torch.Tensor | None:
     """A descale as the op takes it: None or a tensor (a number becomes a float32 scalar on q's device)."""
-    if isinstance(d, torch.Tensor) or d is None:
-        return d
+    if d is None or isinstance(d, torch.Tensor):
+        return d  # (make_problem checks a tensor in the op)
+    if not torch.compiler.is_compiling():
+        descale_number(name, d)  # (a number or an error)
     # (traced, a number that changed between compiled calls is symbolic: not read here, only filled in)
-    traced = torch.compiler.is_compiling()
-    if isinstance(d, bool) or not (traced or isinstance(d, numbers.Real)):
-        raise TypeError(f"{name} must be a number or a float tensor (one element, or [B, H] per head); got {d!r}")
-    if not traced and not math.isfinite(d):
-        raise ValueError(f"{name} must be finite; got {d}")
     return torch.full((), d, dtype=torch.float32, device=q.device)
 
 

@@ -247,16 +247,24 @@ def _per_kv_head(d: Any, B: int, Hkv: int) -> bool:
     return isinstance(d, torch.Tensor) and tuple(d.shape) == (B, Hkv)
 
 
+def descale_number(name: str, d: Any) -> bool:
+    """Whether descale ``d`` is a number (then finite, else ValueError); a float tensor gives False, anything else
+    a TypeError."""
+    if isinstance(d, numbers.Real) and not isinstance(d, bool):
+        if not math.isfinite(d):
+            raise ValueError(f"{name} must be finite; got {d}")
+        return True
+    if not isinstance(d, torch.Tensor) or not d.dtype.is_floating_point or d.dtype == FP8:
+        raise TypeError(f"{name} must be a number or a float tensor (one element, or [B, H] per head); got {d!r}")
+    return False
+
+
 def _descale(name: str, d: Any, B: int, H: int, device: torch.device) -> torch.Tensor:
     """One descale as float32 ``[B, H]`` on ``device``."""
     if d is None:
         d = 1.0
-    if isinstance(d, numbers.Real) and not isinstance(d, bool):
-        if not math.isfinite(d):
-            raise ValueError(f"{name} must be finite; got {d}")
+    if descale_number(name, d):
         return torch.full((B, H), float(d), dtype=torch.float32, device=device)
-    if not isinstance(d, torch.Tensor) or not d.dtype.is_floating_point or d.dtype == FP8:
-        raise TypeError(f"{name} must be a number or a float tensor (one element, or [B, H] per head); got {d!r}")
     if d.numel() == 1 and d.device.type == "cpu" and device.type != "cpu":
         # a host scalar is read on the host and filled in on q's device: no copy, no sync (a CUDA graph keeps the
         # value it was captured with)

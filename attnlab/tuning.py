@@ -43,9 +43,9 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool | 
     if prob.descale is not None:  # (FP8: the forward alone, where the GPU has an 8-bit MMA)
         if backward:
             raise ValueError("the FP8 forward has no backward to tune; call tune() without backward=True")
-        from attnlab.backends.triton.backend import TritonBackend
+        from attnlab import backends
 
-        why = TritonBackend().unsupported(prob)
+        why = backends.why_not(backends.registry()["triton"], prob)
         if why is not None:
             raise ValueError(f"attnlab.tune cannot tune this FP8 call: {why}")
     if backward is None:
