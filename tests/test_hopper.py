@@ -197,6 +197,7 @@ def test_compiles_for_sm90_with_the_installed_triton(D, band):
     out, lse = torch.empty_like(q), torch.empty(1, 4, 300)
     _, args, kw = hopper._launch_args(q, k, v, out, lse, 0.1, band.get("left"), band.get("right"), True)
     assert kw["enable_fp_fusion"] is True  # stated, not left to triton's default (which triton 3.10 turns off)
+    assert kw["PERSISTENT"] == (not band)  # programs loop over work items only without a band
     compiled = compile_only(hopper._kernel_module().attn_fwd_hopper, args, kw, 0, target=GPUTarget("cuda", 90, 32))[0]
     assert compiled.metadata.num_warps == 12  # two consumer warpgroups and the loader's
     assert compiled.metadata.shared <= 227 * 1024
@@ -224,6 +225,17 @@ def _ptxas_spills(ptx: str) -> int:
     found = re.findall(r"(\d+) bytes spill stores", res.stderr + res.stdout)
     assert found, res.stderr[-2000:]
     return sum(int(x) for x in found)
+
+
+def test_programs_loop_over_work_items_only_without_a_band(monkeypatch):
+    """Without a band every item costs the same: at most one program per SM loops over them; under a band (or with
+    PERSISTENT off) one program per item, which the hardware balances. Items: row tiles of 128 x B x Hq."""
+    q = torch.empty(3, 5, 300, 64)
+    assert hopper._items(q) == 3 * 3 * 5
+    assert hopper._persistent(band=False) and not hopper._persistent(band=True)
+    assert hopper._grid(q, False) == (45, 1, 1)
+    monkeypatch.setattr(hopper, "PERSISTENT", False)
+    assert not hopper._persistent(band=False)
 
 
 # ---- on an sm_90 GPU ------------------------------------------------------------------------------------------
@@ -264,6 +276,34 @@ def test_the_public_call_runs_the_hopper_kernel_and_meets_the_contract(case):
     live = torch.isfinite(ref_lse)
     assert (lse[live] - ref_lse[live]).abs().max().item() < 1e-4
     assert not torch.isnan(out).any()
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_persistent_programs_give_one_program_per_items_output(D, monkeypatch):
+    """More work items than SMs (B8 Hq16 N1000: 1024 items), GQA, Nq != Nk, no band: each persistent program runs
+    several items, and the output and lse equal, bit for bit, those of one program per item (the same sums in
+    the same order), which pass the checker."""
+    from attnlab import fast_calls
+
+    q, k, v = _qkv(B=8, Hq=16, Hkv=4, Nq=1000, Nk=1100, D=D, device="cuda", seed=11)
+    assert hopper._grid(q, True)[0] < hopper._items(q)
+    prev, got = hopper.set_mode("sync"), {}
+    try:
+        for persistent in (True, False):
+            monkeypatch.setattr(hopper, "PERSISTENT", persistent)
+            fast_calls.clear()
+            before = hopper.launches
+            got[persistent] = attnlab.attention(q, k, v, backend="triton", return_lse=True)
+            assert hopper.launches == before + 1
+    finally:
+        hopper.set_mode(prev)
+    (out, lse), (out1, lse1) = got[True], got[False]
+    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+    ref, ref_lse = attnlab.reference(q[:2], k[:2], v[:2])
+    assert compare(out[:2], ref).passed, compare(out[:2], ref)
+    assert (lse[:2] - ref_lse).abs().max().item() < 1e-4
 
 
 @pytest.mark.gpu

@@ -30,12 +30,15 @@ from attnlab.problem import Problem
 
 BLOCK_M = 64  #: rows per consumer warpgroup; a program owns two such halves
 BLOCK_N = 128  #: keys per tile (a consumer's 64 x 128 float32 scores: 64 registers per thread)
-STAGES = 2  #: K/V slots in the ring (2 x 2 x 128 x 128 x 2 bytes + the Q tile: 160 KiB at D 128)
+STAGES = 2  #: K/V slots in the ring (2 x 2 x 128 x 128 x 2 bytes, the Q and O halves: 192 KiB at D 128)
 CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader's warpgroup keeps 24)
 MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
 HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 MODES = ("0", "1", "sync")
+#: Whether a launch without a band runs at most one program per SM, each looping over work items
+#: (ATTNLAB_HOPPER_PERSISTENT=0: one program per item, as under a band). See hopper_kernel's docstring.
+PERSISTENT: bool = os.environ.get("ATTNLAB_HOPPER_PERSISTENT", "1") != "0"
 
 _SPELLINGS = {"0": "0", "false": "0", "off": "0", "no": "0", "1": "1", "true": "1", "on": "1", "yes": "1", "": "1",
               "sync": "sync"}
@@ -115,8 +118,8 @@ def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
         return "no lengths or packed sequences"
     if spec.mask is not None or spec.bias is not None or prob.mods.any:
         return "no explicit mask, bias or score modifier"
-    if prob.B * prob.Hq > 65535:
-        return "B * Hq must be at most 65535 (the grid's second axis)"
+    if _items(q) >= 2**31:
+        return "at most 2**31 - 1 work items (row tiles of 128 x B x Hq)"
     if not all(_tma_ready(t) for t in (q, prob.k, prob.v, out)):
         return "TMA needs the last dim contiguous and 16-byte aligned strides and bases"
     if isinstance(_kernel_module(), str):
@@ -136,25 +139,41 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, t.dtype))
 
 
-def _grid(q: torch.Tensor) -> tuple[int, int, int]:
-    """One program per 2 * BLOCK_M query rows of each (batch, query head)."""
+def _items(q: torch.Tensor) -> int:
+    """Work items of a launch on [B, H, N, D] views: row tiles of 2 * BLOCK_M x B x Hq."""
     B, Hq, Nq, _ = q.shape
-    return (-(-Nq // (2 * BLOCK_M)), B * Hq, 1)
+    return -(-Nq // (2 * BLOCK_M)) * B * Hq
+
+
+def _persistent(band: bool) -> bool:
+    """Whether a launch loops over work items in at most one program per SM: without a band (items of equal
+    cost), unless :data:`PERSISTENT` is off. Under a band one program per item lets the hardware balance them."""
+    return PERSISTENT and not band
+
+
+def _grid(q: torch.Tensor, persistent: bool) -> tuple[int, int, int]:
+    items = _items(q)
+    if not persistent or not q.is_cuda:  # (CPU tensors: a compile's stand-ins; the grid is not used)
+        return (items, 1, 1)
+    return (min(items, _rt.sm_count(q.device.index)), 1, 1)
 
 
 def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: int | None,
                  bottom_right: bool) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, keywords) of one launch on [B, H, N, D] views."""
-    Hq, Nq, D = q.shape[1:]
+    B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     args = (_descriptor(q, [1, 1, BLOCK_M, D]), _descriptor(k, [1, 1, BLOCK_N, D]),
             _descriptor(v, [1, 1, BLOCK_N, D]), _descriptor(out, [1, 1, BLOCK_M, D]),
             lse if lse is not None else out, *(lse.stride() if lse is not None else (0, 0, 0)),
-            Nq, Nk, Hq, Hq // k.shape[1], qk_scale, left if left is not None else 0, right if right is not None else 0)
+            Nq, Nk, B, Hq, Hq // k.shape[1], qk_scale, left if left is not None else 0,
+            right if right is not None else 0)
+    persistent = _persistent(left is not None or right is not None)
     kw = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES, HAS_LEFT=left is not None,
               HAS_RIGHT=right is not None, BOTTOM_RIGHT=bottom_right, WRITE_LSE=lse is not None,
-              CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
-    return _grid(q), args, kw
+              CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent, num_warps=4, maxnreg=MAX_REGS,
+              **configs.COMPILE_OPTIONS)
+    return _grid(q, persistent), args, kw
 
 
 def _problem_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> tuple[tuple, tuple, dict]:
@@ -210,20 +229,22 @@ def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, ri
         if _rt.fast_launch_supported(compiled):
             _kernels[key] = compiled
         return
-    Hq, Nq, D = q.shape[1:]
+    B, Hq, Nq, D = q.shape
     write_lse = lse is not None
+    persistent = _persistent(left is not None or right is not None)
     values = (_Desc(q), _Desc(k), _Desc(v), _Desc(out), lse if write_lse else out,
-              *(lse.stride() if write_lse else (0, 0, 0)), Nq, k.shape[2], Hq, Hq // k.shape[1], qk_scale,
-              0 if left is None else left, 0 if right is None else right,
-              BLOCK_M, BLOCK_N, D, STAGES, left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS)
-    _rt.run_compiled(compiled, _grid(q), _rt.stream_of(q.device.index), values)
+              *(lse.stride() if write_lse else (0, 0, 0)), Nq, k.shape[2], B, Hq, Hq // k.shape[1], qk_scale,
+              0 if left is None else left, 0 if right is None else right, BLOCK_M, BLOCK_N, D, STAGES,
+              left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS, persistent)
+    _rt.run_compiled(compiled, _grid(q, persistent), _rt.stream_of(q.device.index), values)
 
 
 def _variant(prob: Problem, lse: torch.Tensor | None) -> tuple:
     """What a compiled kernel is specialized on, beyond what every taken call shares (16-byte alignment)."""
     spec = prob.spec
+    band = spec.left is not None or spec.right is not None
     return (prob.q.device.index, prob.dtype, prob.D, spec.left is not None, spec.right is not None,
-            spec.align == "bottom_right", lse is not None)
+            spec.align == "bottom_right", lse is not None, _persistent(band))
 
 
 launches = 0  #: Hopper launches by the whole way so far (tests read it; fast calls do not count)
@@ -305,8 +326,10 @@ def fast_call(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
     bnhd = prob.layout == "bnhd"
     empty_like, contiguous = torch.empty_like, torch.contiguous_format
 
+    band = left is not None or right is not None
+
     def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
-        if _mode == "0" or not _compiled(key):
+        if _mode == "0" or not _compiled(key) or _persistent(band) != key[-1]:  # (PERSISTENT switched since)
             return None
         o = empty_like(q, memory_format=contiguous)  # in the caller's layout, as the whole way allocates it
         m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None

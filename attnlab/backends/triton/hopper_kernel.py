@@ -2,17 +2,24 @@
 
 Tiling and warp mapping
 -----------------------
-One program owns ``2 * BLOCK_M`` query rows (BLOCK_M = 64) of one (batch b, query head h); the grid is
-``(ceil(Nq / (2 * BLOCK_M)), B * Hq)``, row tiles last-first so that under a causal band the longest start
-first. Query head h reads kv head ``h // group``. The program's warps split into three partitions:
+A work item is ``2 * BLOCK_M`` query rows (BLOCK_M = 64) of one (batch b, query head h); query head h reads kv
+head ``h // group``. Items are numbered head by head, each head's row tiles last-first: item t is row tile
+``n_m - 1 - t % n_m`` of head ``t // n_m`` (n_m row tiles per head). Program p of P runs items p, p + P, ...:
+the host launches one program per item under a band (the hardware then hands the longest first and balances
+the rest) and at most one per SM without one (every item costs the same; a program's next item reuses its
+shared memory and overlaps its loads with the last one's epilogue). Either way the items running at once are
+a few heads' row tiles, whose K and V stay in L2. The program's warps split into three partitions:
 
-- a **loader** (one warp) that issues TMA copies: the two halves of the Q tile once, then K and V tiles of
-  ``BLOCK_N`` keys into a ring of ``STAGES`` shared-memory slots, each slot guarded by a *ready* barrier (the
-  copy's bytes landed) and an *empty* barrier (both consumers are done with it);
+- a **loader** (one warp) that issues TMA copies: for each item, the two halves of the Q tile as their slots
+  free up, then K and V tiles of ``BLOCK_N`` keys into a ring of ``STAGES`` shared-memory slots that runs on
+  across items, each slot guarded by a *ready* barrier (the copy's bytes landed) and an *empty* barrier (both
+  consumers are done with it);
 - two **consumers** (a warpgroup of four warps each, rows ``[0, BLOCK_M)`` and ``[BLOCK_M, 2 * BLOCK_M)`` of the
   tile) that run ``S = Q K^T`` and ``acc += P V`` as warpgroup MMAs (``wgmma``) straight from the shared slots
   and keep the online softmax in the accumulator's registers. The two consumers run free of each other, so
-  one's softmax overlaps the other's matrix products on the tensor cores.
+  one's softmax overlaps the other's matrix products on the tensor cores. After an item's last ``Q K^T`` a
+  consumer releases its Q half (the loader brings the next item's while the last ``P V`` and the epilogue run)
+  and stages its output in a shared slot of its own for one TMA store.
 
 Inside a consumer the products are pipelined by one tile: for key tile j it issues ``S_j = Q K_j^T`` and then
 ``acc += P_{j-1} V_{j-1}``, waits for the first only, and computes the softmax of ``S_j`` while the second runs.
@@ -91,128 +98,16 @@ def _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_lef
 
 
 @gluon.jit
-def _consumer(HALF: gl.constexpr, descs, bufs, bars, Lse, where, bounds, qk_scale,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr):
-    """Rows ``[m0 + HALF * BLOCK_M, + BLOCK_M)``: the pipelined loop over the key tiles and the epilogue."""
-    q_desc, o_desc = descs[0], descs[3]
-    q_bufs, k_bufs, v_bufs = bufs
-    q_bar, k_ready, k_empty, v_ready, v_empty = bars
-    b, h, m0, s_lb, s_lh, s_ln = where[0], where[1], where[3], where[4], where[5], where[6]
-    Nq, Nk, off, win_left, win_right, t_lo, t_hi = bounds
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    dtype: gl.constexpr = q_desc.dtype
-
-    i0 = m0 + HALF * BLOCK_M
-    rows = i0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    f_lo, f_hi = _full_tiles(i0, Nq, Nk, off, win_left, win_right, t_lo, t_hi, BLOCK_M, BLOCK_N, HAS_LEFT,
-                             HAS_RIGHT)
-    q_tile = q_bufs.index(HALF).reshape([BLOCK_M, HEAD_D])
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
-
-    mbarrier.wait(q_bar, 0)
-    if t_hi > t_lo:
-        # ---- the first tile: S_0 and its softmax (acc is still zero) ----
-        mbarrier.wait(k_ready.index(0), 0)
-        k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
-        S = warpgroup_mma(q_tile, k_t, zero_s, use_acc=False, is_async=True)
-        S = warpgroup_mma_wait(0, deps=(S, ))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, alpha = _softmax_update(S, t_lo, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_left,
-                                             win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        # ---- tile j: issue S_j, then P_{j-1} V_{j-1}; the softmax of S_j runs while the second is on the tensor cores
-        for j in range(t_lo + 1, t_hi):
-            it = j - t_lo
-            slot = it % STAGES
-            prev = (it - 1) % STAGES
-            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-            k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
-            S = warpgroup_mma(q_tile, k_t, zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
-            S = warpgroup_mma_wait(1, deps=(S, ))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            p, m_i, l_i, alpha = _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_left,
-                                                 win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-        # ---- the last tile's P V ----
-        it = t_hi - 1 - t_lo
-        last = it % STAGES
-        mbarrier.wait(v_ready.index(last), (it // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index(last), count=1)
-
-    # ---- epilogue: normalize, stage through the (now free) Q slot, one TMA store; lse ----
-    live = l_i != 0.0
-    l_div = gl.where(live, l_i, 1.0)
-    scale_o = gl.convert_layout(gl.where(live, 1.0 / l_div, 0.0), gl.SliceLayout(1, o_layout))
-    out = acc * gl.expand_dims(scale_o, 1)
-    q_tile.store(out.to(dtype))
-    fence_async_shared()
-    _tma_store(o_desc, [b, h, i0, 0], q_bufs.index(HALF))
-    if WRITE_LSE:
-        lse = gl.where(live, (m_i + gl.log2(l_div)) * 0.6931471805599453, float("-inf"))
-        l_ptrs = Lse + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + rows.to(gl.int64) * s_ln
-        gl.store(l_ptrs, lse, mask=rows < Nq)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _loader(HALF: gl.constexpr, descs, bufs, bars, Lse, where, bounds, qk_scale,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr):
-    """The TMA partition: both Q halves once, then K_j and V_j into the ring as slots free up."""
-    q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
-    q_bufs, k_bufs, v_bufs = bufs
-    q_bar, k_ready, k_empty, v_ready, v_empty = bars
-    b, h, kvh, m0 = where[0], where[1], where[2], where[3]
-    t_lo, t_hi = bounds[5], bounds[6]
-
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [b, h, m0, 0], q_bar, q_bufs.index(0))
-    _tma_load(q_desc, [b, h, m0 + BLOCK_M, 0], q_bar, q_bufs.index(1))
-    for j in range(t_lo, t_hi):
-        it = j - t_lo
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        mbarrier.wait(k_empty.index(slot), phase ^ 1)  # a fresh barrier reads as phase 1 done
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot))
-
-
-@gluon.jit(do_not_specialize=["Lse", "s_lb", "s_lh", "s_ln", "Nq", "Nk", "Hq", "group", "win_left", "win_right"])
-def attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, Lse, s_lb, s_lh, s_ln, Nq, Nk, Hq, group, qk_scale,
-                    win_left, win_right,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-                    WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    bh = gl.program_id(1)
+def _tile(t, Hq, group, Nq, Nk, off, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Work item t: (b, h, kv head, first row m0, key tiles [t_lo, t_hi) that some of its 2 * BLOCK_M rows may
+    see). Head by head, each head's row tiles last-first (under a causal band the longest first)."""
+    n_m = (Nq + 2 * BLOCK_M - 1) // (2 * BLOCK_M)
+    pid_m = n_m - 1 - t % n_m
+    bh = t // n_m
     b = bh // Hq
     h = bh % Hq
-    kvh = h // group
     m0 = pid_m * (2 * BLOCK_M)
-    if BOTTOM_RIGHT:
-        off = Nk - Nq
-    else:
-        off = Nk * 0
-    # ---- the key tiles [t_lo, t_hi) that some row of the program's 2 * BLOCK_M rows may see ----
     i_last = gl.minimum(m0 + 2 * BLOCK_M, Nq) - 1
     lo = m0 * 0
     hi = Nk + m0 * 0
@@ -222,17 +117,191 @@ def attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, Lse, s_lb, s_lh, s_ln, Nq, N
         hi = gl.minimum(hi, i_last + off + win_right + 1)
     t_lo = lo // BLOCK_N
     t_hi = gl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
+    return b, h, h // group, m0, t_lo, t_hi
 
-    # ---- shared memory: both Q halves, the K and V rings, their barriers ----
+
+@gluon.jit
+def _consumer_item(t, it0, n_done, HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr):
+    """Rows ``[m0 + HALF * BLOCK_M, + BLOCK_M)`` of work item ``t``: the pipelined loop over its key tiles and the
+    epilogue. ``it0``: the K/V ring's position, which runs on across items; ``n_done``: items done before this
+    one. Returns both, advanced past this item."""
+    q_desc, o_desc = descs[0], descs[3]
+    q_bufs, k_bufs, v_bufs, o_bufs = bufs
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    Hq, group, _, s_lb, s_lh, s_ln = sizes
+    Nq, Nk, off, win_left, win_right = bounds
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_desc.dtype
+    q_tile = q_bufs.index(HALF).reshape([BLOCK_M, HEAD_D])
+    o_tile = o_bufs.index(HALF).reshape([BLOCK_M, HEAD_D])
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    b, h, _, m0, t_lo, t_hi = _tile(t, Hq, group, Nq, Nk, off, win_left, win_right, BLOCK_M, BLOCK_N,
+                                    HAS_LEFT, HAS_RIGHT)
+    i0 = m0 + HALF * BLOCK_M
+    rows = i0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    f_lo, f_hi = _full_tiles(i0, Nq, Nk, off, win_left, win_right, t_lo, t_hi, BLOCK_M, BLOCK_N, HAS_LEFT,
+                             HAS_RIGHT)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+
+    mbarrier.wait(q_ready.index(HALF), n_done & 1)
+    if t_hi > t_lo:
+        # ---- the first key tile: S_0 and its softmax (acc is still zero) ----
+        slot = it0 % STAGES
+        mbarrier.wait(k_ready.index(slot), (it0 // STAGES) & 1)
+        k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
+        S = warpgroup_mma(q_tile, k_t, zero_s, use_acc=False, is_async=True)
+        S = warpgroup_mma_wait(0, deps=(S, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, m_i, l_i, alpha = _softmax_update(S, t_lo, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_left,
+                                             win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # ---- key tile j: issue S_j, then P_{j-1} V_{j-1}; the softmax of S_j runs while P V is on the tensor
+        # cores (wgmma groups retire in issue order, so waiting for all but one returns once S_j is done) ----
+        for j in range(t_lo + 1, t_hi):
+            it = it0 + j - t_lo
+            slot = it % STAGES
+            prev = (it - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+            k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
+            S = warpgroup_mma(q_tile, k_t, zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+            S = warpgroup_mma_wait(1, deps=(S, ))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p, m_i, l_i, alpha = _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off,
+                                                 win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # ---- Q is read for the last time: the loader may bring the next item's; the last P V ----
+        mbarrier.arrive(q_empty.index(HALF), count=1)
+        it = it0 + t_hi - 1 - t_lo
+        last = it % STAGES
+        mbarrier.wait(v_ready.index(last), (it // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(last), count=1)
+    else:
+        mbarrier.arrive(q_empty.index(HALF), count=1)
+
+    # ---- epilogue: normalize, stage through this half's O slot (its last store done), one TMA store; lse ----
+    live = l_i != 0.0
+    l_div = gl.where(live, l_i, 1.0)
+    scale_o = gl.convert_layout(gl.where(live, 1.0 / l_div, 0.0), gl.SliceLayout(1, o_layout))
+    out = acc * gl.expand_dims(scale_o, 1)
+    tma.store_wait(0)
+    o_tile.store(out.to(dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [b, h, i0, 0], o_bufs.index(HALF))
+    if WRITE_LSE:
+        lse = gl.where(live, (m_i + gl.log2(l_div)) * 0.6931471805599453, float("-inf"))
+        l_ptrs = Lse + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + rows.to(gl.int64) * s_ln
+        gl.store(l_ptrs, lse, mask=rows < Nq)
+    return it0 + t_hi - t_lo, n_done + 1
+
+
+@gluon.jit
+def _consumer(HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr, PERSISTENT: gl.constexpr):
+    """A consumer's half of each of the program's work items (one item unless PERSISTENT)."""
+    it0 = gl.program_id(0) * 0
+    n_done = it0
+    if PERSISTENT:
+        for t in range(gl.program_id(0), sizes[2], gl.num_programs(0)):
+            it0, n_done = _consumer_item(t, it0, n_done, HALF, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
+                                         BLOCK_M, BLOCK_N, HEAD_D, STAGES, HAS_LEFT, HAS_RIGHT, WRITE_LSE)
+    else:
+        _consumer_item(gl.program_id(0), it0, n_done, HALF, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
+                       BLOCK_M, BLOCK_N, HEAD_D, STAGES, HAS_LEFT, HAS_RIGHT, WRITE_LSE)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _loader_item(t, it, n_done, descs, bufs, bars, sizes, bounds, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Work item ``t``'s loads: both Q halves as their slots free up, then K_j and V_j into the ring as its slots
+    free up. Returns the ring's position and the items done, advanced past this item."""
+    q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
+    q_bufs, k_bufs, v_bufs = bufs[0], bufs[1], bufs[2]
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    Hq, group = sizes[0], sizes[1]
+    Nq, Nk, off, win_left, win_right = bounds
+    b, h, kvh, m0, t_lo, t_hi = _tile(t, Hq, group, Nq, Nk, off, win_left, win_right, BLOCK_M, BLOCK_N,
+                                      HAS_LEFT, HAS_RIGHT)
+    for half in gl.static_range(2):  # a fresh barrier reads as phase 1 done: the first wait passes
+        mbarrier.wait(q_empty.index(half), (n_done & 1) ^ 1)
+        mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m0 + half * BLOCK_M, 0], q_ready.index(half), q_bufs.index(half))
+    for j in range(t_lo, t_hi):
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot))
+        it += 1
+    return it, n_done + 1
+
+
+@gluon.jit
+def _loader(HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The TMA partition: each of the program's work items in turn (one unless PERSISTENT)."""
+    it = gl.program_id(0) * 0
+    n_done = it
+    if PERSISTENT:
+        for t in range(gl.program_id(0), sizes[2], gl.num_programs(0)):
+            it, n_done = _loader_item(t, it, n_done, descs, bufs, bars, sizes, bounds, BLOCK_M, BLOCK_N, STAGES,
+                                      HAS_LEFT, HAS_RIGHT)
+    else:
+        _loader_item(gl.program_id(0), it, n_done, descs, bufs, bars, sizes, bounds, BLOCK_M, BLOCK_N, STAGES,
+                     HAS_LEFT, HAS_RIGHT)
+
+
+@gluon.jit(do_not_specialize=["Lse", "s_lb", "s_lh", "s_ln", "Nq", "Nk", "B", "Hq", "group", "win_left",
+                              "win_right"])
+def attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, Lse, s_lb, s_lh, s_ln, Nq, Nk, B, Hq, group, qk_scale,
+                    win_left, win_right,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+                    WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Program p of P runs work item p (PERSISTENT: items p, p + P, p + 2P, ...) of the
+    ``ceil(Nq / (2 * BLOCK_M)) * B * Hq`` items (the module docstring: P is the host's choice)."""
+    if BOTTOM_RIGHT:
+        off = Nk - Nq
+    else:
+        off = Nk * 0
+    n_items = (Nq + 2 * BLOCK_M - 1) // (2 * BLOCK_M) * (B * Hq)
+
+    # ---- shared memory: the Q halves, the K and V rings, the O halves; their barriers ----
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
+    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, BLOCK_M, HEAD_D], o_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -240,15 +309,15 @@ def attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, Lse, s_lb, s_lh, s_ln, Nq, N
         mbarrier.init(v_empty.index(i), count=2)
 
     descs = (q_desc, k_desc, v_desc, o_desc)
-    bufs = (q_bufs, k_bufs, v_bufs)
-    bars = (q_bar, k_ready, k_empty, v_ready, v_empty)
-    where = (b, h, kvh, m0, s_lb, s_lh, s_ln)
-    bounds = (Nq, Nk, off, win_left, win_right, t_lo, t_hi)
+    bufs = (q_bufs, k_bufs, v_bufs, o_bufs)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    sizes = (Hq, group, n_items, s_lb, s_lh, s_ln)
+    bounds = (Nq, Nk, off, win_left, win_right)
     gl.warp_specialize([
-        (_consumer, (0, descs, bufs, bars, Lse, where, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                     HAS_LEFT, HAS_RIGHT, WRITE_LSE)),
-        (_consumer, (1, descs, bufs, bars, Lse, where, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                     HAS_LEFT, HAS_RIGHT, WRITE_LSE)),
-        (_loader, (0, descs, bufs, bars, Lse, where, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                   HAS_LEFT, HAS_RIGHT, WRITE_LSE)),
+        (_consumer, (0, descs, bufs, bars, Lse, sizes, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                     HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT)),
+        (_consumer, (1, descs, bufs, bars, Lse, sizes, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                     HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT)),
+        (_loader, (0, descs, bufs, bars, Lse, sizes, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                   HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, 24])

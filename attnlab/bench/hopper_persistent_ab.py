@@ -1,0 +1,100 @@
+"""A/B of the Hopper forward's persistent programs (``hopper_forward.PERSISTENT``) on the H200, through
+``attnlab.attention(..., backend="triton")`` as a user calls it, beside sdpa-cudnn, in interleaved rounds.
+
+Each case's output under both settings is checked against the float64 reference (first two batch entries)
+before anything is timed; the two outputs must also be equal bit for bit. Times: CUDA-event median over
+rounds of 20 back-to-back calls each (``ms``), per setting. A probe for the branch ``hopper-persistent``:
+``python -m attnlab.bench.hopper_persistent_ab OUT.json``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+CASES = [  # (B, H, N, D, causal, dtype)
+    (8, 16, 1024, 128, False, torch.bfloat16), (8, 16, 1024, 128, True, torch.bfloat16),
+    (4, 16, 4096, 128, False, torch.bfloat16), (4, 16, 4096, 128, True, torch.bfloat16),
+    (1, 16, 16384, 128, False, torch.bfloat16),
+    (8, 16, 1024, 64, False, torch.bfloat16), (4, 16, 4096, 64, False, torch.bfloat16),
+    (1, 16, 16384, 64, False, torch.bfloat16), (8, 16, 1024, 128, False, torch.float16),
+]
+
+
+def _time(fn, calls: int = 20) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / calls
+
+
+def _case(B: int, H: int, N: int, D: int, causal: bool, dtype: torch.dtype, rounds: int) -> dict:
+    import attnlab
+    from attnlab import fast_calls
+    from attnlab.backends.triton import hopper_forward as hopper
+    from attnlab.check import compare
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+
+    def ours(persistent: bool):
+        """The public call, with the setting switched now (and the fast calls made under the other dropped)."""
+        hopper.PERSISTENT = persistent
+        fast_calls.clear()
+        return lambda: attnlab.attention(q, k, v, causal=causal, backend="triton")
+
+    def cudnn():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    ref = attnlab.reference(q[:2], k[:2], v[:2], causal=causal)[0]
+    outs = {p: ours(p)() for p in (True, False)}
+    row = {"case": f"{str(dtype)[6:]} b{B} h{H} n{N} d{D} {'causal' if causal else 'full'}",
+           "equal": bool(torch.equal(outs[True], outs[False])),
+           "passed": {str(p): bool(compare(o[:2], ref).passed) for p, o in outs.items()}, "ms": {}}
+    del ref, outs
+    if row["equal"] and all(row["passed"].values()):
+        times: dict[str, list[float]] = {"persistent": [], "grid": [], "sdpa-cudnn": []}
+        for _ in range(rounds + 1):  # the first round warms up and is dropped
+            for label, fn in (("persistent", ours(True)), ("grid", ours(False)), ("sdpa-cudnn", cudnn)):
+                for _ in range(3):
+                    fn()
+                times[label].append(_time(fn))
+        row["ms"] = {key: sorted(t[1:])[len(t[1:]) // 2] for key, t in times.items()}
+        row["over_cudnn"] = {key: row["ms"]["sdpa-cudnn"] / t for key, t in row["ms"].items()}
+    return row
+
+
+def run(out: str, rounds: int = 7) -> dict:
+    from attnlab.backends.triton import hopper_forward as hopper
+    from attnlab.bench.experiment import run_environment, write
+
+    hopper.set_mode("sync")
+    rows = []
+    try:
+        for case in CASES:
+            rows.append(_case(*case, rounds))
+            print(rows[-1], flush=True)
+    finally:
+        hopper.PERSISTENT = True
+    return write({"environment": run_environment("cuda"), "rows": rows}, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from attnlab.bench.experiment import main as experiment_main
+
+    def needs() -> str | None:
+        ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+        return None if ok else "needs an sm_90 GPU"
+
+    return experiment_main("attnlab.bench.hopper_persistent_ab", __doc__, run, argv, needs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
