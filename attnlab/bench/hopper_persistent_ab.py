@@ -1,4 +1,4 @@
-"""A/B of the Hopper forward's persistent programs (``hopper_forward.PERSISTENT``) on the H200, through
+"""A/B of the Hopper forward's persistent programs (``hopper_forward.PERSISTENT``) on an sm_90 GPU, through
 ``attnlab.attention(..., backend="triton")`` as a user calls it, beside sdpa-cudnn, in interleaved rounds.
 
 Each case's output under both settings is checked against the float64 reference (first two batch entries)
