@@ -1,10 +1,11 @@
-"""A/B of the Hopper forward's persistent programs (``hopper_forward.PERSISTENT``) on an sm_90 GPU, through
+"""A/B of the Hopper forward's schedules on an sm_90 GPU: persistent programs (``hopper_forward.PERSISTENT``) and
+the consumers' ping-pong (``hopper_forward.PINGPONG``), each on and off, through
 ``attnlab.attention(..., backend="triton")`` as a user calls it, beside sdpa-cudnn, in interleaved rounds.
 
-Each case's output under both settings is checked against the float64 reference (first two batch entries)
-before anything is timed; the two outputs must also be equal bit for bit. Times: CUDA-event median over
-rounds of 20 back-to-back calls each (``ms``), per setting. A probe for the branch ``hopper-persistent``:
-``python -m attnlab.bench.hopper_persistent_ab OUT.json``.
+Each case's output under every setting is checked against the float64 reference (first two batch entries)
+before anything is timed; all outputs must also be equal bit for bit (the same sums in the same order). Times:
+CUDA-event median over rounds of 20 back-to-back calls each (``ms``), per setting. A probe for the branch
+``hopper-persistent``: ``python -m attnlab.bench.hopper_persistent_ab OUT.json``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import sys
 
 import torch
 
+#: (PERSISTENT, PINGPONG) by label; under a band (causal) PERSISTENT changes nothing.
+SETTINGS = {"grid": (False, False), "grid+pingpong": (False, True), "persistent": (True, False),
+            "persistent+pingpong": (True, True)}
 CASES = [  # (B, H, N, D, causal, dtype)
     (8, 16, 1024, 128, False, torch.bfloat16), (8, 16, 1024, 128, True, torch.bfloat16),
     (4, 16, 4096, 128, False, torch.bfloat16), (4, 16, 4096, 128, True, torch.bfloat16),
@@ -41,9 +45,9 @@ def _case(B: int, H: int, N: int, D: int, causal: bool, dtype: torch.dtype, roun
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
 
-    def ours(persistent: bool):
-        """The public call, with the setting switched now (and the fast calls made under the other dropped)."""
-        hopper.PERSISTENT = persistent
+    def ours(setting: tuple[bool, bool]):
+        """The public call, with (PERSISTENT, PINGPONG) switched now (and the fast calls made before dropped)."""
+        hopper.PERSISTENT, hopper.PINGPONG = setting
         fast_calls.clear()
         return lambda: attnlab.attention(q, k, v, causal=causal, backend="triton")
 
@@ -54,15 +58,16 @@ def _case(B: int, H: int, N: int, D: int, causal: bool, dtype: torch.dtype, roun
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     ref = attnlab.reference(q[:2], k[:2], v[:2], causal=causal)[0]
-    outs = {p: ours(p)() for p in (True, False)}
+    outs = {label: ours(setting)() for label, setting in SETTINGS.items()}
+    first = next(iter(outs.values()))
     row = {"case": f"{str(dtype)[6:]} b{B} h{H} n{N} d{D} {'causal' if causal else 'full'}",
-           "equal": bool(torch.equal(outs[True], outs[False])),
-           "passed": {str(p): bool(compare(o[:2], ref).passed) for p, o in outs.items()}, "ms": {}}
-    del ref, outs
+           "equal": all(bool(torch.equal(o, first)) for o in outs.values()),
+           "passed": {label: bool(compare(o[:2], ref).passed) for label, o in outs.items()}, "ms": {}}
+    del ref, outs, first
     if row["equal"] and all(row["passed"].values()):
-        times: dict[str, list[float]] = {"persistent": [], "grid": [], "sdpa-cudnn": []}
+        times: dict[str, list[float]] = {label: [] for label in [*SETTINGS, "sdpa-cudnn"]}
         for _ in range(rounds + 1):  # the first round warms up and is dropped
-            for label, fn in (("persistent", ours(True)), ("grid", ours(False)), ("sdpa-cudnn", cudnn)):
+            for label, fn in [*((lb, ours(st)) for lb, st in SETTINGS.items()), ("sdpa-cudnn", cudnn)]:
                 for _ in range(3):
                     fn()
                 times[label].append(_time(fn))
@@ -82,7 +87,7 @@ def run(out: str, rounds: int = 7) -> dict:
             rows.append(_case(*case, rounds))
             print(rows[-1], flush=True)
     finally:
-        hopper.PERSISTENT = True
+        hopper.PERSISTENT, hopper.PINGPONG = True, True
     return write({"environment": run_environment("cuda"), "rows": rows}, out)
 
 

@@ -39,6 +39,10 @@ MODES = ("0", "1", "sync")
 #: Whether a launch without a band runs at most one program per SM, each looping over work items
 #: (ATTNLAB_HOPPER_PERSISTENT=0: one program per item, as under a band). See hopper_kernel's docstring.
 PERSISTENT: bool = os.environ.get("ATTNLAB_HOPPER_PERSISTENT", "1") != "0"
+#: Whether the two consumer warpgroups take turns to issue their products (FlashAttention-3's ping-pong: one's
+#: softmax runs while the other's products hold the tensor cores) rather than issue them as they come
+#: (ATTNLAB_HOPPER_PINGPONG=0). See hopper_kernel's docstring.
+PINGPONG: bool = os.environ.get("ATTNLAB_HOPPER_PINGPONG", "1") != "0"
 
 _SPELLINGS = {"0": "0", "false": "0", "off": "0", "no": "0", "1": "1", "true": "1", "on": "1", "yes": "1", "": "1",
               "sync": "sync"}
@@ -171,7 +175,7 @@ def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: in
     persistent = _persistent(left is not None or right is not None)
     kw = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES, HAS_LEFT=left is not None,
               HAS_RIGHT=right is not None, BOTTOM_RIGHT=bottom_right, WRITE_LSE=lse is not None,
-              CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent, num_warps=4, maxnreg=MAX_REGS,
+              CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent, PINGPONG=PINGPONG, num_warps=4, maxnreg=MAX_REGS,
               **configs.COMPILE_OPTIONS)
     return _grid(q, persistent), args, kw
 
@@ -235,7 +239,7 @@ def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, ri
     values = (_Desc(q), _Desc(k), _Desc(v), _Desc(out), lse if write_lse else out,
               *(lse.stride() if write_lse else (0, 0, 0)), Nq, k.shape[2], B, Hq, Hq // k.shape[1], qk_scale,
               0 if left is None else left, 0 if right is None else right, BLOCK_M, BLOCK_N, D, STAGES,
-              left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS, persistent)
+              left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS, persistent, PINGPONG)
     _rt.run_compiled(compiled, _grid(q, persistent), _rt.stream_of(q.device.index), values)
 
 
@@ -244,7 +248,7 @@ def _variant(prob: Problem, lse: torch.Tensor | None) -> tuple:
     spec = prob.spec
     band = spec.left is not None or spec.right is not None
     return (prob.q.device.index, prob.dtype, prob.D, spec.left is not None, spec.right is not None,
-            spec.align == "bottom_right", lse is not None, _persistent(band))
+            spec.align == "bottom_right", lse is not None, PINGPONG, _persistent(band))
 
 
 launches = 0  #: Hopper launches by the whole way so far (tests read it; fast calls do not count)
@@ -329,7 +333,7 @@ def fast_call(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
     band = left is not None or right is not None
 
     def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
-        if _mode == "0" or not _compiled(key) or _persistent(band) != key[-1]:  # (PERSISTENT switched since)
+        if _mode == "0" or not _compiled(key) or key[-2:] != (PINGPONG, _persistent(band)):  # (switched since)
             return None
         o = empty_like(q, memory_format=contiguous)  # in the caller's layout, as the whole way allocates it
         m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None

@@ -17,7 +17,9 @@ a few heads' row tiles, whose K and V stay in L2. The program's warps split into
 - two **consumers** (a warpgroup of four warps each, rows ``[0, BLOCK_M)`` and ``[BLOCK_M, 2 * BLOCK_M)`` of the
   tile) that run ``S = Q K^T`` and ``acc += P V`` as warpgroup MMAs (``wgmma``) straight from the shared slots
   and keep the online softmax in the accumulator's registers. The two consumers run free of each other, so
-  one's softmax overlaps the other's matrix products on the tensor cores. After an item's last ``Q K^T`` a
+  one's softmax overlaps the other's matrix products on the tensor cores; with PINGPONG they take turns to
+  issue them (FlashAttention-3's ping-pong: a consumer waits for its turn, issues its products, passes the turn
+  by an mbarrier and runs its softmax while the other's products run). After an item's last ``Q K^T`` a
   consumer releases its Q half (the loader brings the next item's while the last ``P V`` and the epilogue run)
   and stages its output in a shared slot of its own for one TMA store.
 
@@ -121,15 +123,33 @@ def _tile(t, Hq, group, Nq, Nk, off, win_left, win_right, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _consumer_item(t, it0, n_done, HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
+def _turn_take(turns, k_turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until it is this consumer's turn to issue its products (its ``k_turn``-th; consumer 0
+    goes first: a fresh barrier reads as phase 1 done)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(HALF), (k_turn & 1) ^ (1 - HALF))
+
+
+@gluon.jit
+def _turn_pass(turns, k_turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: products issued; the other consumer's turn. Returns the turns taken so far."""
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - HALF), count=1)
+    return k_turn + 1
+
+
+@gluon.jit
+def _consumer_item(t, it0, n_done, k_turn, HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr):
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr,
+                   PINGPONG: gl.constexpr):
     """Rows ``[m0 + HALF * BLOCK_M, + BLOCK_M)`` of work item ``t``: the pipelined loop over its key tiles and the
     epilogue. ``it0``: the K/V ring's position, which runs on across items; ``n_done``: items done before this
-    one. Returns both, advanced past this item."""
+    one; ``k_turn``: the product-issuing turns taken (both consumers take one per key tile and one more per item,
+    so their counts agree). Returns the three, advanced past this item."""
     q_desc, o_desc = descs[0], descs[3]
     q_bufs, k_bufs, v_bufs, o_bufs = bufs
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     Hq, group, _, s_lb, s_lh, s_ln = sizes
     Nq, Nk, off, win_left, win_right = bounds
 
@@ -159,7 +179,9 @@ def _consumer_item(t, it0, n_done, HALF: gl.constexpr, descs, bufs, bars, Lse, s
         slot = it0 % STAGES
         mbarrier.wait(k_ready.index(slot), (it0 // STAGES) & 1)
         k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
+        _turn_take(turns, k_turn, HALF, PINGPONG)
         S = warpgroup_mma(q_tile, k_t, zero_s, use_acc=False, is_async=True)
+        k_turn = _turn_pass(turns, k_turn, HALF, PINGPONG)
         S = warpgroup_mma_wait(0, deps=(S, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, m_i, l_i, alpha = _softmax_update(S, t_lo, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_left,
@@ -172,10 +194,12 @@ def _consumer_item(t, it0, n_done, HALF: gl.constexpr, descs, bufs, bars, Lse, s
             slot = it % STAGES
             prev = (it - 1) % STAGES
             mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-            k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
-            S = warpgroup_mma(q_tile, k_t, zero_s, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+            k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0))
+            _turn_take(turns, k_turn, HALF, PINGPONG)
+            S = warpgroup_mma(q_tile, k_t, zero_s, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+            k_turn = _turn_pass(turns, k_turn, HALF, PINGPONG)
             S = warpgroup_mma_wait(1, deps=(S, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, m_i, l_i, alpha = _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off,
@@ -189,7 +213,9 @@ def _consumer_item(t, it0, n_done, HALF: gl.constexpr, descs, bufs, bars, Lse, s
         it = it0 + t_hi - 1 - t_lo
         last = it % STAGES
         mbarrier.wait(v_ready.index(last), (it // STAGES) & 1)
+        _turn_take(turns, k_turn, HALF, PINGPONG)
         acc = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+        k_turn = _turn_pass(turns, k_turn, HALF, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(last), count=1)
     else:
@@ -208,23 +234,26 @@ def _consumer_item(t, it0, n_done, HALF: gl.constexpr, descs, bufs, bars, Lse, s
         lse = gl.where(live, (m_i + gl.log2(l_div)) * 0.6931471805599453, float("-inf"))
         l_ptrs = Lse + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + rows.to(gl.int64) * s_ln
         gl.store(l_ptrs, lse, mask=rows < Nq)
-    return it0 + t_hi - t_lo, n_done + 1
+    return it0 + t_hi - t_lo, n_done + 1, k_turn
 
 
 @gluon.jit
 def _consumer(HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr, PERSISTENT: gl.constexpr):
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """A consumer's half of each of the program's work items (one item unless PERSISTENT)."""
     it0 = gl.program_id(0) * 0
     n_done = it0
+    k_turn = it0
     if PERSISTENT:
         for t in range(gl.program_id(0), sizes[2], gl.num_programs(0)):
-            it0, n_done = _consumer_item(t, it0, n_done, HALF, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
-                                         BLOCK_M, BLOCK_N, HEAD_D, STAGES, HAS_LEFT, HAS_RIGHT, WRITE_LSE)
+            it0, n_done, k_turn = _consumer_item(t, it0, n_done, k_turn, HALF, descs, bufs, bars, Lse, sizes,
+                                                 bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, HAS_LEFT,
+                                                 HAS_RIGHT, WRITE_LSE, PINGPONG)
     else:
-        _consumer_item(gl.program_id(0), it0, n_done, HALF, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
-                       BLOCK_M, BLOCK_N, HEAD_D, STAGES, HAS_LEFT, HAS_RIGHT, WRITE_LSE)
+        _consumer_item(gl.program_id(0), it0, n_done, k_turn, HALF, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
+                       BLOCK_M, BLOCK_N, HEAD_D, STAGES, HAS_LEFT, HAS_RIGHT, WRITE_LSE, PINGPONG)
     tma.store_wait(0)
 
 
@@ -235,7 +264,7 @@ def _loader_item(t, it, n_done, descs, bufs, bars, sizes, bounds, BLOCK_M: gl.co
     free up. Returns the ring's position and the items done, advanced past this item."""
     q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
     q_bufs, k_bufs, v_bufs = bufs[0], bufs[1], bufs[2]
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars[0], bars[1], bars[2], bars[3], bars[4], bars[5]
     Hq, group = sizes[0], sizes[1]
     Nq, Nk, off, win_left, win_right = bounds
     b, h, kvh, m0, t_lo, t_hi = _tile(t, Hq, group, Nq, Nk, off, win_left, win_right, BLOCK_M, BLOCK_N,
@@ -260,7 +289,8 @@ def _loader_item(t, it, n_done, descs, bufs, bars, sizes, bounds, BLOCK_M: gl.co
 @gluon.jit
 def _loader(HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr, PERSISTENT: gl.constexpr):
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
+            PINGPONG: gl.constexpr):
     """The TMA partition: each of the program's work items in turn (one unless PERSISTENT)."""
     it = gl.program_id(0) * 0
     n_done = it
@@ -279,7 +309,8 @@ def attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, Lse, s_lb, s_lh, s_ln, Nq, N
                     win_left, win_right,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-                    WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr):
+                    WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
+                    PINGPONG: gl.constexpr):
     """Program p of P runs work item p (PERSISTENT: items p, p + P, p + 2P, ...) of the
     ``ceil(Nq / (2 * BLOCK_M)) * B * Hq`` items (the module docstring: P is the host's choice)."""
     if BOTTOM_RIGHT:
@@ -299,9 +330,11 @@ def attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, Lse, s_lb, s_lh, s_ln, Nq, N
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(turns.index(i), count=1)  # ping-pong: the other consumer passes the turn
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -310,14 +343,14 @@ def attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, Lse, s_lb, s_lh, s_ln, Nq, N
 
     descs = (q_desc, k_desc, v_desc, o_desc)
     bufs = (q_bufs, k_bufs, v_bufs, o_bufs)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns)
     sizes = (Hq, group, n_items, s_lb, s_lh, s_ln)
     bounds = (Nq, Nk, off, win_left, win_right)
     gl.warp_specialize([
         (_consumer, (0, descs, bufs, bars, Lse, sizes, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                     HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT)),
+                     HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT, PINGPONG)),
         (_consumer, (1, descs, bufs, bars, Lse, sizes, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                     HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT)),
+                     HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT, PINGPONG)),
         (_loader, (0, descs, bufs, bars, Lse, sizes, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                   HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT)),
+                   HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT, PINGPONG)),
     ], [4, 1], [CONSUMER_REGS, 24])
