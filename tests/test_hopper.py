@@ -185,7 +185,8 @@ def test_sync_mode_compiles_on_the_first_call_and_waits(on_sm90, fake_compiles, 
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("band", [dict(), dict(left=None, right=0), dict(left=100, right=0)])
-def test_compiles_for_sm90_with_the_installed_triton(D, band):
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
+def test_compiles_for_sm90_with_the_installed_triton(D, band, pingpong, monkeypatch):
     """The kernel compiles for sm_90 (no GPU needed): a Gluon API change in a new triton shows here first."""
     if isinstance(hopper._kernel_module(), str):
         pytest.skip(hopper._kernel_module())
@@ -193,9 +194,12 @@ def test_compiles_for_sm90_with_the_installed_triton(D, band):
 
     from attnlab.backends.triton.cold_launch import compile_only
 
+    monkeypatch.setattr(hopper, "PERSISTENT", True)
+    monkeypatch.setattr(hopper, "PINGPONG", pingpong)
     q, k, v = _qkv(D=D, Nq=300, Nk=500)
     out, lse = torch.empty_like(q), torch.empty(1, 4, 300)
     _, args, kw = hopper._launch_args(q, k, v, out, lse, 0.1, band.get("left"), band.get("right"), True)
+    assert kw["PINGPONG"] is pingpong
     assert kw["enable_fp_fusion"] is True  # stated, not left to triton's default (which triton 3.10 turns off)
     assert kw["PERSISTENT"] == (not band)  # programs loop over work items only without a band
     compiled = compile_only(hopper._kernel_module().attn_fwd_hopper, args, kw, 0, target=GPUTarget("cuda", 90, 32))[0]
@@ -230,6 +234,7 @@ def _ptxas_spills(ptx: str) -> int:
 def test_programs_loop_over_work_items_only_without_a_band(monkeypatch):
     """Without a band every item costs the same: at most one program per SM loops over them; under a band (or with
     PERSISTENT off) one program per item, which the hardware balances. Items: row tiles of 128 x B x Hq."""
+    monkeypatch.setattr(hopper, "PERSISTENT", True)
     q = torch.empty(3, 5, 300, 64)
     assert hopper._items(q) == 3 * 3 * 5
     assert hopper._persistent(band=False) and not hopper._persistent(band=True)

@@ -145,8 +145,9 @@ def _consumer_item(t, it0, n_done, k_turn, HALF: gl.constexpr, descs, bufs, bars
                    PINGPONG: gl.constexpr):
     """Rows ``[m0 + HALF * BLOCK_M, + BLOCK_M)`` of work item ``t``: the pipelined loop over its key tiles and the
     epilogue. ``it0``: the K/V ring's position, which runs on across items; ``n_done``: items done before this
-    one; ``k_turn``: the product-issuing turns taken (both consumers take one per key tile and one more per item,
-    so their counts agree). Returns the three, advanced past this item."""
+    one; ``k_turn``: the product-issuing turns taken (both consumers take one per key tile and one more for the
+    last P V of an item with a key tile, none for an item without: their counts agree). Returns the three,
+    advanced past this item."""
     q_desc, o_desc = descs[0], descs[3]
     q_bufs, k_bufs, v_bufs, o_bufs = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
