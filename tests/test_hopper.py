@@ -55,13 +55,21 @@ def test_refuses_what_it_does_not_compute(on_sm90, kw, reason):
 
 
 @pytest.mark.parametrize("extra, reason", [
-    (dict(kv_len=[100, 50]), "lengths"),
     (dict(mask=torch.ones(200, 200, dtype=torch.bool)), "explicit mask"),
-    (dict(softcap=30.0), "score modifier"),
+    (dict(mask=torch.zeros(200, 200)), "bias"),
+    (dict(sinks=torch.zeros(4)), "sinks"),
 ])
-def test_refuses_lengths_masks_and_modifiers(on_sm90, extra, reason):
+def test_refuses_masks_biases_and_sinks(on_sm90, extra, reason):
     q, k, v = _qkv(B=2)
     assert reason in _why(q, k, v, **extra)
+
+
+def test_takes_lengths_and_the_score_modifiers(on_sm90):
+    if isinstance(hopper._kernel_module(), str):
+        pytest.skip(hopper._kernel_module())
+    q, k, v = _qkv(B=2)
+    assert _why(q, k, v, kv_len=[100, 50], q_len=[200, 7], causal=True, align="bottom_right") is None
+    assert _why(q, k, v, softcap=30.0, alibi_slopes=torch.rand(4)) is None
 
 
 def test_refuses_what_tma_cannot_read(on_sm90):
@@ -186,7 +194,8 @@ def test_sync_mode_compiles_on_the_first_call_and_waits(on_sm90, fake_compiles, 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("band", [dict(), dict(left=None, right=0), dict(left=100, right=0)])
 @pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
-def test_compiles_for_sm90_with_the_installed_triton(D, band, pingpong, monkeypatch):
+@pytest.mark.parametrize("extras", ["none", "lengths+mods"])
+def test_compiles_for_sm90_with_the_installed_triton(D, band, pingpong, extras, monkeypatch):
     """The kernel compiles for sm_90 (no GPU needed): a Gluon API change in a new triton shows here first."""
     if isinstance(hopper._kernel_module(), str):
         pytest.skip(hopper._kernel_module())
@@ -198,10 +207,14 @@ def test_compiles_for_sm90_with_the_installed_triton(D, band, pingpong, monkeypa
     monkeypatch.setattr(hopper, "PINGPONG", pingpong)
     q, k, v = _qkv(D=D, Nq=300, Nk=500)
     out, lse = torch.empty_like(q), torch.empty(1, 4, 300)
-    _, args, kw = hopper._launch_args(q, k, v, out, lse, 0.1, band.get("left"), band.get("right"), True)
+    ex = hopper.NO_EXTRAS
+    if extras != "none":  # kv_len, q_len, the soft cap and ALiBi
+        ex = hopper.Extras(torch.tensor([500], dtype=torch.int32), torch.tensor([250], dtype=torch.int32),
+                           torch.rand(1, 4), (4, 1), 30.0 * hopper.LOG2E)
+    _, args, kw = hopper._launch_args(q, k, v, out, lse, 0.1, band.get("left"), band.get("right"), True, ex)
     assert kw["PINGPONG"] is pingpong
     assert kw["enable_fp_fusion"] is True  # stated, not left to triton's default (which triton 3.10 turns off)
-    assert kw["PERSISTENT"] == (not band)  # programs loop over work items only without a band
+    assert kw["PERSISTENT"] == (not band and extras == "none")  # looping programs only for items of equal cost
     compiled = compile_only(hopper._kernel_module().attn_fwd_hopper, args, kw, 0, target=GPUTarget("cuda", 90, 32))[0]
     assert compiled.metadata.num_warps == 12  # two consumer warpgroups and the loader's
     assert compiled.metadata.shared <= 227 * 1024
@@ -237,10 +250,10 @@ def test_programs_loop_over_work_items_only_without_a_band(monkeypatch):
     monkeypatch.setattr(hopper, "PERSISTENT", True)
     q = torch.empty(3, 5, 300, 64)
     assert hopper._items(q) == 3 * 3 * 5
-    assert hopper._persistent(band=False) and not hopper._persistent(band=True)
+    assert hopper._persistent(uneven=False) and not hopper._persistent(uneven=True)
     assert hopper._grid(q, False) == (45, 1, 1)
     monkeypatch.setattr(hopper, "PERSISTENT", False)
-    assert not hopper._persistent(band=False)
+    assert not hopper._persistent(uneven=False)
 
 
 # ---- on an sm_90 GPU ------------------------------------------------------------------------------------------
@@ -259,6 +272,15 @@ CASES = {
     "one_key": dict(shape=dict(Nq=64, Nk=1, D=128), kw=dict()),
     "fp16_causal": dict(shape=dict(Nq=300, Nk=300, D=128, dtype=torch.float16), kw=dict(causal=True)),
     "window_empty_rows": dict(shape=dict(Nq=300, Nk=300, D=64), kw=dict(window=(None, -50))),
+    "kv_len_q_len_causal_br": dict(shape=dict(Nq=700, Nk=900, D=128),
+                                   kw=dict(kv_len=[900, 0], q_len=[333, 700], causal=True, align="bottom_right")),
+    "kv_len_full": dict(shape=dict(Nq=513, Nk=1000, D=64), kw=dict(kv_len=[1000, 129])),
+    "q_len_window": dict(shape=dict(Nq=600, Nk=600, D=128), kw=dict(q_len=[17, 600], window=(100, 20))),
+    "softcap": dict(shape=dict(Nq=400, Nk=500, D=128), kw=dict(softcap=20.0)),
+    "alibi_causal": dict(shape=dict(Nq=500, Nk=500, D=64), kw=dict(alibi="slopes", causal=True)),
+    "all_extras": dict(shape=dict(Nq=450, Nk=700, D=128),
+                       kw=dict(kv_len=[650, 300], q_len=[450, 120], softcap=30.0, alibi="slopes", causal=True,
+                               align="bottom_right")),
 }
 
 
@@ -268,7 +290,13 @@ CASES = {
 def test_the_public_call_runs_the_hopper_kernel_and_meets_the_contract(case):
     spec = CASES[case]
     q, k, v = _qkv(B=2, Hq=8, Hkv=2, device="cuda", seed=3, **spec["shape"])
-    kw = spec["kw"]
+    kw = dict(spec["kw"])
+    if kw.get("alibi") == "slopes":  # each head's slope, as ALiBi's geometric series
+        del kw["alibi"]
+        kw["alibi_slopes"] = 2.0 ** (-torch.arange(1, 9, dtype=torch.float32, device="cuda"))
+    for name in ("kv_len", "q_len"):
+        if name in kw:
+            kw[name] = torch.tensor(kw[name], dtype=torch.int32, device="cuda")
     prev, before = hopper.set_mode("sync"), hopper.launches
     try:
         out, lse = attnlab.attention(q, k, v, backend="triton", return_lse=True, **kw)
@@ -313,6 +341,33 @@ def test_the_schedules_give_one_output(D, kw, monkeypatch):
     assert compare(out[:2], ref).passed, compare(out[:2], ref)
     live = torch.isfinite(ref_lse)
     assert (lse[:2][live] - ref_lse[live]).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_fast_calls_take_each_calls_lengths_and_slopes():
+    """The fast call of a signature with kv_len, q_len and ALiBi launches with the lengths and slopes of the call
+    it serves, not of the call that made it."""
+    from attnlab import fast_calls
+
+    q, k, v = _qkv(B=2, Hq=4, Hkv=4, Nq=300, Nk=500, D=128, device="cuda", seed=12)
+    prev = hopper.set_mode("sync")
+    try:
+        fast_calls.clear()
+        outs = []
+        for kv, ql, slope in (([500, 77], [300, 300], 0.5), ([13, 500], [290, 31], 0.125)):
+            kw = dict(kv_len=torch.tensor(kv, dtype=torch.int32, device="cuda"),
+                      q_len=torch.tensor(ql, dtype=torch.int32, device="cuda"),
+                      alibi_slopes=torch.full((4,), slope, device="cuda"), causal=True, align="bottom_right")
+            before = hopper.launches
+            outs.append((attnlab.attention(q, k, v, backend="triton", return_lse=True, **kw), kw))
+        assert len(fast_calls._CALLS) == 1 and hopper.launches == before  # the second call was the fast call
+    finally:
+        hopper.set_mode(prev)
+    for (out, lse), kw in outs:
+        ref, ref_lse = attnlab.reference(q, k, v, **kw)
+        assert compare(out, ref).passed, compare(out, ref)
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ import os
 import threading
 import warnings
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import torch
 
@@ -106,8 +107,8 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
     """Why the Hopper forward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
-    or 128, no mask, the causal and window bands in either alignment, Nq != Nk, GQA and lse; lengths, explicit
-    masks and biases, packed sequences and the score modifiers run on the portable kernel."""
+    or 128, the causal and window bands in either alignment, kv_len and q_len, Nq != Nk, GQA, lse, the soft cap
+    and ALiBi; explicit masks and biases, packed sequences and sinks run on the portable kernel."""
     if _mode == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
@@ -118,10 +119,10 @@ def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
     if prob.D != prob.Dv or prob.D not in HEAD_DIMS:
         return f"D = Dv in {HEAD_DIMS} only"
     spec = prob.spec
-    if prob.packed is not None or spec.kv_len is not None or spec.q_len is not None:
-        return "no lengths or packed sequences"
-    if spec.mask is not None or spec.bias is not None or prob.mods.any:
-        return "no explicit mask, bias or score modifier"
+    if prob.packed is not None:
+        return "no packed sequences"
+    if spec.mask is not None or spec.bias is not None or prob.mods.sinks is not None:
+        return "no explicit mask, bias or sinks"
     if _items(q) >= 2**31:
         return "at most 2**31 - 1 work items (row tiles of 128 x B x Hq)"
     if not all(_tma_ready(t) for t in (q, prob.k, prob.v, out)):
@@ -149,10 +150,12 @@ def _items(q: torch.Tensor) -> int:
     return -(-Nq // (2 * BLOCK_M)) * B * Hq
 
 
-def _persistent(band: bool) -> bool:
-    """Whether a launch loops over work items in at most one program per SM: without a band (items of equal
-    cost), unless :data:`PERSISTENT` is off. Under a band one program per item lets the hardware balance them."""
-    return PERSISTENT and not band
+def _persistent(uneven: bool) -> bool:
+    """Whether a launch loops over work items in at most one program per SM: when they cost the same (no band,
+    no lengths: ``uneven`` False), unless :data:`PERSISTENT` is off. Otherwise one program per item lets the
+    hardware balance them. (Score modifiers also take one program per item: in the loop over items their
+    per-score arithmetic spills registers, ptxas sm_90a.)"""
+    return PERSISTENT and not uneven
 
 
 def _grid(q: torch.Tensor, persistent: bool) -> tuple[int, int, int]:
@@ -162,8 +165,38 @@ def _grid(q: torch.Tensor, persistent: bool) -> tuple[int, int, int]:
     return (min(items, _rt.sm_count(q.device.index)), 1, 1)
 
 
-def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: int | None,
-                 bottom_right: bool) -> tuple[tuple, tuple, dict]:
+class Extras(NamedTuple):
+    """What the lengths and the score modifiers add to a launch (None: absent): int32 [B] lengths on the GPU, the
+    ALiBi slopes read through ``alibi_strides`` (of their [B, Hq] view) and the soft cap in base 2."""
+
+    kv_len: torch.Tensor | None = None
+    q_len: torch.Tensor | None = None
+    alibi: torch.Tensor | None = None
+    alibi_strides: tuple[int, int] = (0, 0)
+    cap2: float | None = None
+
+    def arguments(self, placeholder: torch.Tensor) -> tuple:
+        """KvLen, QLen, Alibi, s_ab, s_ah, cap2 as the kernel takes them (``placeholder`` for absent tensors)."""
+        return (placeholder if self.kv_len is None else self.kv_len, placeholder if self.q_len is None else self.q_len,
+                placeholder if self.alibi is None else self.alibi, *self.alibi_strides,
+                0.0 if self.cap2 is None else self.cap2)
+
+    def flags(self) -> tuple[bool, bool, bool, bool]:
+        """HAS_KV_LEN, HAS_Q_LEN, HAS_SOFTCAP, HAS_ALIBI."""
+        return self.kv_len is not None, self.q_len is not None, self.cap2 is not None, self.alibi is not None
+
+
+NO_EXTRAS = Extras()  #: a launch without lengths or score modifiers
+
+
+def _extras(prob: Problem) -> Extras:
+    spec, mods = prob.spec, prob.mods
+    return Extras(spec.kv_len, spec.q_len, mods.alibi, tuple(mods.alibi.stride()) if mods.alibi is not None else (0, 0),
+                  None if mods.softcap is None else mods.softcap * LOG2E)
+
+
+def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: int | None, bottom_right: bool,
+                 extras: Extras = NO_EXTRAS) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, keywords) of one launch on [B, H, N, D] views."""
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
@@ -171,11 +204,13 @@ def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: in
             _descriptor(v, [1, 1, BLOCK_N, D]), _descriptor(out, [1, 1, BLOCK_M, D]),
             lse if lse is not None else out, *(lse.stride() if lse is not None else (0, 0, 0)),
             Nq, Nk, B, Hq, Hq // k.shape[1], qk_scale, left if left is not None else 0,
-            right if right is not None else 0)
-    persistent = _persistent(left is not None or right is not None)
+            right if right is not None else 0, *extras.arguments(out))
+    persistent = _persistent(left is not None or right is not None or any(extras.flags()))
+    has_kv_len, has_q_len, has_softcap, has_alibi = extras.flags()
     kw = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES, HAS_LEFT=left is not None,
               HAS_RIGHT=right is not None, BOTTOM_RIGHT=bottom_right, WRITE_LSE=lse is not None,
-              CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent, PINGPONG=PINGPONG, num_warps=4, maxnreg=MAX_REGS,
+              CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent, PINGPONG=PINGPONG, HAS_KV_LEN=has_kv_len,
+              HAS_Q_LEN=has_q_len, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, num_warps=4, maxnreg=MAX_REGS,
               **configs.COMPILE_OPTIONS)
     return _grid(q, persistent), args, kw
 
@@ -184,7 +219,7 @@ def _problem_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) ->
     spec = prob.spec
     q, k = prob.q, prob.k
     return _launch_args(q, k, prob.v, out, lse, prob.scale * LOG2E, _width(spec.left, q, k), _width(spec.right, q, k),
-                        spec.align == "bottom_right")
+                        spec.align == "bottom_right", _extras(prob))
 
 
 @functools.cache
@@ -221,34 +256,35 @@ def _width(w: int | None, q: torch.Tensor, k: torch.Tensor) -> int | None:
 
 
 def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, right: int | None,
-            bottom_right: bool) -> None:
+            bottom_right: bool, extras: Extras) -> None:
     """One launch on [B, H, N, D] views: the first of a variant through the JIT, later ones straight to the
     compiled kernel's launcher with the values the JIT would pass (every parameter the JIT specializes on is in
     the variant: the ints are not specialized, the descriptors' types follow dtype and D)."""
     left, right = _width(left, q, k), _width(right, q, k)
     compiled = _kernels.get(key)
     if compiled is None:
-        grid, args, kw = _launch_args(q, k, v, out, lse, qk_scale, left, right, bottom_right)
+        grid, args, kw = _launch_args(q, k, v, out, lse, qk_scale, left, right, bottom_right, extras)
         compiled = _kernel_module().attn_fwd_hopper[grid](*args, **kw)
         if _rt.fast_launch_supported(compiled):
             _kernels[key] = compiled
         return
     B, Hq, Nq, D = q.shape
     write_lse = lse is not None
-    persistent = _persistent(left is not None or right is not None)
+    persistent = _persistent(left is not None or right is not None or any(extras.flags()))
     values = (_Desc(q), _Desc(k), _Desc(v), _Desc(out), lse if write_lse else out,
               *(lse.stride() if write_lse else (0, 0, 0)), Nq, k.shape[2], B, Hq, Hq // k.shape[1], qk_scale,
-              0 if left is None else left, 0 if right is None else right, BLOCK_M, BLOCK_N, D, STAGES,
-              left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS, persistent, PINGPONG)
+              0 if left is None else left, 0 if right is None else right, *extras.arguments(out), BLOCK_M, BLOCK_N,
+              D, STAGES, left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS, persistent,
+              PINGPONG, *extras.flags())
     _rt.run_compiled(compiled, _grid(q, persistent), _rt.stream_of(q.device.index), values)
 
 
 def _variant(prob: Problem, lse: torch.Tensor | None) -> tuple:
     """What a compiled kernel is specialized on, beyond what every taken call shares (16-byte alignment)."""
     spec = prob.spec
-    band = spec.left is not None or spec.right is not None
+    band, flags = spec.left is not None or spec.right is not None, _extras(prob).flags()
     return (prob.q.device.index, prob.dtype, prob.D, spec.left is not None, spec.right is not None,
-            spec.align == "bottom_right", lse is not None, PINGPONG, _persistent(band))
+            spec.align == "bottom_right", lse is not None, *flags, PINGPONG, _persistent(band or any(flags)))
 
 
 launches = 0  #: Hopper launches by the whole way so far (tests read it; fast calls do not count)
@@ -313,7 +349,7 @@ def forward(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
         return False
     spec = prob.spec
     _launch(_variant(prob, lse), prob.q, prob.k, prob.v, out, lse, prob.scale * LOG2E, spec.left, spec.right,
-            spec.align == "bottom_right")
+            spec.align == "bottom_right", _extras(prob))
     global launches
     launches += 1
     return True
@@ -329,19 +365,21 @@ def fast_call(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
     left, right, bottom_right = spec.left, spec.right, spec.align == "bottom_right"
     bnhd = prob.layout == "bnhd"
     empty_like, contiguous = torch.empty_like, torch.contiguous_format
+    fixed = _extras(prob)  # the slopes' strides and the cap are the signature's; lengths and slopes come per call
 
-    band = left is not None or right is not None
+    uneven = left is not None or right is not None or any(fixed.flags())
 
     def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
-        if _mode == "0" or not _compiled(key) or key[-2:] != (PINGPONG, _persistent(band)):  # (switched since)
+        if _mode == "0" or not _compiled(key) or key[-2:] != (PINGPONG, _persistent(uneven)):  # (switched since)
             return None
         o = empty_like(q, memory_format=contiguous)  # in the caller's layout, as the whole way allocates it
         m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
+        extras = fixed._replace(kv_len=kv_len, q_len=q_len, alibi=alibi_slopes)
         if bnhd:  # the kernel reads [B, H, N, D] views
             _launch(key, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o.transpose(1, 2), m, scale, left,
-                    right, bottom_right)
+                    right, bottom_right, extras)
         else:
-            _launch(key, q, k, v, o, m, scale, left, right, bottom_right)
+            _launch(key, q, k, v, o, m, scale, left, right, bottom_right, extras)
         return o, m
 
     return call

@@ -36,8 +36,10 @@ there, which keeps every ``p`` and ``alpha`` at exactly 0. At the end ``out = ac
 ``lse = (m_i + log2 l_i) ln 2``; a row with ``l_i = 0`` writes 0 and lse = -inf. P is rounded to the input
 dtype before ``P V``.
 
-Masks: the band (causal or window, either alignment) and the key bound. Tiles that every row of a consumer
-sees whole skip the mask arithmetic; the others apply it. Tiles outside the band are never loaded. The TMA
+Masks: the band (causal or window, either alignment, aligned with the batch entry's lengths) and the lengths:
+keys past kv_len are masked, rows past q_len are padding (0, lse -inf). Tiles that every row of a consumer sees
+whole skip the mask arithmetic; the others apply it. The score modifiers apply to every tile, in base 2 and in
+the portable kernel's order: the soft cap, then ALiBi (``- slope * |i + Lk - Lq - j|``). Tiles outside the band are never loaded. The TMA
 descriptors are four-dimensional ``[B, H, N, D]`` over the caller's strides, so rows past N read as zeros and
 stores past Nq are clipped by the copy engine. What this kernel computes is :func:`hopper_forward.unsupported`'s; every
 other call runs the portable kernel.
@@ -61,12 +63,15 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 
 @gluon.jit
-def _full_tiles(i0, Nq, Nk, off, win_left, win_right, t_lo, t_hi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Key tiles ``[f_lo, f_hi)`` inside ``[t_lo, t_hi)`` that every row of ``[i0, i0 + BLOCK_M)`` sees whole."""
-    i_last = gl.minimum(i0 + BLOCK_M, Nq) - 1
+def _full_tiles(i0, Lq, Lk, off, win_left, win_right, t_lo, t_hi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_Q_LEN: gl.constexpr):
+    """Key tiles ``[f_lo, f_hi)`` inside ``[t_lo, t_hi)`` that every row of ``[i0, i0 + BLOCK_M)`` sees whole (with
+    q_len, none where a row is padding: those rows are masked to 0)."""
+    i_last = gl.minimum(i0 + BLOCK_M, Lq) - 1
     full_lo = t_lo * 0
-    full_hi = Nk + t_lo * 0
+    full_hi = Lk + t_lo * 0
+    if HAS_Q_LEN:
+        full_hi = gl.where(i0 + BLOCK_M <= Lq, full_hi, 0)
     if HAS_LEFT:
         full_lo = gl.maximum(full_lo, i_last + off - win_left)
     if HAS_RIGHT:
@@ -77,15 +82,25 @@ def _full_tiles(i0, Nq, Nk, off, win_left, win_right, t_lo, t_hi, BLOCK_M: gl.co
 
 
 @gluon.jit
-def _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_left, win_right,
-                    BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """One key tile's step of the online softmax: (p, m_new, l_new, alpha) from the raw products ``S``."""
+def _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Lq, Lk, off, win_left, win_right, cap2, slope2,
+                    BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_Q_LEN: gl.constexpr,
+                    HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """One key tile's step of the online softmax: (p, m_new, l_new, alpha) from the raw products ``S``. In base 2:
+    the soft cap ``cap2 * tanh(s / cap2)`` (tanh by exp2, saturating), then ALiBi ``- slope2 * |i + Lk - Lq - j|``,
+    as the portable kernel's tiles.softcap and tiles.alibi; then, in partial tiles, the lengths and the band."""
     s = S * qk_scale
-    if (j < f_lo) | (j >= f_hi):  # a partial tile: the key bound and the band
-        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S.type.layout))
+    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S.type.layout))
+    if HAS_SOFTCAP:
+        s = cap2 * (1.0 - 2.0 / (1.0 + gl.exp2(s * (2.0 * 1.4426950408889634 / cap2))))
+    if HAS_ALIBI:
+        dist = gl.expand_dims((rows + (Lk - Lq)).to(gl.float32), 1) - gl.expand_dims(keys.to(gl.float32), 0)
+        s = s - slope2 * gl.abs(dist)
+    if (j < f_lo) | (j >= f_hi):  # a partial tile: the lengths and the band
         key_j = gl.expand_dims(keys, 0)
         row_i = gl.expand_dims(rows, 1)
-        ok = (key_j < Nk) & (row_i >= 0)
+        ok = (key_j < Lk) & (row_i >= 0)
+        if HAS_Q_LEN:
+            ok = ok & (row_i < Lq)
         if HAS_LEFT:
             ok = ok & (key_j >= row_i + off - win_left)
         if HAS_RIGHT:
@@ -100,26 +115,38 @@ def _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_lef
 
 
 @gluon.jit
-def _tile(t, Hq, group, Nq, Nk, off, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+def _tile(t, Hq, group, bounds, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+          HAS_RIGHT: gl.constexpr, HAS_KV_LEN: gl.constexpr, HAS_Q_LEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
     """Work item t: (b, h, kv head, first row m0, key tiles [t_lo, t_hi) that some of its 2 * BLOCK_M rows may
-    see). Head by head, each head's row tiles last-first (under a causal band the longest first)."""
+    see, the batch entry's lengths Lq and Lk (kv_len, q_len clamped into [0, N]) and its diagonal offset). Head by
+    head, each head's row tiles last-first (under a causal band the longest first)."""
+    Nq, Nk, win_left, win_right, KvLen, QLen = bounds
     n_m = (Nq + 2 * BLOCK_M - 1) // (2 * BLOCK_M)
     pid_m = n_m - 1 - t % n_m
     bh = t // n_m
     b = bh // Hq
     h = bh % Hq
     m0 = pid_m * (2 * BLOCK_M)
-    i_last = gl.minimum(m0 + 2 * BLOCK_M, Nq) - 1
+    Lq = Nq + m0 * 0
+    Lk = Nk + m0 * 0
+    if HAS_Q_LEN:
+        Lq = gl.minimum(gl.maximum(gl.load(QLen + b), 0), Nq)
+    if HAS_KV_LEN:
+        Lk = gl.minimum(gl.maximum(gl.load(KvLen + b), 0), Nk)
+    if BOTTOM_RIGHT:
+        off = Lk - Lq
+    else:
+        off = m0 * 0
+    i_last = gl.minimum(m0 + 2 * BLOCK_M, Lq) - 1
     lo = m0 * 0
-    hi = Nk + m0 * 0
+    hi = gl.where(m0 < Lq, Lk, 0)  # an item of padding rows only sees no key
     if HAS_LEFT:
         lo = gl.maximum(lo, m0 + off - win_left)
     if HAS_RIGHT:
         hi = gl.minimum(hi, i_last + off + win_right + 1)
     t_lo = lo // BLOCK_N
     t_hi = gl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t_lo)
-    return b, h, h // group, m0, t_lo, t_hi
+    return b, h, h // group, m0, t_lo, t_hi, Lq, Lk, off
 
 
 @gluon.jit
@@ -140,9 +167,10 @@ def _turn_pass(turns, k_turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _consumer_item(t, it0, n_done, k_turn, HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                   mods, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr,
-                   PINGPONG: gl.constexpr):
+                   PINGPONG: gl.constexpr, HAS_KV_LEN: gl.constexpr, HAS_Q_LEN: gl.constexpr,
+                   BOTTOM_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Rows ``[m0 + HALF * BLOCK_M, + BLOCK_M)`` of work item ``t``: the pipelined loop over its key tiles and the
     epilogue. ``it0``: the K/V ring's position, which runs on across items; ``n_done``: items done before this
     one; ``k_turn``: the product-issuing turns taken (both consumers take one per key tile and one more for the
@@ -152,7 +180,8 @@ def _consumer_item(t, it0, n_done, k_turn, HALF: gl.constexpr, descs, bufs, bars
     q_bufs, k_bufs, v_bufs, o_bufs = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     Hq, group, _, s_lb, s_lh, s_ln = sizes
-    Nq, Nk, off, win_left, win_right = bounds
+    Nq, win_left, win_right = bounds[0], bounds[2], bounds[3]
+    cap2, Alibi, s_ab, s_ah = mods
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -164,12 +193,15 @@ def _consumer_item(t, it0, n_done, k_turn, HALF: gl.constexpr, descs, bufs, bars
     o_tile = o_bufs.index(HALF).reshape([BLOCK_M, HEAD_D])
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
-    b, h, _, m0, t_lo, t_hi = _tile(t, Hq, group, Nq, Nk, off, win_left, win_right, BLOCK_M, BLOCK_N,
-                                    HAS_LEFT, HAS_RIGHT)
+    b, h, _, m0, t_lo, t_hi, Lq, Lk, off = _tile(t, Hq, group, bounds, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                                 HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
     i0 = m0 + HALF * BLOCK_M
     rows = i0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    f_lo, f_hi = _full_tiles(i0, Nq, Nk, off, win_left, win_right, t_lo, t_hi, BLOCK_M, BLOCK_N, HAS_LEFT,
-                             HAS_RIGHT)
+    f_lo, f_hi = _full_tiles(i0, Lq, Lk, off, win_left, win_right, t_lo, t_hi, BLOCK_M, BLOCK_N, HAS_LEFT,
+                             HAS_RIGHT, HAS_Q_LEN)
+    slope2 = qk_scale * 0.0
+    if HAS_ALIBI:  # the head's slope, in base 2
+        slope2 = gl.load(Alibi + b.to(gl.int64) * s_ab + h.to(gl.int64) * s_ah) * 1.4426950408889634
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
@@ -185,8 +217,9 @@ def _consumer_item(t, it0, n_done, k_turn, HALF: gl.constexpr, descs, bufs, bars
         k_turn = _turn_pass(turns, k_turn, HALF, PINGPONG)
         S = warpgroup_mma_wait(0, deps=(S, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
-        p, m_i, l_i, alpha = _softmax_update(S, t_lo, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off, win_left,
-                                             win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        p, m_i, l_i, alpha = _softmax_update(S, t_lo, m_i, l_i, rows, qk_scale, f_lo, f_hi, Lq, Lk, off, win_left,
+                                             win_right, cap2, slope2, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_LEN,
+                                             HAS_SOFTCAP, HAS_ALIBI)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         # ---- key tile j: issue S_j, then P_{j-1} V_{j-1}; the softmax of S_j runs while P V is on the tensor
         # cores (wgmma groups retire in issue order, so waiting for all but one returns once S_j is done) ----
@@ -203,8 +236,9 @@ def _consumer_item(t, it0, n_done, k_turn, HALF: gl.constexpr, descs, bufs, bars
             k_turn = _turn_pass(turns, k_turn, HALF, PINGPONG)
             S = warpgroup_mma_wait(1, deps=(S, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
-            p, m_i, l_i, alpha = _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Nk, off,
-                                                 win_left, win_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            p, m_i, l_i, alpha = _softmax_update(S, j, m_i, l_i, rows, qk_scale, f_lo, f_hi, Lq, Lk, off,
+                                                 win_left, win_right, cap2, slope2, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                                 HAS_Q_LEN, HAS_SOFTCAP, HAS_ALIBI)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -239,10 +273,11 @@ def _consumer_item(t, it0, n_done, k_turn, HALF: gl.constexpr, descs, bufs, bars
 
 
 @gluon.jit
-def _consumer(HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
+def _consumer(HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale, mods,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, HAS_KV_LEN: gl.constexpr, HAS_Q_LEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """A consumer's half of each of the program's work items (one item unless PERSISTENT)."""
     it0 = gl.program_id(0) * 0
     n_done = it0
@@ -250,26 +285,28 @@ def _consumer(HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scal
     if PERSISTENT:
         for t in range(gl.program_id(0), sizes[2], gl.num_programs(0)):
             it0, n_done, k_turn = _consumer_item(t, it0, n_done, k_turn, HALF, descs, bufs, bars, Lse, sizes,
-                                                 bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, HAS_LEFT,
-                                                 HAS_RIGHT, WRITE_LSE, PINGPONG)
+                                                 bounds, qk_scale, mods, BLOCK_M, BLOCK_N, HEAD_D, STAGES, HAS_LEFT,
+                                                 HAS_RIGHT, WRITE_LSE, PINGPONG, HAS_KV_LEN, HAS_Q_LEN,
+                                                 BOTTOM_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
     else:
         _consumer_item(gl.program_id(0), it0, n_done, k_turn, HALF, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
-                       BLOCK_M, BLOCK_N, HEAD_D, STAGES, HAS_LEFT, HAS_RIGHT, WRITE_LSE, PINGPONG)
+                       mods, BLOCK_M, BLOCK_N, HEAD_D, STAGES, HAS_LEFT, HAS_RIGHT, WRITE_LSE, PINGPONG, HAS_KV_LEN,
+                       HAS_Q_LEN, BOTTOM_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _loader_item(t, it, n_done, descs, bufs, bars, sizes, bounds, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                 STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_KV_LEN: gl.constexpr,
+                 HAS_Q_LEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
     """Work item ``t``'s loads: both Q halves as their slots free up, then K_j and V_j into the ring as its slots
     free up. Returns the ring's position and the items done, advanced past this item."""
     q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
     q_bufs, k_bufs, v_bufs = bufs[0], bufs[1], bufs[2]
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars[0], bars[1], bars[2], bars[3], bars[4], bars[5]
     Hq, group = sizes[0], sizes[1]
-    Nq, Nk, off, win_left, win_right = bounds
-    b, h, kvh, m0, t_lo, t_hi = _tile(t, Hq, group, Nq, Nk, off, win_left, win_right, BLOCK_M, BLOCK_N,
-                                      HAS_LEFT, HAS_RIGHT)
+    b, h, kvh, m0, t_lo, t_hi, _, _, _ = _tile(t, Hq, group, bounds, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                               HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
     for half in gl.static_range(2):  # a fresh barrier reads as phase 1 done: the first wait passes
         mbarrier.wait(q_empty.index(half), (n_done & 1) ^ 1)
         mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
@@ -288,36 +325,34 @@ def _loader_item(t, it, n_done, descs, bufs, bars, sizes, bounds, BLOCK_M: gl.co
 
 
 @gluon.jit
-def _loader(HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale,
+def _loader(HALF: gl.constexpr, descs, bufs, bars, Lse, sizes, bounds, qk_scale, mods,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WRITE_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
-            PINGPONG: gl.constexpr):
+            PINGPONG: gl.constexpr, HAS_KV_LEN: gl.constexpr, HAS_Q_LEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """The TMA partition: each of the program's work items in turn (one unless PERSISTENT)."""
     it = gl.program_id(0) * 0
     n_done = it
     if PERSISTENT:
         for t in range(gl.program_id(0), sizes[2], gl.num_programs(0)):
             it, n_done = _loader_item(t, it, n_done, descs, bufs, bars, sizes, bounds, BLOCK_M, BLOCK_N, STAGES,
-                                      HAS_LEFT, HAS_RIGHT)
+                                      HAS_LEFT, HAS_RIGHT, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
     else:
         _loader_item(gl.program_id(0), it, n_done, descs, bufs, bars, sizes, bounds, BLOCK_M, BLOCK_N, STAGES,
-                     HAS_LEFT, HAS_RIGHT)
+                     HAS_LEFT, HAS_RIGHT, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT)
 
 
 @gluon.jit(do_not_specialize=["Lse", "s_lb", "s_lh", "s_ln", "Nq", "Nk", "B", "Hq", "group", "win_left",
-                              "win_right"])
+                              "win_right", "KvLen", "QLen", "Alibi", "s_ab", "s_ah", "cap2"])
 def attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, Lse, s_lb, s_lh, s_ln, Nq, Nk, B, Hq, group, qk_scale,
-                    win_left, win_right,
+                    win_left, win_right, KvLen, QLen, Alibi, s_ab, s_ah, cap2,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
                     WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
-                    PINGPONG: gl.constexpr):
+                    PINGPONG: gl.constexpr, HAS_KV_LEN: gl.constexpr, HAS_Q_LEN: gl.constexpr,
+                    HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Program p of P runs work item p (PERSISTENT: items p, p + P, p + 2P, ...) of the
     ``ceil(Nq / (2 * BLOCK_M)) * B * Hq`` items (the module docstring: P is the host's choice)."""
-    if BOTTOM_RIGHT:
-        off = Nk - Nq
-    else:
-        off = Nk * 0
     n_items = (Nq + 2 * BLOCK_M - 1) // (2 * BLOCK_M) * (B * Hq)
 
     # ---- shared memory: the Q halves, the K and V rings, the O halves; their barriers ----
@@ -346,12 +381,16 @@ def attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, Lse, s_lb, s_lh, s_ln, Nq, N
     bufs = (q_bufs, k_bufs, v_bufs, o_bufs)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns)
     sizes = (Hq, group, n_items, s_lb, s_lh, s_ln)
-    bounds = (Nq, Nk, off, win_left, win_right)
+    bounds = (Nq, Nk, win_left, win_right, KvLen, QLen)
+    mods = (cap2, Alibi, s_ab, s_ah)
     gl.warp_specialize([
-        (_consumer, (0, descs, bufs, bars, Lse, sizes, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                     HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT, PINGPONG)),
-        (_consumer, (1, descs, bufs, bars, Lse, sizes, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                     HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT, PINGPONG)),
-        (_loader, (0, descs, bufs, bars, Lse, sizes, bounds, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                   HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT, PINGPONG)),
+        (_consumer, (0, descs, bufs, bars, Lse, sizes, bounds, qk_scale, mods, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                     HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT, PINGPONG, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT,
+                     HAS_SOFTCAP, HAS_ALIBI)),
+        (_consumer, (1, descs, bufs, bars, Lse, sizes, bounds, qk_scale, mods, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                     HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT, PINGPONG, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT,
+                     HAS_SOFTCAP, HAS_ALIBI)),
+        (_loader, (0, descs, bufs, bars, Lse, sizes, bounds, qk_scale, mods, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                   HAS_LEFT, HAS_RIGHT, WRITE_LSE, PERSISTENT, PINGPONG, HAS_KV_LEN, HAS_Q_LEN, BOTTOM_RIGHT,
+                   HAS_SOFTCAP, HAS_ALIBI)),
     ], [4, 1], [CONSUMER_REGS, 24])
