@@ -39,10 +39,10 @@ dtype before ``P V``.
 Masks: the band (causal or window, either alignment, aligned with the batch entry's lengths) and the lengths:
 keys past kv_len are masked, rows past q_len are padding (0, lse -inf). Tiles that every row of a consumer sees
 whole skip the mask arithmetic; the others apply it. The score modifiers apply to every tile, in base 2 and in
-the portable kernel's order: the soft cap, then ALiBi (``- slope * |i + Lk - Lq - j|``). Tiles outside the band are never loaded. The TMA
-descriptors are four-dimensional ``[B, H, N, D]`` over the caller's strides, so rows past N read as zeros and
-stores past Nq are clipped by the copy engine. What this kernel computes is :func:`hopper_forward.unsupported`'s; every
-other call runs the portable kernel.
+the portable kernel's order: the soft cap, then ALiBi (``- slope * |i + Lk - Lq - j|``). Tiles outside the band
+are never loaded. The TMA descriptors are four-dimensional ``[B, H, N, D]`` over the caller's strides, so rows
+past N read as zeros and stores past Nq are clipped by the copy engine. What this kernel computes is
+:func:`hopper_forward.unsupported`'s; every other call runs the portable kernel.
 """
 
 from __future__ import annotations
