@@ -55,6 +55,7 @@ def test_refuses_what_it_does_not_compute(on_sm90, kw, reason):
 
 
 @pytest.mark.parametrize("extra, reason", [
+    (dict(kv_len=[100, 50]), "kv_len"),
     (dict(mask=torch.ones(200, 200, dtype=torch.bool)), "explicit mask"),
     (dict(mask=torch.zeros(200, 200)), "bias"),
     (dict(sinks=torch.zeros(4)), "sinks"),
@@ -68,7 +69,7 @@ def test_takes_lengths_and_the_score_modifiers(on_sm90):
     if isinstance(hopper._kernel_module(), str):
         pytest.skip(hopper._kernel_module())
     q, k, v = _qkv(B=2)
-    assert _why(q, k, v, kv_len=[100, 50], q_len=[200, 7], causal=True, align="bottom_right") is None
+    assert _why(q, k, v, q_len=[200, 7], causal=True, align="bottom_right") is None
     assert _why(q, k, v, softcap=30.0, alibi_slopes=torch.rand(4)) is None
 
 
@@ -272,15 +273,13 @@ CASES = {
     "one_key": dict(shape=dict(Nq=64, Nk=1, D=128), kw=dict()),
     "fp16_causal": dict(shape=dict(Nq=300, Nk=300, D=128, dtype=torch.float16), kw=dict(causal=True)),
     "window_empty_rows": dict(shape=dict(Nq=300, Nk=300, D=64), kw=dict(window=(None, -50))),
-    "kv_len_q_len_causal_br": dict(shape=dict(Nq=700, Nk=900, D=128),
-                                   kw=dict(kv_len=[900, 0], q_len=[333, 700], causal=True, align="bottom_right")),
-    "kv_len_full": dict(shape=dict(Nq=513, Nk=1000, D=64), kw=dict(kv_len=[1000, 129])),
+    "q_len_causal_br": dict(shape=dict(Nq=700, Nk=900, D=128),
+                            kw=dict(q_len=[333, 0], causal=True, align="bottom_right")),
     "q_len_window": dict(shape=dict(Nq=600, Nk=600, D=128), kw=dict(q_len=[17, 600], window=(100, 20))),
     "softcap": dict(shape=dict(Nq=400, Nk=500, D=128), kw=dict(softcap=20.0)),
     "alibi_causal": dict(shape=dict(Nq=500, Nk=500, D=64), kw=dict(alibi="slopes", causal=True)),
     "all_extras": dict(shape=dict(Nq=450, Nk=700, D=128),
-                       kw=dict(kv_len=[650, 300], q_len=[450, 120], softcap=30.0, alibi="slopes", causal=True,
-                               align="bottom_right")),
+                       kw=dict(q_len=[450, 120], softcap=30.0, alibi="slopes", causal=True, align="bottom_right")),
 }
 
 
@@ -345,9 +344,27 @@ def test_the_schedules_give_one_output(D, kw, monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
+def test_padding_rows_are_zero_whatever_the_values_hold():
+    """Rows past q_len attend no key: out exactly 0 and lse -inf, also when a value they were multiplied by 0
+    with is Inf (the contract's NaN rule: only rows that attend a key see what it holds)."""
+    q, k, v = _qkv(B=2, Hq=4, Hkv=4, Nq=300, Nk=300, D=128, device="cuda", seed=13)
+    v[0, :, 5] = float("inf")
+    ql = torch.tensor([100, 300], dtype=torch.int32, device="cuda")
+    prev, before = hopper.set_mode("sync"), hopper.launches
+    try:
+        out, lse = attnlab.attention(q, k, v, q_len=ql, backend="triton", return_lse=True)
+    finally:
+        hopper.set_mode(prev)
+    assert hopper.launches == before + 1
+    assert (out[0, :, 100:] == 0).all() and torch.isneginf(lse[0, :, 100:]).all()
+    assert torch.isfinite(out[1]).all()
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_fast_calls_take_each_calls_lengths_and_slopes():
-    """The fast call of a signature with kv_len, q_len and ALiBi launches with the lengths and slopes of the call
-    it serves, not of the call that made it."""
+    """The fast call of a signature with q_len and ALiBi launches with the lengths and slopes of the call it
+    serves, not of the call that made it."""
     from attnlab import fast_calls
 
     q, k, v = _qkv(B=2, Hq=4, Hkv=4, Nq=300, Nk=500, D=128, device="cuda", seed=12)
@@ -355,9 +372,8 @@ def test_fast_calls_take_each_calls_lengths_and_slopes():
     try:
         fast_calls.clear()
         outs = []
-        for kv, ql, slope in (([500, 77], [300, 300], 0.5), ([13, 500], [290, 31], 0.125)):
-            kw = dict(kv_len=torch.tensor(kv, dtype=torch.int32, device="cuda"),
-                      q_len=torch.tensor(ql, dtype=torch.int32, device="cuda"),
+        for ql, slope in (([300, 300], 0.5), ([290, 31], 0.125)):
+            kw = dict(q_len=torch.tensor(ql, dtype=torch.int32, device="cuda"),
                       alibi_slopes=torch.full((4,), slope, device="cuda"), causal=True, align="bottom_right")
             before = hopper.launches
             outs.append((attnlab.attention(q, k, v, backend="triton", return_lse=True, **kw), kw))

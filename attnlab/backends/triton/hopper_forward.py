@@ -107,8 +107,10 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
     """Why the Hopper forward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
-    or 128, the causal and window bands in either alignment, kv_len and q_len, Nq != Nk, GQA, lse, the soft cap
-    and ALiBi; explicit masks and biases, packed sequences and sinks run on the portable kernel."""
+    or 128, the causal and window bands in either alignment, q_len, Nq != Nk, GQA, lse, the soft cap and ALiBi;
+    kv_len, explicit masks and biases, packed sequences and sinks run on the portable kernel. (kv_len: the kernel
+    masks keys past it, but reads K and V in whole tiles, and P V would multiply NaN past a length by 0; the
+    contract keeps what lies past a length out of every result.)"""
     if _mode == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
@@ -121,6 +123,8 @@ def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
     spec = prob.spec
     if prob.packed is not None:
         return "no packed sequences"
+    if spec.kv_len is not None:
+        return "no kv_len (whole K/V tiles are read: values past a length would reach P V)"
     if spec.mask is not None or spec.bias is not None or prob.mods.sinks is not None:
         return "no explicit mask, bias or sinks"
     if _items(q) >= 2**31:
@@ -365,16 +369,17 @@ def fast_call(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
     left, right, bottom_right = spec.left, spec.right, spec.align == "bottom_right"
     bnhd = prob.layout == "bnhd"
     empty_like, contiguous = torch.empty_like, torch.contiguous_format
-    fixed = _extras(prob)  # the slopes' strides and the cap are the signature's; lengths and slopes come per call
-
-    uneven = left is not None or right is not None or any(fixed.flags())
+    first = _extras(prob)  # the slopes' strides and the cap are the signature's; lengths and slopes come per call
+    a_strides, cap2 = first.alibi_strides, first.cap2
+    uneven = left is not None or right is not None or any(first.flags())
+    del first  # (no tensor of the first call is kept)
 
     def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
         if _mode == "0" or not _compiled(key) or key[-2:] != (PINGPONG, _persistent(uneven)):  # (switched since)
             return None
         o = empty_like(q, memory_format=contiguous)  # in the caller's layout, as the whole way allocates it
         m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
-        extras = fixed._replace(kv_len=kv_len, q_len=q_len, alibi=alibi_slopes)
+        extras = Extras(kv_len, q_len, alibi_slopes, a_strides, cap2)
         if bnhd:  # the kernel reads [B, H, N, D] views
             _launch(key, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o.transpose(1, 2), m, scale, left,
                     right, bottom_right, extras)

@@ -260,7 +260,8 @@ def _consumer_item(t, it0, n_done, k_turn, HALF: gl.constexpr, descs, bufs, bars
     live = l_i != 0.0
     l_div = gl.where(live, l_i, 1.0)
     scale_o = gl.convert_layout(gl.where(live, 1.0 / l_div, 0.0), gl.SliceLayout(1, o_layout))
-    out = acc * gl.expand_dims(scale_o, 1)
+    live_o = gl.expand_dims(gl.convert_layout(live, gl.SliceLayout(1, o_layout)), 1)
+    out = gl.where(live_o, acc * gl.expand_dims(scale_o, 1), 0.0)  # a dead row is 0, whatever 0 * V gave acc
     tma.store_wait(0)
     o_tile.store(out.to(dtype))
     fence_async_shared()
