@@ -40,7 +40,7 @@ FAMILY_DTYPES = {"naive": (0, 1, 2), "tiled": (0, 1, 2), "rowmax": (0, 1, 2), "m
 
 #: Threads per block and rows per block of each family (must match the kernels).
 THREADS = {"naive": 128, "tiled": 128, "rowmax": 256, "mma": 128}
-ROWS_PER_BLOCK = {"naive": 1, "tiled": 16, "rowmax": 64, "mma": 64}
+ROWS_PER_BLOCK = {"naive": 1, "tiled": 16, "rowmax": 64, "mma": 128}
 
 #: Window sides arrive at the kernels clamped to +-NO_BOUND (2^30, as in attn_params.cuh): farther than
 #: any row is from any key, so an unbounded side needs no special case.
@@ -157,7 +157,7 @@ class Variant:
             return 4 * (16 + 32 + 32) * d
         if self.family == "mma":
             bn = mma_bn(d)
-            return 2 * (ROWS_PER_BLOCK["mma"] + 4 * bn) * d  # 16-bit q_s [64][d], k_s and v_s [2][bn][d]
+            return 2 * (ROWS_PER_BLOCK["mma"] + 2 * bn) * d  # 16-bit q_s [128][d], k_s and v_s [bn][d]
         bm, bn = 64, rowmax_bn(d)
         stages = 2 if d <= 128 else 1
         ld = d + 4
