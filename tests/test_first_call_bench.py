@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
@@ -14,7 +15,8 @@ def test_a_cold_only_run_writes_one_process_rows_under_its_name(tmp_path):
                           "--name", "first_call_cpu", "--out", str(tmp_path), "--timeout-s", "240"])
     assert rc == 0
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert (folder / "first_call_cpu.json").exists()
+    command = json.loads((folder / "first_call_cpu.json").read_text())["command"]
+    assert command.startswith("python -m attnlab.bench.first_call --device cpu --backends torch"), command
     rows = list(csv.DictReader(open(folder / "first_call_cpu.csv")))
     assert [(r["kind"], r["cold"], r["status"]) for r in rows] == [("fwd", "True", "ok"),
                                                                     ("warm-new-shape", "True", "ok")]

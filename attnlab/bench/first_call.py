@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         folder = Path(args.out) / gpu_slug(device_name(args.device))
         folder.mkdir(parents=True, exist_ok=True)
-        meta = environment(args.device, [sys.executable, "-m", "attnlab.bench.first_call", *(argv or sys.argv[1:])])
+        meta = environment(args.device, list(argv or sys.argv[1:]), prog=("python", "-m", "attnlab.bench.first_call"))
         (folder / f"{args.name}.json").write_text(json.dumps(meta, indent=2) + "\n")
     csv_path = None if folder is None else folder / f"{args.name}.csv"
     measure(problems, args.backends, args.device, args.timeout_s, dict(e.split("=", 1) for e in args.env),

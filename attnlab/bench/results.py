@@ -60,8 +60,10 @@ def _hopper_mode() -> str:
     return hopper.mode()
 
 
-def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
-    """The environment a result depends on: device, driver, library versions, commit, date, command."""
+def environment(device: str, argv: Sequence[str],
+                prog: Sequence[str] = ("python", "-m", "attnlab", "bench")) -> dict[str, Any]:
+    """The environment a result depends on: device, driver, library versions, commit, date, command (``prog``
+    followed by ``argv``)."""
     from attnlab import __version__
     from attnlab import backends as _b
 
@@ -72,7 +74,7 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
         dirty = bool(_cmd(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]))
     env: dict[str, Any] = {
         "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": os.environ.get("ATTNLAB_BENCH_COMMAND") or shlex.join(["python", "-m", "attnlab", "bench", *argv]),
+        "command": os.environ.get("ATTNLAB_BENCH_COMMAND") or shlex.join([*prog, *argv]),
         "attnlab": __version__,
         "commit": commit,
         "commit_dirty": dirty,
@@ -88,7 +90,7 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
         "hopper_forward": _hopper_mode(),
     }
     if os.environ.get("ATTNLAB_BENCH_COMMAND"):
-        env["restarted_as"] = shlex.join(["python", "-m", "attnlab", "bench", *argv])
+        env["restarted_as"] = shlex.join([*prog, *argv])
     if device.startswith("cuda") and torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.device(device))
         q = _cmd(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"])
