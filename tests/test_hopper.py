@@ -224,6 +224,41 @@ def test_compiles_for_sm90_with_the_installed_triton(D, band, pingpong, extras, 
     assert _ptxas_spills(ptx) == 0, "the Hopper kernel spills registers"
 
 
+_AFTER_AN_INTERPRETED_CALL = """
+import torch
+import attnlab
+from triton.backends.compiler import GPUTarget
+from attnlab.backends.triton import hopper_forward as hopper
+from attnlab.backends.triton.cold_launch import compile_only
+
+q = torch.randn(1, 2, 40, 64)
+attnlab.attention(q, q, q, backend="triton", causal=True)  # Triton's interpreter, on CPU tensors
+q, k = torch.randn(1, 4, 300, 64, dtype=torch.bfloat16), torch.randn(1, 2, 500, 64, dtype=torch.bfloat16)
+out = torch.empty_like(q)
+_, args, kw = hopper._launch_args(q, k, k, out, None, 0.1, None, 0, True)
+compile_only(hopper._kernel_module().attn_fwd_hopper, args, kw, 0, target=GPUTarget("cuda", 90, 32))
+print("compiled")
+"""
+
+
+def test_compiles_after_an_interpreted_call_in_the_same_process(tmp_path):
+    """An interpreted launch imports Gluon while triton.language's functions are swapped for the interpreter's;
+    Gluon imported then kept the stand-ins and no Gluon kernel compiled afterwards in that process (triton 3.9).
+    A fresh process and an empty Triton cache, so that no cached kernel hides the compile."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if isinstance(hopper._kernel_module(), str):
+        pytest.skip(hopper._kernel_module())
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", _AFTER_AN_INTERPRETED_CALL], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
 def _ptxas_spills(ptx: str) -> int:
     """Bytes of spill stores ptxas reports for ``ptx`` on sm_90a (the ptxas triton compiled it with)."""
     import re

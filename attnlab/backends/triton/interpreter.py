@@ -62,6 +62,7 @@ def interpreter(kernel) -> Iterator:
             tensor.__index__ = index
 
     with _interpreter_lock:
+        _import_gluon_language()
         # The interpreter swaps triton.language's functions for its own while it runs. Not all of that is
         # undone afterwards (patches made by nested library calls, and, before triton 3.7, none at all),
         # which breaks the next *compiled* launch in this process. Snapshot and restore it all here.
@@ -75,6 +76,17 @@ def interpreter(kernel) -> Iterator:
             interpreter._patch_lang_tensor = patch_tensor
             JITFunction.__call__ = saved
             _language_restore(snapshot)
+
+
+def _import_gluon_language() -> None:
+    """Import Gluon's language (where triton has it) before an interpreted run. It wraps triton.language's
+    functions once, when first imported; the JIT imports it during a launch, and imported while the interpreter
+    has those functions swapped, it would keep the interpreter's stand-ins, and every later Gluon compile in the
+    process (the Hopper forward's) would fail."""
+    try:
+        import triton.experimental.gluon.language  # noqa: F401
+    except Exception:  # a triton without Gluon: nothing to protect
+        pass
 
 
 def _language_snapshot() -> list[tuple[object, dict]]:
