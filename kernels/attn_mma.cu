@@ -52,7 +52,8 @@
 // P stays in registers: the C fragments of key blocks 2k and 2k+1 are, value for value, the A fragment of the
 // 16-key slice k of P V (c0 c1 of block 2k = a0, c2 c3 = a1, block 2k+1's = a2, a3), so each pair is converted to
 // 16 bits (round to nearest, as the Triton kernel and FlashAttention do) and packed into one register.
-// With fast_exp the softmax runs in base 2 (scores times log2 e, ex2.approx); else in base e with expf.
+// With FAST_EXP (this kernel's default: p is rounded to 16 bits right after) the softmax runs in base 2 (scores
+// times log2 e, ex2.approx); else in base e with expf.
 //
 // Pipeline, per key tile t (two barriers, FlashAttention-2's order; one K and one V buffer):
 //   (A) wait for every copy, barrier: K_t has landed and every warp is done with V_{t-1};

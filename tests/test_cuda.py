@@ -100,6 +100,20 @@ def test_fast_exp_switch_selects_variant():
     assert C.choose_variant("rowmax", torch.float32, 64, fast=True).label == "rowmax_f32_d64_fastexp"
 
 
+def test_each_family_has_its_exp_unless_the_switch_forces_one():
+    """The float32 FMA kernels default to expf, the tensor-core kernel to ex2.approx; the switch forces either way
+    and restores the defaults (None) on leaving."""
+    bf16 = torch.bfloat16
+    assert C.get_fast_exp() is None
+    assert C.choose_variant("mma", bf16, 64).fast_exp and not C.choose_variant("rowmax", bf16, 64).fast_exp
+    with C.fast_exp(False):
+        assert not C.choose_variant("mma", bf16, 128).fast_exp
+    with C.fast_exp(True):
+        assert C.choose_variant("tiled", bf16, 64).fast_exp and C.choose_variant("mma", bf16, 64).fast_exp
+    assert C.get_fast_exp() is None and [C.fast_exp_of(f) for f in C.FAMILIES] == [
+        C.FAST_EXP_DEFAULT[f] for f in C.FAMILIES]
+
+
 def test_every_variant_fits_sm80_shared_memory():
     for v in C.variants():
         assert v.shared_bytes() <= C.SMEM_OPTIN["sm_80"], v.label
@@ -663,10 +677,11 @@ def test_mma_element_load_path_on_the_matrix():
 
 
 @pytest.mark.gpu
-def test_mma_fast_exp_variant():
+def test_mma_expf_variant():
+    """The tensor-core kernel in base e with IEEE expf (its default, ex2.approx, runs in the tests above)."""
     names = ("causal", "bias_full", "gqa_causal_br", "q_len_causal_br", "dense_d128", "window")
     cases = [c for c in default_cases(scale=3) if c.name in names]
-    with C.fast_exp():
+    with C.fast_exp(False):
         _df, bad, summary = _verify_mma(cases)
     print(summary)
     assert bad.empty, summary

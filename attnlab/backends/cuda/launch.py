@@ -168,7 +168,7 @@ _compiled_cache: dict[tuple, _Compiled] = {}
 
 
 def _compiled(family: str, dtype: torch.dtype, D: int, fast: bool | None, dev: int) -> _Compiled:
-    fast = _settings.get_fast_exp() if fast is None else bool(fast)
+    fast = _settings.fast_exp_of(family) if fast is None else bool(fast)
     key = (family, dtype, D, fast, dev)
     c = _compiled_cache.get(key)
     if c is None:

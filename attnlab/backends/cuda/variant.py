@@ -8,7 +8,8 @@ launch geometry checked against device limits, and rowmax's two launch-time choi
 * :func:`launch_config` computes grid, block and dynamic shared memory; :func:`validate_launch` checks them
   against the device's limits and raises :class:`LaunchConfigError` naming the limit and the value.
 * ``fast_exp``: :func:`set_fast_exp` (or the :func:`fast_exp` context manager) switches every CUDA backend
-  between ``expf`` (default, IEEE) and ``__expf`` (hardware ex2.approx, a few ulp less accurate).
+  between ``expf`` (IEEE) and ``__expf`` (hardware ex2.approx, a few ulp less accurate); by default the float32
+  FMA kernels run ``expf`` and the tensor-core kernel ex2.approx (:data:`FAST_EXP_DEFAULT`).
 * rowmax (see ``kernels/attn_rowmax.cu``): :func:`can_async_copy` decides whether its K/V tiles travel by
   16-byte ``cp.async`` copies or element by element, and :func:`rowmax_split_plan` whether a small grid
   splits each query tile's keys over several blocks (then ``attn_rowmax_merge`` combines their states).
@@ -52,25 +53,40 @@ DEFAULT_SMEM = 48 * 1024
 CUDA_MAX_THREADS = 1024
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
 
-_fast_exp = False
+_fast_exp: bool | None = None  #: None: each family's own default (FAST_EXP_DEFAULT)
 _rowmax_async = True  #: let rowmax (and mma) use cp.async where the inputs allow it
 _rowmax_force_splits: int | None = None  #: None: rowmax_split_plan decides
 
 
-def set_fast_exp(enabled: bool) -> bool:
-    """Use ``__expf`` (True) or ``expf`` (False, default) in every CUDA kernel; returns the old setting."""
+#: The exp each family runs unless :func:`set_fast_exp` says otherwise. The float32 FMA kernels use IEEE
+#: ``expf`` (the precision chapter's subject). The tensor-core kernel rounds p to 16 bits right after its exp, a
+#: rounding far coarser than ex2.approx's few float32 ulp, so it runs in base 2 on ex2.approx, as FlashAttention and
+#: the Triton kernel do.
+FAST_EXP_DEFAULT = {"naive": False, "tiled": False, "rowmax": False, "mma": True}
+
+
+def set_fast_exp(enabled: bool | None) -> bool | None:
+    """Use ``__expf`` / ex2.approx (True) or ``expf`` (False) in every CUDA kernel, or each family's default
+    (None, the initial setting: :data:`FAST_EXP_DEFAULT`); returns the old setting."""
     global _fast_exp
-    old, _fast_exp = _fast_exp, bool(enabled)
+    old, _fast_exp = _fast_exp, None if enabled is None else bool(enabled)
     return old
 
 
-def get_fast_exp() -> bool:
+def get_fast_exp() -> bool | None:
+    """The setting of :func:`set_fast_exp`: True, False, or None (each family's default)."""
     return _fast_exp
 
 
+def fast_exp_of(family: str) -> bool:
+    """Whether ``family`` runs the fast exp under the current setting."""
+    return FAST_EXP_DEFAULT[family] if _fast_exp is None else _fast_exp
+
+
 @contextlib.contextmanager
-def fast_exp(enabled: bool = True) -> Iterator[None]:
-    """``with attnlab.cuda.fast_exp(): ...`` runs the CUDA backends with ``__expf``, then restores."""
+def fast_exp(enabled: bool | None = True) -> Iterator[None]:
+    """``with attnlab.cuda.fast_exp(): ...`` runs the CUDA backends with ``__expf`` (``fast_exp(False)``: with
+    ``expf``; ``None``: each family's default), then restores."""
     old = set_fast_exp(enabled)
     try:
         yield
@@ -205,7 +221,7 @@ def choose_variant(family: str, dtype: torch.dtype, D: int, fast: bool | None = 
                         f"{dtype} (float32 runs on cuda-rowmax or triton)")
     for dm in DMAX_BUCKETS[family]:
         if D <= dm:
-            return Variant(family, DTYPE_CODES[dtype], dm, _fast_exp if fast is None else bool(fast))
+            return Variant(family, DTYPE_CODES[dtype], dm, fast_exp_of(family) if fast is None else bool(fast))
     raise ValueError(f"head dim D = {D} exceeds the largest bucket {DMAX_BUCKETS[family][-1]} of {family}")
 
 
