@@ -17,20 +17,12 @@ import sys
 
 import torch
 
+from attnlab.bench.timing import mean_gpu_ms
+
 CASES = [  # (B, H, N, D, causal)
     (4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (8, 16, 2048, 64, True), (1, 16, 16384, 128, True),
 ]
 F8 = torch.float8_e4m3fn
-
-
-def _time(fn, calls: int = 20) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / calls
 
 
 def _case(B: int, H: int, N: int, D: int, causal: bool, rounds: int) -> dict:
@@ -72,7 +64,7 @@ def _case(B: int, H: int, N: int, D: int, causal: bool, rounds: int) -> dict:
         for name in timed:
             for _ in range(3):
                 calls[name]()
-            times[name].append(_time(calls[name]))
+            times[name].append(mean_gpu_ms(calls[name]))
     flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
     for name, t in times.items():
         row["ms"][name] = sorted(t[1:])[len(t[1:]) // 2]

@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from attnlab.bench.timing import mean_gpu_ms
+
 #: (PERSISTENT, PINGPONG) by label; under a band (causal) PERSISTENT changes nothing.
 SETTINGS = {"grid": (False, False), "grid+pingpong": (False, True), "persistent": (True, False),
             "persistent+pingpong": (True, True)}
@@ -24,16 +26,6 @@ CASES = [  # (B, H, N, D, causal, dtype)
     (8, 16, 1024, 64, False, torch.bfloat16), (4, 16, 4096, 64, False, torch.bfloat16),
     (1, 16, 16384, 64, False, torch.bfloat16), (8, 16, 1024, 128, False, torch.float16),
 ]
-
-
-def _time(fn, calls: int = 20) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / calls
 
 
 def _case(B: int, H: int, N: int, D: int, causal: bool, dtype: torch.dtype, rounds: int) -> dict:
@@ -70,7 +62,7 @@ def _case(B: int, H: int, N: int, D: int, causal: bool, dtype: torch.dtype, roun
             for label, fn in [*((lb, ours(st)) for lb, st in SETTINGS.items()), ("sdpa-cudnn", cudnn)]:
                 for _ in range(3):
                     fn()
-                times[label].append(_time(fn))
+                times[label].append(mean_gpu_ms(fn))
         row["ms"] = {key: sorted(t[1:])[len(t[1:]) // 2] for key, t in times.items()}
         row["over_cudnn"] = {key: row["ms"]["sdpa-cudnn"] / t for key, t in row["ms"].items()}
     return row

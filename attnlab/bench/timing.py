@@ -94,6 +94,18 @@ def time_calls(call: Callable[[int], Any], sets: int, reps: int, device: torch.d
     return times
 
 
+def mean_gpu_ms(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Milliseconds per call of ``calls`` calls queued back to back on the current stream, between two CUDA
+    events (the probes' interleaved rounds: no gap between calls, one synchronize)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / calls
+
+
 def measure_peak(call: Callable[[int], torch.Tensor], i: int, device: torch.device) -> tuple[float, float]:
     """(ms of one call, peak extra MiB beyond what was allocated before and the output); MiB is NaN on CPU."""
     if device.type != "cuda":
