@@ -4,8 +4,8 @@ the consumers' ping-pong (``hopper_forward.PINGPONG``), each on and off, through
 
 Each case's output under every setting is checked against the float64 reference (first two batch entries)
 before anything is timed; all outputs must also be equal bit for bit (the same sums in the same order). Times:
-CUDA-event median over rounds of 20 back-to-back calls each (``ms``), per setting. A probe for the branch
-``hopper-persistent``: ``python -m attnlab.bench.hopper_persistent_ab OUT.json``.
+CUDA-event median over rounds of 20 back-to-back calls each (``ms``), per setting:
+``python -m attnlab.bench.hopper_persistent_ab OUT.json``.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def run(out: str, rounds: int = 7) -> dict:
     from attnlab.backends.triton import hopper_forward as hopper
     from attnlab.bench.experiment import run_environment, write
 
+    before = hopper.PERSISTENT, hopper.PINGPONG
     hopper.set_mode("sync")
     rows = []
     try:
@@ -79,7 +80,7 @@ def run(out: str, rounds: int = 7) -> dict:
             rows.append(_case(*case, rounds))
             print(rows[-1], flush=True)
     finally:
-        hopper.PERSISTENT, hopper.PINGPONG = True, True
+        hopper.PERSISTENT, hopper.PINGPONG = before
     return write({"environment": run_environment("cuda"), "rows": rows}, out)
 
 
