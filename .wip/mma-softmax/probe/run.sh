@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call (about 8 minutes on an H100): run from the repository root with the series applied.
+#   1. the CUDA GPU tests and test_contract's cuda-mma cases, on the series' kernel;
+#   2. the dense suite: the series' kernel ("base") beside sdpa-flash, sdpa-cudnn and triton, then each variant
+#      of var/ beside sdpa-flash in its own process (head = main's kernel before the series);
+#   3. the CUDA ladder (cuda_ladder), whose cuda-mma rows the notebooks' CUDA chapter shows.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+here=$(dirname "$0")
+out=${OUT:-/tmp/attnlab-out}; mkdir -p "$out"
+{
+  echo "commit ${ATTNLAB_COMMIT:-unknown}"; date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  python3 -c "import torch, triton, cupy; print('torch', torch.__version__, 'triton', triton.__version__, 'cupy', cupy.__version__)"
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+S=$(date +%s)
+timeout "${T_S:-170}" python3 -m pytest -m gpu -n 16 -v -rfEs -p no:cacheprovider tests/test_cuda.py tests/test_contract.py \
+  -k "mma or test_cuda" > "$out/tests.txt" 2>&1
+echo "tests rc=$? $(( $(date +%s) - S )) s" | tee -a "$out/tests.txt"
+grep -E "FAILED|ERROR" "$out/tests.txt" | head -20; tail -2 "$out/tests.txt"
+for v in base ${VARIANTS:-head ffma ffma_skip fsr_bn64}; do
+  S=$(date +%s)
+  b="cuda-mma sdpa-flash"; [ "$v" = base ] && b="cuda-mma sdpa-flash sdpa-cudnn triton"
+  timeout 120 python3 "$here/variant_run.py" "$v" bench --suite dense --backends $b --out "$out/var/$v" \
+    --no-progress > "$out/var_$v.txt" 2>&1
+  echo "variant $v rc=$? $(( $(date +%s) - S )) s" | tee -a "$out/var_$v.txt"
+done
+python3 "$here/summarize.py" "$out/var" | tee "$out/variants.txt"
+tar czf "$out/var.tgz" -C "$out" var && rm -rf "$out/var"
+S=$(date +%s)
+timeout 80 python3 -m attnlab.lessons.cuda_ladder "$out/cuda-ladder.json" > "$out/ladder.txt" 2>&1
+echo "ladder rc=$? $(( $(date +%s) - S )) s" | tee -a "$out/ladder.txt"

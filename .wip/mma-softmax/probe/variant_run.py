@@ -1,0 +1,41 @@
+"""Run attnlab's command line with kernels/ overlaid by a variant folder: an A/B probe of CUDA kernel sources.
+
+usage: PYTHONPATH=. python .wip/mma-softmax/probe/variant_run.py NAME ARGS...
+NAME 'base' runs the checkout's kernels; any other name copies kernels/ to a temporary folder, overwrites it with
+the ``*.cu``/``*.cuh`` files of ``var/NAME/``, and points attnlab at it. A ``bn.txt`` there ("dmax:bn" pairs)
+overrides ``variant.mma_bn``, the Python twin of ``MmaTiles::BN`` (the launch's shared-memory size).
+Each variant runs in its own process, so no compiled kernel of another variant is cached in it.
+"""
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import attnlab.backends.cuda.sources as sources
+import attnlab.backends.cuda.variant as variant
+from attnlab.cli import main
+
+
+def overlay(name: str) -> None:
+    """Point attnlab's CUDA sources (and mma_bn) at variant ``name``."""
+    here = Path(__file__).resolve().parent
+    tmp = Path(tempfile.mkdtemp(prefix=f"kernels-{name}-")) / "kernels"
+    shutil.copytree(Path(str(sources.kernels_dir())), tmp)
+    for f in (here / "var" / name).glob("*.cu*"):
+        shutil.copy(f, tmp / f.name)
+    sources.kernels_dir = lambda: tmp
+    bn = here / "var" / name / "bn.txt"
+    if bn.exists():
+        table = dict(tuple(int(x) for x in pair.split(":")) for pair in bn.read_text().split())
+        original = variant.mma_bn
+        patched = lambda dmax: table.get(dmax, original(dmax))
+        for mod in list(sys.modules.values()):  # every module that imported mma_bn by name
+            if getattr(mod, "mma_bn", None) is original:
+                mod.mma_bn = patched
+
+
+if __name__ == "__main__":
+    if sys.argv[1] != "base":
+        overlay(sys.argv[1])
+    sys.exit(main(sys.argv[2:]))
