@@ -12,35 +12,25 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import threading
 import time
+
+from attnlab import switch_interval
 
 _thread: threading.Thread | None = None
 _report: dict[str, object] = {"started": False}
 
-#: The GIL switch interval while the thread runs. Hashing reads libtriton in 1 MiB chunks and takes the GIL
-#: back after each one; while the main thread runs Python (an import, a notebook cell), each hand-over waits
-#: the interval, 5 ms by default, which stretches the hash many times over (docs/decisions.md, "The warm start's
-#: GIL hand-overs"). Restored when the thread ends.
-SWITCH_INTERVAL_S = 0.0002
-
-
 def _warm() -> None:
+    # Hashing reads libtriton in 1 MiB chunks and takes the GIL back after each one: a short switch interval
+    # while it runs (attnlab.switch_interval).
     t0 = time.perf_counter()
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, SWITCH_INTERVAL_S))
-    ours = sys.getswitchinterval()  # as the interpreter rounds it
-    try:
+    with switch_interval.short():
         for step, work in (("triton_key", _cache_key), ("gluon", _gluon)):
             try:
                 work()
                 _report[step] = round(time.perf_counter() - t0, 3)  # seconds since the thread started
             except Exception as err:  # a triton without this piece: its first launch does what it needs
                 _report[step] = f"{type(err).__name__}: {err}"
-    finally:
-        if sys.getswitchinterval() == ours:  # unless someone else changed it since
-            sys.setswitchinterval(before)
 
 
 def triton_key_function():

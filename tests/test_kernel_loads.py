@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from attnlab import switch_interval
 from attnlab.backends.triton import background
 
 triton = pytest.importorskip("triton")
@@ -88,6 +89,16 @@ def test_drain_waits_for_work_and_the_work_it_starts():
     background._submit(first)
     background.drain()
     assert done == ["first", "second"] and not background._inflight
+
+
+def test_background_work_runs_with_the_short_switch_interval():
+    """Work on the compile threads sees attnlab's short GIL switch interval; the caller's is back after it."""
+    before = sys.getswitchinterval()
+    seen = []
+    background._submit(lambda: seen.append(sys.getswitchinterval()))
+    background.drain()
+    assert seen == [pytest.approx(switch_interval.SHORT_S)]
+    assert sys.getswitchinterval() == before
 
 
 @pytest.mark.gpu
