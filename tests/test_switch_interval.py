@@ -7,11 +7,14 @@ import threading
 
 import pytest
 
-from attnlab import switch_interval
+from attnlab import switch_interval, warm_start
 
 
 @pytest.fixture
 def default_interval():
+    """5 ms, with no other user of the short interval left (the warm start, on a GPU build of torch, is one)."""
+    warm_start.wait()
+    assert switch_interval._users == 0
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.005)
     yield 0.005
@@ -56,3 +59,13 @@ def test_a_change_made_meanwhile_is_not_undone(default_interval):
     with switch_interval.short():
         sys.setswitchinterval(0.002)
     assert sys.getswitchinterval() == pytest.approx(0.002)
+
+
+def test_nested_on_one_thread_and_an_error_inside_restore_it(default_interval):
+    with pytest.raises(RuntimeError, match="inside"):
+        with switch_interval.short():
+            with switch_interval.short():
+                assert sys.getswitchinterval() == pytest.approx(switch_interval.SHORT_S)
+            assert sys.getswitchinterval() == pytest.approx(switch_interval.SHORT_S)
+            raise RuntimeError("inside")
+    assert sys.getswitchinterval() == default_interval and switch_interval._users == 0

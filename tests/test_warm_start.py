@@ -12,7 +12,9 @@ from attnlab import switch_interval, warm_start
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """warm_start as if attnlab had just been imported with a GPU build of torch."""
+    """warm_start as if attnlab had just been imported with a GPU build of torch (the import's own thread, on a GPU
+    build, done first: it shares the short switch interval)."""
+    warm_start.wait()
     monkeypatch.setattr(warm_start, "_thread", None)
     monkeypatch.setattr(warm_start, "_report", {"started": False})
     monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.8")
