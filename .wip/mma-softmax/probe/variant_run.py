@@ -24,7 +24,10 @@ def overlay(name: str) -> None:
     shutil.copytree(Path(str(sources.kernels_dir())), tmp)
     for f in (here / "var" / name).glob("*.cu*"):
         shutil.copy(f, tmp / f.name)
-    sources.kernels_dir = lambda: tmp
+    original_dir = sources.kernels_dir
+    for mod in list(sys.modules.values()):  # sources, and every module that imported kernels_dir by name
+        if getattr(mod, "kernels_dir", None) is original_dir:
+            mod.kernels_dir = lambda: tmp
     bn = here / "var" / name / "bn.txt"
     if bn.exists():
         table = dict(tuple(int(x) for x in pair.split(":")) for pair in bn.read_text().split())
