@@ -2,7 +2,7 @@
 # One device call (about 8 minutes on an H100): run from the repository root with the series applied.
 #   1. the CUDA GPU tests and test_contract's cuda-mma cases, on the series' kernel;
 #   2. the dense suite: the series' kernel ("base") beside sdpa-flash, sdpa-cudnn and triton, then each variant
-#      of var/ beside sdpa-flash in its own process (head = main's kernel before the series);
+#      of var/ (a patch of the series' kernel) beside sdpa-flash in its own process (head = main's kernel);
 #   3. the CUDA ladder (cuda_ladder), whose cuda-mma rows the notebooks' CUDA chapter shows.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1

@@ -1,13 +1,15 @@
-"""Run attnlab's command line with kernels/ overlaid by a variant folder: an A/B probe of CUDA kernel sources.
+"""Run attnlab's command line with kernels/ patched by a variant: an A/B probe of CUDA kernel sources.
 
 usage: PYTHONPATH=. python .wip/mma-softmax/probe/variant_run.py NAME ARGS...
-NAME 'base' runs the checkout's kernels; any other name copies kernels/ to a temporary folder, overwrites it with
-the ``*.cu``/``*.cuh`` files of ``var/NAME/``, and points attnlab at it. A ``bn.txt`` there ("dmax:bn" pairs)
-overrides ``variant.mma_bn``, the Python twin of ``MmaTiles::BN`` (the launch's shared-memory size).
-Each variant runs in its own process, so no compiled kernel of another variant is cached in it.
+NAME 'base' runs the checkout's kernels; any other name copies kernels/ to a temporary folder, applies
+``var/NAME.patch`` there (``git apply``; a unified diff of ``attn_mma.cu`` against the series' kernel), and points
+attnlab at it. A ``var/NAME.bn`` ("dmax:bn" pairs) overrides ``variant.mma_bn``, the Python twin of
+``MmaTiles::BN`` (the launch's shared-memory size). Each variant runs in its own process, so no compiled kernel of
+another variant is cached in it.
 """
 
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,13 +24,12 @@ def overlay(name: str) -> None:
     here = Path(__file__).resolve().parent
     tmp = Path(tempfile.mkdtemp(prefix=f"kernels-{name}-")) / "kernels"
     shutil.copytree(Path(str(sources.kernels_dir())), tmp)
-    for f in (here / "var" / name).glob("*.cu*"):
-        shutil.copy(f, tmp / f.name)
+    subprocess.run(["git", "apply", str(here / "var" / f"{name}.patch")], cwd=tmp, check=True)
     original_dir = sources.kernels_dir
     for mod in list(sys.modules.values()):  # sources, and every module that imported kernels_dir by name
         if getattr(mod, "kernels_dir", None) is original_dir:
             mod.kernels_dir = lambda: tmp
-    bn = here / "var" / name / "bn.txt"
+    bn = here / "var" / f"{name}.bn"
     if bn.exists():
         table = dict(tuple(int(x) for x in pair.split(":")) for pair in bn.read_text().split())
         original = variant.mma_bn
