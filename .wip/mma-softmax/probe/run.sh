@@ -19,7 +19,7 @@ timeout "${T_S:-170}" python3 -m pytest -m gpu -n 16 -v -rfEs -p no:cacheprovide
   -k "mma or test_cuda" > "$out/tests.txt" 2>&1
 echo "tests rc=$? $(( $(date +%s) - S )) s" | tee -a "$out/tests.txt"
 grep -E "FAILED|ERROR" "$out/tests.txt" | head -20; tail -2 "$out/tests.txt"
-for v in base ${VARIANTS:-head ffma ffma_skip bn64 bn64_noexplicit}; do
+for v in base ${VARIANTS:-head ffma_skip bn64 bn64_noexplicit fa2tiles_noexplicit}; do
   S=$(date +%s)
   b="cuda-mma sdpa-flash"; [ "$v" = base ] && b="cuda-mma sdpa-flash sdpa-cudnn triton"
   timeout 120 python3 "$here/variant_run.py" "$v" bench --suite dense --backends $b --out "$out/var/$v" \
