@@ -20,6 +20,7 @@ from attnlab import switch_interval
 _thread: threading.Thread | None = None
 _report: dict[str, object] = {"started": False}
 
+
 def _warm() -> None:
     # Hashing reads libtriton in 1 MiB chunks and takes the GIL back after each one: a short switch interval
     # while it runs (attnlab.switch_interval).
