@@ -3,9 +3,10 @@
 The case lists of ``attnlab.cases`` pick each edge on purpose; these tests draw the keywords together at random
 (causal or windows in either alignment, lengths, bool masks and biases, GQA, both layouts, a strided q, soft cap,
 ALiBi, sinks, scales of either sign; float32 and 16-bit inputs), so that a combination no list names still meets
-the contract: the checker's tolerances (:func:`attnlab.check.compare`, with the textbook call as the 16-bit
-baseline), the lse, no NaN, and a repeated call (the fast call) equal to the first. Each test draws from its own
-seed (``ATTNLAB_FUZZ_SEED`` shifts them all, to explore); a failure prints the case it drew.
+the contract as :func:`attnlab.check.verify` judges it (its tolerances, the textbook call as the 16-bit
+baseline, TF32 off, outputs filled with NaN before a backend writes them), the lse, and a repeated call (the fast
+call) equal to the first. Each test draws from its own seed (``ATTNLAB_FUZZ_SEED`` shifts them all, to explore);
+a failure prints the case it drew.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ import attnlab
 from attnlab import check
 
 SEED = int(os.environ.get("ATTNLAB_FUZZ_SEED", "0"))
+
+
+@pytest.fixture(autouse=True)
+def as_the_checker_runs():
+    """float32 without TF32 and every output filled with NaN before a backend writes it, as ``verify`` runs."""
+    from attnlab.api import poison_outputs
+
+    with check.strict_fp32(), poison_outputs():
+        yield
 
 
 def _describe(kw: dict) -> dict:
