@@ -79,6 +79,7 @@ class Case(ShapeDefaults):
     softcap: float | None = None  #: the soft cap c (attnlab.score_mods)
     alibi: str | None = None  #: ALiBi slopes drawn per head ("h": [Hq]) or per batch entry and head ("bh": [B, Hq])
     sinks: bool = False  #: a sink logit per head, drawn
+    scale: float | None = None  #: the softmax scale (None: 1 / sqrt(D))
 
     @property
     def dv(self) -> int:
@@ -192,9 +193,11 @@ def takes_dtype(case: Case, dtype: torch.dtype) -> bool:
 
 
 def score_mod_keywords(case: Case, B: int, dtype: torch.dtype, device, gen: torch.Generator) -> dict[str, Any]:
-    """A case's score modifiers as keywords: the soft cap, ALiBi slopes in (0, 1] (float32), sinks ~ N(0, 2^2)
-    in the input dtype."""
+    """A case's scale (where it sets one) and score modifiers as keywords: the soft cap, ALiBi slopes in (0, 1]
+    (float32), sinks ~ N(0, 2^2) in the input dtype."""
     kw: dict[str, Any] = {}
+    if case.scale is not None:
+        kw["scale"] = case.scale
     if case.softcap is not None:
         kw["softcap"] = case.softcap
     if case.alibi is not None:
