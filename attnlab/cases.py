@@ -177,7 +177,12 @@ def make_inputs(case: Case, *, dtype: torch.dtype, device, seed: int):
         kw["mask"] = make_mask(case.mask, case.B, case.Hq, case.Nq, case.nk, device, gen)
     if dtype == FP8:
         kw.update(fp8_descales(case.B, case.Hq, case.hkv, device, gen))
-    return q, k, v, {**kw, **score_mod_keywords(case, case.B, dtype, device, gen)}
+    return q, k, v, {**kw, **_scale(case), **score_mod_keywords(case, case.B, dtype, device, gen)}
+
+
+def _scale(case: Case) -> dict[str, Any]:
+    """The case's softmax scale as a keyword, where it sets one."""
+    return {} if case.scale is None else {"scale": case.scale}
 
 
 def fp8_descales(B: int, Hq: int, Hkv: int, device, gen: torch.Generator) -> dict[str, Any]:
@@ -193,11 +198,9 @@ def takes_dtype(case: Case, dtype: torch.dtype) -> bool:
 
 
 def score_mod_keywords(case: Case, B: int, dtype: torch.dtype, device, gen: torch.Generator) -> dict[str, Any]:
-    """A case's scale (where it sets one) and score modifiers as keywords: the soft cap, ALiBi slopes in (0, 1]
-    (float32), sinks ~ N(0, 2^2) in the input dtype."""
+    """A case's score modifiers as keywords: the soft cap, ALiBi slopes in (0, 1] (float32), sinks ~ N(0, 2^2)
+    in the input dtype."""
     kw: dict[str, Any] = {}
-    if case.scale is not None:
-        kw["scale"] = case.scale
     if case.softcap is not None:
         kw["softcap"] = case.softcap
     if case.alibi is not None:
@@ -224,7 +227,7 @@ def _packed_inputs(case: Case, dtype: torch.dtype, device, gen: torch.Generator)
     kw = {"cu_seqlens_q": cu(lq), "cu_seqlens_k": cu(lk), "max_seqlen_q": max(lq, default=0),
           "max_seqlen_k": max(lk, default=0), **{k: v for k, v in mask_keywords(case, device).items()
                                                   if k in ("causal", "window", "align")}}
-    return q, k, v, {**kw, **score_mod_keywords(case, len(case.seqs), dtype, device, gen)}
+    return q, k, v, {**kw, **_scale(case), **score_mod_keywords(case, len(case.seqs), dtype, device, gen)}
 
 
 def default_cases(scale: int = 1) -> list[Case]:
