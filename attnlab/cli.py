@@ -81,7 +81,8 @@ def compile_check_parser() -> OneLineParser:
     ap = OneLineParser(prog="attnlab compile-check",
                                  description="compile every CUDA kernel variant with NVRTC (no GPU needed)")
     ap.add_argument("--strict", action="store_true",
-                    help="fail on a spill in tiled/rowmax for D <= 128 or shared memory over the arch limit")
+                    help="fail on a spill in mma or in tiled/rowmax for D <= 128, or shared memory over the "
+                         "arch limit")
     ap.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
     ap.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 2))

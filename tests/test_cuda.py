@@ -461,6 +461,10 @@ def test_strict_flags_spills_only_where_it_should():
 
     bad = C.strict_problems([res("rowmax", 64, 4), res("tiled", 128, 0), res("rowmax", 256, 8), res("naive", 256, 4)])
     assert len(bad) == 1 and "rowmax_f32_d64" in bad[0]
+    # mma is held to 0 spills, at the register limit too.
+    mma = C.Variant("mma", 1, 64, False)
+    assert C.strict_problems([C.Resources(mma, "sm_90", 64, 0, 0, 0, 0)]) == []
+    assert len(C.strict_problems([C.Resources(mma, "sm_90", 255, 0, 0, 4, 4)])) == 1
 
     def at_cap(spill_st, spill_ld):
         return C.Resources(C.Variant("rowmax", 0, 64, False), "sm_80", C.REGISTER_CAP, 0, 0, spill_st, spill_ld)
