@@ -692,6 +692,32 @@ def test_mma_expf_variant():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scale", [0.3, 2.0, -0.3, -2.0, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fast", [None, False])
+def test_scale_of_either_sign_on_wholly_allowed_tiles(scale, causal, fast):
+    """The mma kernel takes the max over the raw scores in wholly allowed tiles, which holds only for scale > 0,
+    and forms the exponent as one FFMA, which needs the scaled scores not to overflow (scale at most 1 in its
+    unit); other scales take its scaling pass. A negative scale on the fast path would take each row's smallest
+    score as its max: the online softmax stays right until exp overflows, which -2.0 (scores' spread past 128 in
+    base 2) brings about. Every CUDA family, in its default exp and in expf, N long enough for several wholly allowed
+    tiles, judged against the float64 reference (with the textbook call as the baseline)."""
+    import attnlab
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 3, 300, 64, device="cuda", generator=gen) for _ in range(3))
+    for be in (*BACKENDS, MMA):
+        dt = torch.bfloat16 if be == MMA else torch.float32
+        qd, kd, vd = q.to(dt), k.to(dt), v.to(dt)
+        ref = attnlab.reference(qd, kd, vd, causal=causal, scale=scale)[0]
+        with C.fast_exp(fast):
+            out = attnlab.attention(qd, kd, vd, causal=causal, scale=scale, backend=be)
+        base = attnlab.attention(qd, kd, vd, causal=causal, scale=scale, backend="torch")
+        rep = check.compare(out, ref, base=base)
+        assert rep.passed, f"{be} scale={scale} causal={causal} fast_exp={fast}: {rep}"
+
+
+@pytest.mark.gpu
 def test_mma_refuses_what_it_does_not_take_on_the_gpu():
     import attnlab
     from attnlab.backends import registry
