@@ -9,7 +9,7 @@
 // while Q K^T runs, the next K tile while the softmax and P V run. DMAX (64 or 128) is the head dim the arrays
 // are sized for; D <= DMAX is padded with zeros. Registers: a thread holds 4 * MB * DMAX / 8 accumulators of O
 // and 4 * MB * BN / 8 scores (D128: 128 + 32), under the 255 a thread may have at two blocks per SM; 64-key
-// tiles at D128 spill (ptxas, sm_80 and sm_90) once the partial tiles' per-element mask is in the loop.
+// tiles at D128 spill (ptxas, sm_80 and sm_90) with the explicit mask's pass in the kernel.
 //
 // Shared memory (16-bit elements, rows of DMAX elements, no padding; declared 1024-byte aligned, which holds while
 // the kernel has no static shared memory: the lane addresses below assume rows start at multiples of their size):
@@ -45,10 +45,13 @@
 // independent accumulators per 16-wide step of the reduction, which keeps the tensor pipe fed.
 //
 // Online softmax on the accumulator fragments (per tile, as rowmax): S arrives as float32 fragments s[mb][n][0..3]
-// (m-block mb, key block n). A thread scales (and in a partial tile masks) its 2 x 2 values per key block, takes
-// the max over its keys, then over the 4 threads of its group with two xor shuffles (distance 1 and 2): that is
-// the tile's row max, known to all four. m_new = max(m_i, tile max); alpha = exp(m_i - m_new) rescales acc and
-// l_i; p = exp(s - m_new). l_i is kept per thread (its own keys' share) and summed over the group once, at the end.
+// (m-block mb, key block n). A thread takes the max over its 2 x 2 values per key block, then over the 4 threads
+// of its group with two xor shuffles (distance 1 and 2): the tile's row max, known to all four, times the scale
+// once (a positive factor keeps the order). m_new = max(m_i, tile max); alpha = exp(m_i - m_new) rescales acc and
+// l_i; p = exp(s * scale - m_new), one FFMA before the exp, as FlashAttention does. l_i is kept per thread (its
+// own keys' share) and summed over the group once, at the end. A warp skips the rescale of acc when no row max of
+// its 32 rows moved (alpha = 1 exactly, the common case once a row has met its largest scores): a uniform branch
+// on a warp vote.
 // P stays in registers: the C fragments of key blocks 2k and 2k+1 are, value for value, the A fragment of the
 // 16-key slice k of P V (c0 c1 of block 2k = a0, c2 c3 = a1, block 2k+1's = a2, a3), so each pair is converted to
 // 16 bits (round to nearest, as the Triton kernel and FlashAttention do) and packed into one register.
@@ -60,8 +63,12 @@
 //       issue V_t into v_s; S = Q K_t^T (V_t travels meanwhile);
 //   (B) wait for every copy, barrier: V_t has landed and every warp is done with K_t;
 //       issue K_{t+1} into k_s; softmax; O += P V_t (K_{t+1} travels meanwhile).
-// Partial tiles (the band's edges, lengths, an explicit mask) run the per-element predicate; the others run a
-// copy of the same code without it (CHECK, a template argument: the branch between them is uniform).
+// Masking: a wholly allowed tile goes straight to the softmax step. A partial tile (the band's edges, lengths)
+// first sets the keys outside each row's range [lo, hi) to -inf (key_range of the row: two compares per score).
+// With an explicit mask or bias, or a scale outside (0, 1] in the softmax's unit (the max trick above needs
+// scale > 0; above 1 a score times it may overflow), a pass scales every score, adds its explicit term or -inf,
+// and the step takes the result with a factor of 1. The branches are uniform, and one softmax step serves all
+// three.
 //
 // Loads: each thread copies the same 16-byte column chunk of rows r0, r0 + R, r0 + 2R, ... of a tile (R = 128 /
 // (DMAX / 8) rows apart, a multiple of 8: the same row % 8, so one swizzled offset), by 16-byte cp.async.cg
@@ -291,54 +298,113 @@ __device__ __forceinline__ void scores(float (&s)[MmaTiles<DMAX>::MB][MmaTiles<D
     }
 }
 
-// The softmax step of one tile on the fragments: scale (and with CHECK, mask: the structure and the explicit
-// term) the scores, update m_i and l_i, rescale acc, and leave p = exp(s - m_new) in s.
-template <int DMAX, bool FAST_EXP, bool CHECK>
-__device__ __forceinline__ void softmax_step(WarpState<DMAX>& w, float (&s)[MmaTiles<DMAX>::MB][MmaTiles<DMAX>::KN][4],
-                                             const AttnParams& args, const RowRule& rule, int b, int h, int row0,
-                                             int j0, float scale_u, float units)
+// The masking passes, on the S fragments before the softmax step, for the tiles that need one (uniform branches
+// in the kernel). Row i = row0 + 16 mb + g + 8r holds values 2r, 2r+1 of each key block n, keys j0 + 8n + 2t + e.
+
+// Keys outside each row's allowed range [lo, hi) (key_range of the row, shifted to this thread's first key
+// j0 + 2t, so that a key is two compares with constants) become -inf; the scores stay raw.
+template <int DMAX>
+__device__ __forceinline__ void mask_structure(float (&s)[MmaTiles<DMAX>::MB][MmaTiles<DMAX>::KN][4],
+                                               const RowRule& rule, int row0, int j0)
 {
     using T = MmaTiles<DMAX>;
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mb = 0; mb < T::MB; ++mb)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {  // row g (values 0, 1 of each block), row g + 8 (values 2, 3)
+        for (int r = 0; r < 2; ++r) {
+            int lo, hi;
+            key_range(rule, row0 + 16 * mb + g + 8 * r, row0 + 16 * mb + g + 8 * r + 1, &lo, &hi);
+            lo -= j0 + 2 * t;
+            hi -= j0 + 2 * t;
+#pragma unroll
+            for (int n = 0; n < T::KN; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (!(8 * n + e >= lo && 8 * n + e < hi)) s[mb][n][2 * r + e] = NEG_INF;
+        }
+}
+
+// With an explicit mask or bias, or a scale outside (0, 1] in the softmax's unit (not positive: the max trick
+// fails; above 1: a finite score times it may overflow, which the FFMA form would hide): every score scaled and
+// given its explicit term, or -inf outside the row's range. The step then takes them as they are.
+template <int DMAX>
+__device__ __forceinline__ void scale_and_mask(float (&s)[MmaTiles<DMAX>::MB][MmaTiles<DMAX>::KN][4],
+                                               const AttnParams& args, const RowRule& rule, int b, int h, int row0,
+                                               int j0, float scale_u, float units)
+{
+    using T = MmaTiles<DMAX>;
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mb = 0; mb < T::MB; ++mb)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
             const int i = row0 + 16 * mb + g + 8 * r;
-            float tile_max = NEG_INF;
+            int lo, hi;
+            key_range(rule, i, i + 1, &lo, &hi);
+            lo -= j0 + 2 * t;
+            hi -= j0 + 2 * t;
 #pragma unroll
             for (int n = 0; n < T::KN; ++n)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    float x = s[mb][n][2 * r + e] * scale_u;
-                    if (CHECK) {
-                        const int j = j0 + 8 * n + 2 * t + e;
-                        x = structure_allows(rule, i, j) ? x + units * explicit_term(args, b, h, i, j) : NEG_INF;
-                    }
-                    s[mb][n][2 * r + e] = x;
-                    tile_max = fmaxf(tile_max, x);
+                    const int c = 8 * n + e;
+                    const float x = s[mb][n][2 * r + e] * scale_u;
+                    s[mb][n][2 * r + e] =
+                        c >= lo && c < hi ? x + units * explicit_term(args, b, h, i, j0 + 2 * t + c) : NEG_INF;
                 }
-            tile_max = group_max(tile_max, 4);  // the 4 threads of the group hold the row
+        }
+}
+
+// The softmax step of one tile on the fragments, scores s * mul (mul > 0: the scale in the softmax's unit for
+// raw scores, 1 for scores the pass above scaled). The row max is taken over s and multiplied once (mul > 0
+// keeps the order; -inf stays -inf), the exponent is one FFMA, s * mul - m_new. Updates m_i and l_i, rescales
+// acc, and leaves p in s.
+template <int DMAX, bool FAST_EXP>
+__device__ __forceinline__ void softmax_step(WarpState<DMAX>& w, float (&s)[MmaTiles<DMAX>::MB][MmaTiles<DMAX>::KN][4],
+                                             float mul)
+{
+    using T = MmaTiles<DMAX>;
+    float alpha[T::MB][2];
+    bool moved = false;  // whether some row max of this thread's rows moved (alpha != 1)
+#pragma unroll
+    for (int mb = 0; mb < T::MB; ++mb)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // row g (values 0, 1 of each block), row g + 8 (values 2, 3)
+            float tile_max = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < T::KN; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) tile_max = fmaxf(tile_max, s[mb][n][2 * r + e]);
+            tile_max = group_max(tile_max * mul, 4);  // the 4 threads of the group hold the row
             const float m_new = fmaxf(w.m_i[mb][r], tile_max);
             const float m_use = safe_max(m_new);
-            const float alpha = unit_exp<FAST_EXP>(w.m_i[mb][r] - m_use);
+            alpha[mb][r] = unit_exp<FAST_EXP>(w.m_i[mb][r] - m_use);
+            // (A row whose max is still -inf holds acc = 0, or NaN from 0 times a non-finite value: its alpha of 0
+            // would leave either as it is, so it need not force the rescale.)
+            moved |= alpha[mb][r] != 1.0f && w.m_i[mb][r] != NEG_INF;
             float row_sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < T::KN; ++n)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float p = unit_exp<FAST_EXP>(s[mb][n][2 * r + e] - m_use);
+                    const float p = unit_exp<FAST_EXP>(fmaf(s[mb][n][2 * r + e], mul, -m_use));
                     s[mb][n][2 * r + e] = p;
                     row_sum += p;
                 }
-            w.l_i[mb][r] = w.l_i[mb][r] * alpha + row_sum;
+            w.l_i[mb][r] = w.l_i[mb][r] * alpha[mb][r] + row_sum;
             w.m_i[mb][r] = m_new;
-#pragma unroll
-            for (int n = 0; n < T::DN; ++n) {
-                w.acc[mb][n][2 * r] *= alpha;
-                w.acc[mb][n][2 * r + 1] *= alpha;
-            }
         }
+    // Rescaling by exactly 1 changes nothing: the warp skips it when no row max of its 32 rows moved (the
+    // common case once a row has met its largest scores), a uniform branch on a warp vote.
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mb = 0; mb < T::MB; ++mb)
+#pragma unroll
+            for (int n = 0; n < T::DN; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) w.acc[mb][n][e] *= alpha[mb][e / 2];
+    }
 }
 
 // O += P V for the tile in v_s, P's A fragments straight from the S fragments. Steps (16-key slice kk, dim pair
@@ -458,12 +524,15 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
             load_tile<DMAX, BN>(args, slot, args.k, k_base, args.ks, j0 + BN, min(BN, hi - j0 - BN), k_s);
         }
         copies_commit();
-        // The predicate only where the tile is not wholly allowed or an explicit mask applies (uniform branch).
-        if (args.mask_kind != 0 || !tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN)) {
-            softmax_step<DMAX, FAST_EXP, true>(w, s, args, rule, b, h, row0, j0, scale_u, units);
-        } else {
-            softmax_step<DMAX, FAST_EXP, false>(w, s, args, rule, b, h, row0, j0, scale_u, units);
+        // A masking pass only where the tile needs one (uniform branches), then the one softmax step.
+        float mul = scale_u;
+        if (args.mask_kind != 0 || !(scale_u > 0.0f && scale_u <= 1.0f)) {
+            scale_and_mask<DMAX>(s, args, rule, b, h, row0, j0, scale_u, units);
+            mul = 1.0f;
+        } else if (!tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN)) {
+            mask_structure<DMAX>(s, rule, row0, j0);
         }
+        softmax_step<DMAX, FAST_EXP>(w, s, mul);
         accumulate<DTYPE, DMAX>(w, s, v_lane);
     }
 
