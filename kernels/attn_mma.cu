@@ -4,12 +4,15 @@
 //
 // Tiling (FlashAttention-2's split): one block per (batch*head bh, tile of BM = 128 query rows): grid
 // (B*Hq, ceil(Nq / 128)), heaviest (last) query tiles first. 128 threads = 4 warps; warp w owns MB = 2 m-blocks
-// of 16 rows (rows 32w .. 32w+31) for the whole kernel. K and V stream through shared memory in tiles of BN keys
-// (64 for DMAX 64, 32 for DMAX 128), one buffer each, overlapped as FlashAttention-2 does: the V tile travels
-// while Q K^T runs, the next K tile while the softmax and P V run. DMAX (64 or 128) is the head dim the arrays
-// are sized for; D <= DMAX is padded with zeros. Registers: a thread holds 4 * MB * DMAX / 8 accumulators of O
-// and 4 * MB * BN / 8 scores (D128: 128 + 32), under the 255 a thread may have at two blocks per SM; 64-key
-// tiles at D128 spill (ptxas, sm_80 and sm_90) with the explicit mask's pass in the kernel.
+// of 16 rows (rows 32w .. 32w+31) for the whole kernel. K and V stream through shared memory in tiles of BN keys,
+// one buffer each, overlapped as FlashAttention-2 does: the V tile travels while Q K^T runs, the next K tile
+// while the softmax and P V run. DMAX (64 or 128) is the head dim the arrays are sized for; D <= DMAX is padded
+// with zeros. Registers: a thread holds 4 * MB * DMAX / 8 accumulators of O and 4 * MB * BN / 8 scores, under
+// the 255 a thread may have. So BN is 64 for DMAX 64 and 32 for DMAX 128 (D128: 128 + 32), except in the WIDE
+// kernel, which takes FlashAttention-2's tiles, 128 keys at DMAX 64 and 64 at DMAX 128 (128 + 64): it has no
+// scaling pass (below), whose registers make those tiles spill, and at DMAX 128 it loads each slice's Q
+// fragments as the slice starts instead of one slice ahead. The host launches it only where that pass is not
+// needed and ptxas keeps it free of spills (attnlab.backends.cuda.variant.mma_wide_ok: sm_90 with ex2.approx).
 //
 // Shared memory (16-bit elements, rows of DMAX elements, no padding; declared 1024-byte aligned, which holds while
 // the kernel has no static shared memory: the lane addresses below assume rows start at multiples of their size):
@@ -89,12 +92,13 @@
 
 // ---- tile shapes -------------------------------------------------------------------------------------
 
-template <int DMAX>
+template <int DMAX, bool WIDE = false>
 struct MmaTiles {
     static constexpr int WARPS = 4;
     static constexpr int MB = 2;                  // 16-row m-blocks per warp (FlashAttention-2's 32 rows)
     static constexpr int BM = 16 * MB * WARPS;    // query rows per block (128)
-    static constexpr int BN = DMAX <= 64 ? 64 : 32;  // keys per K/V tile (the registers' limit: see the header)
+    // keys per K/V tile (the registers' limit, see the header): FlashAttention-2's tiles in the wide kernel
+    static constexpr int BN = WIDE ? (DMAX <= 64 ? 128 : 64) : (DMAX <= 64 ? 64 : 32);
     static constexpr int NTHREADS = 32 * WARPS;
     static constexpr int CHUNKS = DMAX / 8;       // 16-byte chunks per row
     static constexpr int ROW_STEP = NTHREADS / CHUNKS;  // rows between a thread's chunks in a tile (8 or 16)
@@ -255,13 +259,14 @@ struct WarpState {
 
 // S = Q K^T for the tile in k_s: s[mb][n] is the 16 x 8 block of m-block mb and keys 8n .. 8n+7. Steps (16-dim
 // slice kk, key pair n2): each K fragment feeds both m-blocks; K fragments are loaded two steps ahead (a ring of
-// 3) and each slice's Q fragments one slice ahead, so that no MMA waits on the ldmatrix just issued.
-template <int DTYPE, int DMAX>
-__device__ __forceinline__ void scores(float (&s)[MmaTiles<DMAX>::MB][MmaTiles<DMAX>::KN][4], unsigned int q_lane,
+// 3) and, with Q_AHEAD, each slice's Q fragments one slice ahead, so that no MMA waits on the ldmatrix just
+// issued. Without it (where the registers run out) a slice's Q fragments are loaded as the slice starts.
+template <int DTYPE, int DMAX, bool Q_AHEAD, int KN>
+__device__ __forceinline__ void scores(float (&s)[MmaTiles<DMAX>::MB][KN][4], unsigned int q_lane,
                                        unsigned int k_lane)
 {
     using T = MmaTiles<DMAX>;
-    constexpr int MB = T::MB, KN = T::KN, DK = T::DK;
+    constexpr int MB = T::MB, DK = T::DK;
     constexpr unsigned int ROW_BYTES = DMAX * 2;
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
@@ -277,23 +282,31 @@ __device__ __forceinline__ void scores(float (&s)[MmaTiles<DMAX>::MB][MmaTiles<D
         const int kk = st / (KN / 2), n2 = st % (KN / 2);
         ldmatrix_x4(r, (k_lane ^ (kk << 5)) + 16 * n2 * ROW_BYTES);
     };
-    unsigned int qa[2][MB][4], kb[3][4];
+    unsigned int qa[Q_AHEAD ? 2 : 1][MB][4], kb[3][4];
+    if constexpr (Q_AHEAD) {
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb) q_frag(qa[0][mb], 0, mb);
+        for (int mb = 0; mb < MB; ++mb) q_frag(qa[0][mb], 0, mb);
+    }
     k_frag(kb[0], 0);
     k_frag(kb[1], 1);
 #pragma unroll
     for (int st = 0; st < STEPS; ++st) {
         const int kk = st / (KN / 2), n2 = st % (KN / 2);
-        if (n2 == 0 && kk + 1 < DK) {
+        const int qs = Q_AHEAD ? kk % 2 : 0;  // where this slice's Q fragments are
+        if constexpr (Q_AHEAD) {
+            if (n2 == 0 && kk + 1 < DK) {
 #pragma unroll
-            for (int mb = 0; mb < MB; ++mb) q_frag(qa[(kk + 1) % 2][mb], kk + 1, mb);
+                for (int mb = 0; mb < MB; ++mb) q_frag(qa[(kk + 1) % 2][mb], kk + 1, mb);
+            }
+        } else if (n2 == 0) {
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb) q_frag(qa[0][mb], kk, mb);
         }
         if (st + 2 < STEPS) k_frag(kb[(st + 2) % 3], st + 2);
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) {
-            mma_16816<DTYPE>(s[mb][2 * n2], qa[kk % 2][mb], kb[st % 3][0], kb[st % 3][1]);
-            mma_16816<DTYPE>(s[mb][2 * n2 + 1], qa[kk % 2][mb], kb[st % 3][2], kb[st % 3][3]);
+            mma_16816<DTYPE>(s[mb][2 * n2], qa[qs][mb], kb[st % 3][0], kb[st % 3][1]);
+            mma_16816<DTYPE>(s[mb][2 * n2 + 1], qa[qs][mb], kb[st % 3][2], kb[st % 3][3]);
         }
     }
 }
@@ -303,8 +316,8 @@ __device__ __forceinline__ void scores(float (&s)[MmaTiles<DMAX>::MB][MmaTiles<D
 
 // Keys outside each row's allowed range [lo, hi) (key_range of the row, shifted to this thread's first key
 // j0 + 2t, so that a key is two compares with constants) become -inf; the scores stay raw.
-template <int DMAX>
-__device__ __forceinline__ void mask_structure(float (&s)[MmaTiles<DMAX>::MB][MmaTiles<DMAX>::KN][4],
+template <int DMAX, int KN>
+__device__ __forceinline__ void mask_structure(float (&s)[MmaTiles<DMAX>::MB][KN][4],
                                                const RowRule& rule, int row0, int j0)
 {
     using T = MmaTiles<DMAX>;
@@ -318,7 +331,7 @@ __device__ __forceinline__ void mask_structure(float (&s)[MmaTiles<DMAX>::MB][Mm
             lo -= j0 + 2 * t;
             hi -= j0 + 2 * t;
 #pragma unroll
-            for (int n = 0; n < T::KN; ++n)
+            for (int n = 0; n < KN; ++n)
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
                     if (!(8 * n + e >= lo && 8 * n + e < hi)) s[mb][n][2 * r + e] = NEG_INF;
@@ -328,8 +341,8 @@ __device__ __forceinline__ void mask_structure(float (&s)[MmaTiles<DMAX>::MB][Mm
 // With an explicit mask or bias, or a scale outside (0, 1] in the softmax's unit (not positive: the max trick
 // fails; above 1: a finite score times it may overflow, which the FFMA form would hide): every score scaled and
 // given its explicit term, or -inf outside the row's range. The step then takes them as they are.
-template <int DMAX>
-__device__ __forceinline__ void scale_and_mask(float (&s)[MmaTiles<DMAX>::MB][MmaTiles<DMAX>::KN][4],
+template <int DMAX, int KN>
+__device__ __forceinline__ void scale_and_mask(float (&s)[MmaTiles<DMAX>::MB][KN][4],
                                                const AttnParams& args, const RowRule& rule, int b, int h, int row0,
                                                int j0, float scale_u, float units)
 {
@@ -345,7 +358,7 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[MmaTiles<DMAX>::MB][Mm
             lo -= j0 + 2 * t;
             hi -= j0 + 2 * t;
 #pragma unroll
-            for (int n = 0; n < T::KN; ++n)
+            for (int n = 0; n < KN; ++n)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int c = 8 * n + e;
@@ -360,8 +373,8 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[MmaTiles<DMAX>::MB][Mm
 // raw scores, 1 for scores the pass above scaled). The row max is taken over s and multiplied once (mul > 0
 // keeps the order; -inf stays -inf), the exponent is one FFMA, s * mul - m_new. Updates m_i and l_i, rescales
 // acc, and leaves p in s.
-template <int DMAX, bool FAST_EXP>
-__device__ __forceinline__ void softmax_step(WarpState<DMAX>& w, float (&s)[MmaTiles<DMAX>::MB][MmaTiles<DMAX>::KN][4],
+template <int DMAX, bool FAST_EXP, int KN>
+__device__ __forceinline__ void softmax_step(WarpState<DMAX>& w, float (&s)[MmaTiles<DMAX>::MB][KN][4],
                                              float mul)
 {
     using T = MmaTiles<DMAX>;
@@ -373,7 +386,7 @@ __device__ __forceinline__ void softmax_step(WarpState<DMAX>& w, float (&s)[MmaT
         for (int r = 0; r < 2; ++r) {  // row g (values 0, 1 of each block), row g + 8 (values 2, 3)
             float tile_max = NEG_INF;
 #pragma unroll
-            for (int n = 0; n < T::KN; ++n)
+            for (int n = 0; n < KN; ++n)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) tile_max = fmaxf(tile_max, s[mb][n][2 * r + e]);
             tile_max = group_max(tile_max * mul, 4);  // the 4 threads of the group hold the row
@@ -385,7 +398,7 @@ __device__ __forceinline__ void softmax_step(WarpState<DMAX>& w, float (&s)[MmaT
             moved |= alpha[mb][r] != 1.0f && w.m_i[mb][r] != NEG_INF;
             float row_sum = 0.0f;
 #pragma unroll
-            for (int n = 0; n < T::KN; ++n)
+            for (int n = 0; n < KN; ++n)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const float p = unit_exp<FAST_EXP>(fmaf(s[mb][n][2 * r + e], mul, -m_use));
@@ -409,12 +422,12 @@ __device__ __forceinline__ void softmax_step(WarpState<DMAX>& w, float (&s)[MmaT
 
 // O += P V for the tile in v_s, P's A fragments straight from the S fragments. Steps (16-key slice kk, dim pair
 // n2), V fragments two steps ahead as for K, each feeding both m-blocks.
-template <int DTYPE, int DMAX>
-__device__ __forceinline__ void accumulate(WarpState<DMAX>& w, const float (&s)[MmaTiles<DMAX>::MB][MmaTiles<DMAX>::KN][4],
+template <int DTYPE, int DMAX, int KN>
+__device__ __forceinline__ void accumulate(WarpState<DMAX>& w, const float (&s)[MmaTiles<DMAX>::MB][KN][4],
                                            unsigned int v_lane)
 {
     using T = MmaTiles<DMAX>;
-    constexpr int MB = T::MB, KN = T::KN, DN = T::DN;
+    constexpr int MB = T::MB, DN = T::DN;
     constexpr unsigned int ROW_BYTES = DMAX * 2;
     unsigned int p_frag[MB][KN / 2][4];  // keys 16kk .. 16kk+15
 #pragma unroll
@@ -450,12 +463,13 @@ __device__ __forceinline__ void accumulate(WarpState<DMAX>& w, const float (&s)[
 
 // ---- the kernel ----------------------------------------------------------------------------------------
 
-template <int DTYPE, int DMAX, bool FAST_EXP>
+template <int DTYPE, int DMAX, bool FAST_EXP, bool WIDE>
 __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnParams args)
 {
     static_assert(DTYPE == 1 || DTYPE == 2, "the tensor-core kernel takes float16 or bfloat16");
     static_assert(DMAX == 64 || DMAX == 128, "head dims 64 and 128");
-    using T = MmaTiles<DMAX>;
+    using T = MmaTiles<DMAX, WIDE>;
+    constexpr bool Q_AHEAD = !(WIDE && DMAX == 128);  // the wide D 128 kernel's registers: see scores
     constexpr int BM = T::BM, BN = T::BN, MB = T::MB, DN = T::DN;
 
     extern __shared__ __align__(1024) unsigned short smem_mma[];  // rows at multiples of ROW_BYTES (header)
@@ -517,16 +531,17 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
         load_tile<DMAX, BN>(args, slot, args.v, v_base, args.vs, j0, min(BN, hi - j0), v_s);
         copies_commit();
         float s[MB][T::KN][4];
-        scores<DTYPE, DMAX>(s, q_lane, k_lane);
+        scores<DTYPE, DMAX, Q_AHEAD>(s, q_lane, k_lane);
         copies_wait_all();
         __syncthreads();  // (B) V_tile in v_s; every warp done with K_tile
         if (tile + 1 < n_tiles) {
             load_tile<DMAX, BN>(args, slot, args.k, k_base, args.ks, j0 + BN, min(BN, hi - j0 - BN), k_s);
         }
         copies_commit();
-        // A masking pass only where the tile needs one (uniform branches), then the one softmax step.
+        // A masking pass only where the tile needs one (uniform branches), then the one softmax step. The wide
+        // kernel has no scaling pass: the host launches it only without an explicit term and with 0 < scale_u <= 1.
         float mul = scale_u;
-        if (args.mask_kind != 0 || !(scale_u > 0.0f && scale_u <= 1.0f)) {
+        if (!WIDE && (args.mask_kind != 0 || !(scale_u > 0.0f && scale_u <= 1.0f))) {
             scale_and_mask<DMAX>(s, args, rule, b, h, row0, j0, scale_u, units);
             mul = 1.0f;
         } else if (!tile_fully_allowed(rule, i0, i0 + BM, j0, j0 + BN)) {
@@ -559,12 +574,16 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
 
 // ---- explicit instantiation for nvcc (NVRTC instantiates by name expression instead) -------------------
 #ifndef __CUDACC_RTC__
-template __global__ void attn_mma<1, 64, false>(const __grid_constant__ AttnParams);
-template __global__ void attn_mma<1, 64, true>(const __grid_constant__ AttnParams);
-template __global__ void attn_mma<1, 128, false>(const __grid_constant__ AttnParams);
-template __global__ void attn_mma<1, 128, true>(const __grid_constant__ AttnParams);
-template __global__ void attn_mma<2, 64, false>(const __grid_constant__ AttnParams);
-template __global__ void attn_mma<2, 64, true>(const __grid_constant__ AttnParams);
-template __global__ void attn_mma<2, 128, false>(const __grid_constant__ AttnParams);
-template __global__ void attn_mma<2, 128, true>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<1, 64, false, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<1, 64, true, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<1, 64, true, true>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<1, 128, false, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<1, 128, true, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<1, 128, true, true>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<2, 64, false, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<2, 64, true, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<2, 64, true, true>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<2, 128, false, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<2, 128, true, false>(const __grid_constant__ AttnParams);
+template __global__ void attn_mma<2, 128, true, true>(const __grid_constant__ AttnParams);
 #endif

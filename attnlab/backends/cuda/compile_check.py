@@ -226,9 +226,9 @@ def compile_check(archs: Sequence[str] = ("sm_80", "sm_90"), families: Sequence[
     errors: list[str] = []
     if nvcc is None:
         nvrtc = Nvrtc()
-        compile_one = lambda f, a: compile_family(nvrtc, f, a, variants(f))
+        compile_one = lambda f, a: compile_family(nvrtc, f, a, variants(f, a))
     else:
-        compile_one = lambda f, a: nvcc_compile_family(nvcc, f, a, variants(f))
+        compile_one = lambda f, a: nvcc_compile_family(nvcc, f, a, variants(f, a))
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futs = [pool.submit(compile_one, f, a) for f, a in work]
         for (f, a), fut in zip(work, futs):

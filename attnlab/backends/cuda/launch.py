@@ -36,6 +36,7 @@ from attnlab.backends.cuda.variant import (
     launch_config,
     merge_name_expression,
     mma_async_ok,
+    mma_wide_ok,
     rowmax_split_plan,
     validate_launch,
 )
@@ -167,13 +168,24 @@ class _Compiled:
 _compiled_cache: dict[tuple, _Compiled] = {}
 
 
-def _compiled(family: str, dtype: torch.dtype, D: int, fast: bool | None, dev: int) -> _Compiled:
-    fast = _settings.fast_exp_of(family) if fast is None else bool(fast)
-    key = (family, dtype, D, fast, dev)
+def _compiled(family: str, dtype: torch.dtype, D: int, fast: bool, dev: int, wide: bool = False) -> _Compiled:
+    key = (family, dtype, D, fast, dev, wide)
     c = _compiled_cache.get(key)
     if c is None:
-        c = _compiled_cache[key] = _Compiled(choose_variant(family, dtype, D, fast), dev)
+        c = _compiled_cache[key] = _Compiled(choose_variant(family, dtype, D, fast, wide), dev)
     return c
+
+
+_arch_cache: dict[int, str] = {}
+
+
+def _arch(dev: int) -> str:
+    """The device's architecture as the compile check names it, e.g. ``sm_90``."""
+    a = _arch_cache.get(dev)
+    if a is None:
+        major, minor = torch.cuda.get_device_capability(dev)
+        a = _arch_cache[dev] = f"sm_{major}{minor}"
+    return a
 
 
 _stream_cache: dict[tuple[int, int], object] = {}
@@ -217,7 +229,9 @@ def _plan(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | Non
     if dev is None:
         dev = torch.cuda.current_device()
     B, Hq, Nq, D = q.shape
-    c = _compiled(family, q.dtype, D, fast, dev)
+    fast = _settings.fast_exp_of(family) if fast is None else bool(fast)
+    wide = family == "mma" and mma_wide_ok(_arch(dev), fast, prob.spec.explicit is not None, prob.scale)
+    c = _compiled(family, q.dtype, D, fast, dev, wide)
     q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     q_st, k_st, v_st = q.stride(), k.stride(), v.stride()
     splits, split_tiles, async_copy, workspace = 1, NO_BOUND, False, None

@@ -26,6 +26,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from attnlab.problem import Problem
@@ -56,6 +57,7 @@ GRID_LIMITS = (2**31 - 1, 65535, 65535)
 _fast_exp: bool | None = None  #: None: each family's own default (FAST_EXP_DEFAULT)
 _rowmax_async = True  #: let rowmax (and mma) use cp.async where the inputs allow it
 _rowmax_force_splits: int | None = None  #: None: rowmax_split_plan decides
+_mma_wide = True  #: let mma take its wide kernel where mma_wide_ok allows
 
 
 #: The exp each family runs unless :func:`set_fast_exp` says otherwise. The float32 FMA kernels use IEEE
@@ -141,6 +143,7 @@ class Variant:
     dtype: int  #: 0 float32, 1 float16, 2 bfloat16
     dmax: int
     fast_exp: bool
+    wide: bool = False  #: mma only: FlashAttention-2's key tiles, no scaling pass (:func:`mma_wide_ok`)
 
     @property
     def name_expression(self) -> str:
@@ -148,6 +151,8 @@ class Variant:
         fe = "true" if self.fast_exp else "false"
         if self.family == "naive":
             return f"attn_naive<{self.dtype}, {fe}>"
+        if self.family == "mma":
+            return f"attn_mma<{self.dtype}, {self.dmax}, {fe}, {'true' if self.wide else 'false'}>"
         return f"attn_{self.family}<{self.dtype}, {self.dmax}, {fe}>"
 
     @property
@@ -158,6 +163,8 @@ class Variant:
             parts.append(f"d{self.dmax}")
         if self.fast_exp:
             parts.append("fastexp")
+        if self.wide:
+            parts.append("wide")
         return "_".join(parts)
 
     @property
@@ -172,7 +179,7 @@ class Variant:
         if self.family == "tiled":
             return 4 * (16 + 32 + 32) * d
         if self.family == "mma":
-            bn = mma_bn(d)
+            bn = mma_bn(d, self.wide)
             return 2 * (ROWS_PER_BLOCK["mma"] + 2 * bn) * d  # 16-bit q_s [128][d], k_s and v_s [bn][d]
         bm, bn = 64, rowmax_bn(d)
         stages = 2 if d <= 128 else 1
@@ -188,9 +195,39 @@ def merge_name_expression(dtype_code: int) -> str:
     return f"attn_rowmax_merge<{dtype_code}>"
 
 
-def mma_bn(dmax: int) -> int:
+def mma_bn(dmax: int, wide: bool = False) -> int:
     """Keys per K/V tile of the mma kernel (MmaTiles::BN)."""
+    if wide:
+        return 128 if dmax <= 64 else 64
     return 64 if dmax <= 64 else 32
+
+
+#: Where the wide mma kernel runs: the archs whose compile keeps it free of spills (compile-check; sm_80 spills
+#: at these tiles) and on which it was measured faster (docs/decisions.md, "The wide tensor-core kernel").
+MMA_WIDE_ARCHS = ("sm_90",)
+_LOG2E = 1.4426950408889634
+
+
+def mma_wide_ok(arch: str, fast: bool, explicit: bool, scale: float) -> bool:
+    """Whether the wide mma kernel computes a call: on :data:`MMA_WIDE_ARCHS`, with ex2.approx (expf spills at its
+    tiles), without an explicit mask or bias, and with the scale in (0, 1] in base 2 (the kernel has no scaling
+    pass, which those need: see ``kernels/attn_mma.cu``)."""
+    if not (_mma_wide and arch in MMA_WIDE_ARCHS and fast and not explicit):
+        return False
+    scale_u = float(np.float32(scale) * np.float32(_LOG2E))  # as the kernel computes it, in float32
+    return 0.0 < scale_u <= 1.0
+
+
+@contextlib.contextmanager
+def mma_wide(enabled: bool) -> Iterator[None]:
+    """``with mma_wide(False): ...`` keeps the mma kernel at its own tiles where the wide kernel would run (to
+    test or time that kernel on sm_90), then restores."""
+    global _mma_wide
+    old, _mma_wide = _mma_wide, bool(enabled)
+    try:
+        yield
+    finally:
+        _mma_wide = old
 
 
 def rowmax_bn(dmax: int) -> int:
@@ -198,20 +235,24 @@ def rowmax_bn(dmax: int) -> int:
     return 64 if dmax <= 64 else 32
 
 
-def variants(family: str | None = None) -> list[Variant]:
-    """Every variant the loader can produce (all dtypes, D buckets and both exp modes)."""
+def variants(family: str | None = None, arch: str | None = None) -> list[Variant]:
+    """Every variant the loader can produce (all dtypes, D buckets and both exp modes, and the wide mma kernel
+    with ex2.approx), for ``arch`` when given (the wide kernel only on :data:`MMA_WIDE_ARCHS`)."""
     fams = FAMILIES if family is None else (family,)
+    wide_too = arch is None or arch in MMA_WIDE_ARCHS
     return [
-        Variant(f, dt, dm, fe)
+        Variant(f, dt, dm, fe, wide)
         for f in fams
         for dt in FAMILY_DTYPES[f]
         for dm in DMAX_BUCKETS[f]
         for fe in (False, True)
+        for wide in ((False, True) if f == "mma" and fe and wide_too else (False,))
     ]
 
 
-def choose_variant(family: str, dtype: torch.dtype, D: int, fast: bool | None = None) -> Variant:
-    """The variant that runs a problem: the smallest D bucket >= D."""
+def choose_variant(family: str, dtype: torch.dtype, D: int, fast: bool | None = None, wide: bool = False) -> Variant:
+    """The variant that runs a problem: the smallest D bucket >= D (``wide``: the wide mma kernel, where
+    :func:`mma_wide_ok` says it applies)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; one of {FAMILIES}")
     if dtype not in DTYPE_CODES:
@@ -221,7 +262,8 @@ def choose_variant(family: str, dtype: torch.dtype, D: int, fast: bool | None = 
                         f"{dtype} (float32 runs on cuda-rowmax or triton)")
     for dm in DMAX_BUCKETS[family]:
         if D <= dm:
-            return Variant(family, DTYPE_CODES[dtype], dm, fast_exp_of(family) if fast is None else bool(fast))
+            fe = fast_exp_of(family) if fast is None else bool(fast)
+            return Variant(family, DTYPE_CODES[dtype], dm, fe, wide and family == "mma" and fe)
     raise ValueError(f"head dim D = {D} exceeds the largest bucket {DMAX_BUCKETS[family][-1]} of {family}")
 
 
