@@ -749,8 +749,8 @@ def test_scale_of_either_sign_on_wholly_allowed_tiles(scale, causal, fast):
     unit); other scales take its scaling pass. A negative scale on the fast path would take each row's smallest
     score as its max: the online softmax stays right until exp overflows, which -2.0 (scores' spread past 128 in
     base 2) brings about. Every CUDA family, in its default exp and in expf, N long enough for several wholly allowed
-    tiles, judged against the float64 reference by the baseline criterion (at most 2x the textbook call's error):
-    at |scale| = 2 the float32 textbook itself misses the 1e-5 absolute tolerance there."""
+    tiles, judged against the float64 reference with the textbook call as the baseline; at |scale| = 2 by the
+    baseline criterion alone, as the float32 textbook itself misses the 1e-5 absolute tolerance there."""
     import attnlab
 
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -763,7 +763,9 @@ def test_scale_of_either_sign_on_wholly_allowed_tiles(scale, causal, fast):
             out = attnlab.attention(qd, kd, vd, causal=causal, scale=scale, backend=be)
         base = attnlab.attention(qd, kd, vd, causal=causal, scale=scale, backend="torch")
         rep = check.compare(out, ref, base=base)
-        assert rep.baseline_passed, f"{be} scale={scale} causal={causal} fast_exp={fast}: {rep}"
+        # |scale| > 1: the float32 textbook itself misses the absolute tolerance; the baseline criterion judges
+        ok = rep.baseline_passed if abs(scale) > 1 else rep.passed
+        assert ok, f"{be} scale={scale} causal={causal} fast_exp={fast}: {rep}"
 
 
 @pytest.mark.gpu

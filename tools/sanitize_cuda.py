@@ -36,8 +36,11 @@ def mma_cases() -> None:
                 o3 = attnlab.attention(q, k, k, causal=True, align="bottom_right", backend="cuda-mma")
             qb, kb = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
             o4 = attnlab.attention(qb, kb, kb, layout="bnhd", causal=True, align="top_left", backend="cuda-mma")
+            with C.mma_wide(False):  # on sm_90 the calls above without a mask run the wide kernel; here its own tiles
+                o5 = attnlab.attention(q, k, k, causal=True, align="bottom_right", kv_len=[300, 77],
+                                       backend="cuda-mma")
             torch.cuda.synchronize()
-            sums = [float(o.float().abs().sum()) for o in (o1, o2, o3, o4)]
+            sums = [float(o.float().abs().sum()) for o in (o1, o2, o3, o4, o5)]
             print("mma D", D, dt, "ok", *sums, flush=True)
 
 

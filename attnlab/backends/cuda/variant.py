@@ -212,8 +212,8 @@ def mma_wide_ok(arch: str, fast: bool, explicit: bool, scale: float) -> bool:
     """Whether the wide mma kernel computes a call: on :data:`MMA_WIDE_ARCHS`, with ex2.approx (expf spills at its
     tiles), without an explicit mask or bias, and with the scale in (0, 1] in base 2 (the kernel has no scaling
     pass, which those need: see ``kernels/attn_mma.cu``)."""
-    if not (_mma_wide and arch in MMA_WIDE_ARCHS and fast and not explicit):
-        return False
+    if not (_mma_wide and arch in MMA_WIDE_ARCHS and fast and not explicit and 0.0 < scale < 1.0):
+        return False  # (log2 e > 1: a scale of 1 or more is above 1 in base 2)
     scale_u = float(np.float32(scale) * np.float32(_LOG2E))  # as the kernel computes it, in float32
     return 0.0 < scale_u <= 1.0
 
