@@ -685,14 +685,18 @@ def test_mma_passes_checker_on_matrix():
 @pytest.mark.gpu
 def test_mma_takes_the_wide_kernel_only_where_it_applies():
     """On sm_90 a plain call runs the wide kernel, one with a bias, expf or a scale above 1 in base 2 does not;
-    elsewhere none does. ``mma_wide(False)`` turns it off."""
+    elsewhere none does. ``mma_wide(False)`` turns it off. The backend names the kernel it launches (the bench
+    notes it)."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(1, 2, 200, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     sm90 = torch.cuda.get_device_capability() == (9, 0)
 
     def wide(fast=None, **kw) -> bool:
         prob = make_problem(q, q, q, **kw)
-        return C.prepare("mma", prob, torch.empty_like(q), None, fast).variant.wide
+        launched = C.prepare("mma", prob, torch.empty_like(q), None, fast).variant
+        if fast is None:
+            assert C.CudaMmaBackend().kernel_label(prob) == launched.label
+        return launched.wide
 
     assert wide() == sm90 and wide(causal=True, window=(50, 0)) == sm90
     assert not wide(mask=torch.zeros(200, 200, device="cuda")) and not wide(fast=False) and not wide(scale=0.8)

@@ -159,15 +159,22 @@ def _attnlab_competitor(name: str) -> Competitor:
     def prepare(inp: CaseInputs) -> Prepared:
         from attnlab.api import attention
 
-        be, _ = _attnlab_backend(name, inp)
+        be, prob = _attnlab_backend(name, inp)
         qs, ks, vs, kws = inp.qs, inp.ks, inp.vs, call_keywords(inp)
 
         def call(i: int) -> torch.Tensor:
             return attention(qs[i], ks[i], vs[i], backend=name, **kws[i])
 
-        return _public_prepared(name, be, call, append_notes(inp))
+        return _public_prepared(name, be, call, [*append_notes(inp), *kernel_notes(be, prob)])
 
     return Competitor(name, "attnlab", prepare)
+
+
+def kernel_notes(be, prob) -> list[str]:
+    """``kernel <label>``: the compiled variant a CUDA C backend launches on the case (one family has several
+    kernels for one problem, e.g. mma's wide and narrow tiles); nothing for other backends."""
+    label = getattr(be, "kernel_label", None)
+    return [f"kernel {label(prob)}"] if label is not None else []
 
 
 #: Infix of the paged-cache competitors: ``auto-paged16`` is the public call reading caches of 16-key blocks.

@@ -10,7 +10,7 @@ S=$(date +%s)
 timeout 120 python3 -m pytest -m gpu -n 16 -v -rfEs -p no:cacheprovider tests/test_cuda.py tests/test_contract.py -k "mma or either_sign" > "$out/tests.txt" 2>&1
 echo "tests rc=$? $(( $(date +%s) - S )) s" | tee -a "$out/tests.txt"; grep -E "FAILED|ERROR" "$out/tests.txt" | head -20; tail -2 "$out/tests.txt"
 S=$(date +%s)
-timeout 60 python3 -m attnlab bench --suite dense --backends cuda-mma sdpa-flash sdpa-cudnn triton --out "$out/dense" --no-progress > "$out/dense.txt" 2>&1
+timeout 150 python3 -m attnlab bench --suite dense --backends cuda-mma sdpa-flash sdpa-cudnn triton --out "$out/dense" --no-progress > "$out/dense.txt" 2>&1
 echo "dense rc=$? $(( $(date +%s) - S )) s" | tee -a "$out/dense.txt"
 python3 .wip/mma-softmax/probe/summarize.py "$out" 2>&1 | head -40
 tar czf "$out/dense.tgz" -C "$out" dense && rm -rf "$out/dense"

@@ -7,8 +7,10 @@ from pathlib import Path
 
 for f in sorted(Path(sys.argv[1]).glob("*/*/dense.csv")):
     by: dict[str, dict[str, tuple[float, str]]] = {}
-    failed = []
+    failed, kernel = [], {}
     for r in csv.DictReader(f.open()):
+        if r["backend"] == "cuda-mma":
+            kernel[r["case"]] = " ".join(n for n in r.get("notes", "").split("; ") if n.startswith("kernel "))
         if r["backend"] == "cuda-mma" and r["passed"] != "True":
             failed.append(f"{r['case']} ({r.get('status', '')})")
         if r["ms"] and r["passed"] == "True":
@@ -21,4 +23,4 @@ for f in sorted(Path(sys.argv[1]).glob("*/*/dense.csv")):
     print(f"{f.parts[-3]:10s} rows {len(ratios)} min {ratios[0]:.3f} median {ratios[len(ratios) // 2]:.3f} "
           f"max {ratios[-1]:.3f} not passed {failed}")
     for c, x in sorted(rows.items()):
-        print(f"  {c:40s} {x:.3f}")
+        print(f"  {c:40s} {x:.3f} {kernel.get(c, '')}")

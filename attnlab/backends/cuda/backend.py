@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.backends import Availability, Backend, cuda_device_reason, no_cuda_reason
-from attnlab.backends.cuda.launch import run
+from attnlab.backends.cuda.launch import run, variant_for
 from attnlab.backends.cuda.variant import DMAX_BUCKETS, DTYPE_CODES, FAMILY_DTYPES, GRID_LIMITS
 from attnlab.problem import Problem
 
@@ -46,6 +46,10 @@ class _CudaBackend(Backend):
 
     def forward(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         run(self.family, prob, out, lse)
+
+    def kernel_label(self, prob: Problem) -> str:
+        """The compiled variant that computes ``prob`` (e.g. ``mma_bf16_d64_fastexp_wide``)."""
+        return variant_for(self.family, prob).label
 
 
 class CudaNaiveBackend(_CudaBackend):

@@ -221,6 +221,20 @@ def _limits(variant: Variant, device_index: int, kern) -> DeviceLimits:
     return lim
 
 
+def _kernel_choice(family: str, prob: Problem, dev: int, fast: bool | None) -> tuple[bool, bool]:
+    """(fast exp, wide mma kernel) for a call of ``family`` on ``prob``."""
+    fast = _settings.fast_exp_of(family) if fast is None else bool(fast)
+    wide = family == "mma" and mma_wide_ok(_arch(dev), fast, prob.spec.explicit is not None, prob.scale)
+    return fast, wide
+
+
+def variant_for(family: str, prob: Problem, fast: bool | None = None) -> Variant:
+    """The compiled variant a call of ``family`` on ``prob`` launches (benchmarks name it beside their rows)."""
+    dev = prob.q.device.index
+    fast, wide = _kernel_choice(family, prob, torch.cuda.current_device() if dev is None else dev, fast)
+    return choose_variant(family, prob.q.dtype, prob.q.shape[-1], fast, wide)
+
+
 def _plan(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, fast: bool | None):
     """Everything one launch needs, from the cached compiled kernel and the tensors' pointers and strides
     (each read once): (compiled, config, merge grid, splits, async_copy, struct values, workspace)."""
@@ -229,8 +243,7 @@ def _plan(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | Non
     if dev is None:
         dev = torch.cuda.current_device()
     B, Hq, Nq, D = q.shape
-    fast = _settings.fast_exp_of(family) if fast is None else bool(fast)
-    wide = family == "mma" and mma_wide_ok(_arch(dev), fast, prob.spec.explicit is not None, prob.scale)
+    fast, wide = _kernel_choice(family, prob, dev, fast)
     c = _compiled(family, q.dtype, D, fast, dev, wide)
     q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     q_st, k_st, v_st = q.stride(), k.stride(), v.stride()
