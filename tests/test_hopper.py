@@ -41,8 +41,25 @@ def test_takes_dense_causal_window_gqa_and_either_alignment(on_sm90):
     q, k, v = _qkv(Nq=100, Nk=300)
     assert _why(q, k, v) is None
     assert _why(q, k, v, causal=True, align="bottom_right") is None
-    assert _why(q, k, v, window=(64, 0), align="top_left") is None
+    assert _why(q, k, v, window=(2048, 0), align="top_left") is None  # wider than PORTABLE_BANDS[64]
+    assert _why(q, k, v, window=(None, 5), align="top_left") is None  # bounded on one side only
     assert _why(*_qkv(D=128, dtype=torch.float16)) is None
+
+
+def test_narrow_bands_run_the_portable_kernel(on_sm90, monkeypatch):
+    """A band bounded on both sides at most PORTABLE_BANDS[D] keys wide goes to the portable kernel (faster there);
+    NARROW_TO_PORTABLE off hands it back to the Hopper kernel."""
+    if isinstance(hopper._kernel_module(), str):
+        pytest.skip(hopper._kernel_module())
+    q, k, v = _qkv(D=64)
+    assert "portable kernel" in _why(q, k, v, window=(127, 0))
+    assert "portable kernel" in _why(q, k, v, window=(1000, 1047))  # 2048 keys
+    assert _why(q, k, v, window=(1000, 1048)) is None  # 2049
+    assert "portable kernel" in _why(q, k, v, window=(0, -10))  # an empty band
+    wide = _qkv(D=128)
+    assert "portable kernel" in _why(*wide, window=(127, 0)) and _why(*wide, window=(128, 0)) is None
+    monkeypatch.setattr(hopper, "NARROW_TO_PORTABLE", False)
+    assert _why(q, k, v, window=(127, 0)) is None
 
 
 @pytest.mark.parametrize("kw, reason", [
@@ -321,7 +338,8 @@ CASES = {
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_public_call_runs_the_hopper_kernel_and_meets_the_contract(case):
+def test_the_public_call_runs_the_hopper_kernel_and_meets_the_contract(case, monkeypatch):
+    monkeypatch.setattr(hopper, "NARROW_TO_PORTABLE", False)  # the narrow bands too: the kernel's own band code
     spec = CASES[case]
     q, k, v = _qkv(B=2, Hq=8, Hkv=2, device="cuda", seed=3, **spec["shape"])
     kw = dict(spec["kw"])
@@ -375,6 +393,25 @@ def test_the_schedules_give_one_output(D, kw, monkeypatch):
     assert compare(out[:2], ref).passed, compare(out[:2], ref)
     live = torch.isfinite(ref_lse)
     assert (lse[:2][live] - ref_lse[live]).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_a_narrow_band_runs_the_portable_kernel_and_meets_the_contract():
+    """gpt-oss's layer shape in small: a 128-key window at D 64 takes the portable kernel, in sync mode too."""
+    from attnlab import fast_calls
+
+    q, k, v = _qkv(B=2, Hq=8, Hkv=2, Nq=700, Nk=700, D=64, device="cuda", seed=5)
+    prev, before = hopper.set_mode("sync"), hopper.launches
+    try:
+        fast_calls.clear()
+        out = attnlab.attention(q, k, v, window=(127, 0), backend="triton")
+        out_fast = attnlab.attention(q, k, v, window=(127, 0), backend="triton")  # the fast call
+    finally:
+        hopper.set_mode(prev)
+    assert hopper.launches == before
+    ref = attnlab.reference(q, k, v, window=(127, 0))[0]
+    assert compare(out, ref).passed and torch.equal(out, out_fast), compare(out, ref)
 
 
 @pytest.mark.gpu
@@ -461,10 +498,12 @@ def test_fast_calls_in_the_bnhd_layout():
 
 @pytest.mark.gpu
 @needs_sm90
-def test_background_mode_runs_the_portable_kernel_until_the_compile_is_done():
+def test_background_mode_runs_the_portable_kernel_until_the_compile_is_done(monkeypatch):
     """Default mode: the first two calls of a new variant run the portable kernel (the second starts the compile);
     once the compile is done, calls (the whole way and fast calls) run the Hopper kernel; all pass the checker."""
     from attnlab import fast_calls
+
+    monkeypatch.setattr(hopper, "NARROW_TO_PORTABLE", False)  # its band (308 keys at D 64) is a narrow one
 
     q, k, v = _qkv(B=1, Hq=4, Hkv=4, Nq=700, Nk=900, D=64, device="cuda", seed=9)
     kw = dict(window=(300, 7), align="bottom_right")  # a variant no other test compiles

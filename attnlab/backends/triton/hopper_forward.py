@@ -45,6 +45,13 @@ PERSISTENT: bool = os.environ.get("ATTNLAB_HOPPER_PERSISTENT", "1") != "0"
 #: (ATTNLAB_HOPPER_PINGPONG=0). See hopper_kernel's docstring.
 PINGPONG: bool = os.environ.get("ATTNLAB_HOPPER_PINGPONG", "1") != "0"
 
+#: Per head dim, the band width (keys a row may see: left + right + 1, both sides bounded) up to which a call runs
+#: the portable kernel, which is faster on such narrow bands (docs/decisions.md, "Narrow windows on Hopper: the
+#: portable kernel"). Tests that hold the Hopper kernel itself to the contract on narrow bands turn
+#: NARROW_TO_PORTABLE off.
+PORTABLE_BANDS: dict[int, int] = {64: 2048, 128: 128}
+NARROW_TO_PORTABLE: bool = True
+
 _SPELLINGS = {"0": "0", "false": "0", "off": "0", "no": "0", "1": "1", "true": "1", "on": "1", "yes": "1", "": "1",
               "sync": "sync"}
 
@@ -105,10 +112,17 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and all(s > 0 and (s * size) % 16 == 0 for s in t.stride()[:-1]))
 
 
+def band_width(left: int | None, right: int | None) -> int | None:
+    """Keys a row may see under a window bounded on both sides (left + right + 1, at most 0 for an empty band);
+    None when a side is unbounded."""
+    return None if left is None or right is None else left + right + 1
+
+
 def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
     """Why the Hopper forward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
     or 128, the causal and window bands in either alignment, q_len, Nq != Nk, GQA, lse, the soft cap and ALiBi;
-    kv_len, explicit masks and biases, packed sequences and sinks run on the portable kernel. (kv_len: the kernel
+    kv_len, explicit masks and biases, packed sequences, sinks and bands up to :data:`PORTABLE_BANDS` keys wide run
+    on the portable kernel. (kv_len: the kernel
     masks keys past it, but reads K and V in whole tiles, and P V would multiply NaN past a length by 0; the
     contract keeps what lies past a length out of every result.)"""
     if _mode == "0":
@@ -121,6 +135,10 @@ def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
     if prob.D != prob.Dv or prob.D not in HEAD_DIMS:
         return f"D = Dv in {HEAD_DIMS} only"
     spec = prob.spec
+    width = band_width(spec.left, spec.right)
+    if NARROW_TO_PORTABLE and width is not None and width <= PORTABLE_BANDS[prob.D]:
+        return (f"a band of {width} keys per row at D {prob.D} runs faster on the portable kernel (up to "
+                f"{PORTABLE_BANDS[prob.D]})")
     if prob.packed is not None:
         return "no packed sequences"
     if spec.kv_len is not None:
