@@ -60,6 +60,15 @@ def _hopper_mode() -> str:
     return hopper.mode()
 
 
+def _hopper_bands() -> str:
+    """Which kernel narrow two-sided bands ran on in this run (:data:`hopper_forward.PORTABLE_BANDS`)."""
+    from attnlab.backends.triton import hopper_forward as hopper
+
+    if not hopper.NARROW_TO_PORTABLE:
+        return "hopper kernel"
+    return "portable kernel up to " + ", ".join(f"{w} keys at D {d}" for d, w in hopper.PORTABLE_BANDS.items())
+
+
 def environment(device: str, argv: Sequence[str],
                 prog: Sequence[str] = ("python", "-m", "attnlab", "bench")) -> dict[str, Any]:
     """The environment a result depends on: device, driver, library versions, commit, date, command (``prog``
@@ -88,6 +97,7 @@ def environment(device: str, argv: Sequence[str],
         "device": device,
         "tf32_matmul_default": _tf32(),
         "hopper_forward": _hopper_mode(),
+        "hopper_narrow_bands": _hopper_bands(),
     }
     if os.environ.get("ATTNLAB_BENCH_COMMAND"):
         env["restarted_as"] = shlex.join([*prog, *argv])

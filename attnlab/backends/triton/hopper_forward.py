@@ -122,9 +122,8 @@ def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
     """Why the Hopper forward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
     or 128, the causal and window bands in either alignment, q_len, Nq != Nk, GQA, lse, the soft cap and ALiBi;
     kv_len, explicit masks and biases, packed sequences, sinks and bands up to :data:`PORTABLE_BANDS` keys wide run
-    on the portable kernel. (kv_len: the kernel
-    masks keys past it, but reads K and V in whole tiles, and P V would multiply NaN past a length by 0; the
-    contract keeps what lies past a length out of every result.)"""
+    on the portable kernel. (kv_len: the kernel masks keys past it, but reads K and V in whole tiles, and P V would
+    multiply NaN past a length by 0; the contract keeps what lies past a length out of every result.)"""
     if _mode == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
@@ -391,9 +390,12 @@ def fast_call(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
     a_strides, cap2 = first.alibi_strides, first.cap2
     uneven = left is not None or right is not None or any(first.flags())
     del first  # (no tensor of the first call is kept)
+    width = band_width(left, right)
+    narrow = width is not None and width <= PORTABLE_BANDS[prob.D]
 
     def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
-        if _mode == "0" or not _compiled(key) or key[-2:] != (PINGPONG, _persistent(uneven)):  # (switched since)
+        if (_mode == "0" or not _compiled(key) or key[-2:] != (PINGPONG, _persistent(uneven))
+                or (narrow and NARROW_TO_PORTABLE)):  # (switched since)
             return None
         o = empty_like(q, memory_format=contiguous)  # in the caller's layout, as the whole way allocates it
         m = torch.empty(lse_shape, dtype=torch.float32, device=dev) if write_lse else None
