@@ -843,3 +843,14 @@ def test_gpu_host_time_and_backward_rows():
     rows = bench.run_case(bw, bench.competitors(["triton", "sdpa-efficient"]), opts)
     assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd", "bwd"] * 2
     assert all(r["status"] == "ok" and r["peak_extra_mib"] >= 0 for r in rows), [r["notes"] for r in rows]
+
+
+def test_kernel_notes_name_the_compiled_variant_only_where_a_backend_has_one():
+    from attnlab.bench.competitors import kernel_notes
+
+    class Labelled:
+        def kernel_label(self, prob):
+            return f"mma_bf16_d{prob}_fastexp_wide"
+
+    assert kernel_notes(Labelled(), 64) == ["kernel mma_bf16_d64_fastexp_wide"]
+    assert kernel_notes(object(), 64) == []

@@ -10,13 +10,17 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from attnlab.bench.counting import empty_rows
 from attnlab.bench.schema import DESIGN_BACKENDS, SDPA_KINDS
 from attnlab.bench.truth import CaseInputs
+
+if TYPE_CHECKING:
+    from attnlab.backends import Backend
+    from attnlab.problem import Problem
 
 # ---------------------------------------------------------------------------------------------------------
 # Competitors
@@ -170,7 +174,7 @@ def _attnlab_competitor(name: str) -> Competitor:
     return Competitor(name, "attnlab", prepare)
 
 
-def kernel_notes(be, prob) -> list[str]:
+def kernel_notes(be: Backend, prob: Problem) -> list[str]:
     """``kernel <label>``: the compiled variant a CUDA C backend launches on the case (one family has several
     kernels for one problem, e.g. mma's wide and narrow tiles); nothing for other backends."""
     label = getattr(be, "kernel_label", None)
@@ -204,8 +208,8 @@ def _paged_competitor(name: str) -> Competitor:
             kc, vc, bt = caches[i]
             return attention(qs[i], kc, vc, block_table=bt, backend=base, **kws[i])
 
-        return _public_prepared(base, be, call, [f"paged cache, blocks of {block_size} keys", *append_notes(inp)],
-                                setup)
+        return _public_prepared(base, be, call, [f"paged cache, blocks of {block_size} keys", *append_notes(inp),
+                                                 *kernel_notes(be, prob)], setup)
 
     return Competitor(name, "attnlab", prepare)
 
@@ -238,7 +242,7 @@ def _kernel_competitor(name: str) -> Competitor:
             be.forward(prob, ob, None)
             return out
 
-        return Prepared(call=call, check_call=check_call)
+        return Prepared(call=call, check_call=check_call, notes=kernel_notes(be, probs[0]))
 
     return Competitor(name, "attnlab", prepare, path="kernel")
 

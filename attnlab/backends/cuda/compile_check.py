@@ -256,7 +256,8 @@ def at_the_edge(r: Resources) -> bool:
 
 def _spills_gated(r: Resources) -> bool:
     """Whether ``--strict`` holds this kernel to no spills: tiled and rowmax for D <= 128, and every mma
-    variant (the tensor-core kernel runs at the 255-register limit, where a compiler change shows first)."""
+    variant (the tensor-core kernel runs near the per-thread register limit, where a compiler change shows
+    first)."""
     return r.variant.family == "mma" or (r.variant.family in ("tiled", "rowmax") and r.variant.dmax <= 128)
 
 
