@@ -31,3 +31,17 @@ def test_the_environment_names_commit_and_date(monkeypatch):
     monkeypatch.setenv("ATTNLAB_COMMIT", "abc1234")
     env = experiment.run_environment("cpu")
     assert env["commit"] == "abc1234" and env["gpu"] is None and env["date_utc"].endswith("Z")
+
+
+@pytest.mark.parametrize("module", ["hopper_persistent_ab", "hopper_window_route"])
+def test_the_hopper_experiments_say_what_they_need(module, tmp_path, capsys):
+    import importlib
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("an sm_90 GPU is here: the experiment would run")
+    mod = importlib.import_module(f"attnlab.bench.{module}")
+    assert mod.main([str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err.strip() == f"python -m attnlab.bench.{module}: error: needs an sm_90 GPU"
+    assert not (tmp_path / "x.json").exists()

@@ -30,6 +30,12 @@ def write(result: dict, out: str | None) -> dict:
     return result
 
 
+def needs_sm90() -> str | None:
+    """Why this machine cannot run a Hopper experiment (None: it has an sm_90 GPU)."""
+    ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    return None if ok else "needs an sm_90 GPU"
+
+
 def main(module: str, doc: str, run: Callable[[str], dict], argv: Sequence[str] | None = None,
          needs: Callable[[], str | None] | None = None) -> int:
     """The command line of an experiment module: one argument, the JSON file; ``needs()`` says why this machine

@@ -95,12 +95,9 @@ def run(out: str, rounds: int = 5) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from attnlab.bench.experiment import main as experiment_main
+    from attnlab.bench.experiment import needs_sm90
 
-    def needs() -> str | None:
-        ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-        return None if ok else "needs an sm_90 GPU"
-
-    return experiment_main("attnlab.bench.hopper_window_route", __doc__, run, argv, needs)
+    return experiment_main("attnlab.bench.hopper_window_route", __doc__, run, argv, needs_sm90)
 
 
 if __name__ == "__main__":
