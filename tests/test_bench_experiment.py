@@ -45,3 +45,10 @@ def test_the_hopper_experiments_say_what_they_need(module, tmp_path, capsys):
     assert mod.main([str(tmp_path / "x.json")]) == 2
     assert capsys.readouterr().err.strip() == f"python -m attnlab.bench.{module}: error: needs an sm_90 GPU"
     assert not (tmp_path / "x.json").exists()
+
+
+def test_run_rows_prints_each_row_and_writes_the_record(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    rec = experiment.run_rows([(1, 2), (3, 4)], lambda a, b: {"sum": a + b}, str(out), device="cpu")
+    assert rec["rows"] == [{"sum": 3}, {"sum": 7}] and json.loads(out.read_text()) == rec
+    assert capsys.readouterr().out.splitlines() == ["{'sum': 3}", "{'sum': 7}"]

@@ -1,6 +1,7 @@
 """The one-off experiments' shared edges (a model's training step, a client check: ``llama_sdpa``,
-``varlen_attn_step``, ``hf_clients``): the short environment their JSON records, and their command line,
-``python -m attnlab.bench.<name> OUT.json``, which runs the experiment, writes the record and prints it."""
+``varlen_attn_step``, ``hf_clients``, the Hopper probes): the short environment their JSON records, the loop over
+a probe's cases, and their command line, ``python -m attnlab.bench.<name> OUT.json``, which runs the experiment,
+writes the record and prints it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import datetime as _dt
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,16 @@ def write(result: dict, out: str | None) -> dict:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def run_rows(cases: Iterable[tuple], one: Callable[..., dict], out: str | None, device: str = "cuda") -> dict:
+    """``one(*case)`` for each case, each row printed as it comes (a cut run still shows what it measured), then
+    the record ``{"environment", "rows"}`` written to ``out``."""
+    rows = []
+    for case in cases:
+        rows.append(one(*case))
+        print(rows[-1], flush=True)
+    return write({"environment": run_environment(device), "rows": rows}, out)
 
 
 def needs_sm90() -> str | None:

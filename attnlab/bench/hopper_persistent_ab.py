@@ -70,18 +70,14 @@ def _case(B: int, H: int, N: int, D: int, causal: bool, dtype: torch.dtype, roun
 
 def run(out: str, rounds: int = 7) -> dict:
     from attnlab.backends.triton import hopper_forward as hopper
-    from attnlab.bench.experiment import run_environment, write
+    from attnlab.bench.experiment import run_rows
 
     before = hopper.PERSISTENT, hopper.PINGPONG
     hopper.set_mode("sync")
-    rows = []
     try:
-        for case in CASES:
-            rows.append(_case(*case, rounds))
-            print(rows[-1], flush=True)
+        return run_rows(CASES, lambda *case: _case(*case, rounds), out)
     finally:
         hopper.PERSISTENT, hopper.PINGPONG = before
-    return write({"environment": run_environment("cuda"), "rows": rows}, out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,19 +78,15 @@ def _case(B: int, Hq: int, Hkv: int, N: int, D: int, width: int, rounds: int) ->
 
 def run(out: str, rounds: int = 5) -> dict:
     from attnlab.backends.triton import hopper_forward as hopper
-    from attnlab.bench.experiment import run_environment, write
+    from attnlab.bench.experiment import run_rows
 
     before, narrow = hopper.mode(), hopper.NARROW_TO_PORTABLE
     hopper.NARROW_TO_PORTABLE = False  # "sync" must mean the Hopper kernel, narrow band or not
-    rows = []
     try:
-        for case in CASES:
-            rows.append(_case(*case, rounds))
-            print(rows[-1], flush=True)
+        return run_rows(CASES, lambda *case: _case(*case, rounds), out)
     finally:
         hopper.set_mode(before)
         hopper.NARROW_TO_PORTABLE = narrow
-    return write({"environment": run_environment("cuda"), "rows": rows}, out)
 
 
 def main(argv: list[str] | None = None) -> int:
