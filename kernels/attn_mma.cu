@@ -79,6 +79,11 @@
 // stride on D, 16-byte aligned rows): a tile's copies are one address and a row step per thread. Else element
 // by element (any strides), same layout. Rows past the tensor and dims past D are zero.
 //
+// Stores: each thread writes its two neighbouring columns of a row (c0 c1 or c2 c3 of a fragment) as one 32-bit
+// word, so the output must have unit stride on D, 4-byte aligned rows and room for column D when D is odd (that
+// column gets V's zero padding). The host passes a staging buffer where the output is not so
+// (attnlab.backends.cuda.variant.pair_stores_ok) and copies from it.
+//
 // Masking, lengths, windows, GQA, lse: as in the other kernels (attn_mask.cuh, attn_softmax.cuh). Key tiles run
 // over the block's structural range [lo, hi) only (causal and window tiles are skipped by construction).
 //
@@ -561,13 +566,13 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
             if (i >= args.Nq) continue;
             const float inv_l = row_inv_l(l);
 #pragma unroll
-            for (int n = 0; n < DN; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int d = 8 * n + 2 * t + e;
-                    if (d < args.D)
-                        store_elem<DTYPE>(args.out, offset4(args.os, b, h, i, d), w.acc[mb][n][2 * r + e] * inv_l);
-                }
+            for (int n = 0; n < DN; ++n) {
+                const int d = 8 * n + 2 * t;  // this thread's two columns, d and d + 1: one 32-bit store
+                unsigned short* at = static_cast<unsigned short*>(args.out) + offset4(args.os, b, h, i, d);
+                if (d < args.D)
+                    *reinterpret_cast<unsigned int*>(at) = pack2<DTYPE>(w.acc[mb][n][2 * r] * inv_l,
+                                                                        w.acc[mb][n][2 * r + 1] * inv_l);
+            }
             if (t == 0 && args.lse != nullptr) store_lse(args, b, h, i, row_lse(w.m_i[mb][r] / units, l));
         }
 }

@@ -772,6 +772,34 @@ def test_scale_of_either_sign_on_wholly_allowed_tiles(scale, causal, fast):
         assert ok, f"{be} scale={scale} causal={causal} fast_exp={fast}: {rep}"
 
 
+def test_mma_stores_pairs_only_where_the_output_takes_them():
+    """The mma kernel writes two columns per 32-bit store: D even, unit stride on D, 4-byte aligned rows."""
+    assert C.pair_stores_ok(64, 1024, (4096, 64, 64, 1))
+    assert not C.pair_stores_ok(33, 1024, (4224, 132, 33, 1))  # D odd
+    assert not C.pair_stores_ok(64, 1026, (4096, 64, 64, 1))  # base 2 bytes off
+    assert not C.pair_stores_ok(64, 1024, (4096, 64, 1, 64))  # D not the unit-stride axis
+    assert not C.pair_stores_ok(64, 1024, (4096, 64, 65, 1))  # an odd row stride
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [33, 64])
+def test_mma_output_staged_only_when_it_cannot_store_pairs(D):
+    """An odd D goes through a staging buffer (D + 1 wide) that the launch copies into the output; an even D
+    writes the output itself. Either way the result passes against the float64 reference, with lse."""
+    import attnlab
+
+    gen = torch.Generator(device="cuda").manual_seed(D)
+    q, k, v = (torch.randn(2, 3, 150, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    prob = make_problem(q, k, v, causal=True)
+    launch = C.prepare("mma", prob, torch.empty_like(q), None)
+    assert (launch.keep_alive[-1] is None) == (D % 2 == 0)
+    out, lse = attnlab.attention(q, k, v, causal=True, backend=MMA, return_lse=True)
+    ref, ref_lse = attnlab.reference(q, k, v, causal=True)
+    base = attnlab.attention(q, k, v, causal=True, backend="torch")
+    assert check.compare(out, ref, base=base).passed
+    assert torch.allclose(lse, ref_lse.to(lse.dtype), atol=1e-3, rtol=1e-3)
+
+
 @pytest.mark.gpu
 def test_mma_refuses_what_it_does_not_take_on_the_gpu():
     import attnlab

@@ -37,6 +37,7 @@ from attnlab.backends.cuda.variant import (
     merge_name_expression,
     mma_async_ok,
     mma_wide_ok,
+    pair_stores_ok,
     rowmax_split_plan,
     validate_launch,
 )
@@ -237,7 +238,9 @@ def variant_for(family: str, prob: Problem, fast: bool | None = None) -> Variant
 
 def _plan(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, fast: bool | None):
     """Everything one launch needs, from the cached compiled kernel and the tensors' pointers and strides
-    (each read once): (compiled, config, merge grid, splits, async_copy, struct values, workspace)."""
+    (each read once): (compiled, config, merge grid, splits, async_copy, struct values, workspace, staged).
+    ``staged`` is the buffer the mma kernel writes instead of ``out`` when it cannot store pairs into ``out``
+    (:func:`pair_stores_ok`); the launch then copies it into ``out``."""
     q, k, v = prob.q, prob.k, prob.v
     dev = q.device.index
     if dev is None:
@@ -247,7 +250,7 @@ def _plan(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | Non
     c = _compiled(family, q.dtype, D, fast, dev, wide)
     q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     q_st, k_st, v_st = q.stride(), k.stride(), v.stride()
-    splits, split_tiles, async_copy, workspace = 1, NO_BOUND, False, None
+    splits, split_tiles, async_copy, workspace, staged = 1, NO_BOUND, False, None, None
     if family == "rowmax":
         async_copy = _settings.rowmax_async_on() and async_ok(q.dtype, D, k_ptr, k_st, v_ptr, v_st)
         splits, split_tiles = rowmax_split_plan(B, Hq, Nq, k.shape[2], c.variant.dmax, c.limits.sm_count,
@@ -260,10 +263,12 @@ def _plan(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | Non
     elif family == "mma":
         async_copy = _settings.rowmax_async_on() and mma_async_ok(q.dtype, D, ((q_ptr, q_st), (k_ptr, k_st),
                                                                              (v_ptr, v_st)))
+        if not pair_stores_ok(D, out.data_ptr(), out.stride()):
+            staged = torch.empty((B, Hq, Nq, D + D % 2), dtype=out.dtype, device=out.device)
     cfg, merge_grid = c.config(B, Hq, Nq, splits)
-    values = param_values(prob, out, lse, async_copy, splits, split_tiles, workspace, q_ptr, k_ptr, v_ptr,
-                           q_st, k_st, v_st)
-    return c, cfg, merge_grid, splits, async_copy, values, workspace
+    values = param_values(prob, out if staged is None else staged, lse, async_copy, splits, split_tiles,
+                          workspace, q_ptr, k_ptr, v_ptr, q_st, k_st, v_st)
+    return c, cfg, merge_grid, splits, async_copy, values, workspace, staged
 
 
 class PreparedLaunch:
@@ -278,16 +283,19 @@ class PreparedLaunch:
 
     def __init__(self, family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
                  fast: bool | None = None):
-        c, cfg, merge_grid, splits, async_copy, values, workspace = _plan(family, prob, out, lse, fast)
+        c, cfg, merge_grid, splits, async_copy, values, workspace, staged = _plan(family, prob, out, lse, fast)
         self._compiled, self._merge_grid = c, merge_grid
         self._block = ParamBlock()
         self._block.pack(values)
         self.variant, self.config, self.splits, self.async_copy = c.variant, cfg, splits, async_copy
         self.params = self._block.view
-        self.keep_alive = (prob, out, lse, workspace)
+        self.keep_alive = (prob, out, lse, workspace, staged)
+        self._copy = None if staged is None else (out, staged[..., : out.shape[-1]])
 
     def __call__(self) -> None:
         self._compiled.launch(self.config, self._merge_grid, self._block.arg, self.splits)
+        if self._copy is not None:
+            self._copy[0].copy_(self._copy[1])
 
 
 def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
@@ -308,10 +316,12 @@ def run(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None)
     thread's parameter block (the driver copies it at the launch, so the block is free again right after),
     take the validated configuration from the cache, and enqueue.
     """
-    c, cfg, merge_grid, splits, _async, values, workspace = _plan(family, prob, out, lse, None)
+    c, cfg, merge_grid, splits, _async, values, workspace, staged = _plan(family, prob, out, lse, None)
     block = getattr(_local, "block", None)
     if block is None:
         block = _local.block = ParamBlock()
     block.pack(values)
     c.launch(cfg, merge_grid, block.arg, splits)
-    del workspace  # freed after the launch: torch's allocator orders its reuse after these kernels (same stream)
+    if staged is not None:
+        out.copy_(staged[..., : out.shape[-1]])
+    del workspace, staged  # freed after use: torch's allocator orders their reuse after these kernels (same stream)

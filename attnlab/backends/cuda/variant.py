@@ -16,7 +16,8 @@ launch geometry checked against device limits, and rowmax's two launch-time choi
   :func:`rowmax_async_copy` and :func:`rowmax_splits` force either choice (tests, benchmarks).
 * mma (see ``kernels/attn_mma.cu``): the tensor-core kernel, float16 and bfloat16 only, head dims up to 128;
   :func:`mma_async_ok` decides whether its Q, K and V tiles travel by ``cp.async`` (the same switch,
-  :func:`rowmax_async_copy`, turns that off for a while).
+  :func:`rowmax_async_copy`, turns that off for a while), and :func:`pair_stores_ok` whether it stores
+  straight into the output or into a staging buffer that the host copies from.
 """
 
 from __future__ import annotations
@@ -356,6 +357,13 @@ def mma_async_ok(dtype: torch.dtype, D: int, tensors: tuple[tuple[int, tuple], .
     """Whether the mma kernel may copy Q, K and V rows with 16-byte cp.async: a 16-bit dtype and
     :func:`rows_of_16_bytes` for each (pointer, strides) of ``tensors``."""
     return dtype in (torch.float16, torch.bfloat16) and rows_of_16_bytes(2, D, tensors)
+
+
+def pair_stores_ok(D: int, ptr: int, strides: tuple) -> bool:
+    """Whether the mma kernel may store a 16-bit [B, H, N, D] output at (pointer, strides) directly: it stores
+    two neighbouring columns as one 32-bit word, so D even, unit stride on D, and the pointer and the b/h/n
+    strides aligned to 4 bytes. Else the host gives it a staging buffer D + D % 2 wide and copies the result."""
+    return D % 2 == 0 and strides[3] == 1 and ptr % 4 == 0 and all(st % 2 == 0 for st in strides[:3])
 
 
 def rows_of_16_bytes(elem_bytes: int, D: int, tensors: tuple[tuple[int, tuple], ...]) -> bool:
