@@ -772,6 +772,49 @@ def test_scale_of_either_sign_on_wholly_allowed_tiles(scale, causal, fast):
         assert ok, f"{be} scale={scale} causal={causal} fast_exp={fast}: {rep}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [*BACKENDS, MMA])
+def test_repeated_calls_launch_without_planning_and_match_the_whole_way(backend, monkeypatch):
+    """The second call of a signature takes the backend's fast call (no plan: ``_plan`` is not reached) and gives
+    the whole way's answer bit for bit, in both layouts, with and without lse; a changed setting (expf) sends it
+    the whole way again. A call with lengths has no fast call."""
+    import attnlab
+    from attnlab import fast_calls
+    from attnlab.backends.cuda import launch
+
+    dt = torch.bfloat16 if backend == MMA else torch.float32
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    fresh = lambda shape: torch.randn(shape, device="cuda", dtype=dt, generator=gen)
+    plan = launch._plan
+
+    def no_plan(*a, **kw):
+        raise AssertionError("planned again: the fast call was not taken")
+
+    with C.rowmax_splits(1):  # (a split plan holds a workspace: no fast call)
+        for layout, shape in (("bhnd", (2, 4, 130, 64)), ("bnhd", (2, 130, 4, 64))):
+            for lse in (False, True):
+                fast_calls.clear()
+                kw = dict(causal=True, layout=layout, backend=backend, return_lse=lse)
+                attnlab.attention(fresh(shape), fresh(shape), fresh(shape), **kw)  # the whole way: remembered
+                q, k, v = fresh(shape), fresh(shape), fresh(shape)
+                monkeypatch.setattr(launch, "_plan", no_plan)
+                got = attnlab.attention(q, k, v, **kw)
+                monkeypatch.setattr(launch, "_plan", plan)
+                fast_calls.clear()
+                whole = attnlab.attention(q, k, v, **kw)
+                for a, b in zip(got if lse else (got,), whole if lse else (whole,), strict=True):
+                    assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+        other_exp = not C.fast_exp_of(backend[len("cuda-"):])
+        with C.fast_exp(other_exp):
+            changed = attnlab.attention(q, k, v, **kw)  # the fast call declines; the whole way runs the other exp
+        fast_calls.clear()
+        with C.fast_exp(other_exp):
+            assert torch.equal(changed[0], attnlab.attention(q, k, v, **kw)[0])
+        fast_calls.clear()
+        attnlab.attention(q, k, v, causal=True, backend=backend, kv_len=[100, 130])
+        assert not fast_calls._CALLS
+
+
 def test_mma_stores_pairs_only_where_the_output_takes_them():
     """The mma kernel writes two columns per 32-bit store: D even, unit stride on D, 4-byte aligned rows."""
     assert C.pair_stores_ok(64, 1024, (4096, 64, 64, 1))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.backends import Availability, Backend, cuda_device_reason, no_cuda_reason
-from attnlab.backends.cuda.launch import run, variant_for
+from attnlab.backends.cuda.launch import fast_call, run, variant_for
 from attnlab.backends.cuda.variant import DMAX_BUCKETS, DTYPE_CODES, FAMILY_DTYPES, GRID_LIMITS
 from attnlab.problem import Problem
 
@@ -29,6 +29,11 @@ class _CudaBackend(Backend):
                    f"CuPy does not import ({type(e).__name__}: {e})")
             return Availability(False, fix if why is None else f"{why}; and {fix}")
         return Availability(True) if why is None else Availability(False, why)
+
+    def fast_call(self, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, paged=None, append=None):
+        """The launch of a later call of ``prob``'s signature with its own pointers (dense calls without lengths
+        or masks: :func:`attnlab.backends.cuda.launch.fast_call`), or None."""
+        return None if paged is not None or append is not None else fast_call(self.family, prob, out, lse)
 
     def unsupported(self, prob: Problem) -> str | None:
         why = cuda_device_reason(prob)

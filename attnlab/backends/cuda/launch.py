@@ -305,7 +305,51 @@ def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | N
     return PreparedLaunch(family, prob, out, lse, fast)
 
 
-_local = threading.local()  # each thread's parameter block for run()
+_local = threading.local()  # each thread's parameter block for run() and the fast calls
+
+
+def _switches(family: str) -> tuple:
+    """The module settings a launch plan depends on besides the call's signature."""
+    return (_settings.fast_exp_of(family), _settings.rowmax_async_on(), _settings.rowmax_forced_splits(),
+            _settings.mma_wide_on())
+
+
+def fast_call(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None):
+    """After a launch of ``family`` for ``prob`` into ``out`` and ``lse``: a function ``(q, k, v, kv_len, q_len,
+    mask, block_table, alibi_slopes, sinks) -> (out, lse or None)`` for a later call of the signature
+    (:mod:`attnlab.fast_calls`): it allocates out and lse as the whole way does, writes the call's pointers into
+    the planned parameters and launches. None back (take the whole way) once a setting of :func:`_switches`
+    changed. None here for an empty call and for one whose plan holds more than the tensors' pointers: lengths
+    or a mask (validated and converted on the whole way), a packed call, rowmax's split workspace or a staged
+    output."""
+    spec = prob.spec
+    if spec.kv_len is not None or spec.q_len is not None or spec.explicit is not None or prob.packed is not None:
+        return None
+    if out.numel() == 0 or prob.Nk == 0:  # the whole way launched nothing
+        return None
+    c, cfg, merge_grid, splits, _async, values, workspace, staged = _plan(family, prob, out, lse, None)
+    if workspace is not None or staged is not None:
+        return None
+    fixed = values[5:]  # after q, k, v, out, lse: q_len, kv_len and mask 0 here, then strides and sizes
+    switches = _switches(family)
+    shape = (prob.B, prob.Hq, prob.Nq, prob.Dv) if prob.layout == "bhnd" else (prob.B, prob.Nq, prob.Hq, prob.Dv)
+    lse_shape, write_lse, dtype, device = (prob.B, prob.Hq, prob.Nq), lse is not None, prob.out_dtype, prob.device
+    empty, f32 = torch.empty, torch.float32
+
+    def call(q, k, v, kv_len, q_len, mask, block_table, alibi_slopes, sinks):
+        if _switches(family) != switches:
+            return None
+        o = empty(shape, dtype=dtype, device=device)
+        m = empty(lse_shape, dtype=f32, device=device) if write_lse else None
+        block = getattr(_local, "block", None)
+        if block is None:
+            block = _local.block = ParamBlock()
+        block.pack((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0 if m is None else m.data_ptr(),
+                    *fixed))
+        c.launch(cfg, merge_grid, block.arg, splits)
+        return o, m
+
+    return call
 
 
 def run(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> None:

@@ -102,6 +102,11 @@ def rowmax_async_on() -> bool:
     return _rowmax_async
 
 
+def mma_wide_on() -> bool:
+    """Whether mma may take its wide kernel (:func:`mma_wide` turns it off for a while)."""
+    return _mma_wide
+
+
 def rowmax_forced_splits() -> int | None:
     """The split count :func:`rowmax_splits` forces, or None (the automatic plan)."""
     return _rowmax_force_splits
