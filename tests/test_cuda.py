@@ -811,7 +811,7 @@ def test_repeated_calls_launch_without_planning_and_match_the_whole_way(backend,
         with C.fast_exp(other_exp):
             assert torch.equal(changed[0], attnlab.attention(q, k, v, **kw)[0])
         fast_calls.clear()
-        attnlab.attention(q, k, v, causal=True, backend=backend, kv_len=[100, 130])
+        attnlab.attention(q, k, v, causal=True, layout="bnhd", backend=backend, kv_len=[100, 130])
         assert not fast_calls._CALLS
 
 
