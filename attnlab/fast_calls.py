@@ -6,8 +6,9 @@ of q, k, v and of the mask, GPU length, ALiBi slope, sink and KV-append tensors;
 (by value); and the keywords (the softcap by value).
 The first call of a signature goes the whole way (``make_problem``, ``resolve``, the backend's launch plan).
 When the chosen backend hands back a fast call for it (:meth:`attnlab.backends.Backend.fast_call`: the Triton
-kernels on a GPU do, the CUDA kernels for dense calls without lengths or masks), the later calls of that
-signature run it directly: the output's allocation and the kernel launches, with nothing validated twice.
+kernels on a GPU do, the CUDA kernels for dense calls without lengths or masks whose launch needs no split
+workspace or staged output), the later calls of that signature run it directly: the output's allocation and the
+kernel launches, with nothing validated twice.
 The answer is the same as the whole way's: what validation checks depends on the signature alone, and what it
 computes from values (GPU lengths clamped to [0, N]) the kernels compute again where they load the lengths.
 

@@ -777,7 +777,7 @@ def test_scale_of_either_sign_on_wholly_allowed_tiles(scale, causal, fast):
 def test_repeated_calls_launch_without_planning_and_match_the_whole_way(backend, monkeypatch):
     """The second call of a signature takes the backend's fast call (no plan: ``_plan`` is not reached) and gives
     the whole way's answer bit for bit, in both layouts, with and without lse; a changed setting (expf) sends it
-    the whole way again. A call with lengths has no fast call."""
+    the whole way again. A call with lengths has none, nor does a split rowmax call or an mma call with odd D."""
     import attnlab
     from attnlab import fast_calls
     from attnlab.backends.cuda import launch
@@ -810,8 +810,17 @@ def test_repeated_calls_launch_without_planning_and_match_the_whole_way(backend,
         fast_calls.clear()
         with C.fast_exp(other_exp):
             assert torch.equal(changed[0], attnlab.attention(q, k, v, **kw)[0])
-        fast_calls.clear()
-        attnlab.attention(q, k, v, causal=True, layout="bnhd", backend=backend, kv_len=[100, 130])
+        fast_calls.clear()  # lengths as an int keep a signature; the backend declines to hand back a fast call
+        attnlab.attention(q, k, v, causal=True, layout="bnhd", backend=backend, kv_len=100)
+        assert not fast_calls._CALLS
+    fast_calls.clear()
+    if backend == "cuda-rowmax":  # a split plan's workspace: no fast call
+        with C.rowmax_splits(2):
+            attnlab.attention(q, k, v, causal=True, layout="bnhd", backend=backend)
+        assert not fast_calls._CALLS
+    if backend == MMA:  # an odd D's staged output: no fast call
+        odd = fresh((2, 4, 130, 33))
+        attnlab.attention(odd, odd, odd, causal=True, backend=backend)
         assert not fast_calls._CALLS
 
 
@@ -828,7 +837,8 @@ def test_mma_stores_pairs_only_where_the_output_takes_them():
 @pytest.mark.parametrize("D", [33, 64])
 def test_mma_output_staged_only_when_it_cannot_store_pairs(D):
     """An odd D goes through a staging buffer (D + 1 wide) that the launch copies into the output; an even D
-    writes the output itself. Either way the result passes against the float64 reference, with lse."""
+    writes the output itself, unless its rows are an odd number of elements apart. Either way the result passes
+    against the float64 reference, with lse, and a staged output holds what a plain one does."""
     import attnlab
 
     gen = torch.Generator(device="cuda").manual_seed(D)
@@ -836,6 +846,13 @@ def test_mma_output_staged_only_when_it_cannot_store_pairs(D):
     prob = make_problem(q, k, v, causal=True)
     launch = C.prepare("mma", prob, torch.empty_like(q), None)
     assert (launch.keep_alive[-1] is None) == (D % 2 == 0)
+    # An even D into rows an odd number of elements apart: staged too, and the same values as a plain output.
+    plain, strided = torch.empty_like(q), torch.empty(*q.shape[:-1], D + 1, device="cuda", dtype=q.dtype)[..., :D]
+    C.prepare("mma", prob, plain, None)()
+    staged = C.prepare("mma", prob, strided, None)
+    assert staged.keep_alive[-1] is not None
+    staged()
+    assert torch.equal(strided, plain)
     out, lse = attnlab.attention(q, k, v, causal=True, backend=MMA, return_lse=True)
     ref, ref_lse = attnlab.reference(q, k, v, causal=True)
     base = attnlab.attention(q, k, v, causal=True, backend="torch")

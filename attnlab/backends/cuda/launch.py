@@ -6,12 +6,13 @@ zero-copy on torch tensors, on torch's current stream.
   dtype), caches it, and raises its dynamic shared-memory limit when the variant needs more than the
   default 48 KB.
 * :func:`run` launches on torch's current stream. Every kernel takes one argument, ``struct AttnParams``
-  (:mod:`attnlab.backends.cuda.params`): tensor pointers (zero copy, any strides), strides, sizes, the mask
-  rule. It is packed with one :mod:`struct` call and handed to CuPy as one host address, so a launch
-  converts no Python scalars; the compiled kernel, the device limits, the validated configurations and
-  CuPy's view of torch's stream are cached, and the launch names the stream instead of switching CuPy's
-  current one (the device is switched only when another one is current). :func:`prepare` does the same
-  once and returns a :class:`PreparedLaunch` to call repeatedly.
+  (:mod:`attnlab.backends.cuda.params`): tensor pointers (zero copy, any strides; the mma kernel's output goes
+  through a staging copy where it cannot store column pairs), strides, sizes, the mask rule. It is packed with one
+  :mod:`struct` call and handed to CuPy as one host address, so a launch converts no Python scalars; the compiled
+  kernel, the device limits, the validated configurations and CuPy's view of torch's stream are cached, and the
+  launch names the stream instead of switching CuPy's current one (the device is switched only when another one is
+  current). :func:`prepare` does the same once and returns a :class:`PreparedLaunch` to call repeatedly, and
+  :func:`fast_call` keeps a plan for the later calls of a signature (:mod:`attnlab.fast_calls`).
 """
 
 from __future__ import annotations
@@ -273,12 +274,13 @@ def _plan(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | Non
 
 class PreparedLaunch:
     """A validated launch of one kernel (and rowmax's merge, when it splits) on fixed tensors; calling it
-    enqueues the kernel(s) on torch's current stream of the problem's device. Benchmarks call it repeatedly,
-    so only the launch itself is on the timed path.
+    enqueues the kernel(s) on torch's current stream of the problem's device, and the copy from the mma
+    kernel's staging buffer into ``out`` where it needs one (:func:`pair_stores_ok`). Benchmarks call it
+    repeatedly, so only the launch (and that copy, part of what a call costs) is on the timed path.
 
     Attributes: ``variant``, ``config`` (grid, block, shared memory), ``splits``, ``async_copy``, ``params``
-    (the packed :data:`PARAMS_DTYPE` argument, size-1 array) and ``keep_alive`` (the tensors its pointers
-    point into).
+    (the packed :data:`PARAMS_DTYPE` argument, size-1 array; its ``out`` is the staging buffer's address when
+    there is one) and ``keep_alive`` (the tensors its pointers point into; the staging buffer or None last).
     """
 
     def __init__(self, family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
@@ -327,10 +329,13 @@ def fast_call(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor |
         return None
     if out.numel() == 0 or prob.Nk == 0:  # the whole way launched nothing
         return None
+    if getattr(_local, "declined", None) == (id(prob), id(out)):  # run() just launched it with more than pointers
+        return None
     c, cfg, merge_grid, splits, _async, values, workspace, staged = _plan(family, prob, out, lse, None)
     if workspace is not None or staged is not None:
         return None
-    fixed = values[5:]  # after q, k, v, out, lse: q_len, kv_len and mask 0 here, then strides and sizes
+    # after q, k, v, out, lse: q_len, kv_len, mask, part_acc and part_ml (0 here), then strides and sizes
+    fixed = values[5:]
     switches = _switches(family)
     shape = (prob.B, prob.Hq, prob.Nq, prob.Dv) if prob.layout == "bhnd" else (prob.B, prob.Nq, prob.Hq, prob.Dv)
     lse_shape, write_lse, dtype, device = (prob.B, prob.Hq, prob.Nq), lse is not None, prob.out_dtype, prob.device
@@ -356,9 +361,11 @@ def run(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None)
     """Launch ``family`` on ``prob`` into ``out`` / ``lse`` on torch's current stream.
 
     The per-call path (every backend call): look up the compiled kernel, read the tensors' pointers and
-    strides once, plan rowmax's split (one workspace tensor when it splits), pack the struct into this
-    thread's parameter block (the driver copies it at the launch, so the block is free again right after),
-    take the validated configuration from the cache, and enqueue.
+    strides once, plan rowmax's split (one workspace tensor when it splits) and mma's staging buffer (when
+    the output cannot take its column pairs), pack the struct into this thread's parameter block (the driver
+    copies it at the launch, so the block is free again right after), take the validated configuration from
+    the cache, enqueue, and copy from the staging buffer. A launch that needed either buffer is noted for
+    :func:`fast_call`, which the whole way asks next and which then declines without planning again.
     """
     c, cfg, merge_grid, splits, _async, values, workspace, staged = _plan(family, prob, out, lse, None)
     block = getattr(_local, "block", None)
@@ -368,4 +375,5 @@ def run(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None)
     c.launch(cfg, merge_grid, block.arg, splits)
     if staged is not None:
         out.copy_(staged[..., : out.shape[-1]])
+    _local.declined = None if workspace is None and staged is None else (id(prob), id(out))
     del workspace, staged  # freed after use: torch's allocator orders their reuse after these kernels (same stream)

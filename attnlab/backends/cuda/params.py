@@ -106,7 +106,9 @@ def kernel_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None, *, a
     Pointers are the tensors' data pointers (zero copy, any strides; 0 for an absent tensor), strides are in
     elements. ``async_copy``, ``splits``, ``split_tiles`` and ``workspace`` (float32, ``splits * B*Hq*Nq *
     (D + 2)`` elements: the split states' acc, then their (m, l)) are rowmax's. The caller keeps ``prob``,
-    ``out``, ``lse`` and ``workspace`` alive until the kernel has run.
+    ``out``, ``lse`` and ``workspace`` alive until the kernel has run. The mma kernel stores column pairs:
+    its ``out`` must satisfy :func:`attnlab.backends.cuda.variant.pair_stores_ok` (the launches stage it
+    otherwise).
     """
     q, k, v = prob.q, prob.k, prob.v
     values = param_values(prob, out, lse, async_copy, splits, split_tiles, workspace, q.data_ptr(), k.data_ptr(),
