@@ -79,10 +79,14 @@
 // stride on D, 16-byte aligned rows): a tile's copies are one address and a row step per thread. Else element
 // by element (any strides), same layout. Rows past the tensor and dims past D are zero.
 //
-// Stores: each thread writes its two neighbouring columns of a row (c0 c1 or c2 c3 of a fragment) as one 32-bit
-// word, so the output must have unit stride on D, 4-byte aligned rows and room for column D when D is odd (that
-// column gets V's zero padding). The host passes a staging buffer where the output is not so
-// (attnlab.backends.cuda.variant.pair_stores_ok) and copies from it.
+// Stores (FlashAttention-2's epilogue): a thread's accumulators are two neighbouring columns of a row in each
+// 8-column block, so stored from registers every warp instruction would scatter over 8 rows. Instead each warp
+// writes its normalized rows, two columns to a 32-bit word, into its own rows of q_s (only it ever reads them, and
+// no copy targets q_s after the key loop), then copies them out 16 bytes per lane, whole rows per instruction
+// (store_rows). A chunk that is not whole inside D or not 16-byte aligned goes out as 32-bit pairs, so the output
+// must have unit stride on D, 4-byte aligned rows and room for column D when D is odd (that column gets V's zero
+// padding). The host passes a staging buffer where the output is not so (attnlab.backends.cuda.variant.
+// pair_stores_ok) and copies from it.
 //
 // Masking, lengths, windows, GQA, lse: as in the other kernels (attn_mask.cuh, attn_softmax.cuh). Key tiles run
 // over the block's structural range [lo, hi) only (causal and window tiles are skipped by construction).
@@ -466,6 +470,38 @@ __device__ __forceinline__ void accumulate(WarpState<DMAX>& w, const float (&s)[
     }
 }
 
+// ---- the epilogue's stores ------------------------------------------------------------------------------
+
+// Copy the warp's rows [row0, row0 + 16 MB) of the finished tile, 16-bit values in the swizzled layout of q_s, to the output
+// rows i0 + row: one 16-byte chunk per lane per step, CHUNKS lanes to a row, so a warp's store instruction writes
+// whole rows. A chunk that is not whole inside D or not 16-byte aligned goes out as 32-bit pairs (the host's
+// rule for the output: unit stride on D, 4-byte aligned rows, room for column D when D is odd). Called by one
+// warp for the rows only it wrote.
+template <int DMAX>
+__device__ __forceinline__ void store_rows(const AttnParams& args, const unsigned short* tile, int row0, int b,
+                                           int h, int i0)
+{
+    using T = MmaTiles<DMAX>;
+    const int lane = threadIdx.x % 32, c = lane % T::CHUNKS;
+    constexpr int ROWS_PER_STEP = 32 / T::CHUNKS;  // 4 rows of 8 chunks (DMAX 64) or 2 rows of 16 (DMAX 128)
+    if (c * 8 >= args.D) return;                   // the zero padding past D
+#pragma unroll
+    for (int k = lane / T::CHUNKS; k < 16 * T::MB; k += ROWS_PER_STEP) {
+        const int row = row0 + k, i = i0 + row;
+        if (i >= args.Nq) break;
+        const uint4 chunk = *reinterpret_cast<const uint4*>(tile + swizzled<DMAX>(row, c));
+        unsigned short* at = static_cast<unsigned short*>(args.out) + offset4(args.os, b, h, i, c * 8);
+        if (c * 8 + 8 <= args.D && (reinterpret_cast<unsigned long long>(at) & 15) == 0) {
+            *reinterpret_cast<uint4*>(at) = chunk;
+        } else {
+            const unsigned int pairs[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+            for (int p = 0; p < 4; ++p)
+                if (c * 8 + 2 * p < args.D) *reinterpret_cast<unsigned int*>(at + 2 * p) = pairs[p];
+        }
+    }
+}
+
 // ---- the kernel ----------------------------------------------------------------------------------------
 
 template <int DTYPE, int DMAX, bool FAST_EXP, bool WIDE>
@@ -556,25 +592,23 @@ __global__ void __launch_bounds__(128) attn_mma(const __grid_constant__ AttnPara
         accumulate<DTYPE, DMAX>(w, s, v_lane);
     }
 
-    // ---- epilogue: the row sums over the group, normalize, store (empty rows: 0 and lse = -inf) -------------
+    // ---- epilogue: the row sums over the group, normalize into q_s, store (empty rows: 0 and lse = -inf) ------
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int i = row0 + 16 * mb + g + 8 * r;
+            const int row = warp * 16 * MB + 16 * mb + g + 8 * r;  // in the tile (and in q_s)
             const float l = group_sum(w.l_i[mb][r], 4);
-            if (i >= args.Nq) continue;
             const float inv_l = row_inv_l(l);
 #pragma unroll
-            for (int n = 0; n < DN; ++n) {
-                const int d = 8 * n + 2 * t;  // this thread's two columns, d and d + 1: one 32-bit store
-                unsigned short* at = static_cast<unsigned short*>(args.out) + offset4(args.os, b, h, i, d);
-                if (d < args.D)
-                    *reinterpret_cast<unsigned int*>(at) = pack2<DTYPE>(w.acc[mb][n][2 * r] * inv_l,
-                                                                        w.acc[mb][n][2 * r + 1] * inv_l);
-            }
-            if (t == 0 && args.lse != nullptr) store_lse(args, b, h, i, row_lse(w.m_i[mb][r] / units, l));
+            for (int n = 0; n < DN; ++n)
+                *reinterpret_cast<unsigned int*>(q_s + swizzled<DMAX>(row, n) + 2 * t) =
+                    pack2<DTYPE>(w.acc[mb][n][2 * r] * inv_l, w.acc[mb][n][2 * r + 1] * inv_l);
+            if (t == 0 && args.lse != nullptr && i0 + row < args.Nq)
+                store_lse(args, b, h, i0 + row, row_lse(w.m_i[mb][r] / units, l));
         }
+    __syncwarp();
+    store_rows<DMAX>(args, q_s, warp * 16 * MB, b, h, i0);
 }
 
 // ---- explicit instantiation for nvcc (NVRTC instantiates by name expression instead) -------------------

@@ -861,6 +861,31 @@ def test_mma_output_staged_only_when_it_cannot_store_pairs(D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [36, 64, 128])
+def test_mma_stores_whole_chunks_or_pairs(D):
+    """The kernel copies a finished row out in 16-byte chunks where a chunk is whole inside D and aligned, else
+    in 32-bit pairs. Rows 4 but not 16 bytes aligned (a view at column 2 of rows D + 6 wide), and a D that ends
+    inside a chunk (36), are written in place, value for value what a plain output gets, and nothing outside
+    the view is touched."""
+    import attnlab
+
+    gen = torch.Generator(device="cuda").manual_seed(D + 1)
+    q, k, v = (torch.randn(2, 3, 150, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))
+    prob = make_problem(q, k, v, causal=True)
+    plain = torch.empty_like(q)
+    C.prepare("mma", prob, plain, None)()
+    wide = torch.full((*q.shape[:-1], D + 6), 7.0, device="cuda", dtype=q.dtype)
+    view = wide[..., 2:2 + D]
+    launch = C.prepare("mma", prob, view, None)
+    assert launch.keep_alive[-1] is None  # pairs fit: no staging buffer, the kernel writes the view itself
+    launch()
+    assert torch.equal(view, plain)
+    assert bool((wide[..., :2] == 7).all()) and bool((wide[..., 2 + D:] == 7).all())
+    ref, _ = attnlab.reference(q, k, v, causal=True)
+    assert check.compare(plain, ref, base=attnlab.attention(q, k, v, causal=True, backend="torch")).passed
+
+
+@pytest.mark.gpu
 def test_mma_refuses_what_it_does_not_take_on_the_gpu():
     import attnlab
     from attnlab.backends import registry
