@@ -52,9 +52,10 @@
 // of its group with two xor shuffles (distance 1 and 2): the tile's row max, known to all four, times the scale
 // once (a positive factor keeps the order). m_new = max(m_i, tile max); alpha = exp(m_i - m_new) rescales acc and
 // l_i; p = exp(s * scale - m_new), one FFMA before the exp, as FlashAttention does. l_i is kept per thread (its
-// own keys' share) and summed over the group once, at the end. A warp skips the rescale of acc when no row max of
-// its 32 rows moved (alpha = 1 exactly, the common case once a row has met its largest scores): a uniform branch
-// on a warp vote.
+// own keys' share) and summed over the group once, at the end. At DMAX 128 a warp skips the rescale of acc when no
+// row max of its 32 rows moved (alpha = 1 exactly, the common case once a row has met its largest scores): a
+// uniform branch on a warp vote. At DMAX 64 it always rescales, so that the exponentials and P V share one block
+// of code for the compiler to interleave.
 // P stays in registers: the C fragments of key blocks 2k and 2k+1 are, value for value, the A fragment of the
 // 16-key slice k of P V (c0 c1 of block 2k = a0, c2 c3 = a1, block 2k+1's = a2, a3), so each pair is converted to
 // 16 bits (round to nearest, as the Triton kernel and FlashAttention do) and packed into one register.
@@ -417,9 +418,11 @@ __device__ __forceinline__ void softmax_step(WarpState<DMAX>& w, float (&s)[MmaT
             w.l_i[mb][r] = w.l_i[mb][r] * alpha[mb][r] + row_sum;
             w.m_i[mb][r] = m_new;
         }
-    // Rescaling by exactly 1 changes nothing: the warp skips it when no row max of its 32 rows moved (the
-    // common case once a row has met its largest scores), a uniform branch on a warp vote.
-    if (__any_sync(0xffffffffu, moved)) {
+    // Rescaling by exactly 1 changes nothing. At DMAX 128 the warp skips it when no row max of its 32 rows moved
+    // (the common case once a row has met its largest scores), a uniform branch on a warp vote: without it ptxas
+    // spills the wide kernel. At DMAX 64 it always rescales: the branch would end the block of code in which
+    // ptxas overlaps this tile's exponentials with its P V products.
+    if (DMAX == 64 || __any_sync(0xffffffffu, moved)) {
 #pragma unroll
         for (int mb = 0; mb < T::MB; ++mb)
 #pragma unroll
