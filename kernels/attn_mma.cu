@@ -16,7 +16,7 @@
 //
 // Shared memory (16-bit elements, rows of DMAX elements, no padding; declared 1024-byte aligned, which holds while
 // the kernel has no static shared memory: the lane addresses below assume rows start at multiples of their size):
-//   q_s [BM][DMAX]    the Q tile (its fragments re-read for each 16-column slice)
+//   q_s [BM][DMAX]    the Q tile (its fragments re-read for each 16-column slice), then the output tile
 //   k_s [BN][DMAX]    the K tile, row = key
 //   v_s [BN][DMAX]    the V tile, row = key
 // Swizzle: a row is DMAX / 8 chunks of 16 bytes; logical chunk c of row r is stored at chunk c ^ (r % 8).
@@ -475,14 +475,14 @@ __device__ __forceinline__ void accumulate(WarpState<DMAX>& w, const float (&s)[
 
 // ---- the epilogue's stores ------------------------------------------------------------------------------
 
-// Copy the warp's rows [row0, row0 + 16 MB) of the finished tile, 16-bit values in the swizzled layout of q_s, to the output
-// rows i0 + row: one 16-byte chunk per lane per step, CHUNKS lanes to a row, so a warp's store instruction writes
-// whole rows. A chunk that is not whole inside D or not 16-byte aligned goes out as 32-bit pairs (the host's
-// rule for the output: unit stride on D, 4-byte aligned rows, room for column D when D is odd). Called by one
-// warp for the rows only it wrote.
+// Copy the warp's rows [warp_row, warp_row + 16 MB) of the finished tile (rows of the tile, not of the tensor;
+// 16-bit values in the swizzled layout of q_s) to the output rows i0 + row: one 16-byte chunk per lane per step,
+// CHUNKS lanes to a row, so a warp's store instruction writes whole rows. A chunk that is not whole inside D or not
+// 16-byte aligned goes out as 32-bit pairs (the host's rule for the output: unit stride on D, 4-byte aligned rows,
+// room for column D when D is odd). Called by one warp for the rows only it wrote.
 template <int DMAX>
-__device__ __forceinline__ void store_rows(const AttnParams& args, const unsigned short* tile, int row0, int b,
-                                           int h, int i0)
+__device__ __forceinline__ void store_rows(const AttnParams& args, const unsigned short* tile, int warp_row,
+                                           int b, int h, int i0)
 {
     using T = MmaTiles<DMAX>;
     const int lane = threadIdx.x % 32, c = lane % T::CHUNKS;
@@ -490,7 +490,7 @@ __device__ __forceinline__ void store_rows(const AttnParams& args, const unsigne
     if (c * 8 >= args.D) return;                   // the zero padding past D
 #pragma unroll
     for (int k = lane / T::CHUNKS; k < 16 * T::MB; k += ROWS_PER_STEP) {
-        const int row = row0 + k, i = i0 + row;
+        const int row = warp_row + k, i = i0 + row;
         if (i >= args.Nq) break;
         const uint4 chunk = *reinterpret_cast<const uint4*>(tile + swizzled<DMAX>(row, c));
         unsigned short* at = static_cast<unsigned short*>(args.out) + offset4(args.os, b, h, i, c * 8);

@@ -866,7 +866,7 @@ def test_mma_stores_whole_chunks_or_pairs(D):
     """The kernel copies a finished row out in 16-byte chunks where a chunk is whole inside D and aligned, else
     in 32-bit pairs. Rows 4 but not 16 bytes aligned (a view at column 2 of rows D + 6 wide), and a D that ends
     inside a chunk (36), are written in place, value for value what a plain output gets, and nothing outside
-    the view is touched."""
+    the view is touched: not the columns beside it, not the rows past Nq."""
     import attnlab
 
     gen = torch.Generator(device="cuda").manual_seed(D + 1)
@@ -874,13 +874,14 @@ def test_mma_stores_whole_chunks_or_pairs(D):
     prob = make_problem(q, k, v, causal=True)
     plain = torch.empty_like(q)
     C.prepare("mma", prob, plain, None)()
-    wide = torch.full((*q.shape[:-1], D + 6), 7.0, device="cuda", dtype=q.dtype)
-    view = wide[..., 2:2 + D]
+    wide = torch.full((2, 3, 150 + 2, D + 6), 7.0, device="cuda", dtype=q.dtype)
+    view = wide[:, :, :150, 2:2 + D]
     launch = C.prepare("mma", prob, view, None)
     assert launch.keep_alive[-1] is None  # pairs fit: no staging buffer, the kernel writes the view itself
     launch()
     assert torch.equal(view, plain)
     assert bool((wide[..., :2] == 7).all()) and bool((wide[..., 2 + D:] == 7).all())
+    assert bool((wide[:, :, 150:] == 7).all())
     ref, _ = attnlab.reference(q, k, v, causal=True)
     assert check.compare(plain, ref, base=attnlab.attention(q, k, v, causal=True, backend="torch")).passed
 
