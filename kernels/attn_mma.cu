@@ -324,8 +324,16 @@ __device__ __forceinline__ void scores(float (&s)[MmaTiles<DMAX>::MB][KN][4], un
 // The masking passes, on the S fragments before the softmax step, for the tiles that need one (uniform branches
 // in the kernel). Row i = row0 + 16 mb + g + 8r holds values 2r, 2r+1 of each key block n, keys j0 + 8n + 2t + e.
 
-// Keys outside each row's allowed range [lo, hi) (key_range of the row, shifted to this thread's first key
-// j0 + 2t, so that a key is two compares with constants) become -inf; the scores stay raw.
+// Row i's allowed keys [lo, hi) (key_range of the row) shifted to this thread's first key of the tile, j0 + 2t, so
+// that its value e of key block n (key j0 + 8n + 2t + e) is allowed iff lo <= 8n + e < hi: two compares with
+// constants.
+__device__ __forceinline__ void thread_key_range(const RowRule& rule, int i, int j0, int t, int* lo, int* hi) {
+    key_range(rule, i, i + 1, lo, hi);
+    *lo -= j0 + 2 * t;
+    *hi -= j0 + 2 * t;
+}
+
+// Keys outside each row's allowed range become -inf; the scores stay raw.
 template <int DMAX, int KN>
 __device__ __forceinline__ void mask_structure(float (&s)[MmaTiles<DMAX>::MB][KN][4],
                                                const RowRule& rule, int row0, int j0)
@@ -337,9 +345,7 @@ __device__ __forceinline__ void mask_structure(float (&s)[MmaTiles<DMAX>::MB][KN
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             int lo, hi;
-            key_range(rule, row0 + 16 * mb + g + 8 * r, row0 + 16 * mb + g + 8 * r + 1, &lo, &hi);
-            lo -= j0 + 2 * t;
-            hi -= j0 + 2 * t;
+            thread_key_range(rule, row0 + 16 * mb + g + 8 * r, j0, t, &lo, &hi);
 #pragma unroll
             for (int n = 0; n < KN; ++n)
 #pragma unroll
@@ -364,9 +370,7 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[MmaTiles<DMAX>::MB][KN
         for (int r = 0; r < 2; ++r) {
             const int i = row0 + 16 * mb + g + 8 * r;
             int lo, hi;
-            key_range(rule, i, i + 1, &lo, &hi);
-            lo -= j0 + 2 * t;
-            hi -= j0 + 2 * t;
+            thread_key_range(rule, i, j0, t, &lo, &hi);
 #pragma unroll
             for (int n = 0; n < KN; ++n)
 #pragma unroll
