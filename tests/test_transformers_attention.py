@@ -4,6 +4,8 @@ client benchmark's criteria on a tiny shape."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -78,12 +80,15 @@ def test_packed_documents_attend_only_within_themselves(name, registered):
 
 def test_a_generation_step_attends_over_the_cache(registered):
     model, tokens = hf_clients.model_and_tokens("gpt_oss", TINY, "cpu")
+    # transformers 5 renamed the cache argument and output field `past_key_values` to `cache` (the old name warns
+    # that it will go): take whichever this version's forward names
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     got = {}
     for impl in ("eager", registered):
         model.set_attn_implementation(impl)
         with torch.no_grad():
             first = model(tokens[:, :40], use_cache=True)
-            got[impl] = model(tokens[:, 40:41], past_key_values=first.past_key_values, use_cache=True).logits
+            got[impl] = model(tokens[:, 40:41], **{key: getattr(first, key)}, use_cache=True).logits
     assert (got[registered] - got["eager"]).abs().max() < 1e-4
 
 
