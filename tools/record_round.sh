@@ -4,6 +4,8 @@
 #   ATTNLAB_COMMIT=<sha> bash tools/record_round.sh "<suites>" <bench deadline s> [pytest args...]
 # Write the sha out as computed on your own checkout: the device machine's copy of .git may be stale, so
 # $(git rev-parse HEAD) evaluated there can name an older commit than the working tree it runs.
+# REQUIRE_GPU=H200 records only on a GPU whose name contains it (a call for an H200 may get an H100): on another
+# it logs the GPU and exits 0 at once, so the call costs its start alone.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/attnlab-out}
@@ -15,6 +17,9 @@ mkdir -p "$out"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import torch, triton, cupy; print('torch', torch.__version__, 'triton', triton.__version__, 'cupy', cupy.__version__)"
 } > "$out/log.txt" 2>&1
+if [ -n "${REQUIRE_GPU:-}" ] && ! grep -q "$REQUIRE_GPU" "$out/log.txt"; then
+  echo "the GPU is not $REQUIRE_GPU: nothing recorded"; head -3 "$out/log.txt"; exit 0
+fi
 if [ $# -gt 0 ]; then
   timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$@" > "$out/gpu-tests.txt" 2>&1
   echo "rc=$?" >> "$out/gpu-tests.txt"
