@@ -3,8 +3,8 @@ public call packs: the method behind the decisions log's entries on ``cuda-mma``
 
 A patch file is JSON, ``{"mode": [[old, new], ...], ...}``: each ``old`` must occur exactly once in the kernel's
 text (with its headers inlined), and the mode's pairs apply in order. ``main`` is the kernel as it is. For every
-case, each mode is compiled for the variant the public call picks, launched into the same output (grid, block,
-shared memory and packed argument of :func:`attnlab.backends.cuda.launch.prepare`) and compared with ``main``
+case, each mode is compiled for the variant the public call picks, launched into the same output on the public
+call's own launch (:meth:`attnlab.backends.cuda.launch.PreparedLaunch.launch_kernel`) and compared with ``main``
 bit for bit, its largest difference recorded; then timed with CUDA events over back-to-back launches, 7 rounds
 interleaved with SDPA's flash kernel on the same input. A mode that changes the grid is out of scope.
 
@@ -98,8 +98,6 @@ def _case(dtype: str, B: int, H: int, N: int, D: int, causal: bool, modes: dict,
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=getattr(torch, dtype), generator=g) for _ in range(3))
     out = torch.empty_like(q)
     prep = launch.prepare("mma", make_problem(q, k, v, causal=causal), out, None)
-    grid, block, smem = prep.config.grid, prep.config.block, prep.config.shared_bytes
-    arg, stream = (prep._block.arg,), launch._cupy_stream(q.device.index)
     kernels = {}
     for mode, pairs in {"main": [], **modes}.items():
         key = (prep.variant.name_expression, mode)
@@ -111,7 +109,7 @@ def _case(dtype: str, B: int, H: int, N: int, D: int, causal: bool, modes: dict,
     ref = None
     for mode, fn in kernels.items():
         out.fill_(float("nan"))
-        fn(grid, block, arg, shared_mem=smem, stream=stream)
+        prep.launch_kernel(fn)
         torch.cuda.synchronize()
         if ref is None:
             ref = out.clone()
@@ -119,7 +117,7 @@ def _case(dtype: str, B: int, H: int, N: int, D: int, causal: bool, modes: dict,
                                                                              backend="cuda-mma"), ref))
         row["equal"][mode] = bool(torch.equal(out, ref))
         row["max_abs_diff"][mode] = float((out.float() - ref.float()).abs().max())
-    calls = {mode: (lambda fn=fn: fn(grid, block, arg, shared_mem=smem, stream=stream)) for mode, fn in kernels.items()}
+    calls = {mode: (lambda fn=fn: prep.launch_kernel(fn)) for mode, fn in kernels.items()}
     calls["sdpa-flash"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     times: dict[str, list[float]] = {name: [] for name in calls}
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

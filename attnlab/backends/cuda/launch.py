@@ -299,6 +299,13 @@ class PreparedLaunch:
         if self._copy is not None:
             self._copy[0].copy_(self._copy[1])
 
+    def launch_kernel(self, kernel) -> None:
+        """Enqueue ``kernel``, a raw CuPy kernel of this launch's variant (built from other text, say), with this
+        launch's grid, block, shared memory and packed parameters on torch's current stream, and nothing else (no
+        merge, no copy): how an A/B probe runs another build of a kernel on exactly the public call's launch."""
+        kernel(self.config.grid, self.config.block, (self._block.arg,), shared_mem=self.config.shared_bytes,
+               stream=_cupy_stream(self.keep_alive[0].device.index))
+
 
 def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
             fast: bool | None = None) -> PreparedLaunch:
