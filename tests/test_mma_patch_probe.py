@@ -45,9 +45,11 @@ def test_the_command_line_reports_mistakes_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "error: mode 'm': the text to replace occurs 0 times" in err
     assert probe.main([str(tmp_path / "missing.json"), str(tmp_path / "out.json")]) == 2
     assert "cannot read the patch file" in capsys.readouterr().err
+    noop = tmp_path / "noop.json"
+    noop.write_text(json.dumps({"noop": NOOP}))
+    assert probe.main([str(noop), str(tmp_path / "no-such-folder" / "out.json")]) == 2
+    assert "error: no folder for the output file" in capsys.readouterr().err
     if not torch.cuda.is_available():
-        noop = tmp_path / "noop.json"
-        noop.write_text(json.dumps({"noop": NOOP}))
         assert probe.main([str(noop), str(tmp_path / "out.json")]) == 2
         assert capsys.readouterr().err.strip().endswith("error: needs a CUDA GPU of compute capability 8.0 or newer")
     assert not (tmp_path / "out.json").exists()

@@ -5,8 +5,9 @@ A patch file is JSON, ``{"mode": [[old, new], ...], ...}``: each ``old`` must oc
 text (with its headers inlined), and the mode's pairs apply in order. ``main`` is the kernel as it is. For every
 case, each mode is compiled for the variant the public call picks, launched into the same output on the public
 call's own launch (:meth:`attnlab.backends.cuda.launch.PreparedLaunch.launch_kernel`) and compared with ``main``
-bit for bit, its largest difference recorded; then timed with CUDA events over back-to-back launches, 7 rounds
-interleaved with SDPA's flash kernel on the same input. A mode that changes the grid is out of scope.
+bit for bit, its largest difference recorded; then timed with CUDA events over back-to-back launches, in
+:data:`ROUNDS` rounds interleaved with SDPA's flash kernel on the same input. A mode that changes the grid, or
+an output the kernel cannot write itself (a staged one), is out of scope.
 
 Usage on the GPU: ``python -m attnlab.bench.mma_patch_probe PATCHES.json OUT.json``.
 """
@@ -98,6 +99,8 @@ def _case(dtype: str, B: int, H: int, N: int, D: int, causal: bool, modes: dict,
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=getattr(torch, dtype), generator=g) for _ in range(3))
     out = torch.empty_like(q)
     prep = launch.prepare("mma", make_problem(q, k, v, causal=causal), out, None)
+    if prep.keep_alive[-1] is not None:  # launch_kernel does not copy from a staging buffer
+        raise ValueError(f"D {D}: the output would be staged; the probe takes only outputs the kernel writes itself")
     kernels = {}
     for mode, pairs in {"main": [], **modes}.items():
         key = (prep.variant.name_expression, mode)
@@ -145,6 +148,7 @@ def run(modes: dict[str, list[tuple[str, str]]], out: str) -> dict:
         print(json.dumps({k: rows[-1][k] for k in ("dtype", "N", "D", "causal", "equal", "flash_over")}),
               flush=True)
     record = {"environment": run_environment("cuda"), "method": __doc__.split("\n\n")[1].replace("\n", " "),
+              "rounds": ROUNDS,
               "patches": {mode: [list(p) for p in pairs] for mode, pairs in modes.items()}, "rows": rows}
     return write(record, out)
 
@@ -159,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         modes = load_patches(args.patches)
         check_patches(modes)
+        if not Path(args.out).resolve().parent.is_dir():
+            raise ValueError(f"no folder for the output file {args.out}")
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
