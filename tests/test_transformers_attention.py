@@ -89,6 +89,8 @@ def test_a_generation_step_attends_over_the_cache(registered):
         with torch.no_grad():
             first = model(tokens[:, :40], use_cache=True)
             got[impl] = model(tokens[:, 40:41], **{key: getattr(first, key)}, use_cache=True).logits
+            whole = model(tokens[:, :41]).logits[:, -1:]
+        assert (got[impl] - whole).abs().max() < 1e-4  # the step attended over the cache (alone it would not match)
     assert (got[registered] - got["eager"]).abs().max() < 1e-4
 
 
