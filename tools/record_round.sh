@@ -17,7 +17,8 @@ mkdir -p "$out"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import torch, triton, cupy; print('torch', torch.__version__, 'triton', triton.__version__, 'cupy', cupy.__version__)"
 } > "$out/log.txt" 2>&1
-if [ -n "${REQUIRE_GPU:-}" ] && ! grep -q "$REQUIRE_GPU" "$out/log.txt"; then
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)
+if [ -n "${REQUIRE_GPU:-}" ] && ! echo "$gpu_name" | grep -qiF "$REQUIRE_GPU"; then
   echo "the GPU is not $REQUIRE_GPU: nothing recorded"; head -3 "$out/log.txt"; exit 0
 fi
 if [ $# -gt 0 ]; then
