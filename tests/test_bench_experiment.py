@@ -52,3 +52,5 @@ def test_run_rows_prints_each_row_and_writes_the_record(tmp_path, capsys):
     rec = experiment.run_rows([(1, 2), (3, 4)], lambda a, b: {"sum": a + b}, str(out), device="cpu")
     assert rec["rows"] == [{"sum": 3}, {"sum": 7}] and json.loads(out.read_text()) == rec
     assert capsys.readouterr().out.splitlines() == ["{'sum': 3}", "{'sum': 7}"]
+    rec = experiment.run_rows([(1, 2)], lambda a, b: {"sum": a + b}, None, device="cpu", extra={"method": "m"})
+    assert list(rec) == ["environment", "method", "rows"] and rec["method"] == "m"

@@ -31,14 +31,15 @@ def write(result: dict, out: str | None) -> dict:
     return result
 
 
-def run_rows(cases: Iterable[tuple], one: Callable[..., dict], out: str | None, device: str = "cuda") -> dict:
+def run_rows(cases: Iterable[tuple], one: Callable[..., dict], out: str | None, device: str = "cuda",
+             extra: dict[str, Any] | None = None) -> dict:
     """``one(*case)`` for each case, each row printed as it comes (a cut run still shows what it measured), then
-    the record ``{"environment", "rows"}`` written to ``out``."""
+    the record ``{"environment", **extra, "rows"}`` written to ``out``."""
     rows = []
     for case in cases:
         rows.append(one(*case))
         print(rows[-1], flush=True)
-    return write({"environment": run_environment(device), "rows": rows}, out)
+    return write({"environment": run_environment(device), **(extra or {}), "rows": rows}, out)
 
 
 def needs_sm90() -> str | None:

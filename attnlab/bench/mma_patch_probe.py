@@ -138,19 +138,13 @@ def _case(dtype: str, B: int, H: int, N: int, D: int, causal: bool, modes: dict,
 def run(modes: dict[str, list[tuple[str, str]]], out: str) -> dict:
     """Every case of :data:`CASES` under ``main`` and each mode; the record (environment, patches, rows) is
     written to ``out`` as JSON and returned."""
-    from attnlab.bench.experiment import run_environment, write
+    from attnlab.bench.experiment import run_rows
 
     check_patches(modes)  # every patch applies before anything runs
     cache: dict = {}
-    rows = []
-    for case in CASES:
-        rows.append(_case(*case, modes, cache))
-        print(json.dumps({k: rows[-1][k] for k in ("dtype", "N", "D", "causal", "equal", "flash_over")}),
-              flush=True)
-    record = {"environment": run_environment("cuda"), "method": __doc__.split("\n\n")[1].replace("\n", " "),
-              "rounds": ROUNDS,
-              "patches": {mode: [list(p) for p in pairs] for mode, pairs in modes.items()}, "rows": rows}
-    return write(record, out)
+    extra = {"method": __doc__.split("\n\n")[1].replace("\n", " "), "rounds": ROUNDS,
+             "patches": {mode: [list(p) for p in pairs] for mode, pairs in modes.items()}}
+    return run_rows(CASES, lambda *case: _case(*case, modes, cache), out, extra=extra)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,6 +27,10 @@ STEPS = {
 }
 
 
+def _dir(directory: Path | str | None) -> Path:
+    return Path(directory) if directory is not None else _DIR
+
+
 def _rows(path: Path) -> list[dict]:
     return json.loads(path.read_text())["rows"]
 
@@ -40,7 +44,7 @@ def step_speedups(directory: Path | str | None = None) -> pd.DataFrame:
     (time before / time after, NaN where the step leaves the head dim's kernel as it was), and ``all steps`` (their
     product over the steps that apply). ValueError if a record's outputs were not equal bit for bit where it says
     so, or if it holds a shape twice."""
-    d = Path(directory) if directory is not None else _DIR
+    d = _dir(directory)
     cols = {}
     for step, (name, before, after, dims) in STEPS.items():
         speed = {}
@@ -63,7 +67,7 @@ def step_speedups(directory: Path | str | None = None) -> pd.DataFrame:
 def same_code_spread(directory: Path | str | None = None) -> tuple[float, float]:
     """(lowest, highest) ratio between the two modes of the last record on the head dims its step leaves alone:
     the same kernel timed twice in one run, so how far a ratio strays from 1 with no change at all."""
-    d = Path(directory) if directory is not None else _DIR
+    d = _dir(directory)
     name, before, after, dims = STEPS["no rescale branch"]
     same = [r["flash_over"][after] / r["flash_over"][before] for r in _rows(d / name) if r["D"] not in dims]
     return min(same), max(same)
@@ -71,7 +75,7 @@ def same_code_spread(directory: Path | str | None = None) -> tuple[float, float]
 
 def environments(directory: Path | str | None = None) -> dict[str, str]:
     """step -> 'GPU, commit' of the run that measured it."""
-    d = Path(directory) if directory is not None else _DIR
+    d = _dir(directory)
     out = {}
     for step, (name, *_rest) in STEPS.items():
         record = json.loads((d / name).read_text())

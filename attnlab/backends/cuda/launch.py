@@ -317,6 +317,14 @@ def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | N
 _local = threading.local()  # each thread's parameter block for run() and the fast calls
 
 
+def _thread_block() -> ParamBlock:
+    """This thread's parameter block (the driver copies it at a launch, so it is free again right after)."""
+    block = getattr(_local, "block", None)
+    if block is None:
+        block = _local.block = ParamBlock()
+    return block
+
+
 def _switches(family: str) -> tuple:
     """The module settings a launch plan depends on besides the call's signature."""
     return (_settings.fast_exp_of(family), _settings.rowmax_async_on(), _settings.rowmax_forced_splits(),
@@ -353,9 +361,7 @@ def fast_call(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor |
             return None
         o = empty(shape, dtype=dtype, device=device)
         m = empty(lse_shape, dtype=f32, device=device) if write_lse else None
-        block = getattr(_local, "block", None)
-        if block is None:
-            block = _local.block = ParamBlock()
+        block = _thread_block()
         block.pack((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0 if m is None else m.data_ptr(),
                     *fixed))
         c.launch(cfg, merge_grid, block.arg, splits)
@@ -375,9 +381,7 @@ def run(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None)
     :func:`fast_call`, which the whole way asks next and which then declines without planning again.
     """
     c, cfg, merge_grid, splits, _async, values, workspace, staged = _plan(family, prob, out, lse, None)
-    block = getattr(_local, "block", None)
-    if block is None:
-        block = _local.block = ParamBlock()
+    block = _thread_block()
     block.pack(values)
     c.launch(cfg, merge_grid, block.arg, splits)
     if staged is not None:
