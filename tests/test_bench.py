@@ -164,9 +164,10 @@ CASE = bench.BenchCase("t", "gate", B=2, Hq=2, Nq=24, D=16, dtype="bfloat16", ca
 
 def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_context():
     """The forward competitors of a case are checked, measured and warmed up one after another, then their
-    timed calls run in alternating rounds (a b a b ...), then their host times: a drift over the case's run
-    falls on both. Prepared.context (SDPA's sdpa_kernel) is entered around every stretch of a competitor's
-    calls and never around another's; its cost is in no timed call."""
+    timed calls run in alternating rounds, each round started by the other competitor (b a, a b), then their
+    host times: a drift over the case's run, or a state one competitor leaves the GPU in, falls on both.
+    Prepared.context (SDPA's sdpa_kernel) is entered around every stretch of a competitor's calls and never
+    around another's; its cost is in no timed call."""
     events, used, sets = [], {}, {}
 
     def competitor(name):
@@ -190,7 +191,8 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
         return bench.Competitor(name, "test", prep)
 
     rows = bench.run_case(CASE, [competitor("a"), competitor("b")], _cpu_opts(rounds=3, max_reps=6, min_reps=6))
-    assert [(r["backend"], r["status"], r["reps"]) for r in rows] == [("a", "ok", 6), ("b", "ok", 6)]
+    # (rows come as each competitor's run ends: b's, which started the last turn, first)
+    assert [(r["backend"], r["status"], r["reps"]) for r in rows] == [("b", "ok", 6), ("a", "ok", 6)]
     inside = None
     for name, what in events:
         if what == "enter":
@@ -202,14 +204,34 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
         else:
             assert inside == name  # every call inside its own competitor's context
     stretches = [name for name, what in events if what == "enter"]
-    # a: the check, memory and warm-up, round 1; b the same; rounds 2 and 3 alternating; the host times
-    assert stretches == ["a"] * 3 + ["b"] * 3 + ["a", "b"] * 3
+    # a: the check, memory and warm-up, round 1; b the same; rounds 2 and 3, then the host times, each turn
+    # started by the competitor that went second in the turn before
+    assert stretches == ["a"] * 3 + ["b"] * 3 + ["b", "a"] + ["a", "b"] + ["b", "a"]
     for name in ("a", "b"):  # after the checked (set 0) and memory (set 1) calls, each call takes the next set
         seq = used[name][2:]
         assert len(seq) > 6 + 2 * bench.runner.ROUND_WARMUP
         assert all(y == (x + 1) % sets[name] for x, y in itertools.pairwise(seq)), seq
     one = bench.run_case(CASE, [competitor("c")], _cpu_opts(rounds=1, max_reps=6, min_reps=6))
     assert one[0]["reps"] == 6
+
+
+def test_interleave_starts_each_turn_one_generator_further_on():
+    """Three generators of 3, 3 and 2 steps: every turn begins one further on, so that over three turns each
+    runs first, second and last once; a generator that ends leaves the rotation over the rest; results come
+    back in the generators' order and to on_done as each ends."""
+    log, done = [], []
+
+    def steps(name, n):
+        for k in range(n):
+            log.append(name)
+            if k < n - 1:
+                yield
+        return name.upper()
+
+    got = bench.runner.interleave([steps("a", 3), steps("b", 3), steps("c", 2)], on_done=done.append)
+    assert got == ["A", "B", "C"]
+    assert log == ["a", "b", "c", "b", "c", "a", "a", "b"]
+    assert done == ["C", "A", "B"]
 
 
 def test_gate_wrong_output_is_failed_and_untimed():

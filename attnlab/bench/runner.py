@@ -189,11 +189,17 @@ def graph_column(call: Callable[[int], Any], sets: int, dev: torch.device, notes
 
 def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None) -> list:
     """Run generators round-robin, one step each in turn, to their ends: what each returned, in order;
-    ``on_done`` gets each result as its generator ends (so that it is kept if a later step raises)."""
+    ``on_done`` gets each result as its generator ends (so that it is kept if a later step raises).
+    Each turn starts one generator further on (a b c, b c a, c a b, ...), so that no competitor's rounds always
+    follow the same other's: what a call leaves the GPU in (its clocks under the power limit, the caches) falls
+    on every competitor in turn."""
     results: list = [None] * len(steps)
     live = list(range(len(steps)))
+    turn = 0
     while live:
-        for i in list(live):
+        first = turn % len(live)
+        turn += 1
+        for i in live[first:] + live[:first]:
             try:
                 next(steps[i])
             except StopIteration as done:
