@@ -6,6 +6,7 @@ ran at the time; then each one's host time. Every failure is a row."""
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 import traceback
 import warnings
@@ -187,19 +188,18 @@ def graph_column(call: Callable[[int], Any], sets: int, dev: torch.device, notes
         return ""
 
 
-def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None) -> list:
-    """Run generators round-robin, one step each in turn, to their ends: what each returned, in order;
-    ``on_done`` gets each result as its generator ends (so that it is kept if a later step raises).
-    Each turn starts one generator further on (a b c, b c a, c a b, ...), so that no competitor's rounds always
-    follow the same other's: what a call leaves the GPU in (its clocks under the power limit, the caches) falls
-    on every competitor in turn."""
+def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None, seed: int = 0) -> list:
+    """Run generators one step each per turn to their ends: what each returned, in order; ``on_done`` gets each
+    result as its generator ends (so that it is kept if a later step raises). The first turn runs them in the
+    order given; each later turn in a fresh order (shuffled from ``seed``: a run is reproducible), so that no
+    competitor's rounds always follow the same other's, and what a call leaves the GPU in (its clocks under the
+    power limit, the caches) does not fall on one competitor alone."""
+    rng = random.Random(seed)
     results: list = [None] * len(steps)
     live = list(range(len(steps)))
-    turn = 0
+    order = list(live)
     while live:
-        first = turn % len(live)
-        turn += 1
-        for i in live[first:] + live[:first]:
+        for i in order:
             try:
                 next(steps[i])
             except StopIteration as done:
@@ -207,6 +207,8 @@ def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None) ->
                 live.remove(i)
                 if on_done is not None:
                     on_done(done.value)
+        order = list(live)
+        rng.shuffle(order)
     return results
 
 
