@@ -248,6 +248,19 @@ def test_interleave_runs_every_turn_after_the_first_in_a_fresh_order():
     assert run(0)[2] == log and run(1)[2] != log
 
 
+def test_probe_rounds_run_in_the_order_given_then_shuffled():
+    """round_orders, the probes' rounds: the first as given, each a permutation of the names, the same seed the
+    same orders, and across rounds 'a' follows each other name (or starts the round) more than once, where a fixed
+    order would always put it first."""
+    orders = list(bench.timing.round_orders(["a", "b", "c", "d"], 30))
+    assert len(orders) == 30 and orders[0] == ["a", "b", "c", "d"]
+    assert all(sorted(o) == ["a", "b", "c", "d"] for o in orders)
+    assert orders == list(bench.timing.round_orders(["a", "b", "c", "d"], 30))
+    assert orders != list(bench.timing.round_orders(["a", "b", "c", "d"], 30, seed=1))
+    before = [o[o.index("a") - 1] if o.index("a") else None for o in orders]
+    assert all(before.count(x) > 1 for x in (None, "b", "c", "d")), before
+
+
 def test_gate_wrong_output_is_failed_and_untimed():
     def wrong(inp):
         good = _right(inp)

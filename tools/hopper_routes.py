@@ -164,6 +164,7 @@ def run(path: str, ws: bool, rounds: int = 3) -> None:
 
     import attnlab
     from attnlab.backends.triton.configs import Config
+    from attnlab.bench.timing import round_orders
 
     def sdpa(which):
         def call(q, k, v, causal):
@@ -208,8 +209,8 @@ def run(path: str, ws: bool, rounds: int = 3) -> None:
             print(name, route, ok[route][:2], flush=True)
         del ref
         times: dict[str, list[float]] = {r: [] for r in routes if ok[r][0]}
-        for _ in range(rounds):
-            for route in times:
+        for order in round_orders(list(times), rounds):
+            for route in order:
                 fn = routes[route]
                 with held.get(route, contextlib.nullcontext)():
                     fn(q, k, v, causal)  # plans (a forced config's plan is made anew in its context)

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from attnlab.bench.timing import mean_gpu_ms
+from attnlab.bench.timing import mean_gpu_ms, round_orders
 
 CASES = [  # (B, H, N, D, causal)
     (4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (8, 16, 2048, 64, True), (1, 16, 16384, 128, True),
@@ -60,8 +60,8 @@ def _case(B: int, H: int, N: int, D: int, causal: bool, rounds: int) -> dict:
     del ref, emul
     timed = [n for n in calls if row["passed"][n]]
     times: dict[str, list[float]] = {n: [] for n in timed}
-    for _ in range(rounds + 1):  # the first round warms up and is dropped
-        for name in timed:
+    for order in round_orders(timed, rounds + 1):  # the first round warms up and is dropped
+        for name in order:
             for _ in range(3):
                 calls[name]()
             times[name].append(mean_gpu_ms(calls[name]))

@@ -23,6 +23,7 @@ import torch
 from attnlab import transformers_attention
 from attnlab.bench.experiment import main as experiment_main
 from attnlab.bench.experiment import run_environment, write
+from attnlab.bench.timing import round_orders
 
 #: attnlab's errors may be at most this many times eager bf16's.
 BOUND = 1.5
@@ -135,8 +136,8 @@ def _time_steps(model, tokens, impls, rounds: int = 3) -> dict:
     """Median training-step time (ms) per implementation, interleaved (information, not a criterion)."""
     sync = torch.cuda.synchronize if tokens.is_cuda else (lambda: None)
     times: dict[str, list[float]] = {i: [] for i in impls}
-    for _ in range(rounds):
-        for impl in impls:
+    for order in round_orders(impls, rounds):
+        for impl in order:
             model.set_attn_implementation(impl)
             sync()
             t0 = time.perf_counter()

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from attnlab.bench.timing import mean_gpu_ms
+from attnlab.bench.timing import mean_gpu_ms, round_orders
 
 MODES = ("sync", "0")  #: the Hopper kernel, the portable kernel
 CASES = [  # (B, Hq, Hkv, N, D, window width W: keys j in [i - W + 1, i]; W = N is causal)
@@ -64,8 +64,9 @@ def _case(B: int, Hq: int, Hkv: int, N: int, D: int, width: int, rounds: int) ->
         calls = {f"hopper={m}": ours(m) for m in MODES}
         calls["flex"] = lambda: flex(q, k, v, block_mask=block, enable_gqa=Hq != Hkv)
         times: dict[str, list[float]] = {label: [] for label in calls}
-        for _ in range(rounds + 1):  # the first round warms up and is dropped
-            for label, fn in calls.items():
+        for order in round_orders(list(calls), rounds + 1):  # the first round warms up and is dropped
+            for label in order:
+                fn = calls[label]
                 if label.startswith("hopper="):
                     fn = ours(label.removeprefix("hopper="))
                 for _ in range(3):

@@ -21,6 +21,7 @@ import torch
 from attnlab import sdpa_provider
 from attnlab.bench.experiment import main as experiment_main
 from attnlab.bench.experiment import run_environment, write
+from attnlab.bench.timing import round_orders
 
 VARIANTS = ("eager", "sdpa-flash", "attnlab")
 
@@ -112,8 +113,8 @@ def time_steps(model, tokens, rounds: int = 5, steps: int = 3) -> dict:
     for name in VARIANTS:  # warm-up: compiles, autotune-free first calls
         with variant(model, name):
             step(model, tokens)
-    for _ in range(rounds):
-        for name in VARIANTS:
+    for order in round_orders(VARIANTS, rounds):
+        for name in order:
             with variant(model, name):
                 sync()
                 before = sdpa_provider.stats()

@@ -6,8 +6,9 @@ text (with its headers inlined), and the mode's pairs apply in order. ``main`` i
 case, each mode is compiled for the variant the public call picks, launched into the same output on the public
 call's own launch (:meth:`attnlab.backends.cuda.launch.PreparedLaunch.launch_kernel`) and compared with ``main``
 bit for bit, its largest difference recorded; then timed with CUDA events over back-to-back launches, in
-:data:`ROUNDS` rounds interleaved with SDPA's flash kernel on the same input. A mode that changes the grid, or
-an output the kernel cannot write itself (a staged one), is out of scope.
+:data:`ROUNDS` rounds interleaved with SDPA's flash kernel on the same input (every round after the first in a
+shuffled order). A mode that changes the grid, or an output the kernel cannot write itself (a staged one), is out
+of scope.
 
 Usage on the GPU: ``python -m attnlab.bench.mma_patch_probe PATCHES.json OUT.json``.
 """
@@ -92,7 +93,7 @@ def _case(dtype: str, B: int, H: int, N: int, D: int, causal: bool, modes: dict,
     import attnlab
     from attnlab.backends.cuda import launch
     from attnlab.backends.cuda.sources import kernel_source
-    from attnlab.bench.timing import mean_gpu_ms
+    from attnlab.bench.timing import mean_gpu_ms, round_orders
     from attnlab.problem import make_problem
 
     g = torch.Generator(device="cuda").manual_seed(N + D + causal)
@@ -127,9 +128,9 @@ def _case(dtype: str, B: int, H: int, N: int, D: int, causal: bool, modes: dict,
         for call in calls.values():
             mean_gpu_ms(call, 3)  # warm up
         n = max(5, min(100, int(20 / max(mean_gpu_ms(calls["sdpa-flash"], 5), 1e-3))))
-        for _ in range(ROUNDS):
-            for name, call in calls.items():
-                times[name].append(mean_gpu_ms(call, n))
+        for order in round_orders(list(calls), ROUNDS):
+            for name in order:
+                times[name].append(mean_gpu_ms(calls[name], n))
     row["ms"] = {name: statistics.median(t) for name, t in times.items()}
     row["flash_over"] = {mode: row["ms"]["sdpa-flash"] / row["ms"][mode] for mode in kernels}
     return row

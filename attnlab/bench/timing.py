@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -92,6 +93,20 @@ def time_calls(call: Callable[[int], Any], sets: int, reps: int, device: torch.d
         call((start + r) % sets)
         times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+_T = TypeVar("_T")
+
+
+def round_orders(names: Sequence[_T], rounds: int, seed: int = 0) -> Iterator[list[_T]]:
+    """The order of each of ``rounds`` interleaved rounds: the first as given, every later one a seeded shuffle,
+    so that no competitor always follows the same other and pays for the state that one leaves the GPU in (its
+    clocks under the power limit): docs/decisions.md, "The bench's order of competitors"."""
+    rng = random.Random(seed)
+    order = list(names)
+    for _ in range(rounds):
+        yield list(order)
+        rng.shuffle(order)
 
 
 def mean_gpu_ms(fn: Callable[[], Any], calls: int = 20) -> float:

@@ -20,6 +20,7 @@ import torch
 from attnlab import sdpa_provider
 from attnlab.bench.experiment import main as experiment_main
 from attnlab.bench.experiment import run_environment, write
+from attnlab.bench.timing import round_orders
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,8 @@ def time_steps(batch: Batch, device: str, dtype: torch.dtype, rounds: int = 7, s
     leaves, dout, cu, mx = packed(batch, device, dtype, 1)
     times: dict[str, list[float]] = {"pytorch-flash": [], "attnlab": []}
     per_step = {}
-    for _ in range(rounds + 1):  # the first round warms up (compiles) and is dropped
-        for name in times:
+    for order in round_orders(list(times), rounds + 1):  # the first round warms up (compiles) and is dropped
+        for name in order:
             if name == "attnlab":
                 sdpa_provider.activate()
             try:
