@@ -164,7 +164,7 @@ CASE = bench.BenchCase("t", "gate", B=2, Hq=2, Nq=24, D=16, dtype="bfloat16", ca
 
 def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_context():
     """The forward competitors of a case are checked, measured and warmed up one after another, then their
-    timed calls run in alternating rounds, each turn in an order of its own, then their host times: a drift
+    timed calls run in alternating rounds, the later ones in a balanced order, then their host times: a drift
     over the case's run, or a state one competitor leaves the GPU in, falls on both.
     Prepared.context (SDPA's sdpa_kernel) is entered around every stretch of a competitor's calls and never
     around another's; its cost is in no timed call."""
@@ -192,7 +192,7 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
 
     rows = bench.run_case(CASE, [competitor("a"), competitor("b")], _cpu_opts(rounds=3, max_reps=6, min_reps=6))
     # (rows come as each competitor's run ends)
-    assert sorted((r["backend"], r["status"], r["reps"]) for r in rows) == [("a", "ok", 6), ("b", "ok", 6)]
+    assert [(r["backend"], r["status"], r["reps"]) for r in rows] == [("a", "ok", 6), ("b", "ok", 6)]
     inside = None
     for name, what in events:
         if what == "enter":
@@ -205,9 +205,8 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
             assert inside == name  # every call inside its own competitor's context
     stretches = [name for name, what in events if what == "enter"]
     # a: the check, memory and warm-up, round 1; b the same; then rounds 2 and 3 and the host times, a turn each,
-    # both competitors in every turn (in an order of the turn's own)
-    assert stretches[:6] == ["a"] * 3 + ["b"] * 3
-    assert [sorted(stretches[k:k + 2]) for k in (6, 8, 10)] == [["a", "b"]] * 3
+    # in the design over two (a b, b a, a b ...)
+    assert stretches == ["a"] * 3 + ["b"] * 3 + ["a", "b"] + ["b", "a"] + ["a", "b"]
     for name in ("a", "b"):  # after the checked (set 0) and memory (set 1) calls, each call takes the next set
         seq = used[name][2:]
         assert len(seq) > 6 + 2 * bench.runner.ROUND_WARMUP
@@ -216,49 +215,55 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
     assert one[0]["reps"] == 6
 
 
-def test_interleave_runs_every_turn_after_the_first_in_a_fresh_order():
-    """Four generators of 40 steps and one of 3: the first turn runs in the order given, every turn runs each live
-    generator once, a generator that ends leaves the turns, results come back in the generators' order and to
-    on_done as each ends, and the same seed gives the same run. Generator 0 follows each of the other two long
-    ones more than a third of the time: in a fixed order it would always follow the same one, and in one
-    rotated a place per turn the same one two turns in three."""
-
-    def run(seed):
-        log, done = [], []
-
-        def steps(i, n):
-            for k in range(n):
-                log.append(i)
-                if k < n - 1:
-                    yield
-            return i * 10
-
-        got = bench.runner.interleave([steps(0, 40), steps(1, 40), steps(2, 3), steps(3, 40)], on_done=done.append,
-                                      seed=seed)
-        return got, done, log
-
-    got, done, log = run(0)
-    assert got == [0, 10, 20, 30]
-    assert done[0] == 20 and sorted(done) == got
-    assert log[:4] == [0, 1, 2, 3]
-    turns = [log[:4], log[4:8], log[8:12]] + [log[12 + 3 * t:15 + 3 * t] for t in range(37)]
-    assert all(sorted(t) == [0, 1, 2, 3] for t in turns[:3]) and all(sorted(t) == [0, 1, 3] for t in turns[3:])
-    before = [log[k - 1] for k in range(1, len(log)) if log[k] == 0]
-    assert min(before.count(1), before.count(3)) > len(before) // 3, before
-    assert run(0)[2] == log and run(1)[2] != log
+def _pairs(orders):
+    """(before, after) of every two neighbours inside each order."""
+    return [(o[k - 1], o[k]) for o in orders for k in range(1, len(o))]
 
 
-def test_probe_rounds_run_in_the_order_given_then_shuffled():
-    """round_orders, the probes' rounds: the first as given, each a permutation of the names, the same seed the
-    same orders, and across rounds 'a' follows each other name (or starts the round) more than once, where a fixed
-    order would always put it first."""
-    orders = list(bench.timing.round_orders(["a", "b", "c", "d"], 30))
-    assert len(orders) == 30 and orders[0] == ["a", "b", "c", "d"]
-    assert all(sorted(o) == ["a", "b", "c", "d"] for o in orders)
-    assert orders == list(bench.timing.round_orders(["a", "b", "c", "d"], 30))
-    assert orders != list(bench.timing.round_orders(["a", "b", "c", "d"], 30, seed=1))
-    before = [o[o.index("a") - 1] if o.index("a") else None for o in orders]
-    assert all(before.count(x) > 1 for x in (None, "b", "c", "d")), before
+def test_balanced_orders_put_each_index_after_each_other_equally_often():
+    """A Williams design for n = 1..7: every row is a permutation, every ordered pair of indices is adjacent
+    equally often (once for even n, twice for odd), and each index comes first equally often."""
+    for n in range(1, 8):
+        rows = bench.timing.balanced_orders(n)
+        assert len(rows) == (2 * n if n % 2 else n)
+        assert all(sorted(r) == list(range(n)) for r in rows)
+        pairs = _pairs(rows)
+        assert sorted(set(pairs)) == [(i, j) for i in range(n) for j in range(n) if i != j]
+        assert all(pairs.count(p) == (2 if n % 2 else 1) for p in set(pairs)), n
+        assert all([r[0] for r in rows].count(i) == len(rows) // n for i in range(n))
+
+
+def test_interleave_runs_the_turns_after_the_first_in_balanced_orders():
+    """Four generators of 9 steps and one of 1: the first turn runs in the order given; the one-step generator
+    ends there, and the next four turns run the other four in a design over four (each after each other once
+    inside a turn), then start it again; results come back in the generators' order and to on_done as each
+    ends. A fixed order, a rotated one or one shuffle drawn for all would leave some pairs out."""
+    log, done = [], []
+
+    def steps(i, n):
+        for k in range(n):
+            log.append(i)
+            if k < n - 1:
+                yield
+        return i * 10
+
+    got = bench.runner.interleave([steps(0, 9), steps(1, 9), steps(2, 9), steps(3, 9), steps(4, 1)],
+                                  on_done=done.append)
+    assert got == [0, 10, 20, 30, 40]
+    assert done[0] == 40 and sorted(done) == got
+    assert log[:5] == [0, 1, 2, 3, 4]
+    turns = [log[5 + 4 * t:9 + 4 * t] for t in range(8)]
+    assert turns[:4] == turns[4:] == bench.timing.balanced_orders(4)
+    assert sorted(_pairs(turns[:4])) == [(i, j) for i in range(4) for j in range(4) if i != j]
+
+
+def test_probe_rounds_run_in_the_order_given_then_balanced():
+    """round_orders, the probes' rounds: the first as given, then the rows of the balanced design, by name."""
+    names = ["a", "b", "c", "d"]
+    orders = list(bench.timing.round_orders(names, 9))
+    assert orders[0] == names
+    assert orders[1:5] == orders[5:] == [[names[i] for i in r] for r in bench.timing.balanced_orders(4)]
+    assert len(set(_pairs(orders[1:5]))) == 12
 
 
 def test_gate_wrong_output_is_failed_and_untimed():

@@ -1,12 +1,11 @@
 """Running the competitors of one case: each is checked first, then its memory measured and warmed up; then
-their timed calls run in interleaved rounds (A B C, A B C, ...), so that a drift of the host or the GPU over
-the case's run (another process, a clock change) falls on every competitor alike rather than on whichever
-ran at the time; then each one's host time. Every failure is a row."""
+their timed calls run in interleaved rounds (the later ones in a balanced order), so that a drift of the host or
+the GPU over the case's run (another process, a clock change) falls on every competitor alike rather than on
+whichever ran at the time; then each one's host time. Every failure is a row."""
 
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 import traceback
 import warnings
@@ -21,6 +20,7 @@ from attnlab.bench.schema import COLUMNS, MIB
 from attnlab.bench.suites import BACKWARD_MODES, BenchCase, row_keys
 from attnlab.bench.timing import (
     Options,
+    balanced_orders,
     eager_fallbacks,
     free_memory,
     host_calls,
@@ -188,16 +188,15 @@ def graph_column(call: Callable[[int], Any], sets: int, dev: torch.device, notes
         return ""
 
 
-def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None, seed: int = 0) -> list:
+def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None) -> list:
     """Run generators one step each per turn to their ends: what each returned, in order; ``on_done`` gets each
     result as its generator ends (so that it is kept if a later step raises). The first turn runs them in the
-    order given; each later turn in a fresh order (shuffled from ``seed``: a run is reproducible), so that no
-    competitor's rounds always follow the same other's, and what a call leaves the GPU in (its clocks under the
-    power limit, the caches) does not fall on one competitor alone."""
-    rng = random.Random(seed)
+    order given, the later ones down the rows of :func:`~attnlab.bench.timing.balanced_orders` over the live
+    generators (started anew when one ends), so that no competitor's rounds always follow the same other's
+    (docs/decisions.md, "The bench's order of competitors")."""
     results: list = [None] * len(steps)
     live = list(range(len(steps)))
-    order = list(live)
+    order, rows, turn = list(live), balanced_orders(len(steps)), 0
     while live:
         for i in order:
             try:
@@ -207,8 +206,10 @@ def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None, se
                 live.remove(i)
                 if on_done is not None:
                     on_done(done.value)
-        order = list(live)
-        rng.shuffle(order)
+        if rows and len(rows[0]) != len(live):  # one ended: a design over the rest, from its first row
+            rows, turn = balanced_orders(len(live)), 0
+        order = [live[j] for j in rows[turn % len(rows)]] if live else []
+        turn += 1
     return results
 
 

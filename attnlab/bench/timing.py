@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -98,15 +97,29 @@ def time_calls(call: Callable[[int], Any], sets: int, reps: int, device: torch.d
 _T = TypeVar("_T")
 
 
-def round_orders(names: Sequence[_T], rounds: int, seed: int = 0) -> Iterator[list[_T]]:
-    """The order of each of ``rounds`` interleaved rounds: the first as given, every later one a seeded shuffle,
-    so that no competitor always follows the same other and pays for the state that one leaves the GPU in (its
-    clocks under the power limit): docs/decisions.md, "The bench's order of competitors"."""
-    rng = random.Random(seed)
-    order = list(names)
-    for _ in range(rounds):
-        yield list(order)
-        rng.shuffle(order)
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``range(n)`` in which each index runs right after each other one equally often (a Williams
+    design): n orders for even n, each ordered pair adjacent once; 2n for odd n (the n and their reverses), each
+    pair twice. Each index comes first equally often too."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + k) % n for x in first] for k in range(n)] if n else []
+    return rows + [r[::-1] for r in rows] if n % 2 else rows
+
+
+def round_orders(names: Sequence[_T], rounds: int) -> Iterator[list[_T]]:
+    """The order of each of ``rounds`` interleaved rounds: the first as given, the later ones down the rows of
+    :func:`balanced_orders`, so that no competitor always follows the same other and pays for the state that one
+    leaves the GPU in (docs/decisions.md, "The bench's order of competitors")."""
+    names = list(names)
+    rows = balanced_orders(len(names))
+    for r in range(rounds):
+        yield list(names) if r == 0 else [names[i] for i in rows[(r - 1) % len(rows)]]
 
 
 def mean_gpu_ms(fn: Callable[[], Any], calls: int = 20) -> float:
