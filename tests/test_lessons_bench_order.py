@@ -15,26 +15,34 @@ def _csv_rows(times):
     return [{"case": case, "backend": b, "ms": str(ms)} for case, per in times.items() for b, ms in per.items()]
 
 
+def test_predecessors_cross_the_turns():
+    turns = [["a", "b", "c"], ["c", "a", "b"], ["a", "c", "b"]]
+    assert bench_order.predecessors(turns, "a") == ["c", "b"]  # after c in its turn; then the last of the one before
+    assert bench_order.predecessors(turns, "c") == ["c", "a"]  # first in turn 1: after turn 0's last, itself
+
+
 def test_each_pair_is_the_rival_over_attnlab_with_whom_each_follows(tmp_path):
+    order = ["sdpa-flash", "cuda-mma", "sdpa-cudnn", "triton"]
     runs = [
-        {"name": "f", "order": "fixed", "backends": ["sdpa-flash", "cuda-mma", "sdpa-cudnn", "triton"],
+        {"name": "f", "order": "fixed", "backends": order, "turn_orders": [order] * 3,
          "rows": _csv_rows({BF16: {"cuda-mma": 2.0, "sdpa-flash": 3.0, "sdpa-cudnn": 1.0, "triton": 4.0},
                             FP16: {"cuda-mma": 1.0, "sdpa-flash": 1.0, "sdpa-cudnn": 2.0, "triton": 1.0}})},
-        {"name": "s", "order": "shuffled per turn", "backends": ["cuda-mma", "sdpa-flash"],
+        {"name": "s", "order": "shuffled per turn, seed 0 for every case", "backends": ["cuda-mma", "sdpa-flash"],
+         "turn_orders": [["cuda-mma", "sdpa-flash"], ["sdpa-flash", "cuda-mma"], ["sdpa-flash", "cuda-mma"]],
          "rows": [{"case": c, "cuda-mma": {"ms": 1.0}, "sdpa-flash": {"ms": 1.5}} for c in (BF16, FP16)]},
     ]
     path = tmp_path / "order.json"
     path.write_text(json.dumps({"runs": runs}))
     t = bench_order.order_table(path)
     got = {(r["attnlab"], r["rule"]): r for r in t.to_dict("records")}
-    assert set(got) == {("cuda-mma", "fixed"), ("triton", "fixed"), ("cuda-mma", "shuffled")}
+    assert set(got) == {("cuda-mma", "fixed"), ("triton", "fixed"), ("cuda-mma", "one shuffle")}
     fixed = got[("cuda-mma", "fixed")]
-    assert (fixed["attnlab follows"], fixed["rival follows"]) == ("sdpa-flash", "triton")  # cyclic: flash is first
+    assert (fixed["attnlab follows"], fixed["rival follows"]) == ("sdpa-flash x2", "triton x2")
     assert fixed["bf16 N16384 full"] == pytest.approx(1.5) and fixed["fp16 N16384 full"] == pytest.approx(1.0)
     assert got[("triton", "fixed")]["bf16 N16384 full"] == pytest.approx(0.25)
-    assert got[("triton", "fixed")]["attnlab follows"] == "sdpa-cudnn"
-    assert got[("cuda-mma", "shuffled")]["attnlab follows"] == "varies"
-    assert got[("cuda-mma", "shuffled")]["bf16 N16384 full"] == pytest.approx(1.5)
+    assert got[("triton", "fixed")]["attnlab follows"] == "sdpa-cudnn x2"
+    shuffled = got[("cuda-mma", "one shuffle")]
+    assert (shuffled["attnlab follows"], shuffled["rival follows"]) == ("sdpa-flash x2", "sdpa-flash, cuda-mma")
     runs[1]["rows"] = runs[1]["rows"][:1]  # no fp16 row: the run times no pair on every case
     path.write_text(json.dumps({"runs": runs}))
     with pytest.raises(ValueError, match="run 's' times no pair"):
@@ -44,10 +52,11 @@ def test_each_pair_is_the_rival_over_attnlab_with_whom_each_follows(tmp_path):
 def test_the_record_reads_as_the_decisions_log_says():
     t = bench_order.order_table()
     tri = t[(t["attnlab"] == "triton") & (t["rule"] == "fixed")].set_index("attnlab follows")
-    assert tri.loc["sdpa-cudnn", "bf16 N16384 full"].max() == pytest.approx(0.884, abs=5e-4)
+    assert tri.loc["sdpa-cudnn x4", "bf16 N16384 full"].max() == pytest.approx(0.884, abs=5e-4)
     assert tri["bf16 N16384 full"].min() == pytest.approx(0.864, abs=5e-4)
-    assert tri["bf16 N16384 full"].max() == pytest.approx(0.982, abs=5e-4)
-    mma = t[(t["attnlab"] == "cuda-mma") & (t["rule"] == "fixed")]
-    assert mma["bf16 N16384 full"].max() == pytest.approx(1.133, abs=5e-4)
-    assert mma[mma["attnlab follows"] == "triton"]["fp16 N16384 full"].min() == pytest.approx(0.895, abs=5e-4)
-    assert "over 6 runs in a fixed order" in bench_order.summary(t)
+    assert tri.loc["sdpa-flash x4", "bf16 N16384 full"] == pytest.approx(0.982, abs=5e-4)
+    mma = t[(t["attnlab"] == "cuda-mma") & (t["rule"] == "fixed")].set_index("rival follows")
+    assert mma.loc["triton x4", "bf16 N16384 full"].max() == pytest.approx(1.133, abs=5e-4)
+    one = t[t["rule"] == "one shuffle"]
+    assert set(one[one["attnlab"] == "triton"]["rival follows"]) >= {"triton x3, cuda-mma"}
+    assert "over 6 runs, each in one fixed order" in bench_order.summary(t)
