@@ -164,7 +164,7 @@ CASE = bench.BenchCase("t", "gate", B=2, Hq=2, Nq=24, D=16, dtype="bfloat16", ca
 
 def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_context():
     """The forward competitors of a case are checked, measured and warmed up one after another, then their
-    timed calls run in alternating rounds, the later ones in a balanced order, then their host times: a drift
+    timed calls run in alternating rounds, then their host times: a drift
     over the case's run, or a state one competitor leaves the GPU in, falls on both.
     Prepared.context (SDPA's sdpa_kernel) is entered around every stretch of a competitor's calls and never
     around another's; its cost is in no timed call."""
@@ -205,8 +205,8 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
             assert inside == name  # every call inside its own competitor's context
     stretches = [name for name, what in events if what == "enter"]
     # a: the check, memory and warm-up, round 1; b the same; then rounds 2 and 3 and the host times, a turn each,
-    # in the design over two (a b, b a, a b ...)
-    assert stretches == ["a"] * 3 + ["b"] * 3 + ["a", "b"] + ["b", "a"] + ["a", "b"]
+    # (two competitors: each always runs right after the other, never after itself)
+    assert stretches == ["a"] * 3 + ["b"] * 3 + ["a", "b"] * 3
     for name in ("a", "b"):  # after the checked (set 0) and memory (set 1) calls, each call takes the next set
         seq = used[name][2:]
         assert len(seq) > 6 + 2 * bench.runner.ROUND_WARMUP
@@ -215,29 +215,37 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
     assert one[0]["reps"] == 6
 
 
-def _pairs(orders):
-    """(before, after) of every two neighbours inside each order."""
-    return [(o[k - 1], o[k]) for o in orders for k in range(1, len(o))]
+def _predecessors(orders):
+    """name -> whom it ran right after in each round but the first (rounds run back to back)."""
+    flat = [x for o in orders for x in o]
+    out: dict = {}
+    for k in range(len(orders[0]), len(flat)):
+        out.setdefault(flat[k], []).append(flat[k - 1])
+    return out
 
 
-def test_balanced_orders_put_each_index_after_each_other_equally_often():
-    """A Williams design for n = 1..7: every row is a permutation, every ordered pair of indices is adjacent
-    equally often (once for even n, twice for odd), and each index comes first equally often."""
-    for n in range(1, 8):
-        rows = bench.timing.balanced_orders(n)
-        assert len(rows) == (2 * n if n % 2 else n)
-        assert all(sorted(r) == list(range(n)) for r in rows)
-        pairs = _pairs(rows)
-        assert sorted(set(pairs)) == [(i, j) for i in range(n) for j in range(n) if i != j]
-        assert all(pairs.count(p) == (2 if n % 2 else 1) for p in set(pairs)), n
-        assert all([r[0] for r in rows].count(i) == len(rows) // n for i in range(n))
+def test_round_orders_spread_whom_each_runs_after():
+    """For 2 to 7 names over 4 and 8 later rounds: every round is a permutation, no name runs right after itself
+    (across rounds too), and no name runs after the same other more often than an even spread allows. Beyond
+    EXHAUSTIVE_UP_TO (8 and 9 names) the greedy build still never repeats a name and varies each one's
+    predecessor. A fixed order, a rotated one or one shuffle drawn for all keep a predecessor."""
+    for n in range(2, 10):
+        for later in (4, 8):
+            orders = list(bench.timing.round_orders(list(range(n)), later + 1))
+            assert orders[0] == list(range(n)) and all(sorted(o) == list(range(n)) for o in orders)
+            preds = _predecessors(orders)
+            assert all(b not in p for b, p in preds.items()), (n, later)
+            most = max(max(p.count(a) for a in set(p)) for p in preds.values())
+            if n <= bench.timing.EXHAUSTIVE_UP_TO:
+                assert most == math.ceil(later / (n - 1)), (n, later)
+            else:
+                assert most <= 3 and all(len(set(p)) > 1 for p in preds.values()), (n, later)
 
 
-def test_interleave_runs_the_turns_after_the_first_in_balanced_orders():
+def test_interleave_runs_the_turns_after_the_first_as_next_round_picks():
     """Four generators of 9 steps and one of 1: the first turn runs in the order given; the one-step generator
-    ends there, and the next four turns run the other four in a design over four (each after each other once
-    inside a turn), then start it again; results come back in the generators' order and to on_done as each
-    ends. A fixed order, a rotated one or one shuffle drawn for all would leave some pairs out."""
+    ends there, and each later turn runs the four live ones so that none runs right after itself or after the
+    same other more than 3 times in 8; results come back in the generators' order and to on_done as each ends."""
     log, done = [], []
 
     def steps(i, n):
@@ -252,18 +260,10 @@ def test_interleave_runs_the_turns_after_the_first_in_balanced_orders():
     assert got == [0, 10, 20, 30, 40]
     assert done[0] == 40 and sorted(done) == got
     assert log[:5] == [0, 1, 2, 3, 4]
-    turns = [log[5 + 4 * t:9 + 4 * t] for t in range(8)]
-    assert turns[:4] == turns[4:] == bench.timing.balanced_orders(4)
-    assert sorted(_pairs(turns[:4])) == [(i, j) for i in range(4) for j in range(4) if i != j]
-
-
-def test_probe_rounds_run_in_the_order_given_then_balanced():
-    """round_orders, the probes' rounds: the first as given, then the rows of the balanced design, by name."""
-    names = ["a", "b", "c", "d"]
-    orders = list(bench.timing.round_orders(names, 9))
-    assert orders[0] == names
-    assert orders[1:5] == orders[5:] == [[names[i] for i in r] for r in bench.timing.balanced_orders(4)]
-    assert len(set(_pairs(orders[1:5]))) == 12
+    turns = [log[:5]] + [log[5 + 4 * t:9 + 4 * t] for t in range(8)]
+    assert all(sorted(t) == [0, 1, 2, 3] for t in turns[1:])
+    preds = _predecessors(turns)
+    assert all(b not in p and max(p.count(a) for a in set(p)) <= 3 for b, p in preds.items() if b != 4), preds
 
 
 def test_gate_wrong_output_is_failed_and_untimed():

@@ -43,9 +43,9 @@ among them keeps the timed calls from reading a warm L2. For each competitor:
    queued back to back, so a call whose host time exceeds its GPU time is timed at its host time. A case's
    forward competitors run steps 1-2 one after another, then their timed calls in ``Options.rounds`` (5)
    interleaved rounds (each later round opens with a few untimed calls), so that a drift of a shared host or
-   of the GPU over the case falls on every competitor alike; the later rounds run in a balanced order, each
-   competitor right after each other equally often, so that none always pays for the state the same other
-   leaves the GPU in. Backward cases run each competitor whole.
+   of the GPU over the case falls on every competitor alike; each later round runs in the order that spreads
+   whom each competitor runs right after (``timing.next_round``), so that none keeps paying for the state the
+   same other leaves the GPU in. Backward cases run each competitor whole.
 4. host time (``host_us``): a GPU sleep of :data:`HOST_SLEEP_CYCLES` is queued, then up to 10 calls run
    back to back without a synchronize; their wall time over their number. The host never waits for the GPU
    there unless the call synchronizes, which shows as a host time near the sleep's and a note.

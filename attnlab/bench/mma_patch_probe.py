@@ -6,9 +6,9 @@ text (with its headers inlined), and the mode's pairs apply in order. ``main`` i
 case, each mode is compiled for the variant the public call picks, launched into the same output on the public
 call's own launch (:meth:`attnlab.backends.cuda.launch.PreparedLaunch.launch_kernel`) and compared with ``main``
 bit for bit, its largest difference recorded; then timed with CUDA events over back-to-back launches, in
-:data:`ROUNDS` rounds interleaved with SDPA's flash kernel on the same input (every round after the first in a
-balanced order). A mode that changes the grid, or an output the kernel cannot write itself (a staged one), is out
-of scope.
+:data:`ROUNDS` rounds interleaved with SDPA's flash kernel on the same input (every round after the first in the
+order of :func:`attnlab.bench.timing.next_round`). A mode that changes the grid, or an output the kernel cannot
+write itself (a staged one), is out of scope.
 
 Usage on the GPU: ``python -m attnlab.bench.mma_patch_probe PATCHES.json OUT.json``.
 """

@@ -1,7 +1,7 @@
 """Running the competitors of one case: each is checked first, then its memory measured and warmed up; then
-their timed calls run in interleaved rounds (the later ones in a balanced order), so that a drift of the host or
-the GPU over the case's run (another process, a clock change) falls on every competitor alike rather than on
-whichever ran at the time; then each one's host time. Every failure is a row."""
+their timed calls run in interleaved rounds (the later ones in orders that vary whom each runs after), so that a
+drift of the host or the GPU over the case's run (another process, a clock change) falls on every competitor
+alike rather than on whichever ran at the time; then each one's host time. Every failure is a row."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import contextlib
 import time
 import traceback
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,13 +21,13 @@ from attnlab.bench.schema import COLUMNS, MIB
 from attnlab.bench.suites import BACKWARD_MODES, BenchCase, row_keys
 from attnlab.bench.timing import (
     Options,
-    balanced_orders,
     eager_fallbacks,
     free_memory,
     host_calls,
     measure_host,
     measure_peak,
     median,
+    next_round,
     quantile,
     reps_and_warmup,
     sync,
@@ -191,12 +192,11 @@ def graph_column(call: Callable[[int], Any], sets: int, dev: torch.device, notes
 def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None) -> list:
     """Run generators one step each per turn to their ends: what each returned, in order; ``on_done`` gets each
     result as its generator ends (so that it is kept if a later step raises). The first turn runs them in the
-    order given, the later ones down the rows of :func:`~attnlab.bench.timing.balanced_orders` over the live
-    generators (started anew when one ends), so that no competitor's rounds always follow the same other's
-    (docs/decisions.md, "The bench's order of competitors")."""
+    order given, each later one the live generators in the order :func:`~attnlab.bench.timing.next_round`
+    picks, so that no competitor's rounds keep following the same other's."""
     results: list = [None] * len(steps)
     live = list(range(len(steps)))
-    order, rows, turn = list(live), balanced_orders(len(steps)), 0
+    order, pairs = list(live), Counter()
     while live:
         for i in order:
             try:
@@ -206,10 +206,7 @@ def interleave(steps: Sequence, on_done: Callable[[Any], None] | None = None) ->
                 live.remove(i)
                 if on_done is not None:
                     on_done(done.value)
-        if rows and len(rows[0]) != len(live):  # one ended: a design over the rest, from its first row
-            rows, turn = balanced_orders(len(live)), 0
-        order = [live[j] for j in rows[turn % len(rows)]] if live else []
-        turn += 1
+        order = next_round(live, order[-1], pairs) if live else []
     return results
 
 

@@ -173,9 +173,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 "recompile limit raised, fail_on_recompile_limit_hit",
         "timing": "median of CUDA-event-timed calls rotating over input sets >= 4x L2, after a checked call, "
                   "a memory call and >= 25 ms of warm-up; a case's forward competitors' timed calls run in "
-                  f"{opts.rounds} interleaved rounds (the first in the order given, the later ones in a balanced "
-                  f"(Williams) order: each competitor follows each other equally often; {ROUND_WARMUP} untimed "
-                  "calls open each later round); attnlab rows time the public call "
+                  f"{opts.rounds} interleaved rounds (the first in the order given, each later one in the order "
+                  "that spreads whom each competitor runs right after, never itself; "
+                  f"{ROUND_WARMUP} untimed calls open each later round); attnlab rows time the public call "
                   "attnlab.attention(...) (path 'public'), <backend>-kernel rows backend.forward on a Problem "
                   "validated once (path 'kernel')",
         "host_us": f"{HOST_SLEEP_CYCLES} GPU cycles of sleep queued, then up to 10 calls back to back unsynchronized; "

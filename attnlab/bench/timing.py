@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -96,30 +98,45 @@ def time_calls(call: Callable[[int], Any], sets: int, reps: int, device: torch.d
 
 _T = TypeVar("_T")
 
+#: up to this many competitors :func:`next_round` weighs every order of a round; beyond, it builds one greedily
+EXHAUSTIVE_UP_TO = 7
 
-def balanced_orders(n: int) -> list[list[int]]:
-    """Orders of ``range(n)`` in which each index runs right after each other one equally often (a Williams
-    design): n orders for even n, each ordered pair adjacent once; 2n for odd n (the n and their reverses), each
-    pair twice. Each index comes first equally often too."""
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    rows = [[(x + k) % n for x in first] for k in range(n)] if n else []
-    return rows + [r[::-1] for r in rows] if n % 2 else rows
+
+def next_round(names: Sequence[_T], last: _T | None, pairs: Counter) -> list[_T]:
+    """The order of the next round of ``names``, ``last`` having run just before it: no one runs right after
+    itself, and the pairs (a ran right before b, counted in ``pairs``, which is updated) that have run least so
+    far come first. So no competitor keeps following the same other and paying for the state it leaves the GPU
+    in (docs/decisions.md, "The bench's order of competitors"). Up to :data:`EXHAUSTIVE_UP_TO` names, the order
+    whose most-run pair has run least (then whose pairs have run least in all) wins, the earliest of the orders
+    of ``names`` on a tie; beyond, each place takes the name that has run least right after the one before."""
+    names = list(names)
+
+    def steps(order):
+        return list(zip([last, *order[:-1]], order, strict=True))
+
+    if len(names) <= EXHAUSTIVE_UP_TO:
+        def cost(order):
+            ps = steps(order)
+            return any(a == b for a, b in ps), max(pairs[p] for p in ps), sum(pairs[p] for p in ps)
+        best = list(min(itertools.permutations(names), key=cost))
+    else:
+        best, left = [], list(names)
+        for _ in names:
+            before = best[-1] if best else last
+            best.append(min(left, key=lambda b, a=before: (a == b, pairs[(a, b)])))
+            left.remove(best[-1])
+    pairs.update(steps(best))
+    return best
 
 
 def round_orders(names: Sequence[_T], rounds: int) -> Iterator[list[_T]]:
-    """The order of each of ``rounds`` interleaved rounds: the first as given, the later ones down the rows of
-    :func:`balanced_orders`, so that no competitor always follows the same other and pays for the state that one
-    leaves the GPU in (docs/decisions.md, "The bench's order of competitors")."""
-    names = list(names)
-    rows = balanced_orders(len(names))
+    """The order of each of ``rounds`` interleaved rounds run back to back: the first as given, each later one
+    from :func:`next_round`."""
+    order, pairs = list(names), Counter()
     for r in range(rounds):
-        yield list(names) if r == 0 else [names[i] for i in rows[(r - 1) % len(rows)]]
+        if r:
+            order = next_round(names, order[-1] if order else None, pairs)
+        yield order
 
 
 def mean_gpu_ms(fn: Callable[[], Any], calls: int = 20) -> float:
