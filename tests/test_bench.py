@@ -240,6 +240,7 @@ def test_round_orders_spread_whom_each_runs_after():
                 assert most == math.ceil(later / (n - 1)), (n, later)
             else:
                 assert most <= 3 and all(len(set(p)) > 1 for p in preds.values()), (n, later)
+    assert list(bench.timing.round_orders([], 3)) == [[], [], []]
 
 
 def test_interleave_runs_the_turns_after_the_first_as_next_round_picks():

@@ -110,9 +110,11 @@ def next_round(names: Sequence[_T], last: _T | None, pairs: Counter) -> list[_T]
     whose most-run pair has run least (then whose pairs have run least in all) wins, the earliest of the orders
     of ``names`` on a tie; beyond, each place takes the name that has run least right after the one before."""
     names = list(names)
+    if not names:
+        return []
 
     def steps(order):
-        return list(zip([last, *order[:-1]], order, strict=True))
+        return list(zip([last, *order], order))  # (who ran before, who runs) for each place
 
     if len(names) <= EXHAUSTIVE_UP_TO:
         def cost(order):
