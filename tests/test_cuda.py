@@ -925,3 +925,47 @@ def test_launch_is_on_torch_current_stream():
     torch.cuda.synchronize()
     ref = attnlab.attention(q * 2, q * 2, q * 2, causal=True, backend="reference")
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_probes_kernel_launches_in_place_of_the_variants_own(monkeypatch):
+    """_Compiled.launch with ``function`` (PreparedLaunch.launch_kernel's path) enqueues that kernel where the
+    variant's own would go: same grid, block, shared memory, parameters and stream, under the device's context
+    when another is current, and a failure names the variant. CPU: CuPy and the stream are stand-ins."""
+    from attnlab.backends.cuda import launch as L
+
+    calls, entered = [], []
+
+    class Device:
+        def __init__(self, dev):
+            self.dev = dev
+
+        def __enter__(self):
+            entered.append(self.dev)
+
+        def __exit__(self, *exc):
+            return False
+
+    current = {"dev": 0}
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: current["dev"]), Device=Device))
+    c = object.__new__(L._Compiled)
+    c.cupy, c.device, c.variant = cupy, 1, types.SimpleNamespace(label="mma_test")
+    c.function = lambda *a, **k: calls.append(("own", a, k))
+    c.merge = lambda *a, **k: calls.append(("merge", a, k))
+    monkeypatch.setattr(L, "_cupy_stream", lambda dev: f"stream{dev}")
+    cfg = V.LaunchConfig((4, 2, 1), (128, 1, 1), 4096)
+
+    def probe(*a, **k):
+        calls.append(("probe", a, k))
+
+    for dev in (1, 0):  # the kernel's device current, then another one
+        current["dev"] = dev
+        c.launch(cfg, None, "ARG", 1, function=probe)
+    want = ("probe", ((4, 2, 1), (128, 1, 1), ("ARG",)), {"shared_mem": 4096, "stream": "stream1"})
+    assert calls == [want, want] and entered == [1]
+
+    def broken(*a, **k):
+        raise ValueError("bad")
+
+    with pytest.raises(RuntimeError, match="launch of mma_test failed"):
+        c.launch(cfg, None, "ARG", 1, function=broken)

@@ -143,19 +143,22 @@ class _Compiled:
             got = self._configs[key] = (cfg, merge_grid)
         return got
 
-    def launch(self, cfg: LaunchConfig, merge_grid: tuple[int, int, int] | None, arg, splits: int) -> None:
-        """Enqueue the kernel (then the merge) on torch's current stream of the device; raise on failure."""
+    def launch(self, cfg: LaunchConfig, merge_grid: tuple[int, int, int] | None, arg, splits: int,
+               function=None) -> None:
+        """Enqueue the kernel (``function``, another build of this variant, in its place: an A/B probe's), then
+        the merge, on torch's current stream of the device; raise on failure."""
         cp, dev = self.cupy, self.device
+        function = self.function if function is None else function
         try:
             stream = _cupy_stream(dev)
             args = (arg,)
             if cp.cuda.runtime.getDevice() == dev:
-                self.function(cfg.grid, cfg.block, args, shared_mem=cfg.shared_bytes, stream=stream)
+                function(cfg.grid, cfg.block, args, shared_mem=cfg.shared_bytes, stream=stream)
                 if merge_grid is not None:
                     self.merge(merge_grid, (MERGE_THREADS, 1, 1), args, stream=stream)
             else:  # the kernels belong to dev's context: make it current for the launch
                 with cp.cuda.Device(dev):
-                    self.function(cfg.grid, cfg.block, args, shared_mem=cfg.shared_bytes, stream=stream)
+                    function(cfg.grid, cfg.block, args, shared_mem=cfg.shared_bytes, stream=stream)
                     if merge_grid is not None:
                         self.merge(merge_grid, (MERGE_THREADS, 1, 1), args, stream=stream)
         except Exception as e:
@@ -303,8 +306,7 @@ class PreparedLaunch:
         """Enqueue ``kernel``, a raw CuPy kernel of this launch's variant (built from other text, say), with this
         launch's grid, block, shared memory and packed parameters on torch's current stream, and nothing else (no
         merge, no copy): how an A/B probe runs another build of a kernel on exactly the public call's launch."""
-        kernel(self.config.grid, self.config.block, (self._block.arg,), shared_mem=self.config.shared_bytes,
-               stream=_cupy_stream(self.keep_alive[0].device.index))
+        self._compiled.launch(self.config, None, self._block.arg, self.splits, function=kernel)
 
 
 def prepare(family: str, prob: Problem, out: torch.Tensor, lse: torch.Tensor | None,
