@@ -217,11 +217,9 @@ def test_competitors_timed_calls_interleave_in_rounds_each_inside_its_own_contex
 
 def _predecessors(orders):
     """name -> whom it ran right after in each round but the first (rounds run back to back)."""
-    flat = [x for o in orders for x in o]
-    out: dict = {}
-    for k in range(len(orders[0]), len(flat)):
-        out.setdefault(flat[k], []).append(flat[k - 1])
-    return out
+    from attnlab.lessons.bench_order import predecessors
+
+    return {name: predecessors(orders, name) for name in orders[-1]}
 
 
 def test_round_orders_spread_whom_each_runs_after():
