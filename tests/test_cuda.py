@@ -969,3 +969,45 @@ def test_a_probes_kernel_launches_in_place_of_the_variants_own(monkeypatch):
 
     with pytest.raises(RuntimeError, match="launch of mma_test failed"):
         c.launch(cfg, None, "ARG", 1, function=broken)
+
+
+def test_build_module_compiles_the_text_it_is_given(monkeypatch):
+    """launch.build_module, which the public path caches and an A/B probe calls with patched text: NVRTC gets the
+    family's own text by default or the given one, with the house options and the variant's name expression,
+    on the device's context; a kernel needing more than the default shared memory gets its limit raised,
+    after a check against the device. CPU: CuPy is a stand-in."""
+    from attnlab.backends.cuda import launch as L
+    from attnlab.backends.cuda.sources import NVRTC_OPTIONS, kernel_source
+
+    built, devices = [], []
+
+    class Kernel:
+        max_dynamic_shared_size_bytes = 0
+
+    class Module:
+        def __init__(self, code, options, name_expressions):
+            built.append((code, options, tuple(name_expressions)))
+
+        def get_function(self, name):
+            return Kernel()
+
+    class Device:
+        def __init__(self, dev):
+            devices.append(dev)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    fake = types.SimpleNamespace(RawModule=Module, cuda=types.SimpleNamespace(Device=Device))
+    monkeypatch.setattr(L, "cupy_module", lambda: fake)
+    monkeypatch.setattr(L, "device_limits", lambda dev: V.DeviceLimits())
+    wide = V.choose_variant("mma", torch.bfloat16, 128, True, True)
+    assert wide.shared_bytes() > L.DEFAULT_SMEM
+    kern, merge = L.build_module(wide, 3, "PATCHED TEXT")
+    assert built == [("PATCHED TEXT", NVRTC_OPTIONS, (wide.name_expression,))] and devices == [3]
+    assert merge is None and kern.max_dynamic_shared_size_bytes == wide.shared_bytes()
+    L.build_module(wide, 3)
+    assert built[-1][0] == kernel_source("mma")

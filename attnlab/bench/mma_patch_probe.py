@@ -73,18 +73,6 @@ def check_patches(modes: dict[str, list[tuple[str, str]]]) -> None:
         apply_patches(source, pairs, mode)
 
 
-def _compiled(source: str, variant):
-    """The raw kernel of ``variant`` compiled from ``source`` by NVRTC, its dynamic shared memory allowed."""
-    import cupy as cp
-
-    from attnlab.backends.cuda.sources import NVRTC_OPTIONS
-
-    module = cp.RawModule(code=source, options=NVRTC_OPTIONS, name_expressions=[variant.name_expression])
-    kernel = module.get_function(variant.name_expression)
-    kernel.max_dynamic_shared_size_bytes = variant.shared_bytes()
-    return kernel.kernel
-
-
 def _case(dtype: str, B: int, H: int, N: int, D: int, causal: bool, modes: dict, cache: dict) -> dict:
     """One case: every mode checked against main, then the interleaved timing."""
     import torch.nn.functional as F
@@ -106,7 +94,8 @@ def _case(dtype: str, B: int, H: int, N: int, D: int, causal: bool, modes: dict,
     for mode, pairs in {"main": [], **modes}.items():
         key = (prep.variant.name_expression, mode)
         if key not in cache:
-            cache[key] = _compiled(apply_patches(kernel_source("mma"), pairs, mode), prep.variant)
+            text = apply_patches(kernel_source("mma"), pairs, mode)
+            cache[key] = launch.build_module(prep.variant, q.device.index, text)[0].kernel
         kernels[mode] = cache[key]
     row = {"dtype": dtype, "B": B, "H": H, "N": N, "D": D, "causal": causal, "variant": prep.variant.label,
            "equal": {}, "max_abs_diff": {}}

@@ -89,22 +89,29 @@ def _compiled_module(variant: Variant, device_index: int) -> tuple:
     with _cache_lock:
         got = _kernel_cache.get(key)
         if got is None:
-            cp = cupy_module()
-            merge_name = merge_name_expression(variant.dtype) if variant.family == "rowmax" else None
-            with cp.cuda.Device(device_index):
-                mod = cp.RawModule(
-                    code=kernel_source(variant.family), options=NVRTC_OPTIONS,
-                    name_expressions=[variant.name_expression] + ([merge_name] if merge_name else []),
-                )
-                kern = mod.get_function(variant.name_expression)
-                need = variant.shared_bytes()
-                if need > DEFAULT_SMEM:
-                    limits = device_limits(device_index)
-                    validate_launch(LaunchConfig((1, 1, 1), (variant.threads, 1, 1), need), limits, variant.label)
-                    kern.max_dynamic_shared_size_bytes = need  # cudaFuncAttributeMaxDynamicSharedMemorySize
-                got = (kern, mod.get_function(merge_name) if merge_name else None)
-            _kernel_cache[key] = got
+            got = _kernel_cache[key] = build_module(variant, device_index)
     return got
+
+
+def build_module(variant: Variant, device_index: int, code: str | None = None) -> tuple:
+    """(kernel, merge kernel or None) of ``variant`` on a device as ``cupy.RawKernel``s, compiled by NVRTC from
+    ``code`` (the kernel's text with its headers inlined; by default the family's own), its dynamic shared
+    memory raised where it needs more than the default. Not cached: :func:`get_kernel` keeps the family's own;
+    an A/B probe builds other texts of a variant with it."""
+    cp = cupy_module()
+    merge_name = merge_name_expression(variant.dtype) if variant.family == "rowmax" else None
+    with cp.cuda.Device(device_index):
+        mod = cp.RawModule(
+            code=kernel_source(variant.family) if code is None else code, options=NVRTC_OPTIONS,
+            name_expressions=[variant.name_expression] + ([merge_name] if merge_name else []),
+        )
+        kern = mod.get_function(variant.name_expression)
+        need = variant.shared_bytes()
+        if need > DEFAULT_SMEM:
+            limits = device_limits(device_index)
+            validate_launch(LaunchConfig((1, 1, 1), (variant.threads, 1, 1), need), limits, variant.label)
+            kern.max_dynamic_shared_size_bytes = need  # cudaFuncAttributeMaxDynamicSharedMemorySize
+        return kern, mod.get_function(merge_name) if merge_name else None
 
 
 def get_kernel(variant: Variant, device_index: int):
