@@ -60,3 +60,24 @@ def test_the_record_reads_as_the_decisions_log_says():
     one = t[t["rule"] == "one shuffle"]
     assert set(one[one["attnlab"] == "triton"]["rival follows"]) >= {"triton x3, cuda-mma"}
     assert "over 6 runs, each in one fixed order" in bench_order.summary(t)
+
+
+def test_the_spread_runs_read_as_the_decisions_log_says():
+    t = bench_order.order_table()
+    spread = t[t["rule"] == "spread"]
+    assert len(spread) == 8  # four runs at ab1131d, each timing both pairs
+    for follows in list(spread["attnlab follows"]) + list(spread["rival follows"]):
+        assert " x3" not in follows and " x4" not in follows  # no predecessor in three of four later rounds
+    mma = spread[spread["attnlab"] == "cuda-mma"]["bf16 N16384 full"]
+    assert (mma.min(), mma.max()) == (pytest.approx(0.986, abs=5e-4), pytest.approx(1.074, abs=5e-4))
+    tri = spread[spread["attnlab"] == "triton"]["bf16 N16384 full"]
+    assert (tri.min(), tri.max()) == (pytest.approx(0.921, abs=5e-4), pytest.approx(0.971, abs=5e-4))
+    assert "0.986x to 1.074x over 4 runs with the rounds spread" in bench_order.summary(t)
+
+
+def test_on_the_bf16_row_the_spread_runs_land_inside_the_fixed_orders_range():
+    t = bench_order.order_table()
+    label = next(iter(bench_order.CASES))
+    for _, g in t.groupby("attnlab"):
+        fixed, spread = (g[g["rule"] == rule][label] for rule in ("fixed", "spread"))
+        assert fixed.min() < spread.min() and spread.max() < fixed.max()
