@@ -42,3 +42,23 @@ def test_environment_is_read_back(tmp_path):
     path.write_text(json.dumps({"environment": {"gpu": "X", "commit": "abc"}, "rows": []}))
     assert cuda_ladder.environment(path) == {"gpu": "X", "commit": "abc"}
     assert cuda_ladder.environment(tmp_path / "absent.json") == {}
+
+
+def test_top_rungs_says_the_three_times_and_the_ratios(tmp_path):
+    rows = [{"case": "c", "dtype": "bfloat16", "backend": b, "passed": True, "graph_us": us}
+            for b, us in (("cuda-mma", 200.0), ("sdpa-flash", 300.0), ("triton", 150.0))]
+    path = tmp_path / "ladder.json"
+    path.write_text(json.dumps({"environment": {"gpu": "G", "commit": "0123456789"}, "rows": rows}))
+    got = cuda_ladder.top_rungs(path, case="c")
+    assert got.startswith("On the G at commit 0123456, c in bfloat16: `cuda-mma` 0.200 ms")
+    assert "1.50x FlashAttention-2's speed and 0.75x the Triton kernel's" in got
+    path.write_text(json.dumps({"environment": {}, "rows": rows[:2]}))  # no triton row
+    assert cuda_ladder.top_rungs(path, case="c") is None
+    assert cuda_ladder.top_rungs(tmp_path / "absent.json") is None
+
+
+def test_the_newest_record_is_a_whole_ladder_that_passed():
+    lad = cuda_ladder.recorded(cuda_ladder.NEWEST)
+    assert lad is not None and lad["passed"].all()
+    assert set(lad["backend"]) >= {"cuda-naive", "cuda-tiled", "cuda-rowmax", "cuda-mma", "triton", "sdpa-flash"}
+    assert cuda_ladder.top_rungs() is not None

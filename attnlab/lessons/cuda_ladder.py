@@ -28,6 +28,9 @@ from attnlab.paths import DATA_DIR
 
 #: Where the recorded GPU's measurement is kept.
 RECORDED = DATA_DIR / "experiments" / "nvidia-h200" / "cuda-ladder.json"
+#: The newest measurement of the kernels as they are, on whichever GPU measured them last (the recorded GPU's may
+#: predate later steps of a kernel); move it with each new record.
+NEWEST = DATA_DIR / "experiments" / "nvidia-h100-80gb-hbm3" / "cuda-ladder-ab1131d.json"
 
 CASES = {"blog_b1_h8_n1024_d64_causal": (1, 8, 1024, 64), "b8_h16_n2048_d64_causal": (8, 16, 2048, 64)}
 LADDER = {torch.float32: ("torch", "cuda-naive", "cuda-tiled", "cuda-rowmax", "triton"),
@@ -95,6 +98,25 @@ def recorded(path: Path | str | None = None) -> pd.DataFrame | None:
     df["x_rowmax"] = df["graph_us"] / rowmax
     df["flash_over_this"] = flash / df["graph_us"]
     return df
+
+
+def top_rungs(path: Path | str | None = None, case: str = "b8_h16_n2048_d64_causal") -> str | None:
+    """One markdown sentence on the bfloat16 top of a recorded ladder (default :data:`NEWEST`): where and at which
+    commit, and the tensor-core kernel's, FlashAttention-2's and the Triton kernel's GPU times on ``case``; None
+    when the record is missing or lacks one of the three."""
+    p = Path(path) if path is not None else NEWEST
+    lad = recorded(p)
+    if lad is None:
+        return None
+    top = lad[(lad["case"] == case) & (lad["dtype"] == "bfloat16")].set_index("backend")["graph_us"]
+    if any(b not in top or pd.isna(top[b]) for b in ("cuda-mma", "sdpa-flash", "triton")):
+        return None
+    env = environment(p)
+    mma, flash, tri = top["cuda-mma"], top["sdpa-flash"], top["triton"]
+    return (f"On the {env.get('gpu')} at commit {str(env.get('commit'))[:7]}, {case} in bfloat16: `cuda-mma` "
+            f"{mma / 1e3:.3f} ms, FlashAttention-2 {flash / 1e3:.3f} ms, the Triton kernel {tri / 1e3:.3f} ms: "
+            f"`cuda-mma` runs at {flash / mma:.2f}x FlashAttention-2's speed and {tri / mma:.2f}x the Triton "
+            "kernel's.")
 
 
 def over_rowmax(case: str, dtype: str = "float32", lad: pd.DataFrame | None = None) -> pd.Series | None:
