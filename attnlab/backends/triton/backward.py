@@ -65,6 +65,11 @@ AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
 #: (docs/decisions.md, "The backward's two passes side by side").
 TWO_STREAMS: bool = os.environ.get("ATTNLAB_BWD_STREAMS", "1") != "0"
 MIN_WAVES = 6
+#: Whether the dK/dV and dQ grids start one tile of every head before the next tile of any (tile index the grid's
+#: slowest axis; ATTNLAB_BWD_TILES_OUTER=0: a head's tiles side by side, FlashAttention-2's order). Under a causal
+#: mask the first key tile and the last row tile carry the most work: launched first for every head, the long
+#: programs no longer start in the last wave, where one of them outlasts the rest of the pass.
+TILES_OUTER: bool = os.environ.get("ATTNLAB_BWD_TILES_OUTER", "0") != "0"
 #: How a backward computes dQ (ATTNLAB_BWD_DQ): ``pass``, its own pass over row tiles (deterministic); ``atomic``,
 #: inside the dK/dV pass, added into a float32 dQ by atomics (two products fewer per tile pair; the sum's order
 #: varies from run to run). ``atomic`` gives way to ``pass`` while torch.are_deterministic_algorithms_enabled(),
@@ -182,7 +187,7 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
     one-pass variant, which adds dQ into it, read through ``dq_like``'s strides when given (a compile ahead's
     stand-in)."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv)
+    grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv, TILES_OUTER)
     pk = prob.packed
     dq_strides = batch_strides(dq_like if dq_like is not None else dq_acc, pk) if dq_acc is not None else (0,) * 4
     args = (prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, dq_acc if dq_acc is not None else dk, *ptrs,
@@ -190,7 +195,8 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
             *batch_strides(dout, pk), *batch_strides(dk, pk), *batch_strides(dv, pk), *dq_strides, *e_strides,
             *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-              DQ_ATOMIC=dq_acc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+              DQ_ATOMIC=dq_acc is not None, TILES_OUTER=TILES_OUTER, num_warps=cfg.num_warps,
+              num_stages=cfg.num_stages,
               **configs.COMPILE_OPTIONS)
     return bwd_dkdv_kernel, grid, args, kw
 
@@ -198,13 +204,14 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
 def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> tuple:
     """(kernel, grid, arguments, keywords) of the dQ kernel with ``cfg``."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    grid = tile_grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq)
+    grid = tile_grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq, TILES_OUTER)
     pk = prob.packed
     args = (prob.q, prob.k, prob.v, dout, lse2, delta, dq, *ptrs,
             *batch_strides(prob.q, pk), *batch_strides(prob.k, pk), *batch_strides(prob.v, pk),
             *batch_strides(dout, pk), *batch_strides(dq, pk), *e_strides, *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **configs.COMPILE_OPTIONS)
+              TILES_OUTER=TILES_OUTER, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+              **configs.COMPILE_OPTIONS)
     return bwd_dq_kernel, grid, args, kw
 
 
@@ -267,11 +274,12 @@ def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool, key: 
 def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool, key: tuple | None = None,
                  dq_acc: torch.Tensor | None = None) -> None:
     _go(_dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret, dq_acc), interpret,
-        None if key is None else ("dkdv", cfg, dq_acc is not None, key))
+        None if key is None else ("dkdv", cfg, dq_acc is not None, TILES_OUTER, key))
 
 
 def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool, key: tuple | None = None) -> None:
-    _go(_dq_launch(prob, dout, delta, lse2, dq, cfg, interpret), interpret, None if key is None else ("dq", cfg, key))
+    _go(_dq_launch(prob, dout, delta, lse2, dq, cfg, interpret), interpret,
+        None if key is None else ("dq", cfg, TILES_OUTER, key))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -531,7 +539,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)
         one = dq_acc is not None
-        kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv)
+        kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv, TILES_OUTER)
         sms = _rt.sm_count(_device_index(prob.device))
 
         def dkdv() -> BwdConfig:

@@ -35,6 +35,10 @@ Three launches, each a grid of programs over tiles of the [Nq, Nk] score matrix 
    loaded once; key tiles of kv head ``h // group`` stream past and dQ += dS K accumulates in float32.
    Each dQ element is written by one program: deterministic, no atomics.
 
+With ``TILES_OUTER`` (not packed) launches 2 and 3 take the grid ``(heads, B, tiles)`` instead: the GPU starts
+programs in the grid's order, so one tile of every head starts before the next tile of any, the heaviest
+first under a causal mask (the first key tile, the last row tile), and no long program is left to the last wave.
+
 One pass (``DQ_ATOMIC``): the dK/dV kernel also multiplies the dS tile it already holds by its K tile and adds
 ``scale * dS K`` into a float32 dQ (zeroed first) with relaxed atomic adds, and launch 3 is skipped: five
 products per tile pair instead of seven, for one float32 add per dQ element and key tile, in no fixed order (dQ
@@ -273,12 +277,18 @@ if triton is not None:
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+        TILES_OUTER: tl.constexpr,
     ):
         # ---- which tile: key tile pid_n of kv head kvh, batch b -----------------------------------------
-        kvh = tl.program_id(1)
         if VARLEN:  # grid (packed slots, Hkv, 1): a sequence's first key tile (the most rows) first
+            kvh = tl.program_id(1)
             b, pid_n = tiles.packed_tile(KvLen, tl.program_id(0), Tk, BLOCK_N)
-        else:
+        elif TILES_OUTER:  # grid (Hkv, B, key tiles): the first key tile (the most rows) of every head first
+            kvh = tl.program_id(0)
+            b = tl.program_id(1)
+            pid_n = tl.program_id(2)
+        else:  # grid (key tiles, Hkv, B): a head's key tiles side by side
+            kvh = tl.program_id(1)
             pid_n = tl.program_id(0)
             b = tl.program_id(2)
         n0 = pid_n * BLOCK_N
@@ -386,13 +396,18 @@ if triton is not None:
         BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr, TILES_OUTER: tl.constexpr,
     ):
         # ---- which tile: row tile pid_m (last first) of query head h, batch b; kv head h // group --------
-        h = tl.program_id(1)
         if VARLEN:  # grid (packed slots, Hq, 1), the last slot first
+            h = tl.program_id(1)
             b, pid_m = tiles.packed_tile(QLen, tl.num_programs(0) - 1 - tl.program_id(0), Tq, BLOCK_M)
-        else:
+        elif TILES_OUTER:  # grid (Hq, B, row tiles): the last row tile (the most keys) of every head first
+            h = tl.program_id(0)
+            b = tl.program_id(1)
+            pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
+        else:  # grid (row tiles, Hq, B): a head's row tiles side by side
+            h = tl.program_id(1)
             pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
             b = tl.program_id(2)
         i0 = pid_m * BLOCK_M

@@ -56,11 +56,16 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def tile_grid(prob: Problem, n: int, total: int, block: int, heads: int) -> tuple[int, int, int]:
+def tile_grid(prob: Problem, n: int, total: int, block: int, heads: int,
+              tiles_outer: bool = False) -> tuple[int, int, int]:
     """A grid of one program per (tile of ``block`` of the ``n`` rows or keys, head, batch entry); packed, per
-    (slot over the ``total`` rows or keys, head): :func:`packed_slots`."""
+    (slot over the ``total`` rows or keys, head): :func:`packed_slots`. ``tiles_outer`` (not packed): (head,
+    batch entry, tile), so that the GPU, which starts programs in the grid's order (first axis fastest), starts
+    one tile of every head before the next tile of any."""
     if prob.packed is not None:
         return (packed_slots(total, block, prob.B), heads, 1)
+    if tiles_outer:
+        return (heads, prob.B, triton.cdiv(n, block))
     return (triton.cdiv(n, block), heads, prob.B)
 
 

@@ -1,0 +1,96 @@
+"""A/B of the backward's grid order (``backward.TILES_OUTER``): a head's tiles side by side, or one tile of every
+head before the next tile of any, through the public call as a user calls it, beside sdpa-cudnn's backward, in
+interleaved rounds.
+
+The backward alone: each competitor's forward runs once with inputs that require grad, and the timed call is
+``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)``. The two orders' gradients must be equal bit for
+bit (each program computes the same tile either way; the backward suite checks them against float64) before
+anything is timed. Times: CUDA-event median over rounds of 10 back-to-back calls each (``ms``):
+``python -m attnlab.bench.bwd_grid_order OUT.json``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from attnlab.bench.timing import mean_gpu_ms, round_orders
+
+#: label -> backward.TILES_OUTER
+SETTINGS = {"tiles-inner": False, "tiles-outer": True}
+CASES = [  # (B, Hq, Hkv, N, D, causal)
+    (2, 32, 8, 4096, 128, True), (4, 16, 16, 4096, 128, True), (4, 16, 16, 4096, 128, False),
+    (1, 16, 16, 16384, 128, True), (8, 16, 16, 1024, 128, True), (4, 16, 16, 4096, 64, True),
+    (1, 64, 8, 8192, 64, True),
+]
+
+
+def _case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool, rounds: int) -> dict:
+    import attnlab
+    from attnlab.backends.triton import backward
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = attnlab.attention(q, k, v, causal=causal, backend="triton")
+
+    def ours(outer: bool):
+        """The backward with TILES_OUTER switched now."""
+        backward.TILES_OUTER = outer
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    def cudnn_backward():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                 enable_gqa=Hq != Hkv)
+        return lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
+
+    grads = {label: ours(outer)() for label, outer in SETTINGS.items()}
+    first = next(iter(grads.values()))
+    row = {"case": f"bf16 b{B} hq{Hq} hkv{Hkv} n{N} d{D} {'causal' if causal else 'full'}",
+           "equal": all(bool(torch.equal(a, b)) for got in grads.values() for a, b in zip(got, first, strict=True)),
+           "ms": {}}
+    del grads, first
+    if row["equal"]:
+        fns = {"sdpa-cudnn": cudnn_backward()}
+        times: dict[str, list[float]] = {label: [] for label in [*SETTINGS, "sdpa-cudnn"]}
+        for order in round_orders([*SETTINGS, "sdpa-cudnn"], rounds + 1):  # the first round warms up, dropped
+            for label in order:
+                fn = fns["sdpa-cudnn"] if label == "sdpa-cudnn" else ours(SETTINGS[label])
+                for _ in range(2):
+                    fn()
+                times[label].append(mean_gpu_ms(fn, calls=10))
+        row["ms"] = {key: sorted(t[1:])[len(t[1:]) // 2] for key, t in times.items()}
+        row["over_cudnn"] = {key: row["ms"]["sdpa-cudnn"] / t for key, t in row["ms"].items()}
+        row["outer_speedup"] = row["ms"]["tiles-inner"] / row["ms"]["tiles-outer"]
+    return row
+
+
+def run(out: str, rounds: int = 7) -> dict:
+    from attnlab.backends.triton import backward
+    from attnlab.bench.experiment import run_rows
+
+    before = backward.TILES_OUTER
+    try:
+        return run_rows(CASES, lambda *case: _case(*case, rounds), out)
+    finally:
+        backward.TILES_OUTER = before
+
+
+def _needs_gpu() -> str | None:
+    return None if torch.cuda.is_available() else "needs a CUDA GPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from attnlab.bench.experiment import main as experiment_main
+
+    return experiment_main("attnlab.bench.bwd_grid_order", __doc__, run, argv, _needs_gpu)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
