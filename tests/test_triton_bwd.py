@@ -554,7 +554,7 @@ GRID_ORDERS = [c for c in CASES if c[0].name in {
 def _grads_in_both_orders(q, k, v, dout, kw, monkeypatch) -> dict[bool, tuple[torch.Tensor, ...]]:
     got = {}
     for outer in (False, True):
-        monkeypatch.setattr(triton_bwd, "TILES_OUTER", outer)
+        monkeypatch.setattr(triton_bwd, "TILES_OUTER", "all" if outer else "none")
         got[outer] = _triton_grads(q, k, v, dout, kw)
     return got
 
@@ -568,6 +568,25 @@ def test_both_grid_orders_give_the_same_gradients_cpu(case, dtype, monkeypatch):
     got = _grads_in_both_orders(q, k, v, dout, kw, monkeypatch)
     for name, a, b in zip(("dq", "dk", "dv"), got[False], got[True]):
         assert torch.equal(a, b), f"{name} differs between the grid orders"
+
+
+def test_tiles_outer_rule_and_modes(monkeypatch):
+    """auto: the dK/dV pass of GQA/MQA with keys bounded on the right; none, dkdv, all as named; else ValueError."""
+    def prob(Hkv: int, **kw):
+        return make_problem(torch.zeros(1, 4, 8, 16), *(torch.zeros(1, Hkv, 8, 16) for _ in range(2)), **kw)
+
+    monkeypatch.setattr(triton_bwd, "TILES_OUTER", "auto")
+    gqa_causal = prob(2, causal=True)
+    assert triton_bwd.tiles_outer(gqa_causal, "dkdv") and not triton_bwd.tiles_outer(gqa_causal, "dq")
+    assert triton_bwd.tiles_outer(prob(1, window=(3, 2)), "dkdv")
+    assert not triton_bwd.tiles_outer(prob(4, causal=True), "dkdv")  # MHA
+    assert not triton_bwd.tiles_outer(prob(2), "dkdv") and not triton_bwd.tiles_outer(prob(2, window=(3, None)), "dkdv")
+    for mode, want in (("none", (False, False)), ("dkdv", (True, False)), ("all", (True, True))):
+        monkeypatch.setattr(triton_bwd, "TILES_OUTER", mode)
+        assert (triton_bwd.tiles_outer(prob(4), "dkdv"), triton_bwd.tiles_outer(prob(4), "dq")) == want
+    monkeypatch.setattr(triton_bwd, "TILES_OUTER", "1")
+    with pytest.raises(ValueError, match="ATTNLAB_BWD_TILES_OUTER must be one of"):
+        triton_bwd.tiles_outer(prob(4), "dq")
 
 
 def test_tiles_outer_grid_puts_the_tiles_last():
@@ -586,7 +605,7 @@ def test_both_grid_orders_give_the_same_gradients_gpu(monkeypatch):
     prob, out, lse, dout = _gpu_case(14)
     got = {}
     for outer in (False, True):
-        monkeypatch.setattr(triton_bwd, "TILES_OUTER", outer)
+        monkeypatch.setattr(triton_bwd, "TILES_OUTER", "all" if outer else "none")
         got[outer] = triton_bwd.gradients(prob, out, lse, dout)[:3]
     for name, a, b in zip(("dq", "dk", "dv"), got[False], got[True]):
         assert torch.equal(a, b), f"{name} differs between the grid orders"

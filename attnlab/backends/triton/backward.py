@@ -65,11 +65,13 @@ AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
 #: (docs/decisions.md, "The backward's two passes side by side").
 TWO_STREAMS: bool = os.environ.get("ATTNLAB_BWD_STREAMS", "1") != "0"
 MIN_WAVES = 6
-#: Whether the dK/dV and dQ grids start one tile of every head before the next tile of any (tile index the grid's
-#: slowest axis; ATTNLAB_BWD_TILES_OUTER=0: a head's tiles side by side, FlashAttention-2's order). Under a causal
-#: mask the first key tile and the last row tile carry the most work: launched first for every head, the long
-#: programs no longer start in the last wave, where one of them outlasts the rest of the pass.
-TILES_OUTER: bool = os.environ.get("ATTNLAB_BWD_TILES_OUTER", "0") != "0"
+#: Which of the backward's grids start one tile of every head before the next tile of any (the tile index the grid's
+#: slowest axis; else a head's tiles side by side, FlashAttention-2's order), ATTNLAB_BWD_TILES_OUTER: ``auto``
+#: (:func:`tiles_outer`'s rule), ``none``, ``dkdv`` or ``all``. Under a causal mask the first key tile and the last
+#: row tile carry the most work: launched first for every head, the long programs no longer start in the last
+#: wave, where one of them outlasts the rest of the pass; side by side, a head's programs share its rows in L2.
+TILES_OUTER_MODES = ("auto", "none", "dkdv", "all")
+TILES_OUTER: str = os.environ.get("ATTNLAB_BWD_TILES_OUTER", "auto")
 #: How a backward computes dQ (ATTNLAB_BWD_DQ): ``pass``, its own pass over row tiles (deterministic); ``atomic``,
 #: inside the dK/dV pass, added into a float32 dQ by atomics (two products fewer per tile pair; the sum's order
 #: varies from run to run). ``atomic`` gives way to ``pass`` while torch.are_deterministic_algorithms_enabled(),
@@ -164,6 +166,20 @@ def _preprocess_grid(prob: Problem, interpret: bool) -> tuple[int, int, int]:
     return tile_grid(prob, prob.Nq, prob.q.shape[2], _preprocess_block_m(interpret), prob.Hq)
 
 
+def tiles_outer(prob: Problem, kernel: str) -> bool:
+    """Whether ``kernel`` (``"dkdv"`` or ``"dq"``) of ``prob``'s backward takes the grid with the tiles outermost
+    (:data:`TILES_OUTER`). The rule of ``auto``: the dK/dV pass of a GQA/MQA call whose keys are bounded on the
+    right (causal, or a window): its programs loop over the group's query heads, so they are few and long, and
+    their work falls from the first key tile to the last (docs/decisions.md, "The backward's grid order")."""
+    if TILES_OUTER not in TILES_OUTER_MODES:
+        raise ValueError(f"ATTNLAB_BWD_TILES_OUTER must be one of {TILES_OUTER_MODES}; got {TILES_OUTER!r}")
+    if prob.packed is not None:  # packed grids order their slots themselves (tiles.packed_tile)
+        return False
+    if TILES_OUTER == "auto":
+        return kernel == "dkdv" and prob.group > 1 and prob.spec.right is not None
+    return TILES_OUTER == "all" or TILES_OUTER == kernel
+
+
 def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_part=None) -> tuple:
     """(kernel, grid, arguments, keywords) of the preprocess; with ``sink_part`` (float32, one per program) it
     also stores each program's share of the sinks' gradient there."""
@@ -187,7 +203,8 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
     one-pass variant, which adds dQ into it, read through ``dq_like``'s strides when given (a compile ahead's
     stand-in)."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv, TILES_OUTER)
+    outer = tiles_outer(prob, "dkdv")
+    grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv, outer)
     pk = prob.packed
     dq_strides = batch_strides(dq_like if dq_like is not None else dq_acc, pk) if dq_acc is not None else (0,) * 4
     args = (prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, dq_acc if dq_acc is not None else dk, *ptrs,
@@ -195,7 +212,7 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
             *batch_strides(dout, pk), *batch_strides(dk, pk), *batch_strides(dv, pk), *dq_strides, *e_strides,
             *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-              DQ_ATOMIC=dq_acc is not None, TILES_OUTER=TILES_OUTER, num_warps=cfg.num_warps,
+              DQ_ATOMIC=dq_acc is not None, TILES_OUTER=outer, num_warps=cfg.num_warps,
               num_stages=cfg.num_stages,
               **configs.COMPILE_OPTIONS)
     return bwd_dkdv_kernel, grid, args, kw
@@ -204,13 +221,14 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
 def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> tuple:
     """(kernel, grid, arguments, keywords) of the dQ kernel with ``cfg``."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    grid = tile_grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq, TILES_OUTER)
+    outer = tiles_outer(prob, "dq")
+    grid = tile_grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq, outer)
     pk = prob.packed
     args = (prob.q, prob.k, prob.v, dout, lse2, delta, dq, *ptrs,
             *batch_strides(prob.q, pk), *batch_strides(prob.k, pk), *batch_strides(prob.v, pk),
             *batch_strides(dout, pk), *batch_strides(dq, pk), *e_strides, *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-              TILES_OUTER=TILES_OUTER, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+              TILES_OUTER=outer, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
               **configs.COMPILE_OPTIONS)
     return bwd_dq_kernel, grid, args, kw
 
@@ -539,7 +557,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)
         one = dq_acc is not None
-        kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv, TILES_OUTER)
+        kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv, tiles_outer(prob, "dkdv"))
         sms = _rt.sm_count(_device_index(prob.device))
 
         def dkdv() -> BwdConfig:
