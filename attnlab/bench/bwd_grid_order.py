@@ -1,6 +1,6 @@
 """A/B of the backward's grid order (``backward.TILES_OUTER``): a head's tiles side by side (``none``), or one tile
-of every head before the next tile of any, in the dK/dV grid alone (``dkdv``) or in both (``all``), through the
-public call as a user calls it, beside sdpa-cudnn's backward, in
+of every head before the next tile of any, in the dK/dV grid alone (``dkdv``), in both (``all``) or where the rule
+says (``auto``), through the public call as a user calls it, beside sdpa-cudnn's backward, in
 interleaved rounds.
 
 The backward alone: each competitor's forward runs once with inputs that require grad, and the timed call is
@@ -19,10 +19,11 @@ import torch
 from attnlab.bench.timing import mean_gpu_ms, round_orders
 
 #: the modes of backward.TILES_OUTER compared
-SETTINGS = ("none", "dkdv", "all")
+SETTINGS = ("none", "all", "auto")
 CASES = [  # (B, Hq, Hkv, N, D, causal)
-    (2, 32, 8, 4096, 128, True), (2, 32, 8, 4096, 128, False), (1, 32, 8, 16384, 128, True),
-    (1, 64, 8, 8192, 64, True), (4, 32, 4, 2048, 128, True), (4, 16, 16, 4096, 128, True),
+    (2, 32, 8, 4096, 128, True), (1, 32, 8, 16384, 128, True), (4, 32, 4, 2048, 128, True),
+    (4, 16, 16, 4096, 128, True), (1, 16, 16, 4096, 128, True), (2, 16, 16, 2048, 128, True),
+    (1, 32, 32, 4096, 64, True), (2, 32, 8, 4096, 128, False),
 ]
 
 

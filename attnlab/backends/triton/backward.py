@@ -166,18 +166,23 @@ def _preprocess_grid(prob: Problem, interpret: bool) -> tuple[int, int, int]:
     return tile_grid(prob, prob.Nq, prob.q.shape[2], _preprocess_block_m(interpret), prob.Hq)
 
 
-def tiles_outer(prob: Problem, kernel: str) -> bool:
-    """Whether ``kernel`` (``"dkdv"`` or ``"dq"``) of ``prob``'s backward takes the grid with the tiles outermost
-    (:data:`TILES_OUTER`). The rule of ``auto``: the dK/dV pass of a GQA/MQA call whose keys are bounded on the
-    right (causal, or a window): its programs loop over the group's query heads, so they are few and long, and
-    their work falls from the first key tile to the last (docs/decisions.md, "The backward's grid order")."""
+def tiles_outer(prob: Problem, kernel: str, block: int, sms: int | None = None) -> bool:
+    """Whether ``kernel`` (``"dkdv"`` or ``"dq"``, tiles of ``block`` keys or rows) of ``prob``'s backward takes the
+    grid with the tiles outermost (:data:`TILES_OUTER`). The rule of ``auto``: where keys are bounded on the right
+    (causal, or a window), so that the programs' work differs from tile to tile, and the grid holds fewer than
+    MIN_WAVES programs per SM (``sms``: this GPU's), so that a long program started late is not hidden by the rest
+    (docs/decisions.md, "The backward's grid order")."""
     if TILES_OUTER not in TILES_OUTER_MODES:
         raise ValueError(f"ATTNLAB_BWD_TILES_OUTER must be one of {TILES_OUTER_MODES}; got {TILES_OUTER!r}")
     if prob.packed is not None:  # packed grids order their slots themselves (tiles.packed_tile)
         return False
-    if TILES_OUTER == "auto":
-        return kernel == "dkdv" and prob.group > 1 and prob.spec.right is not None
-    return TILES_OUTER == "all" or TILES_OUTER == kernel
+    if TILES_OUTER != "auto":
+        return TILES_OUTER == "all" or TILES_OUTER == kernel
+    if prob.spec.right is None or (sms is None and not prob.q.is_cuda):
+        return False
+    n, heads = (prob.Nk, prob.Hkv) if kernel == "dkdv" else (prob.Nq, prob.Hq)
+    sms = _rt.sm_count(_device_index(prob.device)) if sms is None else sms
+    return -(-n // block) * heads * prob.B < MIN_WAVES * sms
 
 
 def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_part=None) -> tuple:
@@ -203,7 +208,7 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
     one-pass variant, which adds dQ into it, read through ``dq_like``'s strides when given (a compile ahead's
     stand-in)."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    outer = tiles_outer(prob, "dkdv")
+    outer = tiles_outer(prob, "dkdv", cfg.block_n)
     grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv, outer)
     pk = prob.packed
     dq_strides = batch_strides(dq_like if dq_like is not None else dq_acc, pk) if dq_acc is not None else (0,) * 4
@@ -221,7 +226,7 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
 def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> tuple:
     """(kernel, grid, arguments, keywords) of the dQ kernel with ``cfg``."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    outer = tiles_outer(prob, "dq")
+    outer = tiles_outer(prob, "dq", cfg.block_m)
     grid = tile_grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq, outer)
     pk = prob.packed
     args = (prob.q, prob.k, prob.v, dout, lse2, delta, dq, *ptrs,
@@ -557,7 +562,8 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)
         one = dq_acc is not None
-        kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv, tiles_outer(prob, "dkdv"))
+        kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv,
+                            tiles_outer(prob, "dkdv", kv_cfg.block_n))
         sms = _rt.sm_count(_device_index(prob.device))
 
         def dkdv() -> BwdConfig:
