@@ -571,26 +571,28 @@ def test_both_grid_orders_give_the_same_gradients_cpu(case, dtype, monkeypatch):
 
 
 def test_tiles_outer_rule_and_modes(monkeypatch):
-    """auto: keys bounded on the right and fewer than MIN_WAVES programs per SM in that kernel's grid; none, dkdv,
-    all as named; anything else a ValueError."""
-    def prob(B: int, Hkv: int, **kw):
-        return make_problem(torch.zeros(B, 4, 256, 16), *(torch.zeros(B, Hkv, 256, 16) for _ in range(2)), **kw)
+    """auto: the dK/dV grid of GQA/MQA with keys bounded on the right only, below MIN_WAVES programs per SM; none,
+    dkdv, all as named; anything else a ValueError."""
+    def prob(Hkv: int, **kw):
+        return make_problem(torch.zeros(1, 4, 256, 16), *(torch.zeros(1, Hkv, 256, 16) for _ in range(2)), **kw)
 
     outer = triton_bwd.tiles_outer
     monkeypatch.setattr(triton_bwd, "TILES_OUTER", "auto")
     monkeypatch.setattr(triton_bwd, "MIN_WAVES", 6)
-    gqa = prob(1, 2, causal=True)  # dK/dV: 4 key tiles of 64 x 2 kv heads = 8 programs; dQ: 4 x 4 = 16
-    assert outer(gqa, "dkdv", 64, sms=2) and not outer(gqa, "dq", 64, sms=2)  # 8 < 12 <= 16
-    assert outer(gqa, "dq", 64, sms=3) and not outer(gqa, "dkdv", 64, sms=1)  # 16 < 18; 8 >= 6
-    assert outer(prob(1, 1, window=(3, 2)), "dkdv", 64, sms=2)
-    assert not outer(prob(1, 2), "dkdv", 64, sms=100) and not outer(prob(1, 2, window=(3, None)), "dkdv", 64, sms=100)
+    gqa = prob(2, causal=True)  # dK/dV: 4 key tiles of 64 x 2 kv heads = 8 programs
+    assert outer(gqa, "dkdv", 64, sms=2) and not outer(gqa, "dkdv", 64, sms=1)  # 8 < 12; 8 >= 6
+    assert not outer(gqa, "dq", 64, sms=100)
+    assert outer(prob(1, window=(None, 2)), "dkdv", 64, sms=2)  # MQA, a window open to the left
+    assert not outer(prob(1, window=(3, 2)), "dkdv", 64, sms=2)  # a band: every key tile sees as many rows
+    assert not outer(prob(4, causal=True), "dkdv", 64, sms=100)  # MHA
+    assert not outer(prob(2), "dkdv", 64, sms=100)  # no mask
     assert not outer(gqa, "dkdv", 64)  # no sms given and a CPU problem: no GPU to fill
     for mode, want in (("none", (False, False)), ("dkdv", (True, False)), ("all", (True, True))):
         monkeypatch.setattr(triton_bwd, "TILES_OUTER", mode)
-        assert (outer(prob(1, 4), "dkdv", 64), outer(prob(1, 4), "dq", 64)) == want
+        assert (outer(prob(4), "dkdv", 64), outer(prob(4), "dq", 64)) == want
     monkeypatch.setattr(triton_bwd, "TILES_OUTER", "1")
     with pytest.raises(ValueError, match="ATTNLAB_BWD_TILES_OUTER must be one of"):
-        outer(prob(1, 4), "dq", 64)
+        outer(prob(4), "dq", 64)
 
 
 def test_tiles_outer_grid_puts_the_tiles_last():

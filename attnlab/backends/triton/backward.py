@@ -168,21 +168,25 @@ def _preprocess_grid(prob: Problem, interpret: bool) -> tuple[int, int, int]:
 
 def tiles_outer(prob: Problem, kernel: str, block: int, sms: int | None = None) -> bool:
     """Whether ``kernel`` (``"dkdv"`` or ``"dq"``, tiles of ``block`` keys or rows) of ``prob``'s backward takes the
-    grid with the tiles outermost (:data:`TILES_OUTER`). The rule of ``auto``: where keys are bounded on the right
-    (causal, or a window), so that the programs' work differs from tile to tile, and the grid holds fewer than
-    MIN_WAVES programs per SM (``sms``: this GPU's), so that a long program started late is not hidden by the rest
-    (docs/decisions.md, "The backward's grid order")."""
+    grid with the tiles outermost (:data:`TILES_OUTER`). The rule of ``auto``, where it was measured to gain: the
+    dK/dV pass of a GQA/MQA call whose keys are bounded on the right only (causal, or a window open to the left), so
+    that its programs, each looping over the group's query heads, fall in work from the first key tile to the last,
+    and whose grid holds fewer than MIN_WAVES programs per SM (``sms``: this GPU's), so that a long program started
+    late is not hidden by the rest (docs/decisions.md, "The backward's grid order")."""
     if TILES_OUTER not in TILES_OUTER_MODES:
         raise ValueError(f"ATTNLAB_BWD_TILES_OUTER must be one of {TILES_OUTER_MODES}; got {TILES_OUTER!r}")
     if prob.packed is not None:  # packed grids order their slots themselves (tiles.packed_tile)
         return False
     if TILES_OUTER != "auto":
         return TILES_OUTER == "all" or TILES_OUTER == kernel
-    if prob.spec.right is None or (sms is None and not prob.q.is_cuda):
+    spec = prob.spec
+    if kernel != "dkdv" or prob.group == 1 or spec.right is None or spec.left is not None:
         return False
-    n, heads = (prob.Nk, prob.Hkv) if kernel == "dkdv" else (prob.Nq, prob.Hq)
-    sms = _rt.sm_count(_device_index(prob.device)) if sms is None else sms
-    return -(-n // block) * heads * prob.B < MIN_WAVES * sms
+    if sms is None:
+        if not prob.q.is_cuda:
+            return False
+        sms = _rt.sm_count(_device_index(prob.device))
+    return -(-prob.Nk // block) * prob.Hkv * prob.B < MIN_WAVES * sms
 
 
 def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_part=None) -> tuple:
