@@ -12,6 +12,7 @@ anything is timed. Times: CUDA-event median over rounds of 10 back-to-back calls
 
 from __future__ import annotations
 
+import heapq
 import sys
 
 import torch
@@ -24,6 +25,22 @@ CASES = [  # (B, Hq, Hkv, N, D, causal)
     (2, 32, 8, 4096, 128, True), (1, 16, 16, 4096, 128, True), (4, 16, 16, 4096, 128, True),
     (1, 32, 8, 16384, 128, True), (2, 32, 8, 4096, 128, False),
 ]
+
+
+def modeled_time(heads: int, tiles: int, group: int, tiles_outer: bool, sms: int = 132) -> float:
+    """The decisions log's model of a causal dK/dV pass: one program per (head, key tile), its work the group's
+    query heads times the row tiles it sees (``tiles - j`` for key tile ``j``), started in grid order on the first
+    of ``sms`` SMs to free up (one program per SM); the pass's time over its ideal (all work / sms)."""
+    order = ([(h, j) for j in range(tiles) for h in range(heads)] if tiles_outer
+             else [(h, j) for h in range(heads) for j in range(tiles)])
+    free = [0.0] * sms
+    heapq.heapify(free)
+    total = 0.0
+    for _, j in order:
+        work = group * (tiles - j)
+        total += work
+        heapq.heappush(free, heapq.heappop(free) + work)
+    return max(free) / (total / sms)
 
 
 def _case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool, rounds: int) -> dict:
