@@ -27,20 +27,24 @@ CASES = [  # (B, Hq, Hkv, N, D, causal)
 ]
 
 
-def modeled_time(heads: int, tiles: int, group: int, tiles_outer: bool, sms: int = 132) -> float:
+def finish_times(heads: int, tiles: int, group: int, tiles_outer: bool, sms: int = 132) -> list[float]:
     """The decisions log's model of a causal dK/dV pass: one program per (head, key tile), its work the group's
     query heads times the row tiles it sees (``tiles - j`` for key tile ``j``), started in grid order on the first
-    of ``sms`` SMs to free up (one program per SM); the pass's time over its ideal (all work / sms)."""
+    of ``sms`` SMs to free up (one program per SM). Returns when each SM runs out of work, in work units, sorted."""
     order = ([(h, j) for j in range(tiles) for h in range(heads)] if tiles_outer
              else [(h, j) for h in range(heads) for j in range(tiles)])
     free = [0.0] * sms
     heapq.heapify(free)
-    total = 0.0
     for _, j in order:
-        work = group * (tiles - j)
-        total += work
-        heapq.heappush(free, heapq.heappop(free) + work)
-    return max(free) / (total / sms)
+        heapq.heappush(free, heapq.heappop(free) + group * (tiles - j))
+    return sorted(free)
+
+
+def modeled_time(heads: int, tiles: int, group: int, tiles_outer: bool, sms: int = 132) -> float:
+    """The modeled pass's time (its last SM's finish, :func:`finish_times`) over its ideal (all work / sms)."""
+    done = finish_times(heads, tiles, group, tiles_outer, sms)
+    total = heads * group * tiles * (tiles + 1) / 2
+    return done[-1] / (total / sms)
 
 
 def _case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool, rounds: int) -> dict:
