@@ -21,4 +21,4 @@ def test_the_model_reads_as_the_decisions_log_says(heads, tiles, group, side_by_
 def test_one_wave_takes_its_longest_program():
     assert modeled_time(132, 1, 3, False) == pytest.approx(1.0)  # equal programs, one each
     # 4 heads x 33 tiles on 132 SMs: the first key tile's 33 row tiles against a mean of 17
-    assert modeled_time(4, 33, 1, True) == pytest.approx(33 / 17)
+    assert modeled_time(4, 33, 1, False) == pytest.approx(33 / 17)

@@ -54,6 +54,8 @@ def test_top_rungs_says_the_three_times_and_the_ratios(tmp_path):
     assert "1.50x FlashAttention-2's speed and 0.75x the Triton kernel's" in got
     path.write_text(json.dumps({"environment": {}, "rows": rows[:2]}))  # no triton row
     assert cuda_ladder.top_rungs(path, case="c") is None
+    path.write_text(json.dumps({"environment": {}, "rows": [*rows[:2], {**rows[2], "passed": False}]}))
+    assert cuda_ladder.top_rungs(path, case="c") is None  # a time is quoted only for an output that passed
     assert cuda_ladder.top_rungs(tmp_path / "absent.json") is None
 
 

@@ -546,7 +546,8 @@ def test_a_backward_of_few_waves_stays_on_one_stream(monkeypatch):
     assert seen == [False, True]
 
 
-#: Cases of both grid orders: B > 1 and H > 1 (a swapped axis shows), GQA/MQA, causal both ways, lengths, a band.
+#: Cases of both grid orders: head and batch axes of unequal sizes (a swapped axis reads past its tensor), GQA/MQA,
+#: causal both ways, lengths, a band.
 GRID_ORDERS = [c for c in CASES if c[0].name in {
     "causal", "gqa", "gqa_causal_br", "q_len_kv_len", "window_br_nq>nk_d40", "mqa_bnhd_transposed_window"}]
 
@@ -570,6 +571,14 @@ def test_both_grid_orders_give_the_same_gradients_cpu(case, dtype, monkeypatch):
         assert torch.equal(a, b), f"{name} differs between the grid orders"
 
 
+@pytest.mark.parametrize(("case", "dtype"), GRID_ORDERS[:3],
+                         ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
+def test_one_pass_with_the_tiles_outermost_cpu(case, dtype, atomic_dq, monkeypatch):
+    """The one-pass mode's dK/dV kernel, which also adds dQ, with its tiles outermost: right against float64."""
+    monkeypatch.setattr(triton_bwd, "TILES_OUTER", "all")
+    _check(case, dtype, "cpu")
+
+
 def test_tiles_outer_rule_and_modes(monkeypatch):
     """auto: the dK/dV grid of GQA/MQA with keys bounded on the right only, below MIN_WAVES programs per SM; none,
     dkdv, all as named; anything else a ValueError."""
@@ -590,17 +599,39 @@ def test_tiles_outer_rule_and_modes(monkeypatch):
     for mode, want in (("none", (False, False)), ("dkdv", (True, False)), ("all", (True, True))):
         monkeypatch.setattr(triton_bwd, "TILES_OUTER", mode)
         assert (outer(prob(4), "dkdv", 64), outer(prob(4), "dq", 64)) == want
+    monkeypatch.setattr(triton_bwd, "TILES_OUTER", "all")  # more tiles than the grid's last axis takes: never
+    long_keys = make_problem(torch.zeros(1, 1, 8, 1), *(torch.zeros(1, 1, 70_000, 1) for _ in range(2)))
+    assert outer(long_keys, "dkdv", 2) and not outer(long_keys, "dkdv", 1)  # 35,000 and 70,000 key tiles
     monkeypatch.setattr(triton_bwd, "TILES_OUTER", "1")
     with pytest.raises(ValueError, match="ATTNLAB_BWD_TILES_OUTER must be one of"):
         outer(prob(4), "dq", 64)
 
 
 def test_tiles_outer_grid_puts_the_tiles_last():
-    prob = make_problem(*(torch.zeros(3, 5, n, 16) for n in (40, 70, 70)))
+    prob = make_problem(*(torch.zeros(3, 5, n, 16) for n in (40, 100, 100)))
     from attnlab.backends.triton.runtime import tile_grid
 
-    assert tile_grid(prob, 70, 70, 32, 5) == (3, 5, 3)
-    assert tile_grid(prob, 70, 70, 32, 5, tiles_outer=True) == (5, 3, 3)
+    assert tile_grid(prob, 100, 100, 32, 5) == (4, 5, 3)
+    assert tile_grid(prob, 100, 100, 32, 5, tiles_outer=True) == (5, 3, 4)
+
+
+@pytest.mark.gpu
+def test_auto_grid_order_follows_min_waves_between_calls(monkeypatch):
+    """auto's choice for one signature changes with MIN_WAVES (here: the GQA causal case under and over it): each
+    call launches the kernel compiled for the order it chose, and the gradients stay equal bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    prob, out, lse, dout = _gpu_case(15)
+    monkeypatch.setattr(triton_bwd, "TILES_OUTER", "auto")
+    monkeypatch.setattr(triton_bwd, "TWO_STREAMS", False)
+    got = []
+    for waves in (10**6, 0, 10**6):
+        monkeypatch.setattr(triton_bwd, "MIN_WAVES", waves)
+        got.append(triton_bwd.gradients(prob, out, lse, dout)[:3])
+    assert triton_bwd.tiles_outer(prob, "dkdv", 16) is True  # under MIN_WAVES = 10**6 programs per SM
+    for later in got[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), got[0], later):
+            assert torch.equal(a, b), f"{name} differs between the grid orders auto chose"
 
 
 @pytest.mark.gpu

@@ -103,12 +103,13 @@ def recorded(path: Path | str | None = None) -> pd.DataFrame | None:
 def top_rungs(path: Path | str | None = None, case: str = "b8_h16_n2048_d64_causal") -> str | None:
     """One markdown sentence on the bfloat16 top of a recorded ladder (default :data:`NEWEST`): where and at which
     commit, and the tensor-core kernel's, FlashAttention-2's and the Triton kernel's GPU times on ``case``; None
-    when the record is missing or lacks one of the three."""
+    when the record is missing or lacks one of the three with an output that passed."""
     p = Path(path) if path is not None else NEWEST
     lad = recorded(p)
     if lad is None:
         return None
-    top = lad[(lad["case"] == case) & (lad["dtype"] == "bfloat16")].set_index("backend")["graph_us"]
+    top = lad[(lad["case"] == case) & (lad["dtype"] == "bfloat16") & lad["passed"].eq(True)]
+    top = top.set_index("backend")["graph_us"]
     if any(b not in top or pd.isna(top[b]) for b in ("cuda-mma", "sdpa-flash", "triton")):
         return None
     env = environment(p)

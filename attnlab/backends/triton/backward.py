@@ -177,6 +177,9 @@ def tiles_outer(prob: Problem, kernel: str, block: int, sms: int | None = None) 
         raise ValueError(f"ATTNLAB_BWD_TILES_OUTER must be one of {TILES_OUTER_MODES}; got {TILES_OUTER!r}")
     if prob.packed is not None:  # packed grids order their slots themselves (tiles.packed_tile)
         return False
+    n, heads = (prob.Nk, prob.Hkv) if kernel == "dkdv" else (prob.Nq, prob.Hq)
+    if -(-n // block) > 65535:  # the grid's last axis, as the forward's (tiles the first axis takes past that)
+        return False
     if TILES_OUTER != "auto":
         return TILES_OUTER == "all" or TILES_OUTER == kernel
     spec = prob.spec
@@ -186,7 +189,7 @@ def tiles_outer(prob: Problem, kernel: str, block: int, sms: int | None = None) 
         if not prob.q.is_cuda:
             return False
         sms = _rt.sm_count(_device_index(prob.device))
-    return -(-prob.Nk // block) * prob.Hkv * prob.B < MIN_WAVES * sms
+    return -(-n // block) * heads * prob.B < MIN_WAVES * sms
 
 
 def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_part=None) -> tuple:
@@ -300,13 +303,16 @@ def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool, key: 
 
 def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool, key: tuple | None = None,
                  dq_acc: torch.Tensor | None = None) -> None:
-    _go(_dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret, dq_acc), interpret,
-        None if key is None else ("dkdv", cfg, dq_acc is not None, TILES_OUTER, key))
+    """The dK/dV pass; its fast-launch key names the grid order the launch took (the kernel is compiled for it)."""
+    launch = _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret, dq_acc)
+    _go(launch, interpret,
+        None if key is None else ("dkdv", cfg, dq_acc is not None, launch[3]["TILES_OUTER"], key))
 
 
 def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool, key: tuple | None = None) -> None:
-    _go(_dq_launch(prob, dout, delta, lse2, dq, cfg, interpret), interpret,
-        None if key is None else ("dq", cfg, TILES_OUTER, key))
+    """The dQ pass; its fast-launch key names the grid order the launch took."""
+    launch = _dq_launch(prob, dout, delta, lse2, dq, cfg, interpret)
+    _go(launch, interpret, None if key is None else ("dq", cfg, launch[3]["TILES_OUTER"], key))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -336,7 +342,8 @@ def _ahead_key(prob: Problem, out: torch.Tensor, cfgs: tuple[BwdConfig, BwdConfi
             tuple(t.data_ptr() % 16 == 0 for t in (prob.q, prob.k, prob.v, out)),
             configs.kind_of(prob), spec.align, mods.sinks is not None and mods.sinks.requires_grad,
             spec.explicit is not None and (spec.explicit.dtype, _specialized(spec.explicit.stride())),
-            mods.alibi is not None and _specialized(mods.alibi.stride()))
+            mods.alibi is not None and _specialized(mods.alibi.stride()),
+            tiles_outer(prob, "dkdv", cfgs[0].block_n), tiles_outer(prob, "dq", cfgs[1].block_m))
 
 
 def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
