@@ -17,6 +17,7 @@ import torch
 
 from attnlab.api import attention
 from attnlab.backends.triton import backward as triton_bwd
+from attnlab.backends.triton import bwd_grid
 from attnlab.cases import Case, make_inputs
 from attnlab.check import UNIT_ROUNDOFF, run_attention, run_reference
 from attnlab.problem import make_problem
@@ -491,7 +492,7 @@ def test_two_streams_give_one_streams_gradients_and_wait_for_each_other(monkeypa
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     prob, out, lse, dout = _gpu_case()
-    monkeypatch.setattr(triton_bwd, "MIN_WAVES", 0)  # this small problem's backward on two streams too
+    monkeypatch.setattr(bwd_grid, "MIN_WAVES", 0)  # this small problem's backward on two streams too
     monkeypatch.setattr(triton_bwd, "TWO_STREAMS", False)
     want = triton_bwd.gradients(prob, out, lse, dout)[:3]
     monkeypatch.setattr(triton_bwd, "TWO_STREAMS", True)
@@ -516,7 +517,7 @@ def test_two_stream_backward_replays_in_a_cuda_graph(monkeypatch):
         pytest.skip("needs a CUDA GPU")
     from attnlab.bench.replay import capture
 
-    monkeypatch.setattr(triton_bwd, "MIN_WAVES", 0)
+    monkeypatch.setattr(bwd_grid, "MIN_WAVES", 0)
 
     prob, out, lse, dout = _gpu_case(12)
     monkeypatch.setattr(triton_bwd, "TWO_STREAMS", True)  # whatever ATTNLAB_BWD_STREAMS says
@@ -541,7 +542,7 @@ def test_a_backward_of_few_waves_stays_on_one_stream(monkeypatch):
     real = triton_bwd._side_by_side
     monkeypatch.setattr(triton_bwd, "_side_by_side", lambda two, *a: seen.append(two) or real(two, *a))
     triton_bwd.gradients(prob, out, lse, dout)
-    monkeypatch.setattr(triton_bwd, "MIN_WAVES", 0)
+    monkeypatch.setattr(bwd_grid, "MIN_WAVES", 0)
     triton_bwd.gradients(prob, out, lse, dout)
     assert seen == [False, True]
 
@@ -555,7 +556,7 @@ GRID_ORDERS = [c for c in CASES if c[0].name in {
 def _grads_in_both_orders(q, k, v, dout, kw, monkeypatch) -> dict[bool, tuple[torch.Tensor, ...]]:
     got = {}
     for outer in (False, True):
-        monkeypatch.setattr(triton_bwd, "TILES_OUTER", "all" if outer else "none")
+        monkeypatch.setattr(bwd_grid, "TILES_OUTER", "all" if outer else "none")
         got[outer] = _triton_grads(q, k, v, dout, kw)
     return got
 
@@ -575,7 +576,7 @@ def test_both_grid_orders_give_the_same_gradients_cpu(case, dtype, monkeypatch):
                          ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
 def test_one_pass_with_the_tiles_outermost_cpu(case, dtype, atomic_dq, monkeypatch):
     """The one-pass mode's dK/dV kernel, which also adds dQ, with its tiles outermost: right against float64."""
-    monkeypatch.setattr(triton_bwd, "TILES_OUTER", "all")
+    monkeypatch.setattr(bwd_grid, "TILES_OUTER", "all")
     _check(case, dtype, "cpu")
 
 
@@ -585,9 +586,9 @@ def test_tiles_outer_rule_and_modes(monkeypatch):
     def prob(Hkv: int, **kw):
         return make_problem(torch.zeros(1, 4, 256, 16), *(torch.zeros(1, Hkv, 256, 16) for _ in range(2)), **kw)
 
-    outer = triton_bwd.tiles_outer
-    monkeypatch.setattr(triton_bwd, "TILES_OUTER", "auto")
-    monkeypatch.setattr(triton_bwd, "MIN_WAVES", 6)
+    outer = bwd_grid.tiles_outer
+    monkeypatch.setattr(bwd_grid, "TILES_OUTER", "auto")
+    monkeypatch.setattr(bwd_grid, "MIN_WAVES", 6)
     gqa = prob(2, causal=True)  # dK/dV: 4 key tiles of 64 x 2 kv heads = 8 programs
     assert outer(gqa, "dkdv", 64, sms=2) and not outer(gqa, "dkdv", 64, sms=1)  # 8 < 12; 8 >= 6
     assert not outer(gqa, "dq", 64, sms=100)
@@ -597,12 +598,12 @@ def test_tiles_outer_rule_and_modes(monkeypatch):
     assert not outer(prob(2), "dkdv", 64, sms=100)  # no mask
     assert not outer(gqa, "dkdv", 64)  # no sms given and a CPU problem: no GPU to fill
     for mode, want in (("none", (False, False)), ("dkdv", (True, False)), ("all", (True, True))):
-        monkeypatch.setattr(triton_bwd, "TILES_OUTER", mode)
+        monkeypatch.setattr(bwd_grid, "TILES_OUTER", mode)
         assert (outer(prob(4), "dkdv", 64), outer(prob(4), "dq", 64)) == want
-    monkeypatch.setattr(triton_bwd, "TILES_OUTER", "all")  # more tiles than the grid's last axis takes: never
+    monkeypatch.setattr(bwd_grid, "TILES_OUTER", "all")  # more tiles than the grid's last axis takes: never
     long_keys = make_problem(torch.zeros(1, 1, 8, 1), *(torch.zeros(1, 1, 70_000, 1) for _ in range(2)))
     assert outer(long_keys, "dkdv", 2) and not outer(long_keys, "dkdv", 1)  # 35,000 and 70,000 key tiles
-    monkeypatch.setattr(triton_bwd, "TILES_OUTER", "1")
+    monkeypatch.setattr(bwd_grid, "TILES_OUTER", "1")
     with pytest.raises(ValueError, match="ATTNLAB_BWD_TILES_OUTER must be one of"):
         outer(prob(4), "dq", 64)
 
@@ -622,13 +623,13 @@ def test_auto_grid_order_follows_min_waves_between_calls(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     prob, out, lse, dout = _gpu_case(15)
-    monkeypatch.setattr(triton_bwd, "TILES_OUTER", "auto")
+    monkeypatch.setattr(bwd_grid, "TILES_OUTER", "auto")
     monkeypatch.setattr(triton_bwd, "TWO_STREAMS", False)
     got = []
     for waves in (10**6, 0, 10**6):
-        monkeypatch.setattr(triton_bwd, "MIN_WAVES", waves)
+        monkeypatch.setattr(bwd_grid, "MIN_WAVES", waves)
         got.append(triton_bwd.gradients(prob, out, lse, dout)[:3])
-    assert triton_bwd.tiles_outer(prob, "dkdv", 16) is True  # under MIN_WAVES = 10**6 programs per SM
+    assert bwd_grid.tiles_outer(prob, "dkdv", 16) is True  # under MIN_WAVES = 10**6 programs per SM
     for later in got[1:]:
         for name, a, b in zip(("dq", "dk", "dv"), got[0], later):
             assert torch.equal(a, b), f"{name} differs between the grid orders auto chose"
@@ -642,7 +643,7 @@ def test_both_grid_orders_give_the_same_gradients_gpu(monkeypatch):
     prob, out, lse, dout = _gpu_case(14)
     got = {}
     for outer in (False, True):
-        monkeypatch.setattr(triton_bwd, "TILES_OUTER", "all" if outer else "none")
+        monkeypatch.setattr(bwd_grid, "TILES_OUTER", "all" if outer else "none")
         got[outer] = triton_bwd.gradients(prob, out, lse, dout)[:3]
     for name, a, b in zip(("dq", "dk", "dv"), got[False], got[True]):
         assert torch.equal(a, b), f"{name} differs between the grid orders"

@@ -1,4 +1,4 @@
-"""A/B of the backward's grid order (``backward.TILES_OUTER``): a head's tiles side by side (``none``), or one tile
+"""A/B of the backward's grid order (``bwd_grid.TILES_OUTER``): a head's tiles side by side (``none``), or one tile
 of every head before the next tile of any, in the dK/dV grid alone (``dkdv``), in both (``all``) or where the rule
 says (``auto``), through the public call as a user calls it, beside sdpa-cudnn's backward, in
 interleaved rounds.
@@ -19,7 +19,7 @@ import torch
 
 from attnlab.bench.timing import mean_gpu_ms, round_orders
 
-#: the modes of backward.TILES_OUTER compared
+#: the modes of bwd_grid.TILES_OUTER compared
 SETTINGS = ("none", "all", "auto")
 CASES = [  # (B, Hq, Hkv, N, D, causal)
     (2, 32, 8, 4096, 128, True), (1, 16, 16, 4096, 128, True), (4, 16, 16, 4096, 128, True),
@@ -49,7 +49,7 @@ def modeled_time(heads: int, tiles: int, group: int, tiles_outer: bool, sms: int
 
 def _case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool, rounds: int) -> dict:
     import attnlab
-    from attnlab.backends.triton import backward
+    from attnlab.backends.triton import bwd_grid
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -60,7 +60,7 @@ def _case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool, rounds: int) 
 
     def ours(mode: str):
         """The backward with TILES_OUTER switched now."""
-        backward.TILES_OUTER = mode
+        bwd_grid.TILES_OUTER = mode
         return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
     def cudnn_backward():
@@ -93,14 +93,14 @@ def _case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool, rounds: int) 
 
 
 def run(out: str, rounds: int = 7) -> dict:
-    from attnlab.backends.triton import backward
+    from attnlab.backends.triton import bwd_grid
     from attnlab.bench.experiment import run_rows
 
-    before = backward.TILES_OUTER
+    before = bwd_grid.TILES_OUTER
     try:
         return run_rows(CASES, lambda *case: _case(*case, rounds), out)
     finally:
-        backward.TILES_OUTER = before
+        bwd_grid.TILES_OUTER = before
 
 
 def _needs_gpu() -> str | None:

@@ -46,9 +46,9 @@ def ab_table(paths: tuple[Path | str, ...] | None = None) -> pd.DataFrame:
 
 def summary(t: pd.DataFrame, min_waves: int | None = None) -> str:
     """One markdown sentence: the ``dkdv`` setting on the GQA causal rows under ``min_waves`` programs per SM (by
-    default the backward's ``MIN_WAVES``: what ``auto`` reorders), and both settings on the other rows."""
+    default ``bwd_grid.MIN_WAVES``: what ``auto`` reorders), and both settings on the other rows."""
     if min_waves is None:
-        from attnlab.backends.triton.backward import MIN_WAVES as min_waves
+        from attnlab.backends.triton.bwd_grid import MIN_WAVES as min_waves
     ruled_rows = t["case"].str.endswith("causal") & (t["group"] > 1) & (t["dK/dV programs per SM"] < min_waves)
     ruled = t[ruled_rows]["dkdv"].dropna()
     rest = t[~ruled_rows][["dkdv", "all"]].stack()

@@ -25,7 +25,7 @@ from concurrent.futures import Future
 
 import torch
 
-from attnlab.backends.triton import background, configs, tune_cache
+from attnlab.backends.triton import background, bwd_grid, configs, tune_cache
 from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.configs import (
     BwdConfig,
@@ -60,18 +60,10 @@ PREPROCESS_BLOCK_M = 64
 AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
 #: Whether a GPU backward may run its dQ pass on a second stream beside the dK/dV pass (ATTNLAB_BWD_STREAMS=0: one
 #: stream, one pass after the other). Both passes read only what the preprocess wrote, so their grids may share
-#: the GPU: dQ programs take the SMs that the dK/dV pass's last wave leaves idle. It does so when the dK/dV grid
-#: holds at least MIN_WAVES programs per SM: below that the fork and the join cost more than the tail they fill
+#: the GPU: dQ programs take the SMs that the dK/dV pass's last wave leaves idle. It does so when the dK/dV grid is
+#: not short (:func:`~.bwd_grid.short`): below that the fork and the join cost more than the tail they fill
 #: (docs/decisions.md, "The backward's two passes side by side").
 TWO_STREAMS: bool = os.environ.get("ATTNLAB_BWD_STREAMS", "1") != "0"
-MIN_WAVES = 6
-#: Which of the backward's grids start one tile of every head before the next tile of any (the tile index the grid's
-#: slowest axis; else a head's tiles side by side, FlashAttention-2's order), ATTNLAB_BWD_TILES_OUTER: ``auto``
-#: (:func:`tiles_outer`'s rule), ``none``, ``dkdv`` or ``all``. Under a causal mask the first key tile and the last
-#: row tile carry the most work: launched first for every head, the long programs no longer start in the last
-#: wave, where one of them outlasts the rest of the pass; side by side, a head's programs share its rows in L2.
-TILES_OUTER_MODES = ("auto", "none", "dkdv", "all")
-TILES_OUTER: str = os.environ.get("ATTNLAB_BWD_TILES_OUTER", "auto")
 #: How a backward computes dQ (ATTNLAB_BWD_DQ): ``pass``, its own pass over row tiles (deterministic); ``atomic``,
 #: inside the dK/dV pass, added into a float32 dQ by atomics (two products fewer per tile pair; the sum's order
 #: varies from run to run). ``atomic`` gives way to ``pass`` while torch.are_deterministic_algorithms_enabled(),
@@ -166,32 +158,6 @@ def _preprocess_grid(prob: Problem, interpret: bool) -> tuple[int, int, int]:
     return tile_grid(prob, prob.Nq, prob.q.shape[2], _preprocess_block_m(interpret), prob.Hq)
 
 
-def tiles_outer(prob: Problem, kernel: str, block: int, sms: int | None = None) -> bool:
-    """Whether ``kernel`` (``"dkdv"`` or ``"dq"``, tiles of ``block`` keys or rows) of ``prob``'s backward takes the
-    grid with the tiles outermost (:data:`TILES_OUTER`). The rule of ``auto``, where it was measured to gain: the
-    dK/dV pass of a GQA/MQA call whose keys are bounded on the right only (causal, or a window open to the left), so
-    that its programs, each looping over the group's query heads, fall in work from the first key tile to the last,
-    and whose grid holds fewer than MIN_WAVES programs per SM (``sms``: this GPU's), so that a long program started
-    late is not hidden by the rest (docs/decisions.md, "The backward's grid order")."""
-    if TILES_OUTER not in TILES_OUTER_MODES:
-        raise ValueError(f"ATTNLAB_BWD_TILES_OUTER must be one of {TILES_OUTER_MODES}; got {TILES_OUTER!r}")
-    if prob.packed is not None:  # packed grids order their slots themselves (tiles.packed_tile)
-        return False
-    n, heads = (prob.Nk, prob.Hkv) if kernel == "dkdv" else (prob.Nq, prob.Hq)
-    if -(-n // block) > 65535:  # the grid's last axis, as the forward's (tiles the first axis takes past that)
-        return False
-    if TILES_OUTER != "auto":
-        return TILES_OUTER == "all" or TILES_OUTER == kernel
-    spec = prob.spec
-    if kernel != "dkdv" or prob.group == 1 or spec.right is None or spec.left is not None:
-        return False
-    if sms is None:
-        if not prob.q.is_cuda:
-            return False
-        sms = _rt.sm_count(_device_index(prob.device))
-    return -(-n // block) * heads * prob.B < MIN_WAVES * sms
-
-
 def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_part=None) -> tuple:
     """(kernel, grid, arguments, keywords) of the preprocess; with ``sink_part`` (float32, one per program) it
     also stores each program's share of the sinks' gradient there."""
@@ -215,7 +181,7 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
     one-pass variant, which adds dQ into it, read through ``dq_like``'s strides when given (a compile ahead's
     stand-in)."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    outer = tiles_outer(prob, "dkdv", cfg.block_n)
+    outer = bwd_grid.tiles_outer(prob, "dkdv", cfg.block_n)
     grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv, outer)
     pk = prob.packed
     dq_strides = batch_strides(dq_like if dq_like is not None else dq_acc, pk) if dq_acc is not None else (0,) * 4
@@ -233,7 +199,7 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
 def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> tuple:
     """(kernel, grid, arguments, keywords) of the dQ kernel with ``cfg``."""
     ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    outer = tiles_outer(prob, "dq", cfg.block_m)
+    outer = bwd_grid.tiles_outer(prob, "dq", cfg.block_m)
     grid = tile_grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq, outer)
     pk = prob.packed
     args = (prob.q, prob.k, prob.v, dout, lse2, delta, dq, *ptrs,
@@ -303,16 +269,14 @@ def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool, key: 
 
 def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool, key: tuple | None = None,
                  dq_acc: torch.Tensor | None = None) -> None:
-    """The dK/dV pass; its fast-launch key names the grid order the launch took (the kernel is compiled for it)."""
+    """The dK/dV pass; its fast-launch key (as the dQ pass's) names the grid order it took: its kernel's own."""
     launch = _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret, dq_acc)
-    _go(launch, interpret,
-        None if key is None else ("dkdv", cfg, dq_acc is not None, launch[3]["TILES_OUTER"], key))
+    _go(launch, interpret, key and ("dkdv", cfg, dq_acc is not None, launch[3]["TILES_OUTER"], key))
 
 
 def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool, key: tuple | None = None) -> None:
-    """The dQ pass; its fast-launch key names the grid order the launch took."""
     launch = _dq_launch(prob, dout, delta, lse2, dq, cfg, interpret)
-    _go(launch, interpret, None if key is None else ("dq", cfg, launch[3]["TILES_OUTER"], key))
+    _go(launch, interpret, key and ("dq", cfg, launch[3]["TILES_OUTER"], key))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -343,7 +307,7 @@ def _ahead_key(prob: Problem, out: torch.Tensor, cfgs: tuple[BwdConfig, BwdConfi
             configs.kind_of(prob), spec.align, mods.sinks is not None and mods.sinks.requires_grad,
             spec.explicit is not None and (spec.explicit.dtype, _specialized(spec.explicit.stride())),
             mods.alibi is not None and _specialized(mods.alibi.stride()),
-            tiles_outer(prob, "dkdv", cfgs[0].block_n), tiles_outer(prob, "dq", cfgs[1].block_m))
+            bwd_grid.tiles_outer(prob, "dkdv", cfgs[0].block_n), bwd_grid.tiles_outer(prob, "dq", cfgs[1].block_m))
 
 
 def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -573,9 +537,8 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)
         one = dq_acc is not None
-        kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv,
-                            tiles_outer(prob, "dkdv", kv_cfg.block_n))
-        sms = _rt.sm_count(_device_index(prob.device))
+        kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv)  # (its size, in any order)
+        sms = _rt.sm_count(_rt.device_index(prob.device))
 
         def dkdv() -> BwdConfig:
             return _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key, dq_acc),
@@ -585,7 +548,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
             kv_done, q_done = dkdv(), q_cfg
             dq.copy_(dq_acc)
         else:
-            two = TWO_STREAMS and kv_grid[0] * kv_grid[1] * kv_grid[2] >= MIN_WAVES * sms
+            two = TWO_STREAMS and not bwd_grid.short(kv_grid[0] * kv_grid[1] * kv_grid[2], sms)
             kv_done, q_done = _side_by_side(two, dkdv,
                 lambda: _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
                                         dq_candidates(prob.dtype, block_d), "the backward's dQ kernel"),
@@ -605,10 +568,6 @@ _SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 MAX_SIDE_STREAMS = 16
 
 
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def _side_by_side(two: bool, first, second, device: torch.device) -> tuple:
     """``(first(), second())``. With ``two``: first on the current stream, second on that stream's side stream,
     which starts after everything queued on the current stream so far; the current stream then waits for the
@@ -617,7 +576,7 @@ def _side_by_side(two: bool, first, second, device: torch.device) -> tuple:
     other. Graph capture follows the fork and the join."""
     if not two:
         return first(), second()
-    index = _device_index(device)
+    index = _rt.device_index(device)
     main = torch.cuda.current_stream(index)
     key = (index, main.cuda_stream)
     side = _SIDE_STREAMS.get(key)

@@ -1,0 +1,56 @@
+"""The backward's grids: when one is short, and in which order its programs start.
+
+The GPU starts a grid's programs in its order, first axis fastest, each on the first SM to free up. Two rules of
+the backward follow from how many programs a grid holds per SM. At MIN_WAVES or more, the dQ pass runs on a second
+stream beside the dK/dV pass and takes the SMs its last wave leaves idle (``backward.TWO_STREAMS``). Below, in a
+short grid, a long program started late runs on alone after the rest: under a causal mask the first key tile of
+a head carries the most work (and with GQA its program loops over the group's query heads), so such a grid
+starts one tile of every head before the next tile of any (:func:`tiles_outer`; the kernels' ``TILES_OUTER``
+grid, ``(heads, B, tiles)``). Where programs are many and alike, a head's tiles side by side (FlashAttention-2's
+order) read its rows close together in time, from L2 (docs/decisions.md, "The backward's grid order").
+"""
+
+from __future__ import annotations
+
+import os
+
+from attnlab.backends.triton import runtime as _rt
+from attnlab.problem import Problem
+
+#: Programs per SM under which a grid is short (:func:`short`).
+MIN_WAVES = 6
+#: Which of the backward's grids put the tile index outermost, ATTNLAB_BWD_TILES_OUTER: ``auto`` (the rule of
+#: :func:`tiles_outer`), ``none``, ``dkdv`` or ``all``.
+TILES_OUTER_MODES = ("auto", "none", "dkdv", "all")
+TILES_OUTER: str = os.environ.get("ATTNLAB_BWD_TILES_OUTER", "auto")
+#: The most tiles the grid's last axis takes (CUDA's limit on its y and z axes).
+MAX_TILES_OUTER = 65535
+
+
+def short(programs: int, sms: int) -> bool:
+    """Whether a grid of ``programs`` holds fewer than MIN_WAVES per SM on a GPU of ``sms`` SMs."""
+    return programs < MIN_WAVES * sms
+
+
+def tiles_outer(prob: Problem, kernel: str, block: int, sms: int | None = None) -> bool:
+    """Whether ``kernel`` (``"dkdv"`` or ``"dq"``, tiles of ``block`` keys or rows) of ``prob``'s backward takes the
+    grid with the tiles outermost (:data:`TILES_OUTER`). The rule of ``auto``, where it was measured to gain: the
+    dK/dV pass of a GQA/MQA call whose keys are bounded on the right only (causal, or a window open to the left: a
+    two-sided band gives every key tile as many rows) in a short grid (``sms``: this GPU's SMs). Never for a packed
+    call, whose slots order themselves, nor past MAX_TILES_OUTER tiles."""
+    if TILES_OUTER not in TILES_OUTER_MODES:
+        raise ValueError(f"ATTNLAB_BWD_TILES_OUTER must be one of {TILES_OUTER_MODES}; got {TILES_OUTER!r}")
+    n, heads = (prob.Nk, prob.Hkv) if kernel == "dkdv" else (prob.Nq, prob.Hq)
+    tiles = -(-n // block)
+    if prob.packed is not None or tiles > MAX_TILES_OUTER:
+        return False
+    if TILES_OUTER != "auto":
+        return TILES_OUTER == "all" or TILES_OUTER == kernel
+    spec = prob.spec
+    if kernel != "dkdv" or prob.group == 1 or spec.right is None or spec.left is not None:
+        return False
+    if sms is None:
+        if not prob.q.is_cuda:
+            return False
+        sms = _rt.sm_count(_rt.device_index(prob.device))
+    return short(tiles * heads * prob.B, sms)
