@@ -907,3 +907,22 @@ def test_kernel_notes_name_the_compiled_variant_only_where_a_backend_has_one():
 
     assert kernel_notes(Labelled(), 64) == ["kernel mma_bf16_d64_fastexp_wide"]
     assert kernel_notes(object(), 64) == []
+
+
+def test_interleaved_ms_warms_up_one_round_and_takes_the_upper_median():
+    """Every label's call is asked for at its turn, run ``warmup`` times, then timed; the first round is dropped,
+    the rest give the upper median; the rounds follow round_orders."""
+    from attnlab.bench.timing import interleaved_ms, round_orders
+
+    seen, ran, clock = [], {"a": 0, "b": 0}, iter(range(100))
+
+    def call_of(label):
+        seen.append(label)
+        return lambda: ran.__setitem__(label, ran[label] + 1)
+
+    got = interleaved_ms(["a", "b"], call_of, rounds=4, warmup=2, calls=7,
+                         time_one=lambda fn, calls: (fn(), float(next(clock)), calls == 7)[1])
+    assert seen == [x for order in round_orders(["a", "b"], 5) for x in order]
+    assert ran == {"a": 5 * 3, "b": 5 * 3}  # 2 warm-up calls and the timed one, in 5 rounds
+    times = {label: [float(i) for i, x in enumerate(seen) if x == label] for label in "ab"}
+    assert got == {label: sorted(t[1:])[2] for label, t in times.items()}

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from attnlab.bench.timing import mean_gpu_ms, round_orders
+from attnlab.bench.timing import interleaved_ms
 
 #: the modes of bwd_grid.TILES_OUTER compared
 SETTINGS = ("none", "all", "auto")
@@ -78,15 +78,10 @@ def _case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool, rounds: int) 
            "ms": {}}
     del grads, first
     if row["equal"]:
-        fns = {"sdpa-cudnn": cudnn_backward()}
-        times: dict[str, list[float]] = {label: [] for label in [*SETTINGS, "sdpa-cudnn"]}
-        for order in round_orders([*SETTINGS, "sdpa-cudnn"], rounds + 1):  # the first round warms up, dropped
-            for label in order:
-                fn = fns["sdpa-cudnn"] if label == "sdpa-cudnn" else ours(label)
-                for _ in range(2):
-                    fn()
-                times[label].append(mean_gpu_ms(fn, calls=10))
-        row["ms"] = {key: sorted(t[1:])[len(t[1:]) // 2] for key, t in times.items()}
+        cudnn = cudnn_backward()
+        row["ms"] = interleaved_ms(  # (ours switches the mode as its turn comes)
+            [*SETTINGS, "sdpa-cudnn"], lambda label: cudnn if label == "sdpa-cudnn" else ours(label), rounds,
+            warmup=2, calls=10)
         row["over_cudnn"] = {key: row["ms"]["sdpa-cudnn"] / t for key, t in row["ms"].items()}
         row["over_none"] = {mode: row["ms"]["none"] / row["ms"][mode] for mode in SETTINGS}
     return row

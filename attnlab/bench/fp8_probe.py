@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from attnlab.bench.timing import mean_gpu_ms, round_orders
+from attnlab.bench.timing import interleaved_ms
 
 CASES = [  # (B, H, N, D, causal)
     (4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (8, 16, 2048, 64, True), (1, 16, 16384, 128, True),
@@ -58,17 +58,10 @@ def _case(B: int, H: int, N: int, D: int, causal: bool, rounds: int) -> dict:
         rep = compare(out, ref, dtype=F8, base=emul) if name.startswith("fp8") else compare(out, ref)
         row["max_abs"][name], row["passed"][name] = rep.max_abs, bool(rep.passed)
     del ref, emul
-    timed = [n for n in calls if row["passed"][n]]
-    times: dict[str, list[float]] = {n: [] for n in timed}
-    for order in round_orders(timed, rounds + 1):  # the first round warms up and is dropped
-        for name in order:
-            for _ in range(3):
-                calls[name]()
-            times[name].append(mean_gpu_ms(calls[name]))
+    row["ms"] = interleaved_ms([n for n in calls if row["passed"][n]], calls.__getitem__, rounds)
     flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
-    for name, t in times.items():
-        row["ms"][name] = sorted(t[1:])[len(t[1:]) // 2]
-        row["tflops"][name] = flops / row["ms"][name] / 1e9
+    for name, ms in row["ms"].items():
+        row["tflops"][name] = flops / ms / 1e9
     return row
 
 

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from attnlab.bench.timing import mean_gpu_ms, round_orders
+from attnlab.bench.timing import interleaved_ms
 
 #: (PERSISTENT, PINGPONG) by label; under a band (causal) PERSISTENT changes nothing.
 SETTINGS = {"grid": (False, False), "grid+pingpong": (False, True), "persistent": (True, False),
@@ -57,14 +57,9 @@ def _case(B: int, H: int, N: int, D: int, causal: bool, dtype: torch.dtype, roun
            "passed": {label: bool(compare(o[:2], ref).passed) for label, o in outs.items()}, "ms": {}}
     del ref, outs, first
     if row["equal"] and all(row["passed"].values()):
-        times: dict[str, list[float]] = {label: [] for label in [*SETTINGS, "sdpa-cudnn"]}
-        for order in round_orders([*SETTINGS, "sdpa-cudnn"], rounds + 1):  # the first round warms up, dropped
-            for label in order:
-                fn = cudnn if label == "sdpa-cudnn" else ours(SETTINGS[label])  # (ours switches the setting now)
-                for _ in range(3):
-                    fn()
-                times[label].append(mean_gpu_ms(fn))
-        row["ms"] = {key: sorted(t[1:])[len(t[1:]) // 2] for key, t in times.items()}
+        row["ms"] = interleaved_ms(  # (ours switches the setting as its turn comes)
+            [*SETTINGS, "sdpa-cudnn"], lambda label: cudnn if label == "sdpa-cudnn" else ours(SETTINGS[label]),
+            rounds)
         row["over_cudnn"] = {key: row["ms"]["sdpa-cudnn"] / t for key, t in row["ms"].items()}
     return row
 

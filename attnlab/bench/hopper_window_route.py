@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from attnlab.bench.timing import mean_gpu_ms, round_orders
+from attnlab.bench.timing import interleaved_ms
 
 MODES = ("sync", "0")  #: the Hopper kernel, the portable kernel
 CASES = [  # (B, Hq, Hkv, N, D, window width W: keys j in [i - W + 1, i]; W = N is causal)
@@ -63,16 +63,9 @@ def _case(B: int, Hq: int, Hkv: int, N: int, D: int, width: int, rounds: int) ->
         flex = torch.compile(flex_attention)
         calls = {f"hopper={m}": ours(m) for m in MODES}
         calls["flex"] = lambda: flex(q, k, v, block_mask=block, enable_gqa=Hq != Hkv)
-        times: dict[str, list[float]] = {label: [] for label in calls}
-        for order in round_orders(list(calls), rounds + 1):  # the first round warms up and is dropped
-            for label in order:
-                fn = calls[label]
-                if label.startswith("hopper="):
-                    fn = ours(label.removeprefix("hopper="))
-                for _ in range(3):
-                    fn()
-                times[label].append(mean_gpu_ms(fn))
-        row["ms"] = {key: sorted(t[1:])[len(t[1:]) // 2] for key, t in times.items()}
+        row["ms"] = interleaved_ms(  # (ours switches the mode as its turn comes)
+            list(calls), lambda label: ours(label.removeprefix("hopper=")) if label.startswith("hopper=")
+            else calls[label], rounds)
         row["portable_over_hopper"] = row["ms"]["hopper=sync"] / row["ms"]["hopper=0"]
     return row
 

@@ -153,6 +153,23 @@ def mean_gpu_ms(fn: Callable[[], Any], calls: int = 20) -> float:
     return a.elapsed_time(b) / calls
 
 
+def interleaved_ms(labels: Sequence[str], call_of: Callable[[str], Callable[[], Any]], rounds: int,
+                   warmup: int = 3, calls: int = 20,
+                   time_one: Callable[[Callable[[], Any], int], float] = mean_gpu_ms) -> dict[str, float]:
+    """The probes' A/B timing: each label's milliseconds per call, the upper median over ``rounds`` rounds that
+    follow one more, untimed, that warms up; the rounds in the orders of :func:`round_orders`. At each turn
+    ``call_of(label)`` gives the call (a probe may switch a setting there), which runs ``warmup`` times and is
+    then timed by ``time_one(call, calls)`` (:func:`mean_gpu_ms`: back-to-back calls between CUDA events)."""
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for order in round_orders(list(labels), rounds + 1):
+        for label in order:
+            fn = call_of(label)
+            for _ in range(warmup):
+                fn()
+            times[label].append(time_one(fn, calls))
+    return {label: sorted(t[1:])[len(t[1:]) // 2] for label, t in times.items()}
+
+
 def measure_peak(call: Callable[[int], torch.Tensor], i: int, device: torch.device) -> tuple[float, float]:
     """(ms of one call, peak extra MiB beyond what was allocated before and the output); MiB is NaN on CPU."""
     if device.type != "cuda":
