@@ -647,3 +647,15 @@ def test_both_grid_orders_give_the_same_gradients_gpu(monkeypatch):
         got[outer] = triton_bwd.gradients(prob, out, lse, dout)[:3]
     for name, a, b in zip(("dq", "dk", "dv"), got[False], got[True]):
         assert torch.equal(a, b), f"{name} differs between the grid orders"
+
+
+def test_device_index_follows_the_current_device_and_sm_count_is_cached(monkeypatch):
+    """runtime.device_index asks for the current device each time (a device without an index); sm_count, asked per
+    backward, is cached by device."""
+    from attnlab.backends.triton import runtime
+
+    current = iter([0, 1])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: next(current))
+    assert [runtime.device_index(torch.device("cuda")) for _ in range(2)] == [0, 1]
+    assert runtime.device_index(torch.device("cuda", 3)) == 3
+    assert hasattr(runtime.sm_count, "cache_info")

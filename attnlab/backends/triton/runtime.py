@@ -50,12 +50,12 @@ def packed_slots(total: int, block: int, n_seq: int) -> int:
     return total // block + n_seq if n_seq > 0 else 0
 
 
-@functools.cache
 def device_index(device: torch.device) -> int:
     """The index of a CUDA ``device`` (the current device where it names none)."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+@functools.cache
 def sm_count(device_index: int) -> int:
     """The SMs of CUDA device ``device_index`` (what split counts and grid waves are measured in)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
