@@ -40,11 +40,14 @@ def finish_times(heads: int, tiles: int, group: int, tiles_outer: bool, sms: int
     return sorted(free)
 
 
+def ideal_time(heads: int, tiles: int, group: int, sms: int = 132) -> float:
+    """The modeled pass's work spread evenly over ``sms`` SMs (:func:`finish_times`' units)."""
+    return heads * group * tiles * (tiles + 1) / 2 / sms
+
+
 def modeled_time(heads: int, tiles: int, group: int, tiles_outer: bool, sms: int = 132) -> float:
-    """The modeled pass's time (its last SM's finish, :func:`finish_times`) over its ideal (all work / sms)."""
-    done = finish_times(heads, tiles, group, tiles_outer, sms)
-    total = heads * group * tiles * (tiles + 1) / 2
-    return done[-1] / (total / sms)
+    """The modeled pass's time (its last SM's finish, :func:`finish_times`) over its ideal (:func:`ideal_time`)."""
+    return finish_times(heads, tiles, group, tiles_outer, sms)[-1] / ideal_time(heads, tiles, group, sms)
 
 
 def _case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool, rounds: int) -> dict:

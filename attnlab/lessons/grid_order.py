@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from attnlab.bench.bwd_grid_order import finish_times, modeled_time
+from attnlab.bench.bwd_grid_order import finish_times, ideal_time, modeled_time
 from attnlab.paths import DATA_DIR
 
 #: The A/B records, in the order they were measured.
@@ -68,7 +68,7 @@ def model_table(shapes: dict[str, tuple[int, int, int]]) -> pd.DataFrame:
 def plot_tails(heads: int, tiles: int, group: int, title: str = "", sms: int = 132):
     """When each SM runs out of work in the model, sorted, in either order, against the ideal (all work / SMs)."""
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
-    ideal = heads * group * tiles * (tiles + 1) / 2 / sms
+    ideal = ideal_time(heads, tiles, group, sms)
     for outer, label in ((False, "a head's tiles side by side"), (True, "tiles outermost")):
         done = finish_times(heads, tiles, group, outer, sms)
         ax.plot(range(1, sms + 1), [d / ideal for d in done], label=label)
