@@ -20,10 +20,10 @@ import torch
 from attnlab.bench.timing import interleaved_ms
 
 #: the modes of bwd_grid.TILES_OUTER compared
-SETTINGS = ("none", "all", "auto")
+SETTINGS = ("none", "dkdv", "all", "auto")
 CASES = [  # (B, Hq, Hkv, N, D, causal)
     (2, 32, 8, 4096, 128, True), (1, 16, 16, 4096, 128, True), (4, 16, 16, 4096, 128, True),
-    (1, 32, 8, 16384, 128, True), (2, 32, 8, 4096, 128, False),
+    (1, 32, 8, 16384, 128, True), (2, 32, 8, 4096, 128, False), (2, 16, 16, 2048, 128, True),
 ]
 
 
