@@ -581,21 +581,23 @@ def test_one_pass_with_the_tiles_outermost_cpu(case, dtype, atomic_dq, monkeypat
 
 
 def test_tiles_outer_rule_and_modes(monkeypatch):
-    """auto: the dK/dV grid of GQA/MQA with keys bounded on the right only, below MIN_WAVES programs per SM; none,
-    dkdv, all as named; anything else a ValueError."""
+    """auto: either grid, whatever the group, with keys bounded on the right only, below MIN_WAVES programs per SM;
+    none, dkdv, all as named; anything else a ValueError."""
     def prob(Hkv: int, **kw):
         return make_problem(torch.zeros(1, 4, 256, 16), *(torch.zeros(1, Hkv, 256, 16) for _ in range(2)), **kw)
 
     outer = bwd_grid.tiles_outer
     monkeypatch.setattr(bwd_grid, "TILES_OUTER", "auto")
     monkeypatch.setattr(bwd_grid, "MIN_WAVES", 6)
-    gqa = prob(2, causal=True)  # dK/dV: 4 key tiles of 64 x 2 kv heads = 8 programs
+    gqa = prob(2, causal=True)  # dK/dV: 4 key tiles of 64 x 2 kv heads = 8 programs; dQ: 4 x 4 query heads = 16
     assert outer(gqa, "dkdv", 64, sms=2) and not outer(gqa, "dkdv", 64, sms=1)  # 8 < 12; 8 >= 6
-    assert not outer(gqa, "dq", 64, sms=100)
+    assert outer(gqa, "dq", 64, sms=3) and not outer(gqa, "dq", 64, sms=2)  # 16 < 18; 16 >= 12
     assert outer(prob(1, window=(None, 2)), "dkdv", 64, sms=2)  # MQA, a window open to the left
     assert not outer(prob(1, window=(3, 2)), "dkdv", 64, sms=2)  # a band: every key tile sees as many rows
-    assert not outer(prob(4, causal=True), "dkdv", 64, sms=100)  # MHA
-    assert not outer(prob(2), "dkdv", 64, sms=100)  # no mask
+    assert not outer(prob(1, window=(3, None)), "dq", 64, sms=100)  # bounded on the left only
+    mha = prob(4, causal=True)  # 16 programs in either grid
+    assert all(outer(mha, kernel, 64, sms=3) and not outer(mha, kernel, 64, sms=2) for kernel in ("dkdv", "dq"))
+    assert not outer(prob(2), "dkdv", 64, sms=100) and not outer(prob(2), "dq", 64, sms=100)  # no mask
     assert not outer(gqa, "dkdv", 64)  # no sms given and a CPU problem: no GPU to fill
     for mode, want in (("none", (False, False)), ("dkdv", (True, False)), ("all", (True, True))):
         monkeypatch.setattr(bwd_grid, "TILES_OUTER", mode)

@@ -6,8 +6,9 @@ stream beside the dK/dV pass and takes the SMs its last wave leaves idle (``back
 short grid, a long program started late runs on alone after the rest: under a causal mask the first key tile of
 a head carries the most work (and with GQA its program loops over the group's query heads), so such a grid
 starts one tile of every head before the next tile of any (:func:`tiles_outer`; the kernels' ``TILES_OUTER``
-grid, ``(heads, B, tiles)``). Where programs are many and alike, a head's tiles side by side (FlashAttention-2's
-order) read its rows close together in time, from L2 (docs/decisions.md, "The backward's grid order").
+grid, ``(heads, B, tiles)``); a short dQ grid, whose row tiles differ in work the same way, gains from it too.
+Where programs are many and alike, a head's tiles side by side (FlashAttention-2's order) read its rows close
+together in time, from L2 (docs/decisions.md, "The backward's grid order").
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ def short(programs: int, sms: int) -> bool:
 
 def tiles_outer(prob: Problem, kernel: str, block: int, sms: int | None = None) -> bool:
     """Whether ``kernel`` (``"dkdv"`` or ``"dq"``, tiles of ``block`` keys or rows) of ``prob``'s backward takes the
-    grid with the tiles outermost (:data:`TILES_OUTER`). The rule of ``auto``, where it was measured to gain: the
-    dK/dV pass of a GQA/MQA call whose keys are bounded on the right only (causal, or a window open to the left: a
-    two-sided band gives every key tile as many rows) in a short grid (``sms``: this GPU's SMs). Never for a packed
-    call, whose slots order themselves, nor past MAX_TILES_OUTER tiles."""
+    grid with the tiles outermost (:data:`TILES_OUTER`). The rule of ``auto``, where it was measured to gain: a
+    grid that is short (``sms``: this GPU's SMs) in a call whose keys are bounded on the right only (causal, or a
+    window open to the left: a two-sided band gives every tile as many partners), whatever its group. Never for a
+    packed call, whose slots order themselves, nor past MAX_TILES_OUTER tiles."""
     if TILES_OUTER not in TILES_OUTER_MODES:
         raise ValueError(f"ATTNLAB_BWD_TILES_OUTER must be one of {TILES_OUTER_MODES}; got {TILES_OUTER!r}")
     n, heads = (prob.Nk, prob.Hkv) if kernel == "dkdv" else (prob.Nq, prob.Hq)
@@ -47,7 +48,7 @@ def tiles_outer(prob: Problem, kernel: str, block: int, sms: int | None = None) 
     if TILES_OUTER != "auto":
         return TILES_OUTER == "all" or TILES_OUTER == kernel
     spec = prob.spec
-    if kernel != "dkdv" or prob.group == 1 or spec.right is None or spec.left is not None:
+    if spec.right is None or spec.left is not None:
         return False
     if sms is None:
         if not prob.q.is_cuda:
