@@ -15,9 +15,13 @@ def test_the_records_read_as_the_decisions_log_says():
     assert t.loc[("bdd0553", "bf16 b4 hq16 hkv16 n4096 d128 full"), "all"] == pytest.approx(0.923, abs=5e-4)
     assert t.loc[("bfd58f2", "bf16 b4 hq32 hkv4 n2048 d128 causal"), "dK/dV programs per SM"] == pytest.approx(
         256 / 132)
+    mha = t.loc[("b7b613e", "bf16 b1 hq16 hkv16 n4096 d128 causal")]
+    assert (mha["dkdv"], mha["all"]) == (pytest.approx(1.134, abs=5e-4), pytest.approx(1.231, abs=5e-4))
+    assert t.loc[("b7b613e", "bf16 b2 hq16 hkv16 n2048 d128 causal"), "all"] == pytest.approx(1.166, abs=5e-4)
     assert grid_order.summary(t.reset_index()).startswith(
-        "On the GQA causal rows whose dK/dV grid holds fewer than 6 programs per SM, the tiles outermost in that "
-        "grid read 1.135x to 1.264x (3 rows); on the other rows either setting read 0.923x to 1.024x.")
+        "On the causal rows whose dK/dV grid holds fewer than 6 programs per SM, the setting `auto` takes (the tiles "
+        "outermost in each grid that short) read 1.135x to 1.264x (6 rows); on the other rows either setting read "
+        "0.923x to 1.024x.")
 
 
 def test_a_case_whose_orders_differ_is_left_out(tmp_path):
@@ -28,6 +32,7 @@ def test_a_case_whose_orders_differ_is_left_out(tmp_path):
     t = grid_order.ab_table((path,))
     assert len(t) == 1 and (t.loc[0, "dkdv"], t.loc[0, "all"], t.loc[0, "group"]) == (2.0, 0.5, 2)
     assert t.loc[0, "dK/dV programs per SM"] == pytest.approx(4 / 132)
+    assert t.loc[0, "dQ programs per SM"] == pytest.approx(8 / 132)
 
 
 def test_the_tail_shrinks_with_the_tiles_outermost():

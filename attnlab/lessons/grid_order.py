@@ -1,4 +1,4 @@
-"""Which program starts when: the backward's grid order, read from the two H100 A/B records of
+"""Which program starts when: the backward's grid order, read from the H100 A/B records of
 ``python -m attnlab.bench.bwd_grid_order`` and drawn from its scheduling model (the decisions log's "The
 backward's grid order"). Nothing is timed here."""
 
@@ -16,9 +16,10 @@ from attnlab.paths import DATA_DIR
 
 #: The A/B records, in the order they were measured.
 FILES = tuple(DATA_DIR / "experiments" / "nvidia-h100-80gb-hbm3" / f"bwd-grid-order-{commit}.json"
-              for commit in ("bdd0553", "bfd58f2"))
-#: The dK/dV key tile of the shipped configs at D 64 and 128, and the H100's SMs: a case's programs per SM.
-KEY_TILE, SMS = 128, 132
+              for commit in ("bdd0553", "bfd58f2", "b7b613e"))
+#: The dK/dV key tile and the dQ row tile of the shipped configs at D 64 and 128, and the H100's SMs: a case's
+#: programs per SM in either grid.
+TILE, SMS = 128, 132
 #: The first record's labels, as the second names the same settings.
 _LABELS = {"tiles-inner": "none", "tiles-outer": "all"}
 
@@ -26,8 +27,8 @@ _LABELS = {"tiles-inner": "none", "tiles-outer": "all"}
 def ab_table(paths: tuple[Path | str, ...] | None = None) -> pd.DataFrame:
     """One row per (record, case): the time with a head's tiles side by side over the time with the tiles outermost
     in the dK/dV grid alone (``dkdv``) and in both grids (``all``), where the record has them (> 1: outermost
-    faster), and sdpa-cudnn's time over the side-by-side one; the dK/dV grid's programs per SM with
-    :data:`KEY_TILE`-key tiles on :data:`SMS` SMs. Only cases whose orders gave equal gradients."""
+    faster), and sdpa-cudnn's time over the side-by-side one; each grid's programs per SM with :data:`TILE`-key
+    (or row) tiles on :data:`SMS` SMs. Only cases whose orders gave equal gradients."""
     rows = []
     for p in paths or FILES:
         record = json.loads(Path(p).read_text())
@@ -36,25 +37,30 @@ def ab_table(paths: tuple[Path | str, ...] | None = None) -> pd.DataFrame:
                 continue
             ms = {_LABELS.get(k, k): v for k, v in r["ms"].items()}
             dims = dict(re.findall(r"\b(b|hq|hkv|n)(\d+)", r["case"]))
-            programs = -(-int(dims["n"]) // KEY_TILE) * int(dims["hkv"]) * int(dims["b"])
+            tiles = -(-int(dims["n"]) // TILE) * int(dims["b"])
             rows.append({"commit": record["environment"]["commit"], "case": r["case"],
-                         "group": int(dims["hq"]) // int(dims["hkv"]), "dK/dV programs per SM": programs / SMS,
+                         "group": int(dims["hq"]) // int(dims["hkv"]),
+                         "dK/dV programs per SM": tiles * int(dims["hkv"]) / SMS,
+                         "dQ programs per SM": tiles * int(dims["hq"]) / SMS,
                          **{mode: ms["none"] / ms[mode] if mode in ms else float("nan") for mode in ("dkdv", "all")},
                          "cudnn over none": ms["sdpa-cudnn"] / ms["none"]})
     return pd.DataFrame(rows)
 
 
 def summary(t: pd.DataFrame, min_waves: int | None = None) -> str:
-    """One markdown sentence: the ``dkdv`` setting on the GQA causal rows under ``min_waves`` programs per SM (by
-    default ``bwd_grid.MIN_WAVES``: what ``auto`` reorders), and both settings on the other rows."""
+    """One markdown sentence: on the causal rows whose dK/dV grid holds fewer than ``min_waves`` programs per SM (by
+    default ``bwd_grid.MIN_WAVES``: the rows ``auto`` reorders), the setting ``auto`` takes (the tiles outermost
+    in each grid under ``min_waves``: ``all`` where the dQ grid is short too, else ``dkdv``), where the record
+    measured it; on the other rows, both settings."""
     if min_waves is None:
         from attnlab.backends.triton.bwd_grid import MIN_WAVES as min_waves
-    ruled_rows = t["case"].str.endswith("causal") & (t["group"] > 1) & (t["dK/dV programs per SM"] < min_waves)
-    ruled = t[ruled_rows]["dkdv"].dropna()
+    ruled_rows = t["case"].str.endswith("causal") & (t["dK/dV programs per SM"] < min_waves)
+    both = ruled_rows & (t["dQ programs per SM"] < min_waves)
+    ruled = pd.concat([t[ruled_rows & ~both]["dkdv"], t[both]["all"]]).dropna()
     rest = t[~ruled_rows][["dkdv", "all"]].stack()
-    return (f"On the GQA causal rows whose dK/dV grid holds fewer than {min_waves} programs per SM, the tiles "
-            f"outermost in that grid read {ruled.min():.3f}x to {ruled.max():.3f}x ({len(ruled)} rows); on the other "
-            f"rows either setting read {rest.min():.3f}x to {rest.max():.3f}x.")
+    return (f"On the causal rows whose dK/dV grid holds fewer than {min_waves} programs per SM, the setting `auto` "
+            f"takes (the tiles outermost in each grid that short) read {ruled.min():.3f}x to {ruled.max():.3f}x "
+            f"({len(ruled)} rows); on the other rows either setting read {rest.min():.3f}x to {rest.max():.3f}x.")
 
 
 def model_table(shapes: dict[str, tuple[int, int, int]]) -> pd.DataFrame:
