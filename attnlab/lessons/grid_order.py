@@ -16,7 +16,7 @@ from attnlab.paths import DATA_DIR
 
 #: The A/B records, in the order they were measured.
 FILES = tuple(DATA_DIR / "experiments" / "nvidia-h100-80gb-hbm3" / f"bwd-grid-order-{commit}.json"
-              for commit in ("bdd0553", "bfd58f2", "b7b613e"))
+              for commit in ("bdd0553", "bfd58f2", "b7b613e", "3453bb6"))
 #: The dK/dV key tile and the dQ row tile of the shipped configs at D 64 and 128, and the H100's SMs: a case's
 #: programs per SM in either grid.
 TILE, SMS = 128, 132
