@@ -47,18 +47,31 @@ def ab_table(paths: tuple[Path | str, ...] | None = None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def summary(t: pd.DataFrame, min_waves: int | None = None) -> str:
-    """One markdown sentence: on the causal rows whose dK/dV grid holds fewer than ``min_waves`` programs per SM (by
-    default ``bwd_grid.MIN_WAVES``: the rows ``auto`` reorders), the setting ``auto`` takes (the tiles outermost
-    in each grid under ``min_waves``: ``all`` where the dQ grid is short too, else ``dkdv``), where the record
-    measured it; on the other rows, both settings."""
-    if min_waves is None:
-        from attnlab.backends.triton.bwd_grid import MIN_WAVES as min_waves
-    ruled_rows = t["case"].str.endswith("causal") & (t["dK/dV programs per SM"] < min_waves)
-    both = ruled_rows & (t["dQ programs per SM"] < min_waves)
+def _auto_reorders(case: str) -> tuple[bool, bool]:
+    """Whether ``bwd_grid.auto_rule`` reorders the dK/dV grid and the dQ grid of a record's case on :data:`SMS` SMs
+    (a shape-only problem: meta tensors)."""
+    import torch
+
+    from attnlab.backends.triton.bwd_grid import auto_rule
+    from attnlab.problem import make_problem
+
+    dims = {k: int(v) for k, v in re.findall(r"\b(b|hq|hkv|n|d)(\d+)", case)}
+    q, kv = (torch.empty(dims["b"], h, dims["n"], dims["d"], device="meta") for h in (dims["hq"], dims["hkv"]))
+    prob = make_problem(q, kv, kv, causal=case.endswith("causal"))
+    return auto_rule(prob, "dkdv", TILE, SMS), auto_rule(prob, "dq", TILE, SMS)
+
+
+def summary(t: pd.DataFrame) -> str:
+    """One markdown sentence: on the rows ``auto`` reorders (``bwd_grid.auto_rule``, asked for each case), the
+    setting it takes (``all`` where both grids are short, else ``dkdv``), where the record measured it; on the
+    other rows, both settings."""
+    from attnlab.backends.triton.bwd_grid import MIN_WAVES
+
+    picks = t["case"].map(_auto_reorders)
+    ruled_rows, both = picks.map(any), picks.map(all)
     ruled = pd.concat([t[ruled_rows & ~both]["dkdv"], t[both]["all"]]).dropna()
     rest = t[~ruled_rows][["dkdv", "all"]].stack()
-    return (f"On the causal rows whose dK/dV grid holds fewer than {min_waves} programs per SM, the setting `auto` "
+    return (f"On the causal rows whose dK/dV grid holds fewer than {MIN_WAVES} programs per SM, the setting `auto` "
             f"takes (the tiles outermost in each grid that short) read {ruled.min():.3f}x to {ruled.max():.3f}x "
             f"({len(ruled)} rows); on the other rows either setting read {rest.min():.3f}x to {rest.max():.3f}x.")
 

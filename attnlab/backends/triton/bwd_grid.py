@@ -35,23 +35,28 @@ def short(programs: int, sms: int) -> bool:
 
 def tiles_outer(prob: Problem, kernel: str, block: int, sms: int | None = None) -> bool:
     """Whether ``kernel`` (``"dkdv"`` or ``"dq"``, tiles of ``block`` keys or rows) of ``prob``'s backward takes the
-    grid with the tiles outermost (:data:`TILES_OUTER`). The rule of ``auto``, where it was measured to gain: a
-    grid that is short (``sms``: this GPU's SMs) in a call whose keys are bounded on the right only (causal, or a
-    window open to the left: a two-sided band gives every tile as many partners), whatever its group. Never for a
-    packed call, whose slots order themselves, nor past MAX_TILES_OUTER tiles."""
+    grid with the tiles outermost (:data:`TILES_OUTER`: ``auto`` is :func:`auto_rule`). Never for a packed call,
+    whose slots order themselves, nor past MAX_TILES_OUTER tiles."""
     if TILES_OUTER not in TILES_OUTER_MODES:
         raise ValueError(f"ATTNLAB_BWD_TILES_OUTER must be one of {TILES_OUTER_MODES}; got {TILES_OUTER!r}")
-    n, heads = (prob.Nk, prob.Hkv) if kernel == "dkdv" else (prob.Nq, prob.Hq)
-    tiles = -(-n // block)
-    if prob.packed is not None or tiles > MAX_TILES_OUTER:
+    n = prob.Nk if kernel == "dkdv" else prob.Nq
+    if prob.packed is not None or -(-n // block) > MAX_TILES_OUTER:
         return False
     if TILES_OUTER != "auto":
         return TILES_OUTER == "all" or TILES_OUTER == kernel
-    spec = prob.spec
-    if spec.right is None or spec.left is not None:
-        return False
     if sms is None:
         if not prob.q.is_cuda:
             return False
         sms = _rt.sm_count(_rt.device_index(prob.device))
-    return short(tiles * heads * prob.B, sms)
+    return auto_rule(prob, kernel, block, sms)
+
+
+def auto_rule(prob: Problem, kernel: str, block: int, sms: int) -> bool:
+    """``auto``'s choice, where it was measured to gain: a grid that is short on ``sms`` SMs in a call whose keys
+    are bounded on the right only (causal, or a window open to the left: a two-sided band gives every tile as many
+    partners), whatever its group."""
+    spec = prob.spec
+    if spec.right is None or spec.left is not None:
+        return False
+    n, heads = (prob.Nk, prob.Hkv) if kernel == "dkdv" else (prob.Nq, prob.Hq)
+    return short(-(-n // block) * heads * prob.B, sms)
