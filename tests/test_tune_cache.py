@@ -217,7 +217,7 @@ def test_interpreter_path_reads_no_cache(cache, monkeypatch):
 
 # ---- GPU: a second process finds what the first tuned ---------------------------------------------------
 _GPU_RUN = textwrap.dedent("""
-    import json, time
+    import json
     import torch
     import attnlab
     from attnlab.backends.triton import backward
@@ -228,14 +228,9 @@ _GPU_RUN = textwrap.dedent("""
     launch.autotune = lambda *a: calls.append("fwd") or autotune(*a)
     backward._fastest = lambda *a: calls.append("bwd") or fastest(*a)
     q = torch.randn(2, 8, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    attnlab.attention(q, q, q, causal=True, backend="triton").sum().backward()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = attnlab.attention(q, q, q, causal=True, backend="triton")
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    out.sum().backward()
-    torch.cuda.synchronize()
-    print(json.dumps({"calls": calls, "fwd_s": t1 - t0, "bwd_s": time.perf_counter() - t1}))
+    print(json.dumps({"calls": calls}))
 """)
 
 
@@ -250,7 +245,6 @@ def test_gpu_second_process_takes_the_persisted_configs(tmp_path):
         res = subprocess.run([sys.executable, "-c", _GPU_RUN], env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    print([{k: r[k] for k in ("calls", "fwd_s", "bwd_s")} for r in runs])
     assert runs[0]["calls"] == ["fwd", "bwd", "bwd"]  # tuned: the forward, and the backward's two kernels
     assert runs[1]["calls"] == []  # found on disk
     assert len(list(tmp_path.glob("autotune-*.json"))) == 1
