@@ -17,7 +17,7 @@ import torch
 
 from attnlab.api import attention
 from attnlab.backends.triton import backward as triton_bwd
-from attnlab.backends.triton import bwd_grid, dq_sum, side_stream
+from attnlab.backends.triton import bwd_grid
 from attnlab.cases import Case, make_inputs
 from attnlab.check import UNIT_ROUNDOFF, run_attention, run_reference
 from attnlab.problem import make_problem
@@ -393,43 +393,6 @@ def test_one_pass_gradients_gpu_large(dtype, D, atomic_dq):
     test_gradients_gpu_large(dtype, D)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(("case", "dtype"), [c for c in ONE_PASS + PACKED if c[1] != F32 and _one_pass_dims(c[0])],
-                         ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
-def test_one_pass_gradients_gpu_by_elementwise_atomics(case, dtype, atomic_dq, monkeypatch):
-    """The one-pass mode with dQ's tiles added by elementwise atomics where the GPU could take bulk reductions."""
-    monkeypatch.setattr(dq_sum, "TMA", False)
-    (_check_packed if case.seqs is not None else _check)(case.scaled(8), dtype, "cuda")
-
-
-@pytest.mark.gpu
-def test_one_pass_takes_bulk_reductions_where_the_gpu_has_tma(monkeypatch):
-    """On sm_90 and later the one-pass dK/dV pass gets a descriptor (D a multiple of 4), elsewhere the tensor."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    monkeypatch.setattr(triton_bwd, "DQ_MODE", "atomic")
-    tma = torch.cuda.get_device_capability() >= (9, 0)
-    seen = []
-    real = dq_sum.argument
-    monkeypatch.setattr(dq_sum, "argument", lambda acc, m, d, on: seen.append(on) or real(acc, m, d, on))
-    for D in (64, 42):
-        q, k, v, dout = (torch.randn(1, 2, 300, D, device="cuda", dtype=BF16) for _ in range(4))
-        assert dq_sum.uses_tma(make_problem(q, k, v)) == (tma and D % 4 == 0)
-        seen.clear()
-        _triton_grads(q, k, v, dout, {})
-        assert seen and set(seen) == {tma and D % 4 == 0}
-
-
-def test_the_one_pass_dq_on_cpu_is_an_accumulator_like_dq():
-    """Without a GPU there is no descriptor: the accumulator is float32 zeros laid out like dq, passed as is."""
-    q = torch.randn(1, 3, 8, 2, 16).select(3, 1).transpose(1, 2)  # a strided view
-    prob = make_problem(q, q, q)
-    acc = dq_sum.accumulator(prob, torch.empty_like(q))
-    assert not dq_sum.uses_tma(prob) and acc.dtype == F32 and not acc.any()
-    assert acc.stride() == torch.empty_like(q).stride()
-    assert dq_sum.argument(acc, 16, 16, False) is acc
-
-
 def test_shapes_the_jit_specializes_alike_share_their_backward_compiled_ahead():
     """The key of a backward compiled ahead follows its configs and what Triton specializes on: N 1000 and 1048
     (neither a multiple of 16) with the same configs share it, so a new shape of compiled variants starts no
@@ -576,8 +539,8 @@ def test_a_backward_of_few_waves_stays_on_one_stream(monkeypatch):
     prob, out, lse, dout = _gpu_case(13)
     monkeypatch.setattr(triton_bwd, "TWO_STREAMS", True)  # whatever ATTNLAB_BWD_STREAMS says
     seen = []
-    real = side_stream.side_by_side
-    monkeypatch.setattr(side_stream, "side_by_side", lambda two, *a: seen.append(two) or real(two, *a))
+    real = triton_bwd._side_by_side
+    monkeypatch.setattr(triton_bwd, "_side_by_side", lambda two, *a: seen.append(two) or real(two, *a))
     triton_bwd.gradients(prob, out, lse, dout)
     monkeypatch.setattr(bwd_grid, "MIN_WAVES", 0)
     triton_bwd.gradients(prob, out, lse, dout)

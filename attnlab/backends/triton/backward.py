@@ -1,20 +1,21 @@
 """The Triton backward of attention: dq, dk, dv of one validated :class:`~attnlab.problem.Problem`.
 
-:func:`backward` takes what the forward saved (out and its lse) and the upstream gradient dout, and runs three
-kernels (:mod:`~attnlab.backends.triton.backward_kernels` explains the math, the tiling and the program mapping): a
-preprocess (Delta = rowsum(dO * O), the base-2 lse), dK/dV with a key tile stationary (GQA/MQA groups summed in
-registers, no atomics), and dQ in its own pass (deterministic); or, with ``DQ_MODE`` ``atomic``, dQ added up
-inside the dK/dV pass (:mod:`~attnlab.backends.triton.dq_sum`), and no third kernel. The whole contract is
-supported: causal and windows in both alignments, kv_len and q_len, bool masks and additive biases (a constant:
-no gradient), GQA/MQA, any strides, float32 / float16 / bfloat16, D from 1 to 256.
+:func:`backward` takes what the forward saved (out and its lse) and the upstream gradient dout, and runs
+three kernels (:mod:`attnlab.backends.triton.backward_kernels` explains the math, the tiling and the program mapping):
+a preprocess (Delta = rowsum(dO * O), the base-2 lse), dK/dV with a key tile stationary (GQA/MQA groups
+summed in registers, no atomics), and dQ in its own pass (deterministic, no atomics); or, with ``DQ_MODE``
+``atomic``, dQ added up by atomics inside the dK/dV pass, and no third kernel. The whole contract is
+supported: causal and windows in both alignments, kv_len and q_len, bool masks and additive biases (a
+constant: it gets no gradient), GQA/MQA, any strides, float32 / float16 / bfloat16, D from 1 to 256.
 
 On CUDA tensors the kernels are compiled, each with one config from a small space per dtype and padded head dim
 (:func:`dkdv_candidates`, :func:`dq_candidates`): one tuned on this machine (:func:`tune`, or ``AUTOTUNE``; kept
 on disk by :mod:`~attnlab.backends.triton.tune_cache`), else the shipped table's, else the first candidate; a
 config that does not fit the GPU gives way to the next. :func:`compile_ahead` compiles them in the background
-while the forward runs. On CPU tensors the same kernels run through Triton's interpreter with one small config,
-inside :func:`attnlab.backends.triton.interpreter.interpreter`.
+while the forward runs. On CPU tensors the same kernels run
+through Triton's interpreter with one small config, inside :func:`attnlab.backends.triton.interpreter.interpreter`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,7 @@ from concurrent.futures import Future
 
 import torch
 
-from attnlab.backends.triton import background, bwd_grid, configs, dq_sum, side_stream, tune_cache
+from attnlab.backends.triton import background, bwd_grid, configs, tune_cache
 from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.configs import (
     BwdConfig,
@@ -184,14 +185,12 @@ def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: boo
     grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv, outer)
     pk = prob.packed
     dq_strides = batch_strides(dq_like if dq_like is not None else dq_acc, pk) if dq_acc is not None else (0,) * 4
-    tma = dq_acc is not None and not interpret and dq_sum.uses_tma(prob)  # (dQ's tiles by bulk reductions)
-    dq_arg = dk if dq_acc is None else dq_sum.argument(dq_acc, cfg.block_m, problem_head_dim(prob), tma)
-    args = (prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, dq_arg, *ptrs,
+    args = (prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, dq_acc if dq_acc is not None else dk, *ptrs,
             *batch_strides(prob.q, pk), *batch_strides(prob.k, pk), *batch_strides(prob.v, pk),
             *batch_strides(dout, pk), *batch_strides(dk, pk), *batch_strides(dv, pk), *dq_strides, *e_strides,
             *_scalars(prob))
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-              DQ_ATOMIC=dq_acc is not None, DQ_TMA=tma, TILES_OUTER=outer, num_warps=cfg.num_warps,
+              DQ_ATOMIC=dq_acc is not None, TILES_OUTER=outer, num_warps=cfg.num_warps,
               num_stages=cfg.num_stages,
               **configs.COMPILE_OPTIONS)
     return bwd_dkdv_kernel, grid, args, kw
@@ -270,11 +269,9 @@ def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool, key: 
 
 def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool, key: tuple | None = None,
                  dq_acc: torch.Tensor | None = None) -> None:
-    """The dK/dV pass; its fast-launch key (as the dQ pass's) names the grid order it took: its kernel's own. With
-    dQ's tiles summed by bulk reductions it launches through the JIT (a descriptor argument)."""
+    """The dK/dV pass; its fast-launch key (as the dQ pass's) names the grid order it took: its kernel's own."""
     launch = _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret, dq_acc)
-    _go(launch, interpret, None if launch[3]["DQ_TMA"] else key and ("dkdv", cfg, dq_acc is not None,
-                                                                      launch[3]["TILES_OUTER"], key))
+    _go(launch, interpret, key and ("dkdv", cfg, dq_acc is not None, launch[3]["TILES_OUTER"], key))
 
 
 def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool, key: tuple | None = None) -> None:
@@ -336,8 +333,7 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     pre = _preprocess_launch(prob, out, lse, out, lse, lse, False, lse if sinks is not None and sinks.requires_grad
                              else None)
     if one_pass(prob):  # lse stands in for the float32 dQ (the strides are dq's: the kernel reads those)
-        acc = lse.new_zeros(1, 1, 1, prob.D) if dq_sum.uses_tma(prob) else lse  # (a descriptor's stand-in)
-        launches = (pre, _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False, dq_acc=acc, dq_like=dq))
+        launches = (pre, _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False, dq_acc=lse, dq_like=dq))
     else:
         launches = (pre, _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
                     _dq_launch(prob, out, lse, lse, dq, q_cfg, False))
@@ -388,7 +384,7 @@ def _tune(prob: Problem, dout, delta, lse2, dq, dk, dv, key: tuple) -> tuple[Bwd
     one = one_pass(prob)
     kv_space, q_space = dkdv_candidates(prob.dtype, block_d, one), dq_candidates(prob.dtype, block_d)
     if one:
-        acc = dq_sum.accumulator(prob, dq)
+        acc = torch.zeros_like(dq, dtype=torch.float32)
         got = (_fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, dq_acc=acc)),
                q_space[0])
     else:
@@ -520,7 +516,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     lse2 = torch.full_like(delta, float("inf")) if unchecked else torch.empty_like(delta)
     shares = _sink_shares(prob, dlse, interpret) if sinks_grad else None
     # one pass: dQ added up in float32 by the dK/dV pass, then rounded into dq
-    dq_acc = dq_sum.accumulator(prob, dq) if one_pass(prob) else None
+    dq_acc = torch.zeros_like(dq, dtype=torch.float32) if one_pass(prob) else None
     if interpret:
         with interpreter(bwd_preprocess):
             _launch_preprocess(prob, out, lse, dout, delta, lse2, True, sink_part=shares)
@@ -553,7 +549,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
             dq.copy_(dq_acc)
         else:
             two = TWO_STREAMS and not bwd_grid.short(kv_grid[0] * kv_grid[1] * kv_grid[2], sms)
-            kv_done, q_done = side_stream.side_by_side(two, dkdv,
+            kv_done, q_done = _side_by_side(two, dkdv,
                 lambda: _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
                                         dq_candidates(prob.dtype, block_d), "the backward's dQ kernel"),
                 prob.device)
@@ -562,6 +558,40 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
             _, tuned, picked = _tables(one)
             (tuned if key in tuned else picked)[key] = (kv_done, q_done)
     return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
+
+
+#: The side stream of each (device, current stream) that the dQ pass runs on (see TWO_STREAMS): one per current
+#: stream, so that a thread capturing a CUDA graph on its stream never shares a side stream with another thread's
+#: eager backward. At most MAX_SIDE_STREAMS are remembered (torch hands streams out from a pool: one forgotten is
+#: never destroyed, and work queued on it runs on).
+_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+MAX_SIDE_STREAMS = 16
+
+
+def _side_by_side(two: bool, first, second, device: torch.device) -> tuple:
+    """``(first(), second())``. With ``two``: first on the current stream, second on that stream's side stream,
+    which starts after everything queued on the current stream so far; the current stream then waits for the
+    side stream (also when a launch raised, so that a graph capture is never left forked), so that whatever
+    follows (and every tensor's reuse by the caching allocator) comes after both. Else one stream, one after the
+    other. Graph capture follows the fork and the join."""
+    if not two:
+        return first(), second()
+    index = _rt.device_index(device)
+    main = torch.cuda.current_stream(index)
+    key = (index, main.cuda_stream)
+    side = _SIDE_STREAMS.get(key)
+    if side is None:
+        if len(_SIDE_STREAMS) >= MAX_SIDE_STREAMS:
+            _SIDE_STREAMS.pop(next(iter(_SIDE_STREAMS)), None)
+        side = _SIDE_STREAMS[key] = torch.cuda.Stream(index)
+    side.wait_stream(main)
+    try:
+        a = first()
+        with torch.cuda.stream(side):
+            b = second()
+    finally:
+        main.wait_stream(side)
+    return a, b
 
 
 def _dlse_or_zero(dlse: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

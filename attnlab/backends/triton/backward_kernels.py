@@ -214,19 +214,16 @@ if triton is not None:
     # -----------------------------------------------------------------------------------------------
     @triton.jit
     def _dkdv_row_tile(
-        dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, dq_base, dq_head, dq_row0, m0, keys, Lq, Lk,
-        off, win_left,
+        dk, dv, k, v, q_base, do_base, lse2_base, delta_base, e_base, dq_base, m0, keys, Lq, Lk, off, win_left,
         win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn, s_gd, s_ei, s_ej, s_dqn, s_dqd, qk_scale, scale, cap2, slope2,
         alibi_off,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
         EVEN_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PARTIAL: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-        DQ_TMA: tl.constexpr,
     ):
         """dK and dV updated with the query rows ``[m0, m0 + BLOCK_M)`` of one head (scores held as S^T); with
-        ``DQ_ATOMIC`` also these keys' share of the rows' dQ, ``scale * dS K``, added into the float32 ``dq_base``
-        (with ``DQ_TMA`` a descriptor over ``[B * Hq, rows, D]``: the tile at ``[dq_head, dq_row0 + m0, 0]``)."""
+        ``DQ_ATOMIC`` also these keys' share of the rows' dQ, ``scale * dS K``, added into the float32 ``dq_base``."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -259,12 +256,8 @@ if triton is not None:
         dk = tl.dot(ds_op, q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q
         if DQ_ATOMIC:  # dQ[rows] += scale * dS K: one add per element and key tile, in no fixed order
             dq = tl.dot(tl.trans(ds_op), k, input_precision=DOT_PRECISION) * scale
-            if DQ_TMA:  # the tile as one bulk reduction by the copy engine; rows past this sequence's add 0
-                dq = tl.where((rows < Nq)[:, None], dq, 0.0)
-                dq_base.atomic_add([dq_head, dq_row0 + m0, 0], tl.reshape(dq, [1, BLOCK_M, BLOCK_D]))
-            else:
-                dq_ptrs = dq_base + rows.to(tl.int64)[:, None] * s_dqn + offs_d[None, :] * s_dqd
-                tl.atomic_add(dq_ptrs, dq, mask=(rows < Nq)[:, None] & (offs_d < D)[None, :], sem="relaxed")
+            dq_ptrs = dq_base + rows.to(tl.int64)[:, None] * s_dqn + offs_d[None, :] * s_dqd
+            tl.atomic_add(dq_ptrs, dq, mask=(rows < Nq)[:, None] & (offs_d < D)[None, :], sem="relaxed")
         return dk, dv
 
     @triton.jit
@@ -284,7 +277,7 @@ if triton is not None:
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_KV_LEN: tl.constexpr, HAS_Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-        DQ_TMA: tl.constexpr, TILES_OUTER: tl.constexpr,
+        TILES_OUTER: tl.constexpr,
     ):
         # ---- which tile: key tile pid_n of kv head kvh, batch b -----------------------------------------
         if VARLEN:  # grid (packed slots, Hkv, 1): a sequence's first key tile (the most rows) first
@@ -329,14 +322,7 @@ if triton is not None:
             do_base = DO + b64 * s_gb + h64 * s_gh + q0.to(tl.int64) * s_gn
             row0 = _row_base(b64, h64, q0, Hq, row_base_nq, Tq, VARLEN)
             e_base = Explicit + b64 * s_eb + h64 * s_eh
-            if DQ_TMA:  # the descriptor's first axis: (batch, head), one batch entry when packed
-                dq_base = DQ
-                dq_head = kvh * group + g
-                if not VARLEN:
-                    dq_head += b * Hq
-            else:
-                dq_head = 0
-                dq_base = DQ + b64 * s_dqb + h64 * s_dqh + q0.to(tl.int64) * s_dqn
+            dq_base = DQ + b64 * s_dqb + h64 * s_dqh + q0.to(tl.int64) * s_dqn
             slope2 = 0.0
             if HAS_ALIBI:  # this query head's slope, in base 2
                 slope2 = tl.load(Alibi + b64 * s_ab + h64 * s_ah) * 1.4426950408889634
@@ -345,11 +331,12 @@ if triton is not None:
                 t_begin, t_end = tiles.phase_range(phase, t_lo, f_lo, f_hi, t_hi)
                 for t in range(t_begin, t_end):
                     dk, dv = _dkdv_row_tile(
-                        dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, dq_base, dq_head, q0,
+                        dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, e_base, dq_base,
                         zero + t * BLOCK_M, keys, Lq, Lk, off, win_left, win_right, Nq, Nk, D, Dv, s_qn, s_qd, s_gn,
-                        s_gd, s_ei, s_ej, s_dqn, s_dqd, qk_scale, scale, cap2, slope2, Lk - Lq, BLOCK_M, BLOCK_D,
-                        BLOCK_DV, EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK,
-                        HAS_BIAS, Q.dtype.element_ty, DOT_PRECISION, UPCAST, DQ_ATOMIC, DQ_TMA,
+                        s_gd,
+                        s_ei, s_ej, s_dqn, s_dqd, qk_scale, scale, cap2, slope2, Lk - Lq, BLOCK_M, BLOCK_D, BLOCK_DV,
+                        EVEN_D, EVEN_DV, HAS_SOFTCAP, HAS_ALIBI, phase != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                        Q.dtype.element_ty, DOT_PRECISION, UPCAST, DQ_ATOMIC,
                     )
 
         # ---- epilogue: dK = scale * sum dS^T Q; keys no row sees keep 0 --------------------------------
