@@ -20,10 +20,14 @@ Hopper kernel's sync mode, so on sm_90 the profiled kernel is the Gluon one. The
 for (tensor-pipe activity, occupancy, stall reasons per issued instruction), read by
 :func:`attnlab.lessons.hopper.profile`:
 
+    M="regex:sm__pipe_tensor_op_[gh]mma_cycles_active.avg.pct.*"
+    M="$M,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio"
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section ComputeWorkloadAnalysis --metrics regex:sm__pipe_tensor_op_[gh]mma_cycles_active.avg.pct.* \
-        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
-        --csv --page details python tools/hopper_routes.py --profile
+        --section ComputeWorkloadAnalysis --metrics "$M" --csv --page details python tools/hopper_routes.py --profile
+
+(ncu 2025.3 takes ``--metrics`` once: the regular expressions go in one comma-separated list.)
+``--profile-backward`` does the same for one backward alone of each (``torch.autograd.grad(out, (q, k, v), dout,
+retain_graph=True)``, causal): attnlab's three kernels, then cuDNN's.
 """
 
 from __future__ import annotations
@@ -277,9 +281,36 @@ def profile(masks: tuple[bool, ...]) -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
+def profile_backward() -> None:
+    """One warmed-up backward alone of attnlab's public ``triton`` call and one of cuDNN's (causal), alone in the
+    profiled region in that order."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import attnlab
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    ours = attnlab.attention(q, k, v, causal=True, backend="triton")
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for _ in range(3):
+        for out in (ours, theirs):
+            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for out in (ours, theirs):
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
         interpret_check()
+    elif "--profile-backward" in sys.argv:
+        profile_backward()
     elif "--profile" in sys.argv:
         named = tuple(m for m, word in ((False, "full"), (True, "causal")) if word in sys.argv)
         profile(named or (False, True))
