@@ -269,14 +269,19 @@ def profile(masks: tuple[bool, ...]) -> None:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    for causal in masks:
-        for _ in range(3):
-            ours(causal), cudnn(causal)
+    _profiled([fn for causal in masks for fn in (lambda c=causal: ours(c), lambda c=causal: cudnn(c))])
+
+
+def _profiled(calls: list) -> None:
+    """Each of ``calls`` three times to warm up, then once each, in order, alone between cudaProfilerStart and
+    Stop (ncu ``--profile-from-start off`` records only those)."""
+    for _ in range(3):
+        for call in calls:
+            call()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    for causal in masks:
-        ours(causal)
-        cudnn(causal)
+    for call in calls:
+        call()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 
@@ -295,15 +300,7 @@ def profile_backward() -> None:
     ours = attnlab.attention(q, k, v, causal=True, backend="triton")
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    for _ in range(3):
-        for out in (ours, theirs):
-            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for out in (ours, theirs):
-        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    _profiled([lambda o=out: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True) for out in (ours, theirs)])
 
 
 if __name__ == "__main__":

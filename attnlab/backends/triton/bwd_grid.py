@@ -39,8 +39,7 @@ def tiles_outer(prob: Problem, kernel: str, block: int, sms: int | None = None) 
     whose slots order themselves, nor past MAX_TILES_OUTER tiles."""
     if TILES_OUTER not in TILES_OUTER_MODES:
         raise ValueError(f"ATTNLAB_BWD_TILES_OUTER must be one of {TILES_OUTER_MODES}; got {TILES_OUTER!r}")
-    n = prob.Nk if kernel == "dkdv" else prob.Nq
-    if prob.packed is not None or -(-n // block) > MAX_TILES_OUTER:
+    if prob.packed is not None or _tiles_heads(prob, kernel, block)[0] > MAX_TILES_OUTER:
         return False
     if TILES_OUTER != "auto":
         return TILES_OUTER == "all" or TILES_OUTER == kernel
@@ -58,5 +57,12 @@ def auto_rule(prob: Problem, kernel: str, block: int, sms: int) -> bool:
     spec = prob.spec
     if spec.right is None or spec.left is not None:
         return False
+    tiles, heads = _tiles_heads(prob, kernel, block)
+    return short(tiles * heads * prob.B, sms)
+
+
+def _tiles_heads(prob: Problem, kernel: str, block: int) -> tuple[int, int]:
+    """(tiles of ``block`` keys or rows, heads) of ``kernel``'s grid: key tiles of the kv heads for dK/dV, row tiles
+    of the query heads for dQ."""
     n, heads = (prob.Nk, prob.Hkv) if kernel == "dkdv" else (prob.Nq, prob.Hq)
-    return short(-(-n // block) * heads * prob.B, sms)
+    return -(-n // block), heads
