@@ -320,21 +320,22 @@ def _dq_writer(HALF: gl.constexpr, descs, bufs, bars, ptrs, sizes, qk_scale, sca
     t_lo, t_hi = _row_tiles(n0, Nq, off, BLOCK_M, CAUSAL)
     r_off = gl.arange(0, WRITER_ROWS, layout=gl.SliceLayout(1, layout))
     c_off = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, layout))
+    offs = gl.expand_dims(r_off, 1) * HEAD_D + gl.expand_dims(c_off, 0)  # int32, within a chunk of rows
     sink = gl.zeros([WRITER_ROWS, HALF_D], gl.float32, layout=layout)
     it = t_lo * 0
     for g in range(0, group):
         head_row = b * Hq + kvh * group + g
         for t in range(t_lo, t_hi):
+            rows_left = Nq - t * BLOCK_M
             for half in range(0, 2):
+                tile_base = DQ + (head_row.to(gl.int64) * Nq + t * BLOCK_M) * HEAD_D + half * HALF_D
                 mbarrier.wait(dq_ready.index(half), it & 1)
                 tile = dq_bufs.index(half)
                 for c in gl.static_range(0, BLOCK_M // WRITER_ROWS):
                     part = tile.slice(c * WRITER_ROWS, WRITER_ROWS, dim=0).load(layout)
                     if DQ_MODE == 1:
-                        rows = t * BLOCK_M + c * WRITER_ROWS + r_off
-                        dq_ptrs = (DQ + (head_row.to(gl.int64) * Nq + gl.expand_dims(rows, 1)) * HEAD_D
-                                   + half * HALF_D + gl.expand_dims(c_off, 0))
-                        gl.atomic_add(dq_ptrs, part, mask=gl.expand_dims(rows < Nq, 1), sem="relaxed")
+                        keep = gl.expand_dims(r_off < rows_left - c * WRITER_ROWS, 1)
+                        gl.atomic_add(tile_base + c * WRITER_ROWS * HEAD_D + offs, part, mask=keep, sem="relaxed")
                     else:  # ablation: read, do not add
                         sink += part
                 mbarrier.arrive(dq_free.index(half), count=1)
