@@ -422,7 +422,7 @@ def _descriptor(t, block):
 
 
 def launch_args(q, k, v, dout, lse2, delta, dq_acc, dk, dv, causal: bool, scale: float, stages: int = 2,
-                regs: int = 240, dq_mode: int = 1, writer_rows: int = 8, writer_regs: int = 64,
+                regs: int = 240, dq_mode: int = 1, writer_rows: int = 4, writer_regs: int = 24,
                 rows: bool = False):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
