@@ -50,13 +50,43 @@ def _row_tiles(n0, Nq, off, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def _hand_off_dq(HALF: gl.constexpr, dq, t, it, head_row, Nq, DQ, dq_bufs, dq_ready, dq_free,
+                 BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, DQ_MODE: gl.constexpr):
+    """This consumer's half of D of a row tile's dQ (already scaled) into the float32 dQ: by elementwise atomics
+    (``DQ_MODE`` 0), else staged in its shared buffer for the writer warp once the writer is done with the last."""
+    if DQ_MODE == 0:
+        rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq.type.layout))
+        cols = HALF * (HEAD_D // 2) + gl.arange(0, HEAD_D // 2, layout=gl.SliceLayout(0, dq.type.layout))
+        ptrs = DQ + (head_row.to(gl.int64) * Nq + gl.expand_dims(rows, 1)) * HEAD_D + gl.expand_dims(cols, 0)
+        gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < Nq, 1), sem="relaxed")
+    else:
+        mbarrier.wait(dq_free.index(HALF), (it & 1) ^ 1)
+        dq_bufs.index(HALF).store(dq)
+        mbarrier.arrive(dq_ready.index(HALF), count=1)
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, k0, b, kvh, Nk, ptrs, HEAD_D: gl.constexpr):
+    """A consumer's dK and dV rows (keys k0 onward, in the output dtype); keys past Nk are not stored."""
+    DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn = ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6], ptrs[7], ptrs[8], ptrs[9]
+    keys = k0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk.type.layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, dk.type.layout))
+    keep = gl.expand_dims(keys < Nk, 1)
+    kv_rows = gl.expand_dims(keys.to(gl.int64), 1)
+    gl.store(DK + b.to(gl.int64) * s_kb + kvh.to(gl.int64) * s_kh + kv_rows * s_kn + gl.expand_dims(cols, 0), dk,
+             mask=keep)
+    gl.store(DV + b.to(gl.int64) * s_vb + kvh.to(gl.int64) * s_vh + kv_rows * s_vn + gl.expand_dims(cols, 0), dv,
+             mask=keep)
+
+
+@gluon.jit
 def _consumer(HALF: gl.constexpr, descs, bufs, bars, ptrs, sizes, qk_scale, scale,
               BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               DQ_MODE: gl.constexpr):
     q_desc = descs[0]
     q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5]
     q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free = bars
-    Lse2, Delta, DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, DQ = ptrs
+    Lse2, Delta, DQ = ptrs[0], ptrs[1], ptrs[10]
     Nq, Nk, Hq, group, off = sizes
     dtype: gl.constexpr = q_desc.dtype
     HALF_D: gl.constexpr = HEAD_D // 2
@@ -136,27 +166,12 @@ def _consumer(HALF: gl.constexpr, descs, bufs, bars, ptrs, sizes, qk_scale, scal
                                    dq, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq, ))
                 mbarrier.arrive(ds_free.index(buf), count=1)
-                if DQ_MODE == 0:  # elementwise atomics from the consumer
-                    rows_q = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-                    cols_q = HALF * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, q_layout))
-                    dq_ptrs = (DQ + (head_row.to(gl.int64) * Nq + gl.expand_dims(rows_q, 1)) * HEAD_D
-                               + gl.expand_dims(cols_q, 0))
-                    gl.atomic_add(dq_ptrs, dq * scale, mask=gl.expand_dims(rows_q < Nq, 1), sem="relaxed")
-                else:  # staged in shared memory for the dQ writer warp
-                    mbarrier.wait(dq_free.index(HALF), (it & 1) ^ 1)
-                    dq_bufs.index(HALF).store(dq * scale)
-                    mbarrier.arrive(dq_ready.index(HALF), count=1)
+                _hand_off_dq(HALF, dq * scale, t, it, head_row, Nq, DQ, dq_bufs, dq_ready, dq_free, BLOCK_M, HEAD_D,
+                             DQ_MODE)
             it += 1
 
     # ---- epilogue: dK = scale * sum dS^T Q; keys past Nk are not stored ----
-    keys_a = k0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, a_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
-    keep = gl.expand_dims(keys_a < Nk, 1)
-    kv_rows = gl.expand_dims(keys_a.to(gl.int64), 1)
-    dk_ptrs = DK + b.to(gl.int64) * s_kb + kvh.to(gl.int64) * s_kh + kv_rows * s_kn + gl.expand_dims(cols, 0)
-    dv_ptrs = DV + b.to(gl.int64) * s_vb + kvh.to(gl.int64) * s_vh + kv_rows * s_vn + gl.expand_dims(cols, 0)
-    gl.store(dk_ptrs, (dk * scale).to(dtype), mask=keep)
-    gl.store(dv_ptrs, dv.to(dtype), mask=keep)
+    _store_dkdv((dk * scale).to(dtype), dv.to(dtype), k0, b, kvh, Nk, ptrs, HEAD_D)
 
 
 @gluon.jit
@@ -168,7 +183,7 @@ def _consumer_rows(HALF: gl.constexpr, descs, bufs, bars, ptrs, sizes, qk_scale,
     q_desc = descs[0]
     q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs, p_bufs = bufs
     q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free = bars
-    Lse2, Delta, DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, DQ = ptrs
+    Lse2, Delta, DQ = ptrs[0], ptrs[1], ptrs[10]
     Nq, Nk, Hq, group, off = sizes
     dtype: gl.constexpr = q_desc.dtype
     HALF_D: gl.constexpr = HEAD_D // 2
@@ -248,26 +263,11 @@ def _consumer_rows(HALF: gl.constexpr, descs, bufs, bars, ptrs, sizes, qk_scale,
                                    dq, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq, ))
                 mbarrier.arrive(ds_free.index(buf), count=1)
-                if DQ_MODE == 0:
-                    rows_q = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-                    cols_q = HALF * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, q_layout))
-                    dq_ptrs = (DQ + (head_row.to(gl.int64) * Nq + gl.expand_dims(rows_q, 1)) * HEAD_D
-                               + gl.expand_dims(cols_q, 0))
-                    gl.atomic_add(dq_ptrs, dq * scale, mask=gl.expand_dims(rows_q < Nq, 1), sem="relaxed")
-                else:
-                    mbarrier.wait(dq_free.index(HALF), (it & 1) ^ 1)
-                    dq_bufs.index(HALF).store(dq * scale)
-                    mbarrier.arrive(dq_ready.index(HALF), count=1)
+                _hand_off_dq(HALF, dq * scale, t, it, head_row, Nq, DQ, dq_bufs, dq_ready, dq_free, BLOCK_M, HEAD_D,
+                             DQ_MODE)
             it += 1
 
-    keys_a = k0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, a_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, a_layout))
-    keep = gl.expand_dims(keys_a < Nk, 1)
-    kv_rows = gl.expand_dims(keys_a.to(gl.int64), 1)
-    dk_ptrs = DK + b.to(gl.int64) * s_kb + kvh.to(gl.int64) * s_kh + kv_rows * s_kn + gl.expand_dims(cols, 0)
-    dv_ptrs = DV + b.to(gl.int64) * s_vb + kvh.to(gl.int64) * s_vh + kv_rows * s_vn + gl.expand_dims(cols, 0)
-    gl.store(dk_ptrs, (dk * scale).to(dtype), mask=keep)
-    gl.store(dv_ptrs, dv.to(dtype), mask=keep)
+    _store_dkdv((dk * scale).to(dtype), dv.to(dtype), k0, b, kvh, Nk, ptrs, HEAD_D)
 
 
 @gluon.jit
