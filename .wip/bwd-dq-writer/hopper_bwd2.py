@@ -24,8 +24,10 @@ Dense or causal (either alignment by ``off``), no lengths, D 128, bf16/fp16. The
 from __future__ import annotations
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -35,6 +37,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@builtin
+def _tma_add_36(tensor_desc, coord, src, _semantic=None):
+    """A TMA bulk reduce-add of a shared tile into global memory: triton 3.6's builder has the op, its Gluon no
+    wrapper (3.9 calls it ``tma.async_atomic_add``)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 
 HALF_N = gl.constexpr(64)
 
@@ -61,7 +74,11 @@ def _hand_off_dq(HALF: gl.constexpr, dq, t, it, head_row, Nq, DQ, dq_bufs, dq_re
         gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < Nq, 1), sem="relaxed")
     else:
         mbarrier.wait(dq_free.index(HALF), (it & 1) ^ 1)
-        dq_bufs.index(HALF).store(dq)
+        if DQ_MODE == 4:  # the writer's TMA reads it through the async proxy
+            dq_bufs.index(HALF).reshape([BLOCK_M, HEAD_D // 2]).store(dq)
+            fence_async_shared()
+        else:
+            dq_bufs.index(HALF).store(dq)
         mbarrier.arrive(dq_ready.index(HALF), count=1)
 
 
@@ -305,7 +322,9 @@ def _loader(HALF: gl.constexpr, descs, bufs, bars, ptrs, sizes, qk_scale, scale,
 def _dq_writer(HALF: gl.constexpr, descs, bufs, bars, ptrs, sizes, qk_scale, scale,
                BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                DQ_MODE: gl.constexpr, WRITER_ROWS: gl.constexpr):
-    """Adds the consumers' staged dQ halves into the float32 dQ by elementwise atomics (one warp)."""
+    """Adds the consumers' staged dQ halves into the float32 dQ (one warp): by elementwise atomics
+    (``DQ_MODE`` 1) or by one TMA bulk reduce-add a half (4)."""
+    dq_desc = descs[4]
     dq_bufs = bufs[5]
     dq_ready, dq_free = bars[7], bars[8]
     DQ = ptrs[10]
@@ -330,14 +349,19 @@ def _dq_writer(HALF: gl.constexpr, descs, bufs, bars, ptrs, sizes, qk_scale, sca
             for half in range(0, 2):
                 tile_base = DQ + (head_row.to(gl.int64) * Nq + t * BLOCK_M) * HEAD_D + half * HALF_D
                 mbarrier.wait(dq_ready.index(half), it & 1)
-                tile = dq_bufs.index(half)
-                for c in gl.static_range(0, BLOCK_M // WRITER_ROWS):
-                    part = tile.slice(c * WRITER_ROWS, WRITER_ROWS, dim=0).load(layout)
-                    if DQ_MODE == 1:
-                        keep = gl.expand_dims(r_off < rows_left - c * WRITER_ROWS, 1)
-                        gl.atomic_add(tile_base + c * WRITER_ROWS * HEAD_D + offs, part, mask=keep, sem="relaxed")
-                    else:  # ablation: read, do not add
-                        sink += part
+                if DQ_MODE == 4:  # rows past Nq fall outside the descriptor's bounds: TMA skips them
+                    _tma_add(dq_desc, [b, kvh * group + g, t * BLOCK_M, half * HALF_D], dq_bufs.index(half))
+                    tma.store_wait(0)
+                else:
+                    tile = dq_bufs.index(half)
+                    for c in gl.static_range(0, BLOCK_M // WRITER_ROWS):
+                        part = tile.slice(c * WRITER_ROWS, WRITER_ROWS, dim=0).load(layout)
+                        if DQ_MODE == 1:
+                            keep = gl.expand_dims(r_off < rows_left - c * WRITER_ROWS, 1)
+                            gl.atomic_add(tile_base + c * WRITER_ROWS * HEAD_D + offs, part, mask=keep,
+                                          sem="relaxed")
+                        else:  # ablation: read, do not add
+                            sink += part
                 mbarrier.arrive(dq_free.index(half), count=1)
             it += 1
     if DQ_MODE == 2:
@@ -346,7 +370,7 @@ def _dq_writer(HALF: gl.constexpr, descs, bufs, bars, ptrs, sizes, qk_scale, sca
 
 
 @gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "group", "off"])
-def bwd_hopper(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
+def bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
                DQ, Nq, Nk, Hq, group, off, qk_scale, scale,
                BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                CONSUMER_REGS: gl.constexpr, DQ_MODE: gl.constexpr, WRITER_ROWS: gl.constexpr,
@@ -363,8 +387,11 @@ def bwd_hopper(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, DK, DV, s_kb, s_kh,
     else:
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, 2 * HALF_N, BLOCK_M], ds_layout)
         p_bufs = ds_bufs
-    dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=WRITER_ROWS, order=[1, 0])
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_D // 2], dq_layout)
+    if DQ_MODE == 4:  # the descriptor's swizzle, for the TMA
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_D // 2], dq_desc.layout)
+    else:
+        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=WRITER_ROWS, order=[1, 0])
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_D // 2], dq_layout)
     dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -386,12 +413,12 @@ def bwd_hopper(q_desc, do_desc, k_desc, v_desc, Lse2, Delta, DK, DV, s_kb, s_kh,
         mbarrier.init(dq_free.index(i), count=1)  # the writer has added it
     mbarrier.init(kv_ready.index(0), count=1)
 
-    descs = (q_desc, do_desc, k_desc, v_desc)
+    descs = (q_desc, do_desc, k_desc, v_desc, dq_desc)
     bufs = (q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs, p_bufs)
     bars = (q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free)
     ptrs = (Lse2, Delta, DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, DQ)
     sizes = (Nq, Nk, Hq, group, off)
-    if DQ_MODE == 1 or DQ_MODE == 2:
+    if DQ_MODE == 1 or DQ_MODE == 2 or DQ_MODE == 4:
         gl.warp_specialize([
             (_consumer_rows if ROWS else _consumer,
              (0, descs, bufs, bars, ptrs, sizes, qk_scale, scale, BLOCK_M, HEAD_D, STAGES, CAUSAL, DQ_MODE)),
@@ -430,7 +457,8 @@ def launch_args(q, k, v, dout, lse2, delta, dq_acc, dk, dv, causal: bool, scale:
     assert D == 128 and dk.stride(-1) == 1 and dv.stride(-1) == 1 and dq_acc.is_contiguous()
     grid = (-(-Nk // (2 * HALF_N.value)), Hkv, B)
     args = (_descriptor(q, [1, 1, block_m, D]), _descriptor(dout, [1, 1, block_m, D]),
-            _descriptor(k, [1, 1, HALF_N.value, D]), _descriptor(v, [1, 1, HALF_N.value, D]), lse2, delta, dk, dv,
+            _descriptor(k, [1, 1, HALF_N.value, D]), _descriptor(v, [1, 1, HALF_N.value, D]),
+            _descriptor(dq_acc, [1, 1, block_m, D // 2]), lse2, delta, dk, dv,
             *dk.stride()[:3], *dv.stride()[:3], dq_acc, Nq, Nk, Hq, Hq // Hkv, Nk - Nq if causal else 0,
             scale * 1.4426950408889634, scale)
     kw = dict(BLOCK_M=block_m, HEAD_D=D, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs,

@@ -21,10 +21,10 @@ CASES = [(1, 4, 2, 1000, 128, True), (2, 3, 3, 333, 128, False), (4, 16, 16, 409
          (4, 16, 16, 4096, 128, False), (2, 32, 8, 4096, 128, True)]
 LOG2E = 1.4426950408889634
 W = dict(writer_regs=24, writer_rows=4)
-VARIANTS = {"swapped-atomics": dict(dq_mode=0), "swapped-writer": dict(dq_mode=1, **W),
-            "rows-writer": dict(dq_mode=1, rows=True, **W), "rows-writer-no-add": dict(dq_mode=2, rows=True, **W),
+VARIANTS = {"rows-writer": dict(dq_mode=1, rows=True, **W), "rows-writer-tma": dict(dq_mode=4, rows=True, **W),
+            "swapped-writer-tma": dict(dq_mode=4, **W), "rows-writer-no-add": dict(dq_mode=2, rows=True, **W),
             "rows-no-dq": dict(dq_mode=3, rows=True, **W)}
-CHECKED = ("swapped-atomics", "swapped-writer", "rows-writer")
+CHECKED = ("rows-writer", "rows-writer-tma", "swapped-writer-tma")
 
 
 def rel(a, b):
