@@ -15,7 +15,9 @@ orientations of S and dP:
 
 ``dq_mode``: 0, the consumers add their dQ half by elementwise float32 atomics; 1, they stage it in shared memory
 and a writer warp adds it (the consumers go on to the next row tile); 2, the writer reads it but adds nothing
-(an ablation: the atomics' cost); 3, no dQ at all (an ablation: the dK/dV part alone). Triton gives the default
+(an ablation: the atomics' cost); 3, no dQ at all (an ablation: the dK/dV part alone); 4, the writer adds each
+staged half by one TMA bulk reduce-add (FlashAttention-3's way). Keys past Nk are not masked here (the product form,
+.wip/hopper-bwd, masks them: in float16 their p can overflow and reach dQ as NaN). Triton gives the default
 partition (consumer 0) the registers the workers leave (504 per thread over the three warpgroups at 384 threads),
 and the loader and the writer share a warpgroup: so ``writer_regs`` above 24 takes registers from consumer 0.
 Dense or causal (either alignment by ``off``), no lengths, D 128, bf16/fp16. The host converts dQ after.
