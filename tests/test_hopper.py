@@ -26,7 +26,7 @@ def _qkv(B=1, Hq=4, Hkv=2, Nq=200, Nk=200, D=64, dtype=torch.bfloat16, device="c
 
 @pytest.fixture
 def on_sm90(monkeypatch):
-    monkeypatch.setattr(hopper, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(hopper, "on_sm90", lambda t: True)
     monkeypatch.setattr(hopper, "_mode", "1")
 
 
@@ -110,8 +110,8 @@ def test_light_descriptors_carry_every_field_the_launcher_reads():
     import dataclasses
 
     t = _qkv(D=128)[0]
-    real = hopper._descriptor(t, [1, 1, hopper.BLOCK_M, 128])
-    light = hopper._Desc(t)
+    real = hopper.descriptor(t, [1, 1, hopper.BLOCK_M, 128])
+    light = hopper.LightDescriptor(t)
     for f in dataclasses.fields(real):
         if f.name in ("block_shape", "layout"):
             continue
@@ -145,7 +145,7 @@ def test_an_unknown_environment_value_warns_and_keeps_the_default(monkeypatch):
 def test_off_sm90_and_switched_off_it_takes_nothing(monkeypatch):
     q, k, v = _qkv()
     assert "sm_90" in _why(q, k, v)  # a CPU tensor
-    monkeypatch.setattr(hopper, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(hopper, "on_sm90", lambda t: True)
     prev = hopper.set_mode("0")
     try:
         assert "ATTNLAB_HOPPER=0" in _why(q, k, v)
@@ -238,7 +238,7 @@ def test_compiles_for_sm90_with_the_installed_triton(D, band, pingpong, extras, 
     assert compiled.metadata.shared <= 227 * 1024
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
-    spills, serialized = _ptxas_report(ptx)
+    spills, serialized = ptxas_report(ptx)
     assert spills == 0, "the Hopper kernel spills registers"
     assert not serialized, "ptxas serializes the kernel's warpgroup MMAs (too few registers in a partition)"
 
@@ -278,7 +278,7 @@ def test_compiles_after_an_interpreted_call_in_the_same_process(tmp_path):
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
 
 
-def _ptxas_report(ptx: str) -> tuple[int, bool]:
+def ptxas_report(ptx: str) -> tuple[int, bool]:
     """Bytes of spill stores ptxas reports for ``ptx`` on sm_90a (the ptxas triton compiled it with), and whether
     it warns that it serialized the warpgroup MMAs (C7512: a partition's registers are too few for them in flight;
     the kernel runs, slower)."""

@@ -12,8 +12,8 @@ On CUDA tensors the kernels are compiled, each with one config from a small spac
 (:func:`dkdv_candidates`, :func:`dq_candidates`): one tuned on this machine (:func:`tune`, or ``AUTOTUNE``; kept
 on disk by :mod:`~attnlab.backends.triton.tune_cache`), else the shipped table's, else the first candidate; a
 config that does not fit the GPU gives way to the next. :func:`compile_ahead` compiles them in the background
-while the forward runs. On CPU tensors the same kernels run
-through Triton's interpreter with one small config, inside :func:`attnlab.backends.triton.interpreter.interpreter`.
+while the forward runs. On sm_90, the calls :mod:`.hopper_backward` takes run its kernel after the preprocess.
+On CPU tensors the kernels run through Triton's interpreter with one small config.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from concurrent.futures import Future
 
 import torch
 
-from attnlab.backends.triton import background, bwd_grid, configs, tune_cache
+from attnlab.backends.triton import background, bwd_grid, configs, hopper_backward, tune_cache
 from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.configs import (
     BwdConfig,
@@ -324,15 +324,14 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
         return
     if len(_ahead) >= MAX_AHEAD:
         _ahead.pop(next(iter(_ahead)))
-    # Stand-ins with the layouts the backward will have (warmup compiles, it launches nothing): lse for the
-    # float32 rows, q, k, v for dq, dk, dv where torch.empty_like (which makes those) keeps their strides, out
-    # for dout.
+    # Stand-ins with the backward's layouts (nothing is launched): lse for the float32 rows, out for dout, and
+    # q, k, v for dq, dk, dv where torch.empty_like (which makes those) keeps their strides.
     dq, dk, dv = (x if _like_its_gradient(x) else torch.empty_like(x) for x in (prob.q, prob.k, prob.v))
     # (the preprocess stores the sinks' shares when they require grad: the variant a backward without dlse runs)
     sinks = prob.mods.sinks
     pre = _preprocess_launch(prob, out, lse, out, lse, lse, False, lse if sinks is not None and sinks.requires_grad
                              else None)
-    if one_pass(prob):  # lse stands in for the float32 dQ (the strides are dq's: the kernel reads those)
+    if one_pass(prob):  # lse stands in for the float32 dQ (with dq's strides: the kernel reads those)
         launches = (pre, _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False, dq_acc=lse, dq_like=dq))
     else:
         launches = (pre, _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
@@ -475,12 +474,11 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     is float32 [Hq], or None without sinks or when ``sinks_grad`` is False (nothing is computed for it then).
 
     ``out`` and ``dout`` are [B, Hq, Nq, Dv] (any strides), ``lse`` float32 [B, Hq, Nq] as the forward wrote
-    them (natural log, -inf for rows with no allowed key); for a packed call [1, Hq, total, Dv] and
-    [1, Hq, total]. Returns tensors shaped like ``prob.q``,
-    ``prob.k``, ``prob.v`` ([B, H, N, D], q's dtype, laid out like the inputs where they are dense). The
-    bias, if any, is a constant. Rows with no allowed key and padding rows give dq = 0; keys no row sees
-    give dk = dv = 0. Nothing is launched for an empty problem. ``dlse`` ([B, Hq, Nq], or None) is the
-    gradient reaching the lse when the caller used it: since d lse / d s = p, it enters as Delta - dlse.
+    them (natural log, -inf for rows with no allowed key); for a packed call [1, Hq, total, Dv] and [1, Hq, total].
+    Returns tensors shaped like ``prob.q``, ``prob.k``, ``prob.v`` ([B, H, N, D], q's dtype, laid out like the
+    inputs where they are dense). The bias, if any, is a constant. Rows with no allowed key and padding rows give
+    dq = 0; keys no row sees give dk = dv = 0. Nothing is launched for an empty problem. ``dlse`` ([B, Hq, Nq], or
+    None) is the gradient reaching the lse when the caller used it: since d lse / d s = p, it enters as Delta - dlse.
     """
     if triton is None:
         raise RuntimeError("the Triton backward needs triton (not importable)")
@@ -534,6 +532,9 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     with contextlib.nullcontext() if same else torch.cuda.device(prob.device):
         _launch_preprocess(prob, out, lse, dout, delta, lse2, False, key, shares, dq_acc is not None)
         _minus_dlse(delta, dlse)
+        hopper_dq = hopper_backward.run(prob, dout, delta, lse2, dk, dv)  # None: not taken (or not compiled yet)
+        if hopper_dq is not None:
+            return dq.copy_(hopper_dq), dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         block_d = problem_head_dim(prob)
         one = dq_acc is not None
@@ -561,9 +562,8 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
 
 
 #: The side stream of each (device, current stream) that the dQ pass runs on (see TWO_STREAMS): one per current
-#: stream, so that a thread capturing a CUDA graph on its stream never shares a side stream with another thread's
-#: eager backward. At most MAX_SIDE_STREAMS are remembered (torch hands streams out from a pool: one forgotten is
-#: never destroyed, and work queued on it runs on).
+#: stream, so that a thread capturing a CUDA graph never shares a side stream with another thread's eager backward.
+#: At most MAX_SIDE_STREAMS are remembered (a forgotten one is never destroyed: torch pools them).
 _SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 MAX_SIDE_STREAMS = 16
 
@@ -572,8 +572,8 @@ def _side_by_side(two: bool, first, second, device: torch.device) -> tuple:
     """``(first(), second())``. With ``two``: first on the current stream, second on that stream's side stream,
     which starts after everything queued on the current stream so far; the current stream then waits for the
     side stream (also when a launch raised, so that a graph capture is never left forked), so that whatever
-    follows (and every tensor's reuse by the caching allocator) comes after both. Else one stream, one after the
-    other. Graph capture follows the fork and the join."""
+    follows (and every tensor's reuse by the caching allocator) comes after both; graph capture follows the fork
+    and the join. Else one stream, one after the other."""
     if not two:
         return first(), second()
     index = _rt.device_index(device)

@@ -99,12 +99,12 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def _on_sm90(t: torch.Tensor) -> bool:
+def on_sm90(t: torch.Tensor) -> bool:
     """Whether ``t`` lives on an sm_90 GPU (Hopper; the warpgroup MMA is sm_90's alone)."""
     return t.is_cuda and _is_sm90(t.device.index)
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
+def tma_ready(t: torch.Tensor) -> bool:
     """A tensor TMA can read: last dim contiguous, other strides positive (no broadcast) and, with the base,
     16-byte aligned."""
     size = t.element_size()
@@ -127,7 +127,7 @@ def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
     if _mode == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
-    if not _on_sm90(q):
+    if not on_sm90(q):
         return "sm_90 GPUs only"
     if prob.dtype not in (torch.float16, torch.bfloat16):
         return "float16 and bfloat16 only"
@@ -146,23 +146,22 @@ def unsupported(prob: Problem, out: torch.Tensor) -> str | None:
         return "no explicit mask, bias or sinks"
     if _items(q) >= 2**31:
         return "at most 2**31 - 1 work items (row tiles of 128 x B x Hq)"
-    if not all(_tma_ready(t) for t in (q, prob.k, prob.v, out)):
+    if not all(tma_ready(t) for t in (q, prob.k, prob.v, out)):
         return "TMA needs the last dim contiguous and 16-byte aligned strides and bases"
     if isinstance(_kernel_module(), str):
         return _kernel_module()
     return None
 
 
-def _layout(block: list[int], dtype: torch.dtype):
+def descriptor(t: torch.Tensor, block: list[int]):
+    """A Gluon TMA descriptor of ``t`` (float16, bfloat16 or float32) for blocks ``block``, in the shared layout
+    the kernels' buffers take (NVMMA's default for the block)."""
     from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
-def _descriptor(t: torch.Tensor, block: list[int]):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, t.dtype))
+    names = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+    layout = gl.NVMMASharedLayout.get_default_for(block, names[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
 def _items(q: torch.Tensor) -> int:
@@ -221,8 +220,8 @@ def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: in
     """(grid, arguments, keywords) of one launch on [B, H, N, D] views."""
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
-    args = (_descriptor(q, [1, 1, BLOCK_M, D]), _descriptor(k, [1, 1, BLOCK_N, D]),
-            _descriptor(v, [1, 1, BLOCK_N, D]), _descriptor(out, [1, 1, BLOCK_M, D]),
+    args = (descriptor(q, [1, 1, BLOCK_M, D]), descriptor(k, [1, 1, BLOCK_N, D]),
+            descriptor(v, [1, 1, BLOCK_N, D]), descriptor(out, [1, 1, BLOCK_M, D]),
             lse if lse is not None else out, *(lse.stride() if lse is not None else (0, 0, 0)),
             Nq, Nk, B, Hq, Hq // k.shape[1], qk_scale, left if left is not None else 0,
             right if right is not None else 0, *extras.arguments(out))
@@ -246,7 +245,7 @@ def _problem_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) ->
 @functools.cache
 def _descriptor_defaults() -> dict:
     """The installed triton's host tensor descriptor fields that have defaults (padding; triton 3.9 adds
-    round_f32_to_tf32), so that :class:`_Desc` carries every field its launcher reads."""
+    round_f32_to_tf32), so that :class:`LightDescriptor` carries every field its launcher reads."""
     import dataclasses
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -254,9 +253,10 @@ def _descriptor_defaults() -> dict:
     return {f.name: f.default for f in dataclasses.fields(TensorDescriptor) if f.default is not dataclasses.MISSING}
 
 
-class _Desc:
+class LightDescriptor:
     """What Triton's launcher reads of a host tensor descriptor for a repeated launch: base, shape, strides and
-    the fields with defaults; the block and the shared layout are the compiled kernel's, fixed by its variant."""
+    the fields with defaults; the block and the shared layout are the compiled kernel's, fixed by its variant
+    (the forward's and the backward's repeated launches use it)."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.__dict__.update(_descriptor_defaults())
@@ -292,7 +292,8 @@ def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, ri
     B, Hq, Nq, D = q.shape
     write_lse = lse is not None
     persistent = _persistent(left is not None or right is not None or any(extras.flags()))
-    values = (_Desc(q), _Desc(k), _Desc(v), _Desc(out), lse if write_lse else out,
+    L = LightDescriptor
+    values = (L(q), L(k), L(v), L(out), lse if write_lse else out,
               *(lse.stride() if write_lse else (0, 0, 0)), Nq, k.shape[2], B, Hq, Hq // k.shape[1], qk_scale,
               0 if left is None else left, 0 if right is None else right, *extras.arguments(out), BLOCK_M, BLOCK_N,
               D, STAGES, left is not None, right is not None, bottom_right, write_lse, CONSUMER_REGS, persistent,
@@ -319,7 +320,14 @@ _lock = threading.Lock()
 def _ready(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
     """Whether the variant's kernel is compiled; on its second call starts its compile (in sync mode: on its first,
     and waits)."""
-    key = _variant(prob, lse)
+    return ready(_variant(prob, lse), lambda: (_kernel_module().attn_fwd_hopper, *_problem_args(prob, out, lse)),
+                 prob.q.device)
+
+
+def ready(key: tuple, launch, device: torch.device) -> bool:
+    """Whether the Hopper kernel variant ``key`` (the forward's or the backward's) is compiled; on its second call
+    starts its compile on a worker thread (in sync mode: on its first, and waits). ``launch()`` gives the
+    (kernel, grid, arguments, keywords) it compiles for."""
     state = _compiles.get(key)
     if state is True:
         return True
@@ -332,14 +340,13 @@ def _ready(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
     if _mode != "sync" and key not in _seen:  # the variant's first call: the portable kernel alone
         _seen.add(key)
         return False
-    grid, args, kw = _problem_args(prob, out, lse)
+    kernel, grid, args, kw = launch()
     from attnlab.backends.triton import background
 
     with _lock:
         if key not in _compiles:
-            _compiles[key] = background.ahead(_kernel_module().attn_fwd_hopper, grid, args, kw, prob.q.device,
-                                              jit=True)
-    return _ready(prob, out, lse) if _mode == "sync" else False
+            _compiles[key] = background.ahead(kernel, grid, args, kw, device, jit=True)
+    return ready(key, launch, device) if _mode == "sync" else False
 
 
 def failed(prob: Problem, lse: torch.Tensor | None) -> bool:

@@ -1,0 +1,136 @@
+"""The Hopper backward's host side: which calls it takes, when it is compiled, and its launch.
+
+On an sm_90 GPU the ``triton`` backend's backward runs the Gluon kernel of
+:mod:`~attnlab.backends.triton.hopper_bwd_kernel` (one pass: dK, dV and dQ, dQ added up by TMA reduce-adds) for
+the calls :func:`unsupported` accepts, once the portable preprocess has written Delta and the base-2 lse; every
+other call runs the portable kernels. It follows the Hopper forward's switch and compile modes
+(:mod:`~attnlab.backends.triton.hopper_forward`: ``ATTNLAB_HOPPER``, a variant's first call runs the portable
+kernels, its second starts the compile on a worker thread, ``sync`` compiles on the first call and waits).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from attnlab.backends.triton import configs
+from attnlab.backends.triton import hopper_forward as fwd
+from attnlab.backends.triton import runtime as _rt
+from attnlab.problem import Problem
+
+BLOCK_M = 64  #: query rows per tile streamed past a program's keys
+HALF_N = 64  #: keys per consumer warpgroup; a program owns two halves
+STAGES = 2  #: Q/dO slots in the ring
+CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader's and writer's warpgroup: 24)
+MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
+HEAD_DIMS = (128,)
+LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def _kernel_module():
+    """The Gluon kernel's module, or the reason it cannot be imported (a triton without Gluon's Hopper API)."""
+    try:
+        from attnlab.backends.triton import hopper_bwd_kernel
+    except Exception as err:  # any import failure means: no Hopper path
+        return f"the Hopper backward needs triton's Gluon Hopper API: {err}"
+    return hopper_bwd_kernel
+
+
+def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
+    """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv = 128,
+    no mask or the causal one in either alignment, Nq != Nk, GQA and the lse's gradient; windows, lengths, explicit
+    masks and biases, packed sequences, the score modifiers, sinks and deterministic mode run on the portable
+    kernels."""
+    if fwd.mode() == "0":
+        return "ATTNLAB_HOPPER=0"
+    q = prob.q
+    if not fwd.on_sm90(q):
+        return "sm_90 GPUs only"
+    if prob.dtype not in (torch.float16, torch.bfloat16):
+        return "float16 and bfloat16 only"
+    if prob.D != prob.Dv or prob.D not in HEAD_DIMS:
+        return f"D = Dv in {HEAD_DIMS} only"
+    spec, mods = prob.spec, prob.mods
+    if spec.left is not None or spec.right not in (None, 0):
+        return "no window (the causal mask or none)"
+    if prob.packed is not None or spec.kv_len is not None or spec.q_len is not None:
+        return "no lengths or packed sequences"
+    if spec.mask is not None or spec.bias is not None:
+        return "no explicit mask or bias"
+    if mods.softcap is not None or mods.alibi is not None or mods.sinks is not None:
+        return "no score modifiers or sinks"
+    if torch.are_deterministic_algorithms_enabled():
+        return "deterministic mode (dQ is added up by reduce-adds in any order)"
+    if not all(fwd.tma_ready(t) for t in (q, prob.k, prob.v, dout)):
+        return "TMA needs the last dim contiguous and 16-byte aligned strides and bases"
+    if isinstance(_kernel_module(), str):
+        return _kernel_module()
+    return None
+
+
+def _variant(prob: Problem) -> tuple:
+    """What a compiled kernel is specialized on, beyond what every taken call shares."""
+    return ("backward", prob.q.device.index, prob.dtype, prob.D, prob.spec.causal)
+
+
+def _offset(prob: Problem) -> int:
+    """Row i sees key j iff j <= i + off (causal; 0 when there is no mask)."""
+    return prob.Nk - prob.Nq if prob.spec.causal and prob.spec.align == "bottom_right" else 0
+
+
+def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, keywords) of one launch; ``dq_acc`` is float32 [B, Hq, Nq, D], zeroed."""
+    q, k, v = prob.q, prob.k, prob.v
+    D = prob.D
+    grid = (-(-prob.Nk // (2 * HALF_N)), prob.Hkv, prob.B)
+    args = (fwd.descriptor(q, [1, 1, BLOCK_M, D]), fwd.descriptor(dout, [1, 1, BLOCK_M, D]),
+            fwd.descriptor(k, [1, 1, HALF_N, D]), fwd.descriptor(v, [1, 1, HALF_N, D]),
+            fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), lse2, delta, dk, dv, *dk.stride()[:3],
+            *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * LOG2E, prob.scale)
+    kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=prob.spec.causal, CONSUMER_REGS=CONSUMER_REGS,
+              num_warps=4, maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
+    return grid, args, kw
+
+
+def _compile_launch(prob: Problem, lse2: torch.Tensor, delta: torch.Tensor) -> tuple:
+    """(kernel, grid, arguments, keywords) to compile ``prob``'s variant for, with stand-ins of the call's dout,
+    dQ accumulator, dk and dv (the same dtypes and alignment; none is written)."""
+    acc = torch.empty((1, 1, 1, prob.D), dtype=torch.float32, device=prob.device)
+    return (_kernel_module().attn_bwd_hopper,
+            *_launch_args(prob, prob.q, lse2, delta, acc, torch.empty_like(prob.k), torch.empty_like(prob.v)))
+
+
+#: Compiled kernels by variant, for launches without the JIT's binding.
+_kernels: dict[tuple, object] = {}
+launches = 0  #: Hopper backward launches so far (tests read it)
+
+
+def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tensor, dk: torch.Tensor,
+        dv: torch.Tensor) -> torch.Tensor | None:
+    """dK and dV into ``dk``, ``dv`` and dQ, float32 [B, Hq, Nq, D], returned, when the Hopper backward takes
+    ``prob`` and its kernel is compiled; None when the caller runs the portable kernels instead (nothing done).
+    ``delta`` and ``lse2`` are the preprocess's, contiguous float32 [B, Hq, Nq]."""
+    if unsupported(prob, dout) is not None:
+        return None
+    key = _variant(prob)
+    if not fwd.ready(key, lambda: _compile_launch(prob, lse2, delta), prob.device):
+        return None
+    dq_acc = torch.zeros(prob.q.shape, dtype=torch.float32, device=prob.device)
+    compiled = _kernels.get(key)
+    if compiled is None:
+        grid, args, kw = _launch_args(prob, dout, lse2, delta, dq_acc, dk, dv)
+        compiled = _kernel_module().attn_bwd_hopper[grid](*args, **kw)
+        if _rt.fast_launch_supported(compiled):
+            _kernels[key] = compiled
+    else:
+        L = fwd.LightDescriptor
+        values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), lse2, delta, dk, dv, *dk.stride()[:3],
+                  *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * LOG2E,
+                  prob.scale, BLOCK_M, prob.D, STAGES, prob.spec.causal, CONSUMER_REGS)
+        grid = (-(-prob.Nk // (2 * HALF_N)), prob.Hkv, prob.B)
+        _rt.run_compiled(compiled, grid, _rt.stream_of(prob.device.index), values)
+    global launches
+    launches += 1
+    return dq_acc
