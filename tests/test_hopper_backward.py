@@ -44,9 +44,26 @@ def test_takes_dense_causal_gqa_and_either_alignment(on_sm90):
     assert _why(*_qkv(dtype=torch.float16, Hkv=1)) is None
 
 
+@pytest.mark.parametrize("kw, causal, off", [
+    (dict(), False, 0),
+    (dict(causal=True, align="top_left"), True, 0),
+    (dict(causal=True, align="bottom_right"), True, 200),
+    (dict(window=(None, 0), align="bottom_right"), True, 200),  # the causal band spelled as a window
+    (dict(window=(None, 0), align="top_left"), True, 0),
+])
+def test_the_causal_band_however_spelled_gets_the_causal_kernel(on_sm90, kw, causal, off):
+    q, k, v = _qkv(Nq=300, Nk=500)
+    prob = make_problem(q, k, v, **kw)
+    assert hb.unsupported(prob, q) is None
+    rows = torch.empty(1, 4, 300)
+    _, args, launch_kw = hb._launch_args(prob, q, rows, rows, torch.zeros(1, 4, 300, 128), k, v)
+    assert launch_kw["CAUSAL"] is causal and args[19] == off and hb._variant(prob)[-1] is causal
+
+
 @pytest.mark.parametrize("kw, reason", [
     (dict(window=(64, 0)), "no window"),
     (dict(window=(None, 3)), "no window"),
+    (dict(window=(5, 0)), "no window"),
     (dict(kv_len=[100]), "no lengths"),
     (dict(q_len=[100]), "no lengths"),
     (dict(softcap=30.0), "no score modifiers"),
@@ -162,6 +179,11 @@ CASES = {
     "full_short_k": dict(shape=dict(Nq=300, Nk=65, Hkv=1), kw=dict()),
     "one_key": dict(shape=dict(Nq=64, Nk=1), kw=dict()),
     "fp16_causal": dict(shape=dict(Nq=300, Nk=300, dtype=torch.float16), kw=dict(causal=True)),
+    "causal_tl_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="top_left")),  # unseen keys
+    "window_right0_br": dict(shape=dict(Nq=300, Nk=500), kw=dict(window=(None, 0), align="bottom_right")),
+    # every score strongly negative (lse2 far below 0) and a ragged last key tile: its padding keys must not reach
+    # dQ (their p = exp2(-lse2) overflows float16 to inf, and inf times a zero key is NaN)
+    "fp16_negative_ragged": dict(shape=dict(Nq=200, Nk=65, dtype=torch.float16), kw=dict(), negative=True),
     "bnhd": dict(shape=dict(Nq=257, Nk=257), kw=dict(causal=True), bnhd=True),
 }
 
@@ -175,6 +197,8 @@ def test_the_public_backward_runs_the_hopper_kernel_and_meets_the_contract(case)
     call's policy), finite, and 0 for rows with no allowed key."""
     spec = CASES[case]
     q, k, v = _qkv(B=2, Hq=8, device="cuda", seed=5, **{"Hkv": 2, **spec["shape"]})
+    if spec.get("negative"):
+        q, k = q.abs() * 3, -k.abs() * 3
     kw = spec["kw"]
     if spec.get("bnhd"):
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
@@ -230,3 +254,28 @@ def test_the_hopper_backward_matches_the_portable_one():
     for name, a, b in zip("qkv", *grads):
         err = (a - b).abs().max().item()
         assert err <= 2e-2 * b.abs().max().item(), f"d{name}: {err:.3g}"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_relaunches_of_a_compiled_variant_and_repeat_runs():
+    """A variant's later calls (other shapes) take the compiled kernel's own launcher; two runs of one call give
+    bitwise the same dK and dV (summed in registers in a fixed order: a race in the kernel's buffers shows here)
+    and dQ within its reduce-adds' order."""
+    prev = hopper.set_mode("sync")
+    try:
+        results = []
+        for Nq, Nk in ((300, 300), (1000, 700), (1000, 700)):  # the last shape twice
+            q, k, v = _qkv(B=2, Hq=8, Nq=Nq, Nk=Nk, device="cuda", seed=11)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            before = hb.launches
+            attnlab.attention(*leaves, backend="triton", causal=True, align="bottom_right").backward(
+                torch.ones_like(q))
+            assert hb.launches == before + 1
+            results.append([t.grad for t in leaves])
+        assert hb._variant(make_problem(q, k, v, causal=True, align="bottom_right")) in hb._kernels
+    finally:
+        hopper.set_mode(prev)
+    (dq1, dk1, dv1), (dq2, dk2, dv2) = results[1], results[2]
+    assert torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
+    assert (dq1.float() - dq2.float()).abs().max().item() <= 1e-2 * dq1.float().abs().max().item()

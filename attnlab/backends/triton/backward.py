@@ -532,7 +532,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     with contextlib.nullcontext() if same else torch.cuda.device(prob.device):
         _launch_preprocess(prob, out, lse, dout, delta, lse2, False, key, shares, dq_acc is not None)
         _minus_dlse(delta, dlse)
-        hopper_dq = hopper_backward.run(prob, dout, delta, lse2, dk, dv)  # None: not taken (or not compiled yet)
+        hopper_dq = hopper_backward.run(prob, dout, delta, lse2, dk, dv, dq_acc)  # None: not taken (or compiling)
         if hopper_dq is not None:
             return dq.copy_(hopper_dq), dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)

@@ -40,9 +40,9 @@ def _kernel_module():
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv = 128,
-    no mask or the causal one in either alignment, Nq != Nk, GQA and the lse's gradient; windows, lengths, explicit
-    masks and biases, packed sequences, the score modifiers, sinks and deterministic mode run on the portable
-    kernels."""
+    no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment, Nq != Nk, GQA
+    and the lse's gradient; other windows, lengths, explicit masks and biases, packed sequences, the score
+    modifiers, sinks and deterministic mode (dQ's adds land in any order) run on the portable kernels."""
     if fwd.mode() == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
@@ -55,6 +55,8 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     spec, mods = prob.spec, prob.mods
     if spec.left is not None or spec.right not in (None, 0):
         return "no window (the causal mask or none)"
+    if prob.B > 65535 or prob.Hkv > 65535:
+        return "at most 65535 batch entries and kv heads (the grid's second and third axes)"
     if prob.packed is not None or spec.kv_len is not None or spec.q_len is not None:
         return "no lengths or packed sequences"
     if spec.mask is not None or spec.bias is not None:
@@ -70,14 +72,20 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     return None
 
 
+def _causal(prob: Problem) -> bool:
+    """Whether a row sees no key past its diagonal: ``causal=True``, or the window ``(None, 0)`` that is the same
+    band."""
+    return prob.spec.left is None and prob.spec.right == 0
+
+
 def _variant(prob: Problem) -> tuple:
     """What a compiled kernel is specialized on, beyond what every taken call shares."""
-    return ("backward", prob.q.device.index, prob.dtype, prob.D, prob.spec.causal)
+    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob))
 
 
 def _offset(prob: Problem) -> int:
-    """Row i sees key j iff j <= i + off (causal; 0 when there is no mask)."""
-    return prob.Nk - prob.Nq if prob.spec.causal and prob.spec.align == "bottom_right" else 0
+    """Row i sees key j iff j <= i + off (under the causal band; 0 when there is none)."""
+    return prob.Nk - prob.Nq if _causal(prob) and prob.spec.align == "bottom_right" else 0
 
 
 def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tuple, tuple, dict]:
@@ -89,7 +97,7 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
             fwd.descriptor(k, [1, 1, HALF_N, D]), fwd.descriptor(v, [1, 1, HALF_N, D]),
             fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), lse2, delta, dk, dv, *dk.stride()[:3],
             *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * LOG2E, prob.scale)
-    kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=prob.spec.causal, CONSUMER_REGS=CONSUMER_REGS,
+    kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS,
               num_warps=4, maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
     return grid, args, kw
 
@@ -108,16 +116,18 @@ launches = 0  #: Hopper backward launches so far (tests read it)
 
 
 def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tensor, dk: torch.Tensor,
-        dv: torch.Tensor) -> torch.Tensor | None:
+        dv: torch.Tensor, dq_acc: torch.Tensor | None = None) -> torch.Tensor | None:
     """dK and dV into ``dk``, ``dv`` and dQ, float32 [B, Hq, Nq, D], returned, when the Hopper backward takes
     ``prob`` and its kernel is compiled; None when the caller runs the portable kernels instead (nothing done).
-    ``delta`` and ``lse2`` are the preprocess's, contiguous float32 [B, Hq, Nq]."""
+    ``delta`` and ``lse2`` are the preprocess's, contiguous float32 [B, Hq, Nq]; ``dq_acc``, a zeroed float32
+    dQ the caller has already (any strides TMA can write), else one is made."""
     if unsupported(prob, dout) is not None:
         return None
     key = _variant(prob)
     if not fwd.ready(key, lambda: _compile_launch(prob, lse2, delta), prob.device):
         return None
-    dq_acc = torch.zeros(prob.q.shape, dtype=torch.float32, device=prob.device)
+    if dq_acc is None or not fwd.tma_ready(dq_acc):
+        dq_acc = torch.zeros(prob.q.shape, dtype=torch.float32, device=prob.device)
     compiled = _kernels.get(key)
     if compiled is None:
         grid, args, kw = _launch_args(prob, dout, lse2, delta, dq_acc, dk, dv)
@@ -128,7 +138,7 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
         L = fwd.LightDescriptor
         values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), lse2, delta, dk, dv, *dk.stride()[:3],
                   *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * LOG2E,
-                  prob.scale, BLOCK_M, prob.D, STAGES, prob.spec.causal, CONSUMER_REGS)
+                  prob.scale, BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS)
         grid = (-(-prob.Nk // (2 * HALF_N)), prob.Hkv, prob.B)
         _rt.run_compiled(compiled, grid, _rt.stream_of(prob.device.index), values)
     global launches

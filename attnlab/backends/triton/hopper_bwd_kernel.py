@@ -27,8 +27,8 @@ A program owns ``2 * HALF_N`` keys (HALF_N = 64) of one kv head of batch entry b
 Causal masks (either alignment: row i sees key j iff ``j <= i + off``) skip row tiles that see none of the
 program's keys and apply the mask only on tiles the diagonal crosses. The TMA descriptors are four-dimensional
 ``[B, H, N, D]``: rows past Nq and keys past Nk read as zeros (rows past Nq have lse2 = +inf from their masked
-load, so p = 0; zero keys add nothing to dQ and their dK and dV are not stored), and reduce-adds past Nq are
-clipped by the copy engine. What this kernel computes is :func:`hopper_backward.unsupported`'s.
+load, so p = 0; keys past Nk are masked in the last key tile and their dK and dV are not stored), and reduce-adds
+past Nq are clipped by the copy engine. What this kernel computes is :func:`hopper_backward.unsupported`'s.
 """
 
 from __future__ import annotations
@@ -71,13 +71,17 @@ def _row_tiles(n0, Nq, off, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _probabilities(S, rows, keys, lse2, qk_scale, off, crosses, CAUSAL: gl.constexpr):
-    """P = exp2(S * qk_scale - lse2), masked where the causal diagonal crosses the tile (``crosses``)."""
+def _probabilities(S, rows, keys, lse2, qk_scale, off, Nk, crosses, ragged, CAUSAL: gl.constexpr):
+    """P = exp2(S * qk_scale - lse2), masked where the causal diagonal crosses the tile (``crosses``) and, in the
+    last key tile (``ragged``), past Nk: those keys read as zeros, and their p = exp2(-lse2) would reach dQ through
+    dS (an inf times a zero key is NaN)."""
     s = S * qk_scale
     if CAUSAL:
         if crosses:
             ok = gl.expand_dims(keys, 0) <= gl.expand_dims(rows + off, 1)
             s = gl.where(ok, s, float("-inf"))
+    if ragged:
+        s = gl.where(gl.expand_dims(keys < Nk, 0), s, float("-inf"))
     return gl.exp2(s - gl.expand_dims(lse2, 1))
 
 
@@ -116,6 +120,7 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
     k0 = n0 + HALF * HALF_N
     t_lo, t_hi = _row_tiles(n0, Nq, off, BLOCK_M, CAUSAL)
     keys = k0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
+    ragged = k0 + HALF_N > Nk  # this half holds keys past Nk
     k_tile = k_bufs.index(HALF).reshape([HALF_N, HEAD_D])
     v_tile = v_bufs.index(HALF).reshape([HALF_N, HEAD_D])
     p_tile = p_bufs.index(HALF)
@@ -144,7 +149,7 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
             # ---- dV += P^T dO (while dP lands), then dS and dK += dS^T Q; P and dS through shared memory ----
             S = warpgroup_mma_wait(1, deps=(S, ))  # (the groups retire in issue order: S, then dP)
             crosses = t * BLOCK_M + off < k0 + HALF_N - 1  # some row of the tile does not see every key
-            p = _probabilities(S, rows, keys, lse2, qk_scale, off, crosses, CAUSAL)
+            p = _probabilities(S, rows, keys, lse2, qk_scale, off, Nk, crosses, ragged, CAUSAL)
             p_tile.store(p.to(dtype))
             fence_async_shared()
             dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
