@@ -20,9 +20,10 @@ class TritonBackend(Backend):
 
     name = "triton"
     takes = ("float32/float16/bfloat16, D and Dv 1-256, every mask, softcap, ALiBi slopes, sinks, packed "
-             "sequences natively; CUDA tensors compiled (on sm_90 a Hopper kernel for float16/bfloat16, D = Dv "
-             "of 64 or 128, no kv_len, explicit mask, bias, sinks, packing or narrow two-sided band), CPU tensors "
-             "interpreted; float8_e4m3fn forward (compute capability 8.9+), without gradients")
+             "sequences natively; CUDA tensors compiled (on sm_90 Hopper kernels: the forward for "
+             "float16/bfloat16, D = Dv of 64 or 128, no kv_len, explicit mask, bias, sinks, packing or narrow "
+             "two-sided band; the backward for D = Dv = 128, dense or causal), CPU tensors interpreted; "
+             "float8_e4m3fn forward (compute capability 8.9+), without gradients")
     takes_fp8 = True
     kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.backends.triton.backward)
     description = (
