@@ -90,3 +90,24 @@ def test_the_gluon_kernels_first_run_reads_back(tmp_path):
     assert hopper.gluon_kernel(tmp_path / "absent.json") is None
     recorded = hopper.gluon_kernel()
     assert recorded is not None and recorded[1] == recorded[2] and len(recorded[0]) == 6
+
+
+def test_the_backward_ab_reads_only_cases_whose_gradients_agreed(tmp_path):
+    p = tmp_path / "bwd.json"
+    ms = {"hopper-bwd": 1.0, "portable-bwd": 1.5, "sdpa-cudnn-bwd": 0.9}
+    p.write_text(json.dumps({"environment": {}, "rows": [
+        {"case": "ok", "passed": True, "err_vs_portable": [1e-3, 2e-3, 5e-4], "ms": ms},
+        {"case": "bad", "passed": False, "err_vs_portable": [0.5, 0.1, 0.1]},
+    ]}))
+    t = hopper.backward_ab(p)
+    assert list(t.index) == ["ok"]
+    row = t.loc["ok"]
+    assert row["Gluon x cuDNN"] == pytest.approx(0.9) and row["portable x cuDNN"] == pytest.approx(0.6)
+    assert row["Gluon x portable"] == pytest.approx(1.5) and row["gap to portable grads"] == pytest.approx(2e-3)
+    assert hopper.backward_ab(tmp_path / "absent.json") is None
+
+
+def test_the_recorded_backward_ab_reads_back():
+    t = hopper.backward_ab()
+    assert t is not None and len(t) == 4
+    assert (t["Gluon x portable"] > 1).all() and t["Gluon x cuDNN"].between(0.5, 1.5).all()

@@ -1,7 +1,8 @@
 """The forward's Hopper routes as recorded on the GPU (``tools/hopper_routes.py``): the public Triton call, the
 same call with forced configs, TMA tensor-descriptor loads and triton's automatic warp specialization, each timed
-beside cuDNN; Nsight Compute's view of attnlab's and cuDNN's forward kernels; and the first measure of the
-warp-specialized Gluon kernel (``attnlab/backends/triton/hopper_kernel.py``). Nothing is timed here.
+beside cuDNN; Nsight Compute's view of attnlab's and cuDNN's forward kernels; the first measure of the
+warp-specialized Gluon kernel (``attnlab/backends/triton/hopper_kernel.py``); and the Gluon backward
+(``hopper_bwd_kernel.py``) beside the portable one. Nothing is timed here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ PROFILE_FILE = _DIR / "ncu-forward-causal-e059209.csv"
 #: The Gluon kernel's first run: its checks against the float64 reference, then times beside cuDNN and the
 #: portable kernel (docs/decisions.md, "The forward on Hopper: a warp-specialized Gluon kernel").
 GLUON_FILE = _DIR / "hopper-gluon-first-e01d16c.json"
+#: The Gluon backward's first GPU run (an H100): the backward alone through the public call, beside the portable
+#: backward and cuDNN's (docs/decisions.md, "The Hopper backward").
+BACKWARD_FILE = DATA_DIR / "experiments" / "nvidia-h100-80gb-hbm3" / "hopper-bwd-3517dae.json"
 
 #: Route families by the prefix of their names in the files, as the notebook says them.
 FAMILIES = {"triton": "public call, shipped config", "triton cfg": "public call, best forced config",
@@ -131,3 +135,24 @@ def gluon_kernel(path: Path | str = GLUON_FILE) -> tuple[pd.DataFrame, int, int]
                      "Gluon x portable": ms["triton"] / ms["hopper"]})
     checks = run["check"]
     return pd.DataFrame(rows).set_index("case"), sum(bool(c.get("passed")) for c in checks), len(checks)
+
+
+def backward_ab(path: Path | str = BACKWARD_FILE) -> pd.DataFrame | None:
+    """The Gluon backward beside the portable one and cuDNN's, per case: times (ms), each one's speed over cuDNN's,
+    and the largest gap to the portable gradients (relative to the largest entry); only cases whose gradients
+    agreed were timed. None when the file is absent."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    rows = []
+    for r in json.loads(p.read_text())["rows"]:
+        if not r.get("passed"):
+            continue
+        ms = r["ms"]
+        cudnn = ms["sdpa-cudnn-bwd"]
+        rows.append({"case": r["case"], "Gluon (ms)": ms["hopper-bwd"], "portable (ms)": ms["portable-bwd"],
+                     "cuDNN (ms)": cudnn, "Gluon x cuDNN": cudnn / ms["hopper-bwd"],
+                     "portable x cuDNN": cudnn / ms["portable-bwd"],
+                     "Gluon x portable": ms["portable-bwd"] / ms["hopper-bwd"],
+                     "gap to portable grads": max(r["err_vs_portable"])})
+    return pd.DataFrame(rows).set_index("case")
