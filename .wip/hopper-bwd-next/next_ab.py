@@ -1,7 +1,9 @@
-"""The Hopper backward's program orders side by side (hopper_backward.ORDER 0, 1, 2), with sdpa-cudnn, the backward
-alone through the public call. Each order's gradients are checked first: dK and dV bitwise those of order 0 (a
-program's sums do not depend on when it runs), dQ within 1e-2 of the largest entry (its adds land in another
-order). Usage on an sm_90 GPU, with the series applied: PYTHONPATH=. python3 .wip/hopper-bwd-order/order_ab.py OUT.json
+"""The series' two changes, the backward alone through the public call. (1) The Hopper backward's program orders
+side by side (hopper_backward.ORDER 0, 1, 2) with sdpa-cudnn; each order's gradients are checked first: dK and dV
+bitwise those of order 0 (a program's sums do not depend on when it runs), dQ within 1e-2 of the largest entry
+(its adds land in another order). (2) ALiBi: the Hopper backward beside the portable one (ATTNLAB_HOPPER=0 at the
+backward) and compiled Flex with the same score_mod, after the Hopper gradients agree with the portable ones.
+Usage on an sm_90 GPU, with the series applied: PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json
 """
 
 import json
@@ -60,15 +62,63 @@ def case(B: int, Hq: int, Hkv: int, N: int, causal: bool) -> dict:
     return row
 
 
+#: (B, H, N, causal) of the scoremod suite's ALiBi rows
+ALIBI_CASES = [(4, 16, 4096, False), (4, 16, 4096, True)]
+
+
+def alibi_case(B: int, H: int, N: int, causal: bool) -> dict:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(B, H, N, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(B, H, N, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda")
+    hopper.set_mode("sync")
+    out = attnlab.attention(q, k, v, causal=causal, alibi_slopes=slopes, backend="triton")
+
+    def grads(mode: str):
+        def call():
+            hopper.set_mode(mode)
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        return call
+
+    before = hb.launches
+    mine = grads("sync")()
+    taken = hb.launches == before + 1
+    ref = grads("0")()
+    err = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(mine, ref)]
+
+    def alibi(score, b, h, i, j):
+        return score - slopes[h] * (i - j).abs()
+
+    mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, N, N) if causal else None
+    o2 = torch.compile(flex_attention)(q, k, v, score_mod=alibi, block_mask=mask)
+    calls = {"hopper-bwd": grads("sync"), "portable-bwd": grads("0"),
+             "flex-bwd": lambda: torch.autograd.grad(o2, (q, k, v), dout, retain_graph=True)}
+    row = {"case": f"alibi bf16 b{B} h{H} n{N} d128 {'causal' if causal else 'full'}", "hopper_taken": taken,
+           "err_vs_portable": err, "passed": taken and max(err) < 2e-2}
+    if row["passed"]:
+        row["ms"] = interleaved_ms(list(calls), lambda label: calls[label], 5, warmup=2, calls=10)
+        flex = row["ms"]["flex-bwd"]
+        row["flex_ms_over"] = {name: flex / ms for name, ms in row["ms"].items()}
+    hopper.set_mode("sync")
+    return row
+
+
 def main(path: str) -> None:
     rows = []
     for c in CASES:
         rows.append(case(*c))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
+    for c in ALIBI_CASES:
+        rows.append(alibi_case(*c))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"),
-           "command": "PYTHONPATH=. python3 .wip/hopper-bwd-order/order_ab.py OUT.json"}
+           "command": "PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json"}
     with open(path, "w") as f:
         json.dump({"environment": env, "rows": rows}, f, indent=1)
 
