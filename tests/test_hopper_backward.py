@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_hopper import _qkv as hopper_inputs
 
 import attnlab
 from attnlab.backends.triton import background
@@ -15,11 +16,9 @@ from attnlab.problem import make_problem
 from attnlab.reference import masked_scores, softmax_rows
 
 
-def _qkv(B=1, Hq=4, Hkv=2, Nq=200, Nk=200, D=128, dtype=torch.bfloat16, device="cpu", seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    return (torch.randn(B, Hq, Nq, D, dtype=dtype, device=device, generator=g),
-            torch.randn(B, Hkv, Nk, D, dtype=dtype, device=device, generator=g),
-            torch.randn(B, Hkv, Nk, D, dtype=dtype, device=device, generator=g))
+def _qkv(D=128, **kw):
+    """The forward tests' inputs, at the backward's head dim."""
+    return hopper_inputs(D=D, **kw)
 
 
 @pytest.fixture

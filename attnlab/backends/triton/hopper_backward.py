@@ -30,12 +30,8 @@ LOG2E = 1.4426950408889634
 
 @functools.cache
 def _kernel_module():
-    """The Gluon kernel's module, or the reason it cannot be imported (a triton without Gluon's Hopper API)."""
-    try:
-        from attnlab.backends.triton import hopper_bwd_kernel
-    except Exception as err:  # any import failure means: no Hopper path
-        return f"the Hopper backward needs triton's Gluon Hopper API: {err}"
-    return hopper_bwd_kernel
+    """The backward's Gluon module, or the reason it cannot be imported."""
+    return fwd.gluon_module("hopper_bwd_kernel")
 
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:

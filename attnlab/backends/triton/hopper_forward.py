@@ -17,6 +17,7 @@ float32 sums run in different orders, so the first calls and the later ones may 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import threading
 import warnings
@@ -84,14 +85,19 @@ def mode() -> str:
     return _mode
 
 
+def gluon_module(name: str):
+    """The Gluon kernel module ``attnlab.backends.triton.<name>``, or the reason it cannot be imported (a triton
+    without Gluon's Hopper API)."""
+    try:
+        return importlib.import_module(f"attnlab.backends.triton.{name}")
+    except Exception as err:  # any import failure means: no Hopper path
+        return f"the Hopper kernel {name} needs triton's Gluon Hopper API: {err}"
+
+
 @functools.cache
 def _kernel_module():
-    """The Gluon kernel's module, or the reason it cannot be imported (a triton without Gluon's Hopper API)."""
-    try:
-        from attnlab.backends.triton import hopper_kernel
-    except Exception as err:  # any import failure means: no Hopper path
-        return f"the Hopper kernel needs triton's Gluon Hopper API: {err}"
-    return hopper_kernel
+    """The forward's Gluon module, or the reason it cannot be imported."""
+    return gluon_module("hopper_kernel")
 
 
 @functools.cache
