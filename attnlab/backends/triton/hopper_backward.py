@@ -25,7 +25,6 @@ STAGES = 2  #: Q/dO slots in the ring
 CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader's and writer's warpgroup: 24)
 MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
 HEAD_DIMS = (128,)
-LOG2E = 1.4426950408889634
 
 
 @functools.cache
@@ -84,15 +83,20 @@ def _offset(prob: Problem) -> int:
     return prob.Nk - prob.Nq if _causal(prob) and prob.spec.align == "bottom_right" else 0
 
 
+def _grid(prob: Problem) -> tuple[int, int, int]:
+    """One program per key tile of 128, kv head and batch entry."""
+    return (-(-prob.Nk // (2 * HALF_N)), prob.Hkv, prob.B)
+
+
 def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, keywords) of one launch; ``dq_acc`` is float32 [B, Hq, Nq, D], zeroed."""
     q, k, v = prob.q, prob.k, prob.v
     D = prob.D
-    grid = (-(-prob.Nk // (2 * HALF_N)), prob.Hkv, prob.B)
+    grid = _grid(prob)
     args = (fwd.descriptor(q, [1, 1, BLOCK_M, D]), fwd.descriptor(dout, [1, 1, BLOCK_M, D]),
             fwd.descriptor(k, [1, 1, HALF_N, D]), fwd.descriptor(v, [1, 1, HALF_N, D]),
             fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), lse2, delta, dk, dv, *dk.stride()[:3],
-            *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * LOG2E, prob.scale)
+            *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale)
     kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS,
               num_warps=4, maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
     return grid, args, kw
@@ -133,10 +137,9 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
     else:
         L = fwd.LightDescriptor
         values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), lse2, delta, dk, dv, *dk.stride()[:3],
-                  *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * LOG2E,
+                  *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E,
                   prob.scale, BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS)
-        grid = (-(-prob.Nk // (2 * HALF_N)), prob.Hkv, prob.B)
-        _rt.run_compiled(compiled, grid, _rt.stream_of(prob.device.index), values)
+        _rt.run_compiled(compiled, _grid(prob), _rt.stream_of(prob.device.index), values)
     global launches
     launches += 1
     return dq_acc
