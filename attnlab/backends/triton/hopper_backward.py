@@ -25,6 +25,9 @@ STAGES = 2  #: Q/dO slots in the ring
 CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader's and writer's warpgroup: 24)
 MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
 HEAD_DIMS = (128,)
+#: The programs' order (the kernel's ``_program_tile``): 0, a kv head's key tiles together; 1, each key tile of a
+#: batch entry's kv heads together, the longest first; 2, each key tile of every kv head and batch entry together
+ORDER = 0
 
 
 @functools.cache
@@ -50,8 +53,8 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     spec, mods = prob.spec, prob.mods
     if spec.left is not None or spec.right not in (None, 0):
         return "no window (the causal mask or none)"
-    if prob.B > 65535 or prob.Hkv > 65535:
-        return "at most 65535 batch entries and kv heads (the grid's second and third axes)"
+    if max(_grid(prob)[1:]) > 65535:
+        return "at most 65535 along the grid's second and third axes (key tiles of 128, kv heads, batch entries)"
     if prob.packed is not None or spec.kv_len is not None or spec.q_len is not None:
         return "no lengths or packed sequences"
     if spec.mask is not None or spec.bias is not None:
@@ -75,7 +78,7 @@ def _causal(prob: Problem) -> bool:
 
 def _variant(prob: Problem) -> tuple:
     """What a compiled kernel is specialized on, beyond what every taken call shares."""
-    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob))
+    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), ORDER)
 
 
 def _offset(prob: Problem) -> int:
@@ -84,8 +87,9 @@ def _offset(prob: Problem) -> int:
 
 
 def _grid(prob: Problem) -> tuple[int, int, int]:
-    """One program per key tile of 128, kv head and batch entry."""
-    return (-(-prob.Nk // (2 * HALF_N)), prob.Hkv, prob.B)
+    """One program per key tile of 128, kv head and batch entry, the axes in :data:`ORDER`'s order."""
+    tiles = -(-prob.Nk // (2 * HALF_N))
+    return ((tiles, prob.Hkv, prob.B), (prob.Hkv, tiles, prob.B), (prob.Hkv, prob.B, tiles))[ORDER]
 
 
 def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tuple, tuple, dict]:
@@ -97,7 +101,7 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
             fwd.descriptor(k, [1, 1, HALF_N, D]), fwd.descriptor(v, [1, 1, HALF_N, D]),
             fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), lse2, delta, dk, dv, *dk.stride()[:3],
             *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale)
-    kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS,
+    kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS, ORDER=ORDER,
               num_warps=4, maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
     return grid, args, kw
 
@@ -138,7 +142,7 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
         L = fwd.LightDescriptor
         values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), lse2, delta, dk, dv, *dk.stride()[:3],
                   *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E,
-                  prob.scale, BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS)
+                  prob.scale, BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS, ORDER)
         _rt.run_compiled(compiled, _grid(prob), _rt.stream_of(prob.device.index), values)
     global launches
     launches += 1

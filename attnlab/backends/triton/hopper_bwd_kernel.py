@@ -8,8 +8,9 @@ row with no allowed key) and ``Delta_i = sum_d dO_id O_id`` (less the lse's own 
 
 Tiling and warp mapping
 -----------------------
-A program owns ``2 * HALF_N`` keys (HALF_N = 64) of one kv head of batch entry b; its grid is
-``(ceil(Nk / 128), Hkv, B)``. Its warps split into four partitions:
+A program owns ``2 * HALF_N`` keys (HALF_N = 64) of one kv head of batch entry b; its grid holds
+``ceil(Nk / 128) * Hkv * B`` programs, its axes ordered as :func:`_program_tile` reads them. Its warps split
+into four partitions:
 
 - two **consumers** (a warpgroup each) own one half of the keys: K and V of that half stay in shared memory, the
   half's dK and dV accumulate in registers (float32, [64, D] each). Query row tiles of ``BLOCK_M`` (64) rows of
@@ -99,9 +100,24 @@ def _store_dkdv(dk, dv, k0, b, kvh, Nk, DK, DV, dk_strides, dv_strides, HEAD_D: 
 
 
 @gluon.jit
+def _program_tile(ORDER: gl.constexpr):
+    """(key tile, kv head, batch entry) of this program, read from the grid's axes in ``ORDER`` (programs start
+    roughly in the order of their index, axis 0 fastest). 0: grid ``(tiles, Hkv, B)``, a kv head's key tiles
+    together (they share its Q and dO in L2); 1: ``(Hkv, tiles, B)``, key tile 0 of every kv head of a batch entry
+    first (the longest under the causal band), then tile 1...; 2: ``(Hkv, B, tiles)``, tile 0 of every kv head of
+    every batch entry first. The axes are read, not divided: a division's registers spill in the consumers."""
+    if ORDER == 0:
+        return gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    elif ORDER == 1:
+        return gl.program_id(1), gl.program_id(0), gl.program_id(2)
+    else:
+        return gl.program_id(2), gl.program_id(0), gl.program_id(1)
+
+
+@gluon.jit
 def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group,
               off, qk_scale, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr):
+              CAUSAL: gl.constexpr, ORDER: gl.constexpr):
     """Keys ``[k0, k0 + HALF_N)``: dK and dV over every row tile of the group, and half of D of each tile's dQ."""
     q_bufs, do_bufs, k_bufs, v_bufs, p_bufs, ds_bufs, dq_bufs = bufs
     q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free = bars
@@ -113,9 +129,7 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
                                                         instr_shape=[16, HEAD_D, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_D, 16])
-    pid_n = gl.program_id(0)
-    kvh = gl.program_id(1)
-    b = gl.program_id(2)
+    pid_n, kvh, b = _program_tile(ORDER)
     n0 = pid_n * (2 * HALF_N)
     k0 = n0 + HALF * HALF_N
     t_lo, t_hi = _row_tiles(n0, Nq, off, BLOCK_M, CAUSAL)
@@ -185,13 +199,11 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off,
-            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr):
     """K and V of both halves once, then Q and dO of every row tile of the group through the ring."""
     q_bufs, do_bufs, k_bufs, v_bufs = bufs[0], bufs[1], bufs[2], bufs[3]
     q_ready, q_empty, do_ready, do_empty, kv_ready = bars[0], bars[1], bars[2], bars[3], bars[4]
-    pid_n = gl.program_id(0)
-    kvh = gl.program_id(1)
-    b = gl.program_id(2)
+    pid_n, kvh, b = _program_tile(ORDER)
     n0 = pid_n * (2 * HALF_N)
     t_lo, t_hi = _row_tiles(n0, Nq, off, BLOCK_M, CAUSAL)
     mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
@@ -215,13 +227,11 @@ def _loader(q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off,
 
 @gluon.jit
 def _dq_writer(dq_desc, bufs, bars, Nq, group, off, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-               CAUSAL: gl.constexpr):
+               CAUSAL: gl.constexpr, ORDER: gl.constexpr):
     """Adds each staged half of a row tile's dQ into the float32 dQ by a TMA bulk reduce-add."""
     dq_bufs = bufs[6]
     dq_ready, dq_free = bars[7], bars[8]
-    pid_n = gl.program_id(0)
-    kvh = gl.program_id(1)
-    b = gl.program_id(2)
+    pid_n, kvh, b = _program_tile(ORDER)
     t_lo, t_hi = _row_tiles(pid_n * (2 * HALF_N), Nq, off, BLOCK_M, CAUSAL)
     it = t_lo * 0
     for g in range(0, group):
@@ -236,8 +246,9 @@ def _dq_writer(dq_desc, bufs, bars, Nq, group, off, BLOCK_M: gl.constexpr, HEAD_
 
 @gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "group", "off"])
 def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh,
-                    s_vn, Nq, Nk, Hq, group, off, qk_scale, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                    s_vn, Nq, Nk, Hq, group, off, qk_scale, scale, BLOCK_M: gl.constexpr,
+                    HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    ORDER: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     rk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
@@ -274,9 +285,9 @@ def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, D
     dv_strides = (s_vb, s_vh, s_vn)
     gl.warp_specialize([
         (_consumer, (0, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group, off, qk_scale,
-                     scale, BLOCK_M, HEAD_D, STAGES, CAUSAL)),
+                     scale, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER)),
         (_consumer, (1, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group, off, qk_scale,
-                     scale, BLOCK_M, HEAD_D, STAGES, CAUSAL)),
-        (_loader, (q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off, BLOCK_M, STAGES, CAUSAL)),
-        (_dq_writer, (dq_desc, bufs, bars, Nq, group, off, BLOCK_M, HEAD_D, CAUSAL)),
+                     scale, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off, BLOCK_M, STAGES, CAUSAL, ORDER)),
+        (_dq_writer, (dq_desc, bufs, bars, Nq, group, off, BLOCK_M, HEAD_D, CAUSAL, ORDER)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
