@@ -41,6 +41,8 @@ def test_takes_dense_causal_gqa_and_either_alignment(on_sm90):
     assert _why(q, k, v, causal=True, align="bottom_right") is None
     assert _why(q, k, v, causal=True, align="top_left") is None
     assert _why(*_qkv(dtype=torch.float16, Hkv=1)) is None
+    assert _why(q, k, v, causal=True, align="top_left", alibi_slopes=torch.rand(4)) is None
+    assert _why(q, k, v, alibi_slopes=torch.rand(1, 4)) is None
 
 
 @pytest.mark.parametrize("kw, causal, off", [
@@ -65,9 +67,9 @@ def test_the_causal_band_however_spelled_gets_the_causal_kernel(on_sm90, kw, cau
     (dict(window=(5, 0)), "no window"),
     (dict(kv_len=[100]), "no lengths"),
     (dict(q_len=[100]), "no lengths"),
-    (dict(softcap=30.0), "no score modifiers"),
-    (dict(alibi_slopes=torch.ones(4)), "no score modifiers"),
-    (dict(sinks=torch.zeros(4)), "no score modifiers or sinks"),
+    (dict(softcap=30.0), "no soft cap"),
+    (dict(softcap=30.0, alibi_slopes=torch.ones(4)), "no soft cap"),
+    (dict(sinks=torch.zeros(4)), "no soft cap or sinks"),
     (dict(mask=torch.ones(1, 1, 200, 200, dtype=torch.bool)), "no explicit mask"),
 ])
 def test_refuses_what_it_does_not_compute(on_sm90, kw, reason):
@@ -146,7 +148,8 @@ def test_compiles_for_sm90_with_the_installed_triton():
 
     from attnlab.backends.triton.cold_launch import compile_only
 
-    for kw in (dict(), dict(causal=True, align="bottom_right")):
+    for kw in (dict(), dict(causal=True, align="bottom_right"),
+               dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4))):
         q, k, v = _qkv(Nq=300, Nk=500)
         prob = make_problem(q, k, v, **kw)
         rows = torch.empty(1, 4, 300)
@@ -184,6 +187,11 @@ CASES = {
     # dQ (their p = exp2(-lse2) overflows float16 to inf, and inf times a zero key is NaN)
     "fp16_negative_ragged": dict(shape=dict(Nq=200, Nk=65, dtype=torch.float16), kw=dict(), negative=True),
     "bnhd": dict(shape=dict(Nq=257, Nk=257), kw=dict(causal=True), bnhd=True),
+    # ALiBi: distances |i + Nk - Nq - j| whatever the alignment; slopes per head ([Hq]) or per batch entry and head
+    "alibi_causal_tl_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="top_left"), alibi="h"),
+    "alibi_full_long_q_bh": dict(shape=dict(Nq=500, Nk=300), kw=dict(), alibi="bh"),
+    "alibi_causal_br_fp16": dict(shape=dict(Nq=300, Nk=500, dtype=torch.float16),
+                                 kw=dict(causal=True, align="bottom_right"), alibi="h"),
 }
 
 
@@ -199,6 +207,11 @@ def test_the_public_backward_runs_the_hopper_kernel_and_meets_the_contract(case)
     if spec.get("negative"):
         q, k = q.abs() * 3, -k.abs() * 3
     kw = spec["kw"]
+    if spec.get("alibi"):  # slopes of FlashAttention's size, and one 4x larger, per head
+        B, Hq = q.shape[:2]
+        shape = (Hq,) if spec["alibi"] == "h" else (B, Hq)
+        gs = torch.Generator("cuda").manual_seed(3)
+        kw = dict(kw, alibi_slopes=torch.rand(shape, device="cuda", generator=gs) * 0.25 + 2.0 ** -8)
     if spec.get("bnhd"):
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         kw = dict(kw, layout="bnhd")

@@ -38,9 +38,9 @@ def _kernel_module():
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv = 128,
-    no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment, Nq != Nk, GQA
-    and the lse's gradient; other windows, lengths, explicit masks and biases, packed sequences, the score
-    modifiers, sinks and deterministic mode (dQ's adds land in any order) run on the portable kernels."""
+    no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment, Nq != Nk, GQA,
+    ALiBi and the lse's gradient; other windows, lengths, explicit masks and biases, packed sequences, the soft
+    cap, sinks and deterministic mode (dQ's adds land in any order) run on the portable kernels."""
     if fwd.mode() == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
@@ -59,8 +59,8 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
         return "no lengths or packed sequences"
     if spec.mask is not None or spec.bias is not None:
         return "no explicit mask or bias"
-    if mods.softcap is not None or mods.alibi is not None or mods.sinks is not None:
-        return "no score modifiers or sinks"
+    if mods.softcap is not None or mods.sinks is not None:
+        return "no soft cap or sinks"
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic mode (dQ is added up by reduce-adds in any order)"
     if not all(fwd.tma_ready(t) for t in (q, prob.k, prob.v, dout)):
@@ -78,7 +78,7 @@ def _causal(prob: Problem) -> bool:
 
 def _variant(prob: Problem) -> tuple:
     """What a compiled kernel is specialized on, beyond what every taken call shares."""
-    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), ORDER)
+    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), ORDER, prob.mods.alibi is not None)
 
 
 def _offset(prob: Problem) -> int:
@@ -92,6 +92,13 @@ def _grid(prob: Problem) -> tuple[int, int, int]:
     return ((tiles, prob.Hkv, prob.B), (prob.Hkv, tiles, prob.B), (prob.Hkv, prob.B, tiles))[ORDER]
 
 
+def _alibi(prob: Problem) -> tuple:
+    """Alibi, s_ab, s_ah, alibi_off as the kernel takes them: the slopes' [B, Hq] view and Nk - Nq (``prob.q`` and
+    zeros without ALiBi)."""
+    a = prob.mods.alibi
+    return (prob.q, 0, 0, 0) if a is None else (a, *a.stride(), prob.Nk - prob.Nq)
+
+
 def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, keywords) of one launch; ``dq_acc`` is float32 [B, Hq, Nq, D], zeroed."""
     q, k, v = prob.q, prob.k, prob.v
@@ -100,8 +107,10 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
     args = (fwd.descriptor(q, [1, 1, BLOCK_M, D]), fwd.descriptor(dout, [1, 1, BLOCK_M, D]),
             fwd.descriptor(k, [1, 1, HALF_N, D]), fwd.descriptor(v, [1, 1, HALF_N, D]),
             fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), lse2, delta, dk, dv, *dk.stride()[:3],
-            *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale)
+            *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale,
+            *_alibi(prob))
     kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS, ORDER=ORDER,
+              HAS_ALIBI=prob.mods.alibi is not None,
               num_warps=4, maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
     return grid, args, kw
 
@@ -142,7 +151,8 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
         L = fwd.LightDescriptor
         values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), lse2, delta, dk, dv, *dk.stride()[:3],
                   *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E,
-                  prob.scale, BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS, ORDER)
+                  prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS, ORDER,
+                  prob.mods.alibi is not None)
         _rt.run_compiled(compiled, _grid(prob), _rt.stream_of(prob.device.index), values)
     global launches
     launches += 1

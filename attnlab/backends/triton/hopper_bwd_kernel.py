@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 HALF_N = gl.constexpr(64)  #: keys per consumer
+LOG2E = gl.constexpr(1.4426950408889634)  #: ALiBi's slopes enter in base 2
 
 
 @builtin
@@ -72,11 +73,16 @@ def _row_tiles(n0, Nq, off, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _probabilities(S, rows, keys, lse2, qk_scale, off, Nk, crosses, ragged, CAUSAL: gl.constexpr):
-    """P = exp2(S * qk_scale - lse2), masked where the causal diagonal crosses the tile (``crosses``) and, in the
-    last key tile (``ragged``), past Nk: those keys read as zeros, and their p = exp2(-lse2) would reach dQ through
-    dS (an inf times a zero key is NaN)."""
+def _probabilities(S, rows, keys, lse2, qk_scale, off, Nk, crosses, ragged, slope2, alibi_off, CAUSAL: gl.constexpr,
+                   HAS_ALIBI: gl.constexpr):
+    """P = exp2(S * qk_scale - lse2), with ALiBi's ``- slope2 * |i + Nk - Nq - j|`` (``alibi_off`` = Nk - Nq, the
+    forward's rule; a bias, so dS's formula is unchanged), masked where the causal diagonal crosses the tile
+    (``crosses``) and, in the last key tile (``ragged``), past Nk: those keys read as zeros, and their
+    p = exp2(-lse2) would reach dQ through dS (an inf times a zero key is NaN)."""
     s = S * qk_scale
+    if HAS_ALIBI:  # float positions per row and per key, then one subtraction per score (as tiles.alibi)
+        dist = gl.expand_dims((rows + alibi_off).to(gl.float32), 1) - gl.expand_dims(keys.to(gl.float32), 0)
+        s = s - slope2 * gl.abs(dist)
     if CAUSAL:
         if crosses:
             ok = gl.expand_dims(keys, 0) <= gl.expand_dims(rows + off, 1)
@@ -116,8 +122,8 @@ def _program_tile(ORDER: gl.constexpr):
 
 @gluon.jit
 def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group,
-              off, qk_scale, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, ORDER: gl.constexpr):
+              off, qk_scale, scale, alibi, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Keys ``[k0, k0 + HALF_N)``: dK and dV over every row tile of the group, and half of D of each tile's dQ."""
     q_bufs, do_bufs, k_bufs, v_bufs, p_bufs, ds_bufs, dq_bufs = bufs
     q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free = bars
@@ -145,8 +151,12 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
 
     mbarrier.wait(kv_ready.index(0), 0)
     it = t_lo * 0
+    Alibi, s_ab, s_ah, alibi_off = alibi
     for g in range(0, group):
         row_base = (b.to(gl.int64) * Hq + kvh * group + g) * Nq
+        slope2 = qk_scale * 0.0
+        if HAS_ALIBI:  # this query head's slope, in base 2
+            slope2 = gl.load(Alibi + b.to(gl.int64) * s_ab + (kvh * group + g).to(gl.int64) * s_ah) * LOG2E
         for t in range(t_lo, t_hi):
             slot = it % STAGES
             phase = (it // STAGES) & 1
@@ -163,7 +173,8 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
             # ---- dV += P^T dO (while dP lands), then dS and dK += dS^T Q; P and dS through shared memory ----
             S = warpgroup_mma_wait(1, deps=(S, ))  # (the groups retire in issue order: S, then dP)
             crosses = t * BLOCK_M + off < k0 + HALF_N - 1  # some row of the tile does not see every key
-            p = _probabilities(S, rows, keys, lse2, qk_scale, off, Nk, crosses, ragged, CAUSAL)
+            p = _probabilities(S, rows, keys, lse2, qk_scale, off, Nk, crosses, ragged, slope2, alibi_off, CAUSAL,
+                               HAS_ALIBI)
             p_tile.store(p.to(dtype))
             fence_async_shared()
             dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
@@ -244,11 +255,11 @@ def _dq_writer(dq_desc, bufs, bars, Nq, group, off, BLOCK_M: gl.constexpr, HEAD_
             it += 1
 
 
-@gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "group", "off"])
+@gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "group", "off", "s_ab", "s_ah", "alibi_off"])
 def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh,
-                    s_vn, Nq, Nk, Hq, group, off, qk_scale, scale, BLOCK_M: gl.constexpr,
-                    HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    ORDER: gl.constexpr):
+                    s_vn, Nq, Nk, Hq, group, off, qk_scale, scale, Alibi, s_ab, s_ah, alibi_off,
+                    BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     rk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
@@ -283,11 +294,12 @@ def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, D
     bars = (q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free)
     dk_strides = (s_kb, s_kh, s_kn)
     dv_strides = (s_vb, s_vh, s_vn)
+    alibi = (Alibi, s_ab, s_ah, alibi_off)
     gl.warp_specialize([
         (_consumer, (0, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group, off, qk_scale,
-                     scale, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER)),
+                     scale, alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI)),
         (_consumer, (1, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group, off, qk_scale,
-                     scale, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER)),
+                     scale, alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off, BLOCK_M, STAGES, CAUSAL, ORDER)),
         (_dq_writer, (dq_desc, bufs, bars, Nq, group, off, BLOCK_M, HEAD_D, CAUSAL, ORDER)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
