@@ -43,6 +43,7 @@ def test_takes_dense_causal_gqa_and_either_alignment(on_sm90):
     assert _why(*_qkv(dtype=torch.float16, Hkv=1)) is None
     assert _why(q, k, v, causal=True, align="top_left", alibi_slopes=torch.rand(4)) is None
     assert _why(q, k, v, alibi_slopes=torch.rand(1, 4)) is None
+    assert _why(*_qkv(D=64), causal=True, align="bottom_right") is None
 
 
 @pytest.mark.parametrize("kw, causal, off", [
@@ -78,7 +79,7 @@ def test_refuses_what_it_does_not_compute(on_sm90, kw, reason):
 
 
 def test_refuses_other_head_dims_dtypes_and_deterministic_mode(on_sm90):
-    assert "D = Dv in (128,)" in _why(*_qkv(D=64))
+    assert "D = Dv in (64, 128)" in _why(*_qkv(D=96))
     assert "float16 and bfloat16 only" in _why(*_qkv(dtype=torch.float32))
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -148,12 +149,13 @@ def test_compiles_for_sm90_with_the_installed_triton():
 
     from attnlab.backends.triton.cold_launch import compile_only
 
-    for kw in (dict(), dict(causal=True, align="bottom_right"),
-               dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4))):
-        q, k, v = _qkv(Nq=300, Nk=500)
+    for D, kw in ((128, dict()), (128, dict(causal=True, align="bottom_right")),
+                  (128, dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4))),
+                  (64, dict()), (64, dict(causal=True, align="bottom_right"))):
+        q, k, v = _qkv(Nq=300, Nk=500, D=D)
         prob = make_problem(q, k, v, **kw)
         rows = torch.empty(1, 4, 300)
-        acc = torch.zeros(1, 4, 300, 128)
+        acc = torch.zeros(1, 4, 300, D)
         _, args, launch_kw = hb._launch_args(prob, q, rows, rows, acc, torch.empty_like(k), torch.empty_like(v))
         assert launch_kw["enable_fp_fusion"] is True
         compiled = compile_only(hb._kernel_module().attn_bwd_hopper, args, launch_kw, 0,
@@ -190,6 +192,10 @@ CASES = {
     # ALiBi: distances |i + Nk - Nq - j| whatever the alignment; slopes per head ([Hq]) or per batch entry and head
     "alibi_causal_tl_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="top_left"), alibi="h"),
     "alibi_full_long_q_bh": dict(shape=dict(Nq=500, Nk=300), kw=dict(), alibi="bh"),
+    # D 64: one 32-column box per half of dQ
+    "d64_causal_gqa": dict(shape=dict(Nq=1000, Nk=1000, D=64), kw=dict(causal=True)),
+    "d64_causal_br_fp16_short_q": dict(shape=dict(Nq=333, Nk=777, D=64, dtype=torch.float16),
+                                       kw=dict(causal=True, align="bottom_right")),
     "alibi_causal_br_fp16": dict(shape=dict(Nq=300, Nk=500, dtype=torch.float16),
                                  kw=dict(causal=True, align="bottom_right"), alibi="h"),
 }

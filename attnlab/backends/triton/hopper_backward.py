@@ -24,7 +24,7 @@ HALF_N = 64  #: keys per consumer warpgroup; a program owns two halves
 STAGES = 2  #: Q/dO slots in the ring
 CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader's and writer's warpgroup: 24)
 MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
-HEAD_DIMS = (128,)
+HEAD_DIMS = (64, 128)
 #: The programs' order (the kernel's ``_program_tile``): 0, a kv head's key tiles together; 1, each key tile of a
 #: batch entry's kv heads together, the longest first; 2, each key tile of every kv head and batch entry together
 ORDER = 0
@@ -37,9 +37,9 @@ def _kernel_module():
 
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
-    """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv = 128,
-    no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment, Nq != Nk, GQA,
-    ALiBi and the lse's gradient; other windows, lengths, explicit masks and biases, packed sequences, the soft
+    """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
+    or 128, no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment, Nq != Nk,
+    GQA, ALiBi and the lse's gradient; other windows, lengths, explicit masks and biases, packed sequences, the soft
     cap, sinks and deterministic mode (dQ's adds land in any order) run on the portable kernels."""
     if fwd.mode() == "0":
         return "ATTNLAB_HOPPER=0"
