@@ -42,7 +42,7 @@ def test_takes_dense_causal_gqa_and_either_alignment(on_sm90):
     assert _why(q, k, v, causal=True, align="top_left") is None
     assert _why(*_qkv(dtype=torch.float16, Hkv=1)) is None
     assert _why(q, k, v, causal=True, align="top_left", alibi_slopes=torch.rand(4)) is None
-    assert _why(q, k, v, alibi_slopes=torch.rand(1, 4)) is None
+    assert _why(*_qkv(B=2, Nq=300, Nk=500), alibi_slopes=torch.rand(2, 4)) is None
     assert _why(*_qkv(D=64), causal=True, align="bottom_right") is None
 
 
@@ -60,6 +60,61 @@ def test_the_causal_band_however_spelled_gets_the_causal_kernel(on_sm90, kw, cau
     rows = torch.empty(1, 4, 300)
     _, args, launch_kw = hb._launch_args(prob, q, rows, rows, torch.zeros(1, 4, 300, 128), k, v)
     assert launch_kw["CAUSAL"] is causal and args[19] == off and hb._variant(prob)[4] is causal
+
+
+@pytest.mark.parametrize("slopes", [torch.rand(4), torch.rand(2, 4), torch.rand(4, 2).t()])
+def test_alibi_arguments_are_the_slopes_view_and_nk_minus_nq(on_sm90, slopes):
+    """Whatever the alignment (top-left here: the causal offset is 0, ALiBi's is Nk - Nq)."""
+    q, k, v = _qkv(B=2, Nq=300, Nk=500)
+    prob = make_problem(q, k, v, causal=True, align="top_left", alibi_slopes=slopes)
+    rows = torch.empty(2, 4, 300)
+    _, args, kw = hb._launch_args(prob, q, rows, rows, torch.zeros(2, 4, 300, 128), k, v)
+    names = hb._kernel_module().attn_bwd_hopper.arg_names
+    named = dict(zip(names, args))
+    assert named["off"] == 0 and named["alibi_off"] == 200 and kw["HAS_ALIBI"] is True
+    assert named["Alibi"] is prob.mods.alibi and (named["s_ab"], named["s_ah"]) == prob.mods.alibi.stride()
+
+
+@pytest.mark.parametrize("order, axes", [(0, ("tiles", "Hkv", "B")), (1, ("Hkv", "tiles", "B")),
+                                         (2, ("Hkv", "B", "tiles"))])
+def test_each_order_lays_out_the_grid_and_refuses_past_its_limits(on_sm90, monkeypatch, order, axes):
+    monkeypatch.setattr(hb, "ORDER", order)
+    q, k, v = _qkv(B=3, Hq=4, Hkv=2, Nq=300, Nk=500)
+    size = {"tiles": 4, "Hkv": 2, "B": 3}
+    assert hb._grid(make_problem(q, k, v)) == tuple(size[a] for a in axes)
+    q1, k1, v1 = (t[:1, :, :1] for t in (q, k, v))
+    tall = make_problem(q1.expand(65536, -1, -1, -1), k1.expand(65536, -1, -1, -1), v1.expand(65536, -1, -1, -1))
+    assert ("65535" in (hb.unsupported(tall, tall.q) or "")) == (axes.index("B") > 0)
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4)),
+                                dict(alibi_slopes=torch.rand(4, 2).t())])
+def test_a_relaunch_passes_the_kernels_arguments_in_its_order(on_sm90, monkeypatch, order, kw):
+    """The compiled kernel's own launcher takes every argument, constexprs included, by position: the values a
+    relaunch builds must be the first launch's, in the kernel's signature order."""
+    monkeypatch.setattr(hb, "ORDER", order)
+    monkeypatch.setattr(hopper, "ready", lambda *a, **k: True)
+    seen = {}
+    monkeypatch.setattr(hb._rt, "run_compiled", lambda c, grid, stream, values: seen.update(grid=grid, values=values))
+    monkeypatch.setattr(hb._rt, "stream_of", lambda index: 0)
+    q, k, v = _qkv(B=2, Nq=300, Nk=301)
+    prob = make_problem(q, k, v, **kw)
+    monkeypatch.setitem(hb._kernels, hb._variant(prob), object())
+    rows, acc = torch.empty(2, 4, 300), torch.zeros(2, 4, 300, 128)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    assert hb.run(prob, q, rows, rows, dk, dv, acc) is acc
+    grid, args, launch_kw = hb._launch_args(prob, q, rows, rows, acc, dk, dv)
+    names = hb._kernel_module().attn_bwd_hopper.arg_names
+    expect = [*args, *(launch_kw[n] for n in names[len(args):])]
+    assert seen["grid"] == grid and len(seen["values"]) == len(names) == len(expect)
+    for name, got, want in zip(names, seen["values"], expect):
+        if isinstance(got, hopper.LightDescriptor):
+            assert got.base.data_ptr() == want.base.data_ptr() and list(got.shape) == list(want.shape), name
+        elif isinstance(got, torch.Tensor):
+            assert got is want, name
+        else:
+            assert got == want and type(got) is type(want), (name, got, want)
 
 
 @pytest.mark.parametrize("kw, reason", [
@@ -140,8 +195,9 @@ def test_a_variants_first_call_runs_the_portable_kernels_and_its_second_starts_t
 MAX_SPILL_BYTES = 512
 
 
-def test_compiles_for_sm90_with_the_installed_triton():
-    """The kernel compiles for sm_90 (no GPU needed), with no warpgroup MMA serialized and its spills bounded."""
+def test_compiles_for_sm90_with_the_installed_triton(monkeypatch):
+    """The kernel compiles for sm_90 (no GPU needed), with no warpgroup MMA serialized and its spills bounded, in
+    each program order."""
     if isinstance(hb._kernel_module(), str):
         pytest.skip(hb._kernel_module())
     from test_hopper import ptxas_report
@@ -149,9 +205,11 @@ def test_compiles_for_sm90_with_the_installed_triton():
 
     from attnlab.backends.triton.cold_launch import compile_only
 
-    for D, kw in ((128, dict()), (128, dict(causal=True, align="bottom_right")),
-                  (128, dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4))),
-                  (64, dict()), (64, dict(causal=True, align="bottom_right"))):
+    alibi_causal = dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4))
+    for order, D, kw in ((0, 128, dict()), (0, 128, dict(causal=True, align="bottom_right")),
+                         (0, 128, alibi_causal), (1, 128, alibi_causal), (2, 128, alibi_causal),
+                         (0, 64, dict()), (0, 64, dict(causal=True, align="bottom_right"))):
+        monkeypatch.setattr(hb, "ORDER", order)
         q, k, v = _qkv(Nq=300, Nk=500, D=D)
         prob = make_problem(q, k, v, **kw)
         rows = torch.empty(1, 4, 300)
@@ -300,3 +358,34 @@ def test_relaunches_of_a_compiled_variant_and_repeat_runs():
     (dq1, dk1, dv1), (dq2, dk2, dv2) = results[1], results[2]
     assert torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
     assert (dq1.float() - dq2.float()).abs().max().item() <= 1e-2 * dq1.float().abs().max().item()
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_alibi_relaunches_with_other_slopes_and_shapes_match_the_portable_backward():
+    """One ALiBi variant launched three times (the JIT, then its own launcher with [Hq] and then [B, Hq] slopes of
+    other strides, Nq != Nk): each call's gradients agree with the portable backward's."""
+    prev = hopper.set_mode("sync")
+    try:
+        for Nq, Nk, per_batch in ((300, 300, False), (500, 700, False), (700, 500, True)):
+            q, k, v = _qkv(B=2, Hq=8, Nq=Nq, Nk=Nk, device="cuda", seed=13)
+            g = torch.Generator("cuda").manual_seed(Nq)
+            shape = (8, 2) if per_batch else (8,)
+            slopes = torch.rand(shape, device="cuda", generator=g) * 0.25 + 2.0 ** -8
+            slopes = slopes.t() if per_batch else slopes  # [B, Hq] with strides (1, 2)
+            kw = dict(causal=True, align="bottom_right", alibi_slopes=slopes)
+            dout = torch.randn_like(q)
+            grads = []
+            for mode in ("sync", "0"):
+                hopper.set_mode(mode)
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                before = hb.launches
+                attnlab.attention(*leaves, backend="triton", **kw).backward(dout)
+                assert hb.launches == before + (mode == "sync")
+                grads.append([t.grad.float() for t in leaves])
+            for name, a, b in zip("qkv", *grads):
+                err = (a - b).abs().max().item()
+                assert err <= 2e-2 * b.abs().max().item(), f"{Nq}x{Nk} d{name}: {err:.3g}"
+        assert hb._variant(make_problem(q, k, v, **kw)) in hb._kernels
+    finally:
+        hopper.set_mode(prev)

@@ -6,6 +6,8 @@ row with no allowed key) and ``Delta_i = sum_d dO_id O_id`` (less the lse's own 
     S = Q K^T * scale * log2(e)     P = exp2(S - lse2)     dP = dO V^T     dS = P * (dP - Delta)
     dV += P^T dO                    dK += scale * dS^T Q   dQ += scale * dS K
 
+with ALiBi's bias ``- slope2 * |i + Nk - Nq - j|`` added to S (base 2; it has no gradient, so dS is the same).
+
 Tiling and warp mapping
 -----------------------
 A program owns ``2 * HALF_N`` keys (HALF_N = 64) of one kv head of batch entry b; its grid holds
@@ -255,7 +257,7 @@ def _dq_writer(dq_desc, bufs, bars, Nq, group, off, BLOCK_M: gl.constexpr, HEAD_
             it += 1
 
 
-@gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "group", "off", "s_ab", "s_ah", "alibi_off"])
+@gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "group", "off", "Alibi", "s_ab", "s_ah", "alibi_off"])
 def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh,
                     s_vn, Nq, Nk, Hq, group, off, qk_scale, scale, Alibi, s_ab, s_ah, alibi_off,
                     BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
