@@ -46,6 +46,25 @@ def test_takes_dense_causal_gqa_and_either_alignment(on_sm90):
     assert _why(*_qkv(D=64), causal=True, align="bottom_right") is None
 
 
+def test_head_dim_64_only_with_grouped_query_heads(on_sm90):
+    assert _why(*_qkv(D=64, Hq=4, Hkv=2)) is None
+    assert "grouped query heads" in _why(*_qkv(D=64, Hq=4, Hkv=4), causal=True)
+    assert _why(*_qkv(D=128, Hq=4, Hkv=4), causal=True) is None
+
+
+@pytest.mark.parametrize("shape, kw, expect", [
+    (dict(Nq=8192, Nk=8192), dict(causal=True), 1),
+    (dict(Nq=300, Nk=500), dict(window=(None, 0), align="top_left"), 1),
+    (dict(Nq=300, Nk=8193), dict(causal=True, align="bottom_right"), 0),
+    (dict(Nq=300, Nk=500), dict(), 0),
+])
+def test_the_programs_order_by_rule_unless_forced(monkeypatch, shape, kw, expect):
+    prob = make_problem(*_qkv(**shape), **kw)
+    assert hb.ORDER is None and hb.order(prob) == expect
+    monkeypatch.setattr(hb, "ORDER", 2)
+    assert hb.order(prob) == 2 and hb._grid(prob)[2] == -(-shape["Nk"] // 128)
+
+
 @pytest.mark.parametrize("kw, causal, off", [
     (dict(), False, 0),
     (dict(causal=True, align="top_left"), True, 0),
@@ -185,7 +204,7 @@ def test_a_variants_first_call_runs_the_portable_kernels_and_its_second_starts_t
     assert hb.run(prob, q, rows, rows, dk, dv) is None and len(submitted) == 1  # second: the compile starts
     kernel, grid, kw, jit = submitted[0]
     assert kernel is hb._kernel_module().attn_bwd_hopper and jit and kw["CAUSAL"] is True
-    assert grid == (4, 2, 1)  # 128 keys a program: ceil(500 / 128) x Hkv x B
+    assert grid == (2, 4, 1)  # causal, so order 1: Hkv x ceil(500 / 128) key tiles of 128 x B
     assert hb.run(prob, q, rows, rows, dk, dv) is None and len(submitted) == 1  # in flight: not started twice
     assert hopper._compiles.keys() == {hb._variant(prob)}  # the backward's key, not a forward's
 

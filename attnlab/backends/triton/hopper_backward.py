@@ -25,9 +25,12 @@ STAGES = 2  #: Q/dO slots in the ring
 CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader's and writer's warpgroup: 24)
 MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
 HEAD_DIMS = (64, 128)
+GQA_ONLY_HEAD_DIMS = (64,)  #: head dims taken only when query heads share a kv head (else the portable is faster)
 #: The programs' order (the kernel's ``_program_tile``): 0, a kv head's key tiles together; 1, each key tile of a
-#: batch entry's kv heads together, the longest first; 2, each key tile of every kv head and batch entry together
-ORDER = 0
+#: batch entry's kv heads together, the longest first; 2, each key tile of every kv head and batch entry together.
+#: None picks by :func:`order`'s rule; a number forces that order on every call (experiments and tests).
+ORDER: int | None = None
+ORDER1_MAX_NK = 8192  #: the longest key row that takes order 1 under the causal band
 
 
 @functools.cache
@@ -50,6 +53,8 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
         return "float16 and bfloat16 only"
     if prob.D != prob.Dv or prob.D not in HEAD_DIMS:
         return f"D = Dv in {HEAD_DIMS} only"
+    if prob.D in GQA_ONLY_HEAD_DIMS and prob.group == 1:
+        return f"D {prob.D} with grouped query heads only (without, the portable backward is faster)"
     spec, mods = prob.spec, prob.mods
     if spec.left is not None or spec.right not in (None, 0):
         return "no window (the causal mask or none)"
@@ -76,9 +81,19 @@ def _causal(prob: Problem) -> bool:
     return prob.spec.left is None and prob.spec.right == 0
 
 
+def order(prob: Problem) -> int:
+    """The programs' order for ``prob``: :data:`ORDER` when set, else 1 under the causal band up to
+    :data:`ORDER1_MAX_NK` keys (its longest key tiles start first, in every head at once), 0 otherwise (a head's
+    tiles share its Q and dO in L2, which pays on full rows and longer bands)."""
+    if ORDER is not None:
+        return ORDER
+    return 1 if _causal(prob) and prob.Nk <= ORDER1_MAX_NK else 0
+
+
 def _variant(prob: Problem) -> tuple:
     """What a compiled kernel is specialized on, beyond what every taken call shares."""
-    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), ORDER, prob.mods.alibi is not None)
+    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), order(prob),
+            prob.mods.alibi is not None)
 
 
 def _offset(prob: Problem) -> int:
@@ -87,9 +102,9 @@ def _offset(prob: Problem) -> int:
 
 
 def _grid(prob: Problem) -> tuple[int, int, int]:
-    """One program per key tile of 128, kv head and batch entry, the axes in :data:`ORDER`'s order."""
+    """One program per key tile of 128, kv head and batch entry, the axes in :func:`order`'s order."""
     tiles = -(-prob.Nk // (2 * HALF_N))
-    return ((tiles, prob.Hkv, prob.B), (prob.Hkv, tiles, prob.B), (prob.Hkv, prob.B, tiles))[ORDER]
+    return ((tiles, prob.Hkv, prob.B), (prob.Hkv, tiles, prob.B), (prob.Hkv, prob.B, tiles))[order(prob)]
 
 
 def _alibi(prob: Problem) -> tuple:
@@ -109,9 +124,9 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
             fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), lse2, delta, dk, dv, *dk.stride()[:3],
             *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale,
             *_alibi(prob))
-    kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS, ORDER=ORDER,
-              HAS_ALIBI=prob.mods.alibi is not None,
-              num_warps=4, maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
+    kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS,
+              ORDER=order(prob), HAS_ALIBI=prob.mods.alibi is not None, num_warps=4, maxnreg=MAX_REGS,
+              **configs.COMPILE_OPTIONS)
     return grid, args, kw
 
 
@@ -151,7 +166,7 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
         L = fwd.LightDescriptor
         values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), lse2, delta, dk, dv, *dk.stride()[:3],
                   *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E,
-                  prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS, ORDER,
+                  prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS, order(prob),
                   prob.mods.alibi is not None)
         _rt.run_compiled(compiled, _grid(prob), _rt.stream_of(prob.device.index), values)
     global launches
