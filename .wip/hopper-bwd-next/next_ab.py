@@ -4,7 +4,8 @@ head dim) D 64; order 0's gradients are checked against the portable ones first,
 dV bitwise those of order 0 (a program's sums do not depend on when it runs), dQ within 1e-2 of the largest entry
 (its adds land in another order). (2) ALiBi: the Hopper backward beside the portable one (ATTNLAB_HOPPER=0 at the
 backward) and compiled Flex with the same score_mod, after the Hopper gradients agree with the portable ones.
-Usage on an sm_90 GPU, with the series applied: PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json
+Usage on an sm_90 GPU, with the series applied: PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json [rule]
+(``rule``: the rules' second look, each case also timed as the product picks, ``product``)
 """
 
 import json
@@ -19,12 +20,20 @@ import attnlab
 from attnlab.backends.triton import hopper_backward as hb
 from attnlab.backends.triton import hopper_forward as hopper
 from attnlab.bench.timing import interleaved_ms
+from attnlab.problem import make_problem
+
+RULE_GQA_ONLY = hb.GQA_ONLY_HEAD_DIMS  #: the product's
 
 #: (B, Hq, Hkv, N, D, causal): the backward suite's dense rows, a short many-head one, and D 64 (the Hopper
 #: backward's new head dim: order 0 against the portable backward below)
 CASES = [(4, 16, 16, 4096, 128, True), (2, 32, 8, 4096, 128, True), (4, 16, 16, 4096, 128, False),
          (1, 16, 16, 16384, 128, True), (1, 16, 16, 16384, 128, False), (8, 16, 16, 1024, 128, True),
          (4, 16, 16, 4096, 64, True), (4, 16, 16, 4096, 64, False), (1, 64, 8, 8192, 64, True)]
+#: The rules' second look (``rule`` as the second argument): the order's Nk bound either side of 8192, GQA at
+#: long and full rows, D 64 with and without GQA
+RULE_CASES = [(2, 16, 16, 8192, 128, True), (1, 16, 16, 8192, 128, False), (1, 32, 8, 16384, 128, True),
+              (4, 32, 8, 4096, 128, False), (16, 16, 16, 2048, 128, True), (2, 32, 8, 4096, 64, True),
+              (4, 16, 4, 4096, 64, False), (1, 16, 16, 16384, 64, True), (8, 16, 2, 2048, 64, True)]
 
 
 def case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool) -> dict:
@@ -36,9 +45,9 @@ def case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool) -> dict:
     hopper.set_mode("sync")
     out = attnlab.attention(q, k, v, causal=causal, backend="triton")
 
-    def grads(order: int, mode: str = "sync"):
-        def call():
-            hb.ORDER = order
+    def grads(order: int | None, mode: str = "sync", gqa_only: tuple = ()):
+        def call():  # gqa_only=(): the Hopper pass takes D 64 without GQA too, to be compared
+            hb.ORDER, hb.GQA_ONLY_HEAD_DIMS = order, gqa_only
             hopper.set_mode(mode)
             return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         return call
@@ -50,6 +59,11 @@ def case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool) -> dict:
     row["order0_taken"] = hb.launches == before + 1
     row["order0_err_vs_portable"] = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                                      for a, b in zip(first, portable)]
+    product = grads(None, "sync", RULE_GQA_ONLY)()  # the product's rule: which order, or the portable kernels
+    row["product_err_vs_portable"] = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                                      for a, b in zip(product, portable)]
+    prob = make_problem(q, k, v, causal=causal)
+    row["product_takes"] = hb.unsupported(prob, dout) or f"order {hb.order(prob)}"
     for order in (1, 2):
         before = hb.launches
         dq, dk, dv = grads(order)()
@@ -57,18 +71,20 @@ def case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool) -> dict:
             "hopper_taken": hb.launches == before + 1,
             "dk_dv_bitwise": bool(torch.equal(dk, first[1]) and torch.equal(dv, first[2])),
             "dq_err": ((dq.float() - first[0].float()).abs().max() / first[0].float().abs().max()).item()}
-    row["passed"] = row["order0_taken"] and max(row["order0_err_vs_portable"]) < 2e-2 and all(
+    errs = row["order0_err_vs_portable"] + row["product_err_vs_portable"]
+    row["passed"] = row["order0_taken"] and max(errs) < 2e-2 and all(
         c["hopper_taken"] and c["dk_dv_bitwise"] and c["dq_err"] < 1e-2 for c in row["checks"].values())
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o2 = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
     calls = {f"order-{o}": grads(o) for o in (0, 1, 2)}
+    calls["product"] = grads(None, "sync", RULE_GQA_ONLY)
     calls["portable-bwd"] = grads(0, "0")
     calls["sdpa-cudnn-bwd"] = lambda: torch.autograd.grad(o2, (q, k, v), dout, retain_graph=True)
     if row["passed"]:
         row["ms"] = interleaved_ms(list(calls), lambda label: calls[label], 5, warmup=2, calls=10)
         cudnn = row["ms"]["sdpa-cudnn-bwd"]
         row["cudnn_ms_over"] = {name: cudnn / ms for name, ms in row["ms"].items()}
-    hb.ORDER = 0
+    hb.ORDER, hb.GQA_ONLY_HEAD_DIMS = None, RULE_GQA_ONLY
     hopper.set_mode("sync")
     return row
 
@@ -118,12 +134,14 @@ def alibi_case(B: int, H: int, N: int, causal: bool) -> dict:
     return row
 
 
-def main(path: str) -> None:
+def main(path: str, rule: bool = False) -> None:
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"),
            "command": "PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json"}
     rows = []
-    for fn, c in [*((case, c) for c in CASES), *((alibi_case, c) for c in ALIBI_CASES)]:
+    todo = [(case, c) for c in RULE_CASES] if rule else [*((case, c) for c in CASES),
+                                                           *((alibi_case, c) for c in ALIBI_CASES)]
+    for fn, c in todo:
         rows.append(fn(*c))
         print(json.dumps(rows[-1]), flush=True)
         with open(path, "w") as f:  # after every row: a call cut by its time limit keeps what it measured
@@ -132,4 +150,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] == ["rule"])
