@@ -42,7 +42,8 @@ def test_takes_dense_causal_gqa_and_either_alignment(on_sm90):
     assert _why(q, k, v, causal=True, align="top_left") is None
     assert _why(*_qkv(dtype=torch.float16, Hkv=1)) is None
     assert _why(q, k, v, causal=True, align="top_left", alibi_slopes=torch.rand(4)) is None
-    assert _why(*_qkv(B=2, Nq=300, Nk=500), alibi_slopes=torch.rand(2, 4)) is None
+    assert _why(*_qkv(B=2, Nq=300, Nk=500), causal=True, align="bottom_right", alibi_slopes=torch.rand(2, 4)) is None
+    assert "causal band only" in _why(*_qkv(B=2, Nq=300, Nk=500), alibi_slopes=torch.rand(2, 4))
     assert _why(*_qkv(D=64), causal=True, align="bottom_right") is None
 
 
@@ -108,7 +109,7 @@ def test_each_order_lays_out_the_grid_and_refuses_past_its_limits(on_sm90, monke
 
 @pytest.mark.parametrize("order", [0, 1, 2])
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4)),
-                                dict(alibi_slopes=torch.rand(4, 2).t())])
+                                dict(causal=True, align="top_left", alibi_slopes=torch.rand(4, 2).t())])
 def test_a_relaunch_passes_the_kernels_arguments_in_its_order(on_sm90, monkeypatch, order, kw):
     """The compiled kernel's own launcher takes every argument, constexprs included, by position: the values a
     relaunch builds must be the first launch's, in the kernel's signature order."""
@@ -268,7 +269,8 @@ CASES = {
     "bnhd": dict(shape=dict(Nq=257, Nk=257), kw=dict(causal=True), bnhd=True),
     # ALiBi: distances |i + Nk - Nq - j| whatever the alignment; slopes per head ([Hq]) or per batch entry and head
     "alibi_causal_tl_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="top_left"), alibi="h"),
-    "alibi_full_long_q_bh": dict(shape=dict(Nq=500, Nk=300), kw=dict(), alibi="bh"),
+    "alibi_causal_tl_long_q_bh": dict(shape=dict(Nq=500, Nk=300), kw=dict(causal=True, align="top_left"),
+                                      alibi="bh"),
     # D 64: one 32-column box per half of dQ
     "d64_causal_gqa": dict(shape=dict(Nq=1000, Nk=1000, D=64), kw=dict(causal=True)),
     "d64_causal_br_fp16_short_q": dict(shape=dict(Nq=333, Nk=777, D=64, dtype=torch.float16),

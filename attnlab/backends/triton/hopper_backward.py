@@ -41,9 +41,10 @@ def _kernel_module():
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
-    or 128, no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment, Nq != Nk,
-    GQA, ALiBi and the lse's gradient; other windows, lengths, explicit masks and biases, packed sequences, the soft
-    cap, sinks and deterministic mode (dQ's adds land in any order) run on the portable kernels."""
+    or 128 (64 with GQA only), no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either
+    alignment, Nq != Nk, GQA, ALiBi under the causal band and the lse's gradient; other windows, lengths, explicit
+    masks and biases, packed sequences, the soft cap, sinks and deterministic mode (dQ's adds land in any order)
+    run on the portable kernels."""
     if fwd.mode() == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
@@ -66,6 +67,8 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
         return "no explicit mask or bias"
     if mods.softcap is not None or mods.sinks is not None:
         return "no soft cap or sinks"
+    if mods.alibi is not None and not _causal(prob):
+        return "ALiBi under the causal band only (on full rows the portable backward is faster)"
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic mode (dQ is added up by reduce-adds in any order)"
     if not all(fwd.tma_ready(t) for t in (q, prob.k, prob.v, dout)):
