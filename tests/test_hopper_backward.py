@@ -53,14 +53,17 @@ def test_head_dim_64_only_with_grouped_query_heads(on_sm90):
     assert _why(*_qkv(D=128, Hq=4, Hkv=4), causal=True) is None
 
 
-@pytest.mark.parametrize("shape, kw, expect", [
-    (dict(Nq=8192, Nk=8192), dict(causal=True), 1),
-    (dict(Nq=300, Nk=500), dict(window=(None, 0), align="top_left"), 1),
-    (dict(Nq=300, Nk=8193), dict(causal=True, align="bottom_right"), 0),
+@pytest.mark.parametrize("shape, kw, expect", [  # 132 SMs off the GPU; a wave is 132 programs
+    (dict(B=8, Hkv=2, Nq=2048, Nk=2048), dict(causal=True), 2),  # 256 programs: 1.9 waves
+    (dict(B=2, Hq=32, Hkv=8, Nq=4096, Nk=4096), dict(causal=True), 1),  # 3.9 waves
+    (dict(B=1, Hq=64, Hkv=8, Nq=8192, Nk=8192), dict(causal=True), 1),  # 3.9 waves, past 4096 keys
+    (dict(B=2, Hq=16, Hkv=16, Nq=8192, Nk=8192), dict(causal=True), 0),  # 15.5 waves
+    (dict(B=16, Hq=16, Hkv=16, Nq=300, Nk=500), dict(window=(None, 0), align="top_left"), 1),  # 7.8 waves
+    (dict(B=16, Hq=16, Hkv=16, Nq=300, Nk=4097), dict(causal=True, align="bottom_right"), 0),
     (dict(Nq=300, Nk=500), dict(), 0),
 ])
 def test_the_programs_order_by_rule_unless_forced(monkeypatch, shape, kw, expect):
-    prob = make_problem(*_qkv(**shape), **kw)
+    prob = make_problem(*_qkv(**shape, D=8), **kw)
     assert hb.ORDER is None and hb.order(prob) == expect
     monkeypatch.setattr(hb, "ORDER", 2)
     assert hb.order(prob) == 2 and hb._grid(prob)[2] == -(-shape["Nk"] // 128)
@@ -205,7 +208,7 @@ def test_a_variants_first_call_runs_the_portable_kernels_and_its_second_starts_t
     assert hb.run(prob, q, rows, rows, dk, dv) is None and len(submitted) == 1  # second: the compile starts
     kernel, grid, kw, jit = submitted[0]
     assert kernel is hb._kernel_module().attn_bwd_hopper and jit and kw["CAUSAL"] is True
-    assert grid == (2, 4, 1)  # causal, so order 1: Hkv x ceil(500 / 128) key tiles of 128 x B
+    assert grid == (2, 1, 4)  # a causal grid of under two waves, so order 2: Hkv x B x ceil(500 / 128) key tiles
     assert hb.run(prob, q, rows, rows, dk, dv) is None and len(submitted) == 1  # in flight: not started twice
     assert hopper._compiles.keys() == {hb._variant(prob)}  # the backward's key, not a forward's
 

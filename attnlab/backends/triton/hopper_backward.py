@@ -30,7 +30,8 @@ GQA_ONLY_HEAD_DIMS = (64,)  #: head dims taken only when query heads share a kv 
 #: batch entry's kv heads together, the longest first; 2, each key tile of every kv head and batch entry together.
 #: None picks by :func:`order`'s rule; a number forces that order on every call (experiments and tests).
 ORDER: int | None = None
-ORDER1_MAX_NK = 8192  #: the longest key row that takes order 1 under the causal band
+ORDER1_MAX_NK = 4096  #: the longest key row that takes order 1 under the causal band, past four waves
+H100_SMS = 132  #: the SMs :func:`order` counts for a problem off the GPU (the H100's and H200's count)
 
 
 @functools.cache
@@ -85,12 +86,20 @@ def _causal(prob: Problem) -> bool:
 
 
 def order(prob: Problem) -> int:
-    """The programs' order for ``prob``: :data:`ORDER` when set, else 1 under the causal band up to
-    :data:`ORDER1_MAX_NK` keys (its longest key tiles start first, in every head at once), 0 otherwise (a head's
-    tiles share its Q and dO in L2, which pays on full rows and longer bands)."""
+    """The programs' order for ``prob``: :data:`ORDER` when set, else on full rows 0 (a kv head's tiles share its
+    Q and dO in L2); under the causal band, where a key tile's work falls with its index, the longest tiles first
+    as far as L2 allows: 2 (every head's at once) when the grid is at most two waves of programs, where the last
+    wave's imbalance is most of the time; 1 (one batch entry's heads at once) up to 4096 keys or four waves; 0
+    beyond, where the band's rows are long enough for L2 reuse to matter more."""
     if ORDER is not None:
         return ORDER
-    return 1 if _causal(prob) and prob.Nk <= ORDER1_MAX_NK else 0
+    if not _causal(prob):
+        return 0
+    sms = _rt.sm_count(_rt.device_index(prob.device)) if prob.device.type == "cuda" else H100_SMS
+    waves = -(-prob.Nk // (2 * HALF_N)) * prob.Hkv * prob.B / sms
+    if waves <= 2:
+        return 2
+    return 1 if prob.Nk <= ORDER1_MAX_NK or waves <= 4 else 0
 
 
 def _variant(prob: Problem) -> tuple:
