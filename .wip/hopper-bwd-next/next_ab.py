@@ -4,8 +4,8 @@ head dim) D 64; order 0's gradients are checked against the portable ones first,
 dV bitwise those of order 0 (a program's sums do not depend on when it runs), dQ within 1e-2 of the largest entry
 (its adds land in another order). (2) ALiBi: the Hopper backward beside the portable one (ATTNLAB_HOPPER=0 at the
 backward) and compiled Flex with the same score_mod, after the Hopper gradients agree with the portable ones.
-Usage on an sm_90 GPU, with the series applied: PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json [rule]
-(``rule``: the rules' second look, each case also timed as the product picks, ``product``)
+Usage on an sm_90 GPU, with the series applied: PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json [rule|check]
+(``rule``, ``check``: the rules' second and third looks, each case also timed as the product picks, ``product``)
 """
 
 import json
@@ -34,6 +34,9 @@ CASES = [(4, 16, 16, 4096, 128, True), (2, 32, 8, 4096, 128, True), (4, 16, 16, 
 RULE_CASES = [(2, 16, 16, 8192, 128, True), (1, 16, 16, 8192, 128, False), (1, 32, 8, 16384, 128, True),
               (4, 32, 8, 4096, 128, False), (16, 16, 16, 2048, 128, True), (2, 32, 8, 4096, 64, True),
               (4, 16, 4, 4096, 64, False), (1, 16, 16, 16384, 64, True), (8, 16, 2, 2048, 64, True)]
+#: The order rule by waves (``check``): where it picks 2, 1 or 0 on shapes it was not read from, and two it was
+CHECK_CASES = [(8, 16, 2, 2048, 64, True), (2, 16, 16, 8192, 128, True), (4, 8, 1, 4096, 128, True),
+               (2, 32, 4, 2048, 128, True), (4, 32, 8, 4096, 64, True), (1, 32, 8, 8192, 128, True)]
 
 
 def case(B: int, Hq: int, Hkv: int, N: int, D: int, causal: bool) -> dict:
@@ -144,13 +147,14 @@ def alibi_case(B: int, H: int, N: int, causal: bool) -> dict:
     return row
 
 
-def main(path: str, rule: bool = False) -> None:
+def main(path: str, mode: str = "") -> None:
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"),
            "command": "PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json"}
     rows = []
-    todo = [*((case, c) for c in RULE_CASES), (alibi_case, ALIBI_CASES[0])] if rule else [*((case, c) for c in CASES),
-                                                           *((alibi_case, c) for c in ALIBI_CASES)]
+    todo = {"rule": [*((case, c) for c in RULE_CASES), (alibi_case, ALIBI_CASES[0])],
+            "check": [(case, c) for c in CHECK_CASES]}.get(mode) or [*((case, c) for c in CASES),
+                                                                   *((alibi_case, c) for c in ALIBI_CASES)]
     for fn, c in todo:
         rows.append(fn(*c))
         print(json.dumps(rows[-1]), flush=True)
@@ -160,4 +164,4 @@ def main(path: str, rule: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:] == ["rule"])
+    main(sys.argv[1], (sys.argv[2:] or [""])[0])
