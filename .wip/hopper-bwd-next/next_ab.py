@@ -4,7 +4,7 @@ head dim) D 64; order 0's gradients are checked against the portable ones first,
 dV bitwise those of order 0 (a program's sums do not depend on when it runs), dQ within 1e-2 of the largest entry
 (its adds land in another order). (2) ALiBi: the Hopper backward beside the portable one (ATTNLAB_HOPPER=0 at the
 backward) and compiled Flex with the same score_mod, after the Hopper gradients agree with the portable ones.
-Usage on an sm_90 GPU, with the series applied: PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json [rule|check]
+Usage on an sm_90 GPU: PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json [rule|check]
 (``rule``, ``check``: the rules' second and third looks, each case also timed as the product picks, ``product``)
 """
 
