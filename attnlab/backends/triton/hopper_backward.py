@@ -31,7 +31,7 @@ GQA_ONLY_HEAD_DIMS = (64,)  #: head dims taken only when query heads share a kv 
 #: None picks by :func:`order`'s rule; a number forces that order on every call (experiments and tests).
 ORDER: int | None = None
 ORDER1_MAX_NK = 4096  #: the longest key row that takes order 1 under the causal band, past four waves
-H100_SMS = 132  #: the SMs :func:`order` counts for a problem off the GPU (the H100's and H200's count)
+SMS_OFF_GPU = 132  #: the SMs :func:`order` counts for a problem off the GPU (tests): a Hopper SXM part's
 
 
 @functools.cache
@@ -95,7 +95,7 @@ def order(prob: Problem) -> int:
         return ORDER
     if not _causal(prob):
         return 0
-    sms = _rt.sm_count(_rt.device_index(prob.device)) if prob.device.type == "cuda" else H100_SMS
+    sms = _rt.sm_count(_rt.device_index(prob.device)) if prob.device.type == "cuda" else SMS_OFF_GPU
     waves = -(-prob.Nk // (2 * HALF_N)) * prob.Hkv * prob.B / sms
     if waves <= 2:
         return 2
