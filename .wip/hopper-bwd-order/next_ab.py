@@ -4,7 +4,7 @@ head dim) D 64; order 0's gradients are checked against the portable ones first,
 dV bitwise those of order 0 (a program's sums do not depend on when it runs), dQ within 1e-2 of the largest entry
 (its adds land in another order). (2) ALiBi: the Hopper backward beside the portable one (ATTNLAB_HOPPER=0 at the
 backward) and compiled Flex with the same score_mod, after the Hopper gradients agree with the portable ones.
-Usage on an sm_90 GPU: PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json [rule|check]
+Usage on an sm_90 GPU: PYTHONPATH=. python3 .wip/hopper-bwd-order/next_ab.py OUT.json [rule|check]
 (``rule``, ``check``: the rules' second and third looks, each case also timed as the product picks, ``product``)
 """
 
@@ -150,7 +150,7 @@ def alibi_case(B: int, H: int, N: int, causal: bool) -> dict:
 def main(path: str, mode: str = "") -> None:
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"),
-           "command": "PYTHONPATH=. python3 .wip/hopper-bwd-next/next_ab.py OUT.json"}
+           "command": "PYTHONPATH=. python3 .wip/hopper-bwd-order/next_ab.py OUT.json"}
     rows = []
     todo = {"rule": [*((case, c) for c in RULE_CASES), (alibi_case, ALIBI_CASES[0])],
             "check": [(case, c) for c in CHECK_CASES]}.get(mode) or [*((case, c) for c in CASES),
