@@ -102,10 +102,11 @@ def order(prob: Problem) -> int:
     return 1 if prob.Nk <= ORDER1_MAX_NK or waves <= 4 else 0
 
 
-def _variant(prob: Problem) -> tuple:
-    """What a compiled kernel is specialized on, beyond what every taken call shares."""
-    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), order(prob),
-            prob.mods.alibi is not None)
+def _variant(prob: Problem, program_order: int | None = None) -> tuple:
+    """What a compiled kernel is specialized on, beyond what every taken call shares (``program_order``: the
+    caller's :func:`order`, else computed)."""
+    o = order(prob) if program_order is None else program_order
+    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), o, prob.mods.alibi is not None)
 
 
 def _offset(prob: Problem) -> int:
@@ -113,10 +114,12 @@ def _offset(prob: Problem) -> int:
     return prob.Nk - prob.Nq if _causal(prob) and prob.spec.align == "bottom_right" else 0
 
 
-def _grid(prob: Problem) -> tuple[int, int, int]:
-    """One program per key tile of 128, kv head and batch entry, the axes in :func:`order`'s order."""
+def _grid(prob: Problem, program_order: int | None = None) -> tuple[int, int, int]:
+    """One program per key tile of 128, kv head and batch entry, the axes in :func:`order`'s order (the caller's
+    ``program_order``, else computed)."""
+    o = order(prob) if program_order is None else program_order
     tiles = -(-prob.Nk // (2 * HALF_N))
-    return ((tiles, prob.Hkv, prob.B), (prob.Hkv, tiles, prob.B), (prob.Hkv, prob.B, tiles))[order(prob)]
+    return ((tiles, prob.Hkv, prob.B), (prob.Hkv, tiles, prob.B), (prob.Hkv, prob.B, tiles))[o]
 
 
 def _alibi(prob: Problem) -> tuple:
@@ -163,7 +166,8 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
     dQ the caller has already (any strides TMA can write), else one is made."""
     if unsupported(prob, dout) is not None:
         return None
-    key = _variant(prob)
+    o = order(prob)  # once per call: the key, the relaunch's values and its grid all need it
+    key = _variant(prob, o)
     if not fwd.ready(key, lambda: _compile_launch(prob, lse2, delta), prob.device):
         return None
     if dq_acc is None or not fwd.tma_ready(dq_acc):
@@ -178,9 +182,9 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
         L = fwd.LightDescriptor
         values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), lse2, delta, dk, dv, *dk.stride()[:3],
                   *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E,
-                  prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS, order(prob),
+                  prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS, o,
                   prob.mods.alibi is not None)
-        _rt.run_compiled(compiled, _grid(prob), _rt.stream_of(prob.device.index), values)
+        _rt.run_compiled(compiled, _grid(prob, o), _rt.stream_of(prob.device.index), values)
     global launches
     launches += 1
     return dq_acc
