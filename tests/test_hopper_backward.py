@@ -63,10 +63,30 @@ def test_head_dim_64_only_with_grouped_query_heads(on_sm90):
     (dict(Nq=300, Nk=500), dict(), 0),
 ])
 def test_the_programs_order_by_rule_unless_forced(monkeypatch, shape, kw, expect):
+    monkeypatch.setattr(hb, "SPLIT", 1)  # the groups whole: waves of the unsplit grid
     prob = make_problem(*_qkv(**shape, D=8), **kw)
     assert hb.ORDER is None and hb.order(prob) == expect
     monkeypatch.setattr(hb, "ORDER", 2)
     assert hb.order(prob) == 2 and hb._grid(prob)[2] == -(-shape["Nk"] // 128)
+
+
+@pytest.mark.parametrize("shape, kw, parts, waves", [  # 132 SMs off the GPU
+    (dict(B=4, Hq=8, Hkv=1, Nq=4096, Nk=4096), dict(causal=True), 8, 7.8),  # 128 programs whole: split 8 ways
+    (dict(B=2, Hq=32, Hkv=4, Nq=2048, Nk=2048), dict(causal=True), 8, 7.8),
+    (dict(B=1, Hq=32, Hkv=8, Nq=8192, Nk=8192), dict(causal=True), 2, 7.8),  # 3.9 waves whole
+    (dict(B=2, Hq=32, Hkv=8, Nq=4096, Nk=4096), dict(causal=True), 2, 7.8),
+    (dict(B=1, Hq=12, Hkv=4, Nq=2048, Nk=2048), dict(causal=True), 1, 0.5),  # a group of 3 is not split
+    (dict(B=4, Hq=16, Hkv=16, Nq=4096, Nk=4096), dict(causal=True), 1, 15.5),  # no group to split
+    (dict(B=4, Hq=8, Hkv=1, Nq=4096, Nk=4096), dict(), 2, 1.9),  # full rows: until every SM has a program
+    (dict(B=2, Hq=32, Hkv=8, Nq=4096, Nk=4096), dict(), 1, 3.9),
+])
+def test_the_group_is_split_where_the_grid_is_short(monkeypatch, shape, kw, parts, waves):
+    prob = make_problem(*_qkv(**shape, D=8), **kw)
+    assert hb.SPLIT is None and hb.split(prob) == parts
+    assert round(hb._programs(prob, parts) / 132, 1) == waves
+    assert hb._grid(prob, 0) == (-(-shape["Nk"] // 128), shape["Hkv"] * parts, shape["B"])
+    monkeypatch.setattr(hb, "SPLIT", 4)
+    assert hb.split(prob) == (4 if shape["Hq"] // shape["Hkv"] % 4 == 0 else 1)
 
 
 @pytest.mark.parametrize("kw, causal, off", [
@@ -102,6 +122,7 @@ def test_alibi_arguments_are_the_slopes_view_and_nk_minus_nq(on_sm90, slopes):
                                          (2, ("Hkv", "B", "tiles"))])
 def test_each_order_lays_out_the_grid_and_refuses_past_its_limits(on_sm90, monkeypatch, order, axes):
     monkeypatch.setattr(hb, "ORDER", order)
+    monkeypatch.setattr(hb, "SPLIT", 1)
     q, k, v = _qkv(B=3, Hq=4, Hkv=2, Nq=300, Nk=500)
     size = {"tiles": 4, "Hkv": 2, "B": 3}
     assert hb._grid(make_problem(q, k, v)) == tuple(size[a] for a in axes)
@@ -110,13 +131,15 @@ def test_each_order_lays_out_the_grid_and_refuses_past_its_limits(on_sm90, monke
     assert ("65535" in (hb.unsupported(tall, tall.q) or "")) == (axes.index("B") > 0)
 
 
+@pytest.mark.parametrize("forced", [None, 1])
 @pytest.mark.parametrize("order", [0, 1, 2])
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4)),
                                 dict(causal=True, align="top_left", alibi_slopes=torch.rand(4, 2).t())])
-def test_a_relaunch_passes_the_kernels_arguments_in_its_order(on_sm90, monkeypatch, order, kw):
+def test_a_relaunch_passes_the_kernels_arguments_in_its_order(on_sm90, monkeypatch, order, kw, forced):
     """The compiled kernel's own launcher takes every argument, constexprs included, by position: the values a
-    relaunch builds must be the first launch's, in the kernel's signature order."""
+    relaunch builds must be the first launch's, in the kernel's signature order (the group whole or split)."""
     monkeypatch.setattr(hb, "ORDER", order)
+    monkeypatch.setattr(hb, "SPLIT", forced)
     monkeypatch.setattr(hopper, "ready", lambda *a, **k: True)
     seen = {}
     monkeypatch.setattr(hb._rt, "run_compiled", lambda c, grid, stream, values: seen.update(grid=grid, values=values))
@@ -126,7 +149,11 @@ def test_a_relaunch_passes_the_kernels_arguments_in_its_order(on_sm90, monkeypat
     monkeypatch.setitem(hb._kernels, hb._variant(prob), object())
     rows, acc = torch.empty(2, 4, 300), torch.zeros(2, 4, 300, 128)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
+    parts = hb.split(prob)
+    assert parts == (forced or 2)  # by rule the group of 2 is split: 12 programs whole
     assert hb.run(prob, q, rows, rows, dk, dv, acc) is acc
+    if parts > 1:  # the kernel writes the parts' float32 sums, which the host adds into dk and dv
+        dk, dv = hb._partials(prob, parts), hb._partials(prob, parts)
     grid, args, launch_kw = hb._launch_args(prob, q, rows, rows, acc, dk, dv)
     names = hb._kernel_module().attn_bwd_hopper.arg_names
     expect = [*args, *(launch_kw[n] for n in names[len(args):])]
@@ -134,6 +161,8 @@ def test_a_relaunch_passes_the_kernels_arguments_in_its_order(on_sm90, monkeypat
     for name, got, want in zip(names, seen["values"], expect):
         if isinstance(got, hopper.LightDescriptor):
             assert got.base.data_ptr() == want.base.data_ptr() and list(got.shape) == list(want.shape), name
+        elif isinstance(got, torch.Tensor) and parts > 1 and name in ("DK", "DV"):
+            assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), name
         elif isinstance(got, torch.Tensor):
             assert got is want, name
         else:
@@ -208,7 +237,7 @@ def test_a_variants_first_call_runs_the_portable_kernels_and_its_second_starts_t
     assert hb.run(prob, q, rows, rows, dk, dv) is None and len(submitted) == 1  # second: the compile starts
     kernel, grid, kw, jit = submitted[0]
     assert kernel is hb._kernel_module().attn_bwd_hopper and jit and kw["CAUSAL"] is True
-    assert grid == (2, 1, 4)  # a causal grid of under two waves, so order 2: Hkv x B x ceil(500 / 128) key tiles
+    assert grid == (4, 1, 4)  # under two waves, so order 2: Hkv 2 x 2 parts, B, ceil(500 / 128) key tiles
     assert hb.run(prob, q, rows, rows, dk, dv) is None and len(submitted) == 1  # in flight: not started twice
     assert hopper._compiles.keys() == {hb._variant(prob)}  # the backward's key, not a forward's
 
@@ -220,7 +249,7 @@ MAX_SPILL_BYTES = 512
 
 def test_compiles_for_sm90_with_the_installed_triton(monkeypatch):
     """The kernel compiles for sm_90 (no GPU needed), with no warpgroup MMA serialized and its spills bounded, in
-    each program order."""
+    each program order, its group whole or split (float32 partial dK and dV)."""
     if isinstance(hb._kernel_module(), str):
         pytest.skip(hb._kernel_module())
     from test_hopper import ptxas_report
@@ -229,15 +258,19 @@ def test_compiles_for_sm90_with_the_installed_triton(monkeypatch):
     from attnlab.backends.triton.cold_launch import compile_only
 
     alibi_causal = dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4))
-    for order, D, kw in ((0, 128, dict()), (0, 128, dict(causal=True, align="bottom_right")),
-                         (0, 128, alibi_causal), (1, 128, alibi_causal), (2, 128, alibi_causal),
-                         (0, 64, dict()), (0, 64, dict(causal=True, align="bottom_right"))):
+    causal = dict(causal=True, align="bottom_right")
+    for order, parts, D, kw in ((0, 1, 128, dict()), (0, 1, 128, causal), (0, 2, 128, causal),
+                                (0, 1, 128, alibi_causal), (1, 1, 128, alibi_causal), (2, 2, 128, alibi_causal),
+                                (0, 2, 64, dict()), (0, 1, 64, causal)):
         monkeypatch.setattr(hb, "ORDER", order)
+        monkeypatch.setattr(hb, "SPLIT", parts)
         q, k, v = _qkv(Nq=300, Nk=500, D=D)
         prob = make_problem(q, k, v, **kw)
         rows = torch.empty(1, 4, 300)
         acc = torch.zeros(1, 4, 300, D)
-        _, args, launch_kw = hb._launch_args(prob, q, rows, rows, acc, torch.empty_like(k), torch.empty_like(v))
+        dk, dv = (hb._partials(prob, parts), hb._partials(prob, parts)) if parts > 1 else (k, v)
+        _, args, launch_kw = hb._launch_args(prob, q, rows, rows, acc, dk, dv)
+        assert launch_kw["SPLIT"] == parts
         assert launch_kw["enable_fp_fusion"] is True
         compiled = compile_only(hb._kernel_module().attn_bwd_hopper, args, launch_kw, 0,
                                 target=GPUTarget("cuda", 90, 32))[0]
@@ -337,11 +370,12 @@ def test_the_public_backward_runs_the_hopper_kernel_and_meets_the_contract(case)
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("order", [0, 1, 2])
-def test_the_hopper_backward_matches_the_portable_one(order, monkeypatch):
+@pytest.mark.parametrize("order, parts", [(0, None), (1, None), (2, None), (0, 1), (2, 2)])
+def test_the_hopper_backward_matches_the_portable_one(order, parts, monkeypatch):
     """On a larger causal GQA case the two backwards agree to float32 sums in another order, rounded once, in
-    each order of the programs."""
+    each order of the programs, the group split by rule (4 parts: 128 programs whole), whole or in 2."""
     monkeypatch.setattr(hb, "ORDER", order)
+    monkeypatch.setattr(hb, "SPLIT", parts)
     q, k, v = _qkv(B=2, Hq=16, Hkv=4, Nq=2048, Nk=2048, device="cuda", seed=9)
     dout = torch.randn_like(q)
     grads = []

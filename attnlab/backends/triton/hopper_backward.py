@@ -32,6 +32,10 @@ GQA_ONLY_HEAD_DIMS = (64,)  #: head dims taken only when query heads share a kv 
 ORDER: int | None = None
 ORDER1_MAX_NK = 4096  #: the longest key row that takes order 1 under the causal band, past four waves
 SMS_OFF_GPU = 132  #: the SMs :func:`order` counts for a problem off the GPU (tests): a Hopper SXM part's
+#: Parts each kv head's group of query heads is split into, one program each (the kernel's ``SPLIT``, a power of
+#: two that divides the group): None picks by :func:`split`'s rule; a number forces it where it divides the group.
+SPLIT: int | None = None
+SPLIT_CAUSAL_WAVES = 4  #: under the causal band the group is split until the grid holds this many waves
 
 
 @functools.cache
@@ -85,28 +89,54 @@ def _causal(prob: Problem) -> bool:
     return prob.spec.left is None and prob.spec.right == 0
 
 
+def _sms(prob: Problem) -> int:
+    """The SMs of the problem's GPU (:data:`SMS_OFF_GPU` off the GPU)."""
+    return _rt.sm_count(_rt.device_index(prob.device)) if prob.device.type == "cuda" else SMS_OFF_GPU
+
+
+def _programs(prob: Problem, parts: int) -> int:
+    """The grid's size: key tiles of 128 x kv heads x parts of each group x batch entries."""
+    return -(-prob.Nk // (2 * HALF_N)) * prob.Hkv * parts * prob.B
+
+
+def split(prob: Problem) -> int:
+    """How many programs share each kv head's key tile, each taking an equal run of its query heads and adding
+    its dK and dV up in float32 for the host to sum: :data:`SPLIT` when set and it divides the group; else
+    doubled while the group allows and the grid is short of all SMs (full rows, where every program's work is
+    the same) or of :data:`SPLIT_CAUSAL_WAVES` waves (under the causal band, where key tile 0's programs, the
+    longest, set the time of a short grid)."""
+    if SPLIT is not None:
+        return SPLIT if prob.group % SPLIT == 0 else 1
+    waves = SPLIT_CAUSAL_WAVES if _causal(prob) else 1
+    parts = 1
+    while prob.group % (2 * parts) == 0 and _programs(prob, parts) < waves * _sms(prob):
+        parts *= 2
+    return parts
+
+
 def order(prob: Problem) -> int:
     """The programs' order for ``prob``: :data:`ORDER` when set, else on full rows 0 (a kv head's tiles share its
     Q and dO in L2); under the causal band, where a key tile's work falls with its index, the longest tiles first
     as far as L2 allows: 2 (every head's at once) when the grid is at most two waves of programs, where the last
     wave's imbalance is most of the time; 1 (one batch entry's heads at once) up to 4096 keys or four waves; 0
-    beyond, where the band's rows are long enough for L2 reuse to matter more."""
+    beyond, where the band's rows are long enough for L2 reuse to matter more. Waves count the split's
+    programs (:func:`split`)."""
     if ORDER is not None:
         return ORDER
     if not _causal(prob):
         return 0
-    sms = _rt.sm_count(_rt.device_index(prob.device)) if prob.device.type == "cuda" else SMS_OFF_GPU
-    waves = -(-prob.Nk // (2 * HALF_N)) * prob.Hkv * prob.B / sms
+    waves = _programs(prob, split(prob)) / _sms(prob)
     if waves <= 2:
         return 2
     return 1 if prob.Nk <= ORDER1_MAX_NK or waves <= 4 else 0
 
 
-def _variant(prob: Problem, program_order: int | None = None) -> tuple:
-    """What a compiled kernel is specialized on, beyond what every taken call shares (``program_order``: the
-    caller's :func:`order`, else computed)."""
+def _variant(prob: Problem, program_order: int | None = None, parts: int | None = None) -> tuple:
+    """What a compiled kernel is specialized on, beyond what every taken call shares (``program_order`` and
+    ``parts``: the caller's :func:`order` and :func:`split`, else computed)."""
     o = order(prob) if program_order is None else program_order
-    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), o, prob.mods.alibi is not None)
+    s = split(prob) if parts is None else parts
+    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), o, prob.mods.alibi is not None, s)
 
 
 def _offset(prob: Problem) -> int:
@@ -114,12 +144,13 @@ def _offset(prob: Problem) -> int:
     return prob.Nk - prob.Nq if _causal(prob) and prob.spec.align == "bottom_right" else 0
 
 
-def _grid(prob: Problem, program_order: int | None = None) -> tuple[int, int, int]:
-    """One program per key tile of 128, kv head and batch entry, the axes in :func:`order`'s order (the caller's
-    ``program_order``, else computed)."""
+def _grid(prob: Problem, program_order: int | None = None, parts: int | None = None) -> tuple[int, int, int]:
+    """One program per key tile of 128, kv head, part of its group and batch entry, the axes in :func:`order`'s
+    order (the caller's ``program_order`` and ``parts``, else computed)."""
     o = order(prob) if program_order is None else program_order
+    heads = prob.Hkv * (split(prob) if parts is None else parts)
     tiles = -(-prob.Nk // (2 * HALF_N))
-    return ((tiles, prob.Hkv, prob.B), (prob.Hkv, tiles, prob.B), (prob.Hkv, prob.B, tiles))[o]
+    return ((tiles, heads, prob.B), (heads, tiles, prob.B), (heads, prob.B, tiles))[o]
 
 
 def _alibi(prob: Problem) -> tuple:
@@ -130,7 +161,9 @@ def _alibi(prob: Problem) -> tuple:
 
 
 def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, keywords) of one launch; ``dq_acc`` is float32 [B, Hq, Nq, D], zeroed."""
+    """(grid, arguments, keywords) of one launch; ``dq_acc`` is float32 [B, Hq, Nq, D], zeroed; ``dk`` and ``dv``
+    what the kernel writes: the gradients, or with :func:`split` > 1 float32 [B, Hkv * parts, Nk, D] partial
+    sums (:func:`_partials`)."""
     q, k, v = prob.q, prob.k, prob.v
     D = prob.D
     grid = _grid(prob)
@@ -140,7 +173,8 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
             *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale,
             *_alibi(prob))
     kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS,
-              ORDER=order(prob), HAS_ALIBI=prob.mods.alibi is not None, num_warps=4, maxnreg=MAX_REGS,
+              ORDER=order(prob), HAS_ALIBI=prob.mods.alibi is not None, SPLIT=split(prob), num_warps=4,
+              maxnreg=MAX_REGS,
               **configs.COMPILE_OPTIONS)
     return grid, args, kw
 
@@ -149,8 +183,14 @@ def _compile_launch(prob: Problem, lse2: torch.Tensor, delta: torch.Tensor) -> t
     """(kernel, grid, arguments, keywords) to compile ``prob``'s variant for, with stand-ins of the call's dout,
     dQ accumulator, dk and dv (the same dtypes and alignment; none is written)."""
     acc = torch.empty((1, 1, 1, prob.D), dtype=torch.float32, device=prob.device)
-    return (_kernel_module().attn_bwd_hopper,
-            *_launch_args(prob, prob.q, lse2, delta, acc, torch.empty_like(prob.k), torch.empty_like(prob.v)))
+    dk = torch.empty((1, 1, 1, prob.D), dtype=torch.float32 if split(prob) > 1 else prob.dtype, device=prob.device)
+    return (_kernel_module().attn_bwd_hopper, *_launch_args(prob, prob.q, lse2, delta, acc, dk, dk))
+
+
+def _partials(prob: Problem, parts: int) -> torch.Tensor:
+    """A float32 [B, Hkv * parts, Nk, D] buffer for the parts' dK (or dV) sums, part p of kv head h at
+    ``h * parts + p``."""
+    return torch.empty((prob.B, prob.Hkv * parts, prob.Nk, prob.D), dtype=torch.float32, device=prob.device)
 
 
 #: Compiled kernels by variant, for launches without the JIT's binding.
@@ -166,12 +206,15 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
     dQ the caller has already (any strides TMA can write), else one is made."""
     if unsupported(prob, dout) is not None:
         return None
-    o = order(prob)  # once per call: the key, the relaunch's values and its grid all need it
-    key = _variant(prob, o)
+    o, s = order(prob), split(prob)  # once per call: the key, the relaunch's values and its grid all need them
+    key = _variant(prob, o, s)
     if not fwd.ready(key, lambda: _compile_launch(prob, lse2, delta), prob.device):
         return None
     if dq_acc is None or not fwd.tma_ready(dq_acc):
         dq_acc = torch.zeros(prob.q.shape, dtype=torch.float32, device=prob.device)
+    grad_k, grad_v = dk, dv
+    if s > 1:  # the parts' sums, added up below
+        dk, dv = _partials(prob, s), _partials(prob, s)
     compiled = _kernels.get(key)
     if compiled is None:
         grid, args, kw = _launch_args(prob, dout, lse2, delta, dq_acc, dk, dv)
@@ -183,8 +226,12 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
         values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), lse2, delta, dk, dv, *dk.stride()[:3],
                   *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E,
                   prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS, o,
-                  prob.mods.alibi is not None)
-        _rt.run_compiled(compiled, _grid(prob, o), _rt.stream_of(prob.device.index), values)
+                  prob.mods.alibi is not None, s)
+        _rt.run_compiled(compiled, _grid(prob, o, s), _rt.stream_of(prob.device.index), values)
+    if s > 1:
+        shape = (prob.B, prob.Hkv, s, prob.Nk, prob.D)
+        grad_k.copy_(dk.view(shape).sum(2))
+        grad_v.copy_(dv.view(shape).sum(2))
     global launches
     launches += 1
     return dq_acc

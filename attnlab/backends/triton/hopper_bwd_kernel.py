@@ -10,9 +10,11 @@ with ALiBi's bias ``- slope2 * |i + Nk - Nq - j|`` added to S (base 2; it has no
 
 Tiling and warp mapping
 -----------------------
-A program owns ``2 * HALF_N`` keys (HALF_N = 64) of one kv head of batch entry b; its grid holds
-``ceil(Nk / 128) * Hkv * B`` programs, its axes ordered as :func:`_program_tile` reads them. Its warps split
-into four partitions:
+A program owns ``2 * HALF_N`` keys (HALF_N = 64) of one kv head of batch entry b and one of ``SPLIT`` equal runs
+of the query heads that share it (SPLIT = 1: all of them); its grid holds ``ceil(Nk / 128) * Hkv * SPLIT * B``
+programs, its axes ordered as :func:`_program_tile` reads them. With SPLIT > 1 each program's dK and dV are a
+partial sum, stored in float32 at head ``kvh * SPLIT + part`` for the host to add up: more programs where a few
+long ones would leave SMs idle. Its warps split into four partitions:
 
 - two **consumers** (a warpgroup each) own one half of the keys: K and V of that half stay in shared memory, the
   half's dK and dV accumulate in registers (float32, [64, D] each). Query row tiles of ``BLOCK_M`` (64) rows of
@@ -108,25 +110,35 @@ def _store_dkdv(dk, dv, k0, b, kvh, Nk, DK, DV, dk_strides, dv_strides, HEAD_D: 
 
 
 @gluon.jit
-def _program_tile(ORDER: gl.constexpr):
-    """(key tile, kv head, batch entry) of this program, read from the grid's axes in ``ORDER`` (programs start
+def _program_tile(ORDER: gl.constexpr, SPLIT: gl.constexpr):
+    """(key tile, kv head, batch entry, part of the group) of this program, read from the grid's axes in ``ORDER``
+    (the kv-head axis holds ``Hkv * SPLIT`` programs, a kv head's parts side by side; programs start
     roughly in the order of their index, axis 0 fastest). 0: grid ``(tiles, Hkv, B)``, a kv head's key tiles
     together (they share its Q and dO in L2); 1: ``(Hkv, tiles, B)``, key tile 0 of every kv head of a batch entry
     first (the longest under the causal band), then tile 1...; 2: ``(Hkv, B, tiles)``, tile 0 of every kv head of
-    every batch entry first. The axes are read, not divided: a division's registers spill in the consumers."""
+    every batch entry first. The axes are read, not divided by a runtime value (its registers spill in the
+    consumers); SPLIT is a power of two, a shift and a mask."""
     if ORDER == 0:
-        return gl.program_id(0), gl.program_id(1), gl.program_id(2)
+        pid_n, head, b = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     elif ORDER == 1:
-        return gl.program_id(1), gl.program_id(0), gl.program_id(2)
+        pid_n, head, b = gl.program_id(1), gl.program_id(0), gl.program_id(2)
     else:
-        return gl.program_id(2), gl.program_id(0), gl.program_id(1)
+        pid_n, head, b = gl.program_id(2), gl.program_id(0), gl.program_id(1)
+    return pid_n, head // SPLIT, b, head % SPLIT
+
+
+@gluon.jit
+def _heads(part, group, SPLIT: gl.constexpr):
+    """The run ``[g_lo, g_hi)`` of the group's query heads that part ``part`` of ``SPLIT`` takes."""
+    size = group // SPLIT
+    return part * size, part * size + size
 
 
 @gluon.jit
 def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group,
               off, qk_scale, scale, alibi, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr):
-    """Keys ``[k0, k0 + HALF_N)``: dK and dV over every row tile of the group, and half of D of each tile's dQ."""
+              CAUSAL: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT: gl.constexpr):
+    """Keys ``[k0, k0 + HALF_N)``: dK and dV over every row tile of its heads, and half of D of each tile's dQ."""
     q_bufs, do_bufs, k_bufs, v_bufs, p_bufs, ds_bufs, dq_bufs = bufs
     q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free = bars
     dtype: gl.constexpr = q_bufs.dtype
@@ -137,7 +149,8 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
                                                         instr_shape=[16, HEAD_D, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_D, 16])
-    pid_n, kvh, b = _program_tile(ORDER)
+    pid_n, kvh, b, part = _program_tile(ORDER, SPLIT)
+    g_lo, g_hi = _heads(part, group, SPLIT)
     n0 = pid_n * (2 * HALF_N)
     k0 = n0 + HALF * HALF_N
     t_lo, t_hi = _row_tiles(n0, Nq, off, BLOCK_M, CAUSAL)
@@ -154,7 +167,7 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
     mbarrier.wait(kv_ready.index(0), 0)
     it = t_lo * 0
     Alibi, s_ab, s_ah, alibi_off = alibi
-    for g in range(0, group):
+    for g in range(g_lo, g_hi):
         row_base = (b.to(gl.int64) * Hq + kvh * group + g) * Nq
         slope2 = qk_scale * 0.0
         if HAS_ALIBI:  # this query head's slope, in base 2
@@ -207,16 +220,20 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
             mbarrier.arrive(dq_ready.index(HALF), count=1)
             it += 1
 
-    _store_dkdv((dk * scale).to(dtype), dv.to(dtype), k0, b, kvh, Nk, DK, DV, dk_strides, dv_strides, HEAD_D)
+    out_dtype: gl.constexpr = DK.dtype.element_ty  # q's dtype, or float32 for a part's sums (SPLIT > 1)
+    _store_dkdv((dk * scale).to(out_dtype), dv.to(out_dtype), k0, b, kvh * SPLIT + part, Nk, DK, DV, dk_strides,
+                dv_strides, HEAD_D)
 
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off,
-            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr):
-    """K and V of both halves once, then Q and dO of every row tile of the group through the ring."""
+            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
+            SPLIT: gl.constexpr):
+    """K and V of both halves once, then Q and dO of every row tile of its heads through the ring."""
     q_bufs, do_bufs, k_bufs, v_bufs = bufs[0], bufs[1], bufs[2], bufs[3]
     q_ready, q_empty, do_ready, do_empty, kv_ready = bars[0], bars[1], bars[2], bars[3], bars[4]
-    pid_n, kvh, b = _program_tile(ORDER)
+    pid_n, kvh, b, part = _program_tile(ORDER, SPLIT)
+    g_lo, g_hi = _heads(part, group, SPLIT)
     n0 = pid_n * (2 * HALF_N)
     t_lo, t_hi = _row_tiles(n0, Nq, off, BLOCK_M, CAUSAL)
     mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
@@ -224,7 +241,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off,
         _tma_load(k_desc, [b, kvh, n0 + half * HALF_N, 0], kv_ready.index(0), k_bufs.index(half))
         _tma_load(v_desc, [b, kvh, n0 + half * HALF_N, 0], kv_ready.index(0), v_bufs.index(half))
     it = t_lo * 0
-    for g in range(0, group):
+    for g in range(g_lo, g_hi):
         h = kvh * group + g
         for t in range(t_lo, t_hi):
             slot = it % STAGES
@@ -240,14 +257,15 @@ def _loader(q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off,
 
 @gluon.jit
 def _dq_writer(dq_desc, bufs, bars, Nq, group, off, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-               CAUSAL: gl.constexpr, ORDER: gl.constexpr):
+               CAUSAL: gl.constexpr, ORDER: gl.constexpr, SPLIT: gl.constexpr):
     """Adds each staged half of a row tile's dQ into the float32 dQ by a TMA bulk reduce-add."""
     dq_bufs = bufs[6]
     dq_ready, dq_free = bars[7], bars[8]
-    pid_n, kvh, b = _program_tile(ORDER)
+    pid_n, kvh, b, part = _program_tile(ORDER, SPLIT)
+    g_lo, g_hi = _heads(part, group, SPLIT)
     t_lo, t_hi = _row_tiles(pid_n * (2 * HALF_N), Nq, off, BLOCK_M, CAUSAL)
     it = t_lo * 0
-    for g in range(0, group):
+    for g in range(g_lo, g_hi):
         for t in range(t_lo, t_hi):
             for half in gl.static_range(2):
                 mbarrier.wait(dq_ready.index(half), it & 1)
@@ -261,7 +279,8 @@ def _dq_writer(dq_desc, bufs, bars, Nq, group, off, BLOCK_M: gl.constexpr, HEAD_
 def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh,
                     s_vn, Nq, Nk, Hq, group, off, qk_scale, scale, Alibi, s_ab, s_ah, alibi_off,
                     BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr):
+                    CONSUMER_REGS: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                    SPLIT: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     rk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
@@ -299,9 +318,10 @@ def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, D
     alibi = (Alibi, s_ab, s_ah, alibi_off)
     gl.warp_specialize([
         (_consumer, (0, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group, off, qk_scale,
-                     scale, alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI)),
+                     scale, alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI, SPLIT)),
         (_consumer, (1, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group, off, qk_scale,
-                     scale, alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI)),
-        (_loader, (q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off, BLOCK_M, STAGES, CAUSAL, ORDER)),
-        (_dq_writer, (dq_desc, bufs, bars, Nq, group, off, BLOCK_M, HEAD_D, CAUSAL, ORDER)),
+                     scale, alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI, SPLIT)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off, BLOCK_M, STAGES, CAUSAL, ORDER,
+                   SPLIT)),
+        (_dq_writer, (dq_desc, bufs, bars, Nq, group, off, BLOCK_M, HEAD_D, CAUSAL, ORDER, SPLIT)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
