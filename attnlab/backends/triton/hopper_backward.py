@@ -35,7 +35,7 @@ SMS_OFF_GPU = 132  #: the SMs :func:`order` counts for a problem off the GPU (te
 #: Parts each kv head's group of query heads is split into, one program each (the kernel's ``SPLIT``, a power of
 #: two that divides the group): None picks by :func:`split`'s rule; a number forces it where it divides the group.
 SPLIT: int | None = None
-SPLIT_CAUSAL_WAVES = 4  #: under the causal band the group is split until the grid holds this many waves
+SPLIT_CAUSAL_WAVES = 3  #: under the causal band a grid under one wave is split until it holds this many waves
 
 
 @functools.cache
@@ -101,15 +101,19 @@ def _programs(prob: Problem, parts: int) -> int:
 
 def split(prob: Problem) -> int:
     """How many programs share each kv head's key tile, each taking an equal run of its query heads and adding
-    its dK and dV up in float32 for the host to sum: :data:`SPLIT` when set and it divides the group; else
-    doubled while the group allows and the grid is short of all SMs (full rows, where every program's work is
-    the same) or of :data:`SPLIT_CAUSAL_WAVES` waves (under the causal band, where key tile 0's programs, the
-    longest, set the time of a short grid)."""
+    its dK and dV up in float32 for the host to sum: :data:`SPLIT` when set and it divides the group; else 1 for
+    a grid of a wave or more (there the parts' float32 stores and sums cost more than they balance), and a grid
+    under one wave doubled while the group allows until it fills the SMs (full rows, where every program's work
+    is the same) or holds :data:`SPLIT_CAUSAL_WAVES` waves (under the causal band, where key tile 0's programs,
+    the longest, set a short grid's time)."""
     if SPLIT is not None:
         return SPLIT if prob.group % SPLIT == 0 else 1
+    sms = _sms(prob)
+    if _programs(prob, 1) >= sms:
+        return 1
     waves = SPLIT_CAUSAL_WAVES if _causal(prob) else 1
     parts = 1
-    while prob.group % (2 * parts) == 0 and _programs(prob, parts) < waves * _sms(prob):
+    while prob.group % (2 * parts) == 0 and _programs(prob, parts) < waves * sms:
         parts *= 2
     return parts
 
