@@ -170,6 +170,38 @@ def test_a_relaunch_passes_the_kernels_arguments_in_its_order(on_sm90, monkeypat
             assert got == want and type(got) is type(want), (name, got, want)
 
 
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_the_parts_sums_land_in_dk_and_dv(on_sm90, monkeypatch, layout):
+    """With the group split the kernel writes float32 parts (kv head h's part p at head h * parts + p); the host
+    adds them up into the caller's dk and dv, whatever their strides. The launch is stubbed: it fills the parts."""
+    monkeypatch.setattr(hb, "SPLIT", 4)
+    monkeypatch.setattr(hopper, "ready", lambda *a, **k: True)
+    monkeypatch.setattr(hb._rt, "stream_of", lambda index: 0)
+    g = torch.Generator().manual_seed(0)
+    parts = {}
+
+    def launch(compiled, grid, stream, values):
+        names = hb._kernel_module().attn_bwd_hopper.arg_names
+        for name in ("DK", "DV"):
+            parts[name] = values[names.index(name)]
+            parts[name].copy_(torch.randn(parts[name].shape, generator=g))
+
+    monkeypatch.setattr(hb._rt, "run_compiled", launch)
+    q, k, v = _qkv(B=2, Hq=8, Hkv=2, Nq=300, Nk=200)
+    if layout == "bnhd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    prob = make_problem(q, k, v, layout=layout)
+    monkeypatch.setitem(hb._kernels, hb._variant(prob), object())
+    rows, acc = torch.empty(2, 8, 300), torch.zeros(2, 8, 300, 128)
+    dk, dv = (torch.full_like(t, float("nan")).transpose(1, 2) if layout == "bnhd" else torch.full_like(t, float("nan"))
+              for t in (k, v))  # the gradients as [B, H, N, D] views of the caller's tensors
+    assert hb.run(prob, prob.q, rows, rows, dk, dv, acc) is acc
+    for name, grad in (("DK", dk), ("DV", dv)):
+        part = parts[name]
+        assert part.dtype == torch.float32 and part.shape == (2, 2 * 4, 200, 128)
+        assert torch.equal(grad, part.view(2, 2, 4, 200, 128).sum(2).to(grad.dtype)), name
+
+
 @pytest.mark.parametrize("kw, reason", [
     (dict(window=(64, 0)), "no window"),
     (dict(window=(None, 3)), "no window"),

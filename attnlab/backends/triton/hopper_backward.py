@@ -65,7 +65,8 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     if spec.left is not None or spec.right not in (None, 0):
         return "no window (the causal mask or none)"
     if max(_grid(prob)[1:]) > 65535:
-        return "at most 65535 along the grid's second and third axes (key tiles of 128, kv heads, batch entries)"
+        return ("at most 65535 along the grid's second and third axes (key tiles of 128, kv heads times the group's "
+                "parts, batch entries)")
     if prob.packed is not None or spec.kv_len is not None or spec.q_len is not None:
         return "no lengths or packed sequences"
     if spec.mask is not None or spec.bias is not None:
@@ -107,7 +108,7 @@ def split(prob: Problem) -> int:
     is the same) or holds :data:`SPLIT_CAUSAL_WAVES` waves (under the causal band, where key tile 0's programs,
     the longest, set a short grid's time)."""
     if SPLIT is not None:
-        return SPLIT if prob.group % SPLIT == 0 else 1
+        return SPLIT if SPLIT >= 1 and prob.group % SPLIT == 0 else 1
     sms = _sms(prob)
     if _programs(prob, 1) >= sms:
         return 1

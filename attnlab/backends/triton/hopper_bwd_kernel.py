@@ -18,7 +18,7 @@ long ones would leave SMs idle. Its warps split into four partitions:
 
 - two **consumers** (a warpgroup each) own one half of the keys: K and V of that half stay in shared memory, the
   half's dK and dV accumulate in registers (float32, [64, D] each). Query row tiles of ``BLOCK_M`` (64) rows of
-  every query head of the kv head's group stream past. Per row tile a consumer runs ``S = Q K^T`` and
+  every query head of the program's run of the group stream past. Per row tile a consumer runs ``S = Q K^T`` and
   ``dP = dO V^T`` as warpgroup MMAs ([rows, keys], two rows' lse2 and Delta per thread), forms P and dS in
   registers, stores them in shared memory and runs ``dV += P^T dO`` and ``dK += dS^T Q`` from there. Once both
   halves of dS are stored, each consumer computes half of the columns of ``dQ = dS K`` over all 128 keys and
@@ -112,7 +112,7 @@ def _store_dkdv(dk, dv, k0, b, kvh, Nk, DK, DV, dk_strides, dv_strides, HEAD_D: 
 @gluon.jit
 def _program_tile(ORDER: gl.constexpr, SPLIT: gl.constexpr):
     """(key tile, kv head, batch entry, part of the group) of this program, read from the grid's axes in ``ORDER``
-    (the kv-head axis holds ``Hkv * SPLIT`` programs, a kv head's parts side by side; programs start
+    (its kv-head axis, ``Hkv`` below, holds ``Hkv * SPLIT`` programs, a kv head's parts side by side; programs start
     roughly in the order of their index, axis 0 fastest). 0: grid ``(tiles, Hkv, B)``, a kv head's key tiles
     together (they share its Q and dO in L2); 1: ``(Hkv, tiles, B)``, key tile 0 of every kv head of a batch entry
     first (the longest under the causal band), then tile 1...; 2: ``(Hkv, B, tiles)``, tile 0 of every kv head of
