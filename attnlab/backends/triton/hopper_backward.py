@@ -179,8 +179,7 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
             *_alibi(prob))
     kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS,
               ORDER=order(prob), HAS_ALIBI=prob.mods.alibi is not None, SPLIT=split(prob), num_warps=4,
-              maxnreg=MAX_REGS,
-              **configs.COMPILE_OPTIONS)
+              maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
     return grid, args, kw
 
 
