@@ -154,7 +154,7 @@ def test_a_relaunch_passes_the_kernels_arguments_in_its_order(on_sm90, monkeypat
     assert parts == (forced or 2)  # by rule the group of 2 is split: 12 programs whole
     assert hb.run(prob, q, rows, rows, dk, dv, acc) is acc
     if parts > 1:  # the kernel writes the parts' float32 sums, which the host adds into dk and dv
-        dk, dv = hb._partials(prob, parts), hb._partials(prob, parts)
+        dk, dv = hb._partials(prob, parts)
     grid, args, launch_kw = hb._launch_args(prob, q, rows, rows, acc, dk, dv)
     names = hb._kernel_module().attn_bwd_hopper.arg_names
     expect = [*args, *(launch_kw[n] for n in names[len(args):])]
@@ -301,7 +301,7 @@ def test_compiles_for_sm90_with_the_installed_triton(monkeypatch):
         prob = make_problem(q, k, v, **kw)
         rows = torch.empty(1, 4, 300)
         acc = torch.zeros(1, 4, 300, D)
-        dk, dv = (hb._partials(prob, parts), hb._partials(prob, parts)) if parts > 1 else (k, v)
+        dk, dv = hb._partials(prob, parts) if parts > 1 else (k, v)
         _, args, launch_kw = hb._launch_args(prob, q, rows, rows, acc, dk, dv)
         assert launch_kw["SPLIT"] == parts
         assert launch_kw["enable_fp_fusion"] is True

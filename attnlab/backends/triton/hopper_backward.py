@@ -119,18 +119,18 @@ def split(prob: Problem) -> int:
     return parts
 
 
-def order(prob: Problem) -> int:
+def order(prob: Problem, parts: int | None = None) -> int:
     """The programs' order for ``prob``: :data:`ORDER` when set, else on full rows 0 (a kv head's tiles share its
     Q and dO in L2); under the causal band, where a key tile's work falls with its index, the longest tiles first
     as far as L2 allows: 2 (every head's at once) when the grid is at most two waves of programs, where the last
     wave's imbalance is most of the time; 1 (one batch entry's heads at once) up to 4096 keys or four waves; 0
     beyond, where the band's rows are long enough for L2 reuse to matter more. Waves count the split's
-    programs (:func:`split`)."""
+    programs (``parts``: the caller's :func:`split`, else computed)."""
     if ORDER is not None:
         return ORDER
     if not _causal(prob):
         return 0
-    waves = _programs(prob, split(prob)) / _sms(prob)
+    waves = _programs(prob, split(prob) if parts is None else parts) / _sms(prob)
     if waves <= 2:
         return 2
     return 1 if prob.Nk <= ORDER1_MAX_NK or waves <= 4 else 0
@@ -139,8 +139,8 @@ def order(prob: Problem) -> int:
 def _variant(prob: Problem, program_order: int | None = None, parts: int | None = None) -> tuple:
     """What a compiled kernel is specialized on, beyond what every taken call shares (``program_order`` and
     ``parts``: the caller's :func:`order` and :func:`split`, else computed)."""
-    o = order(prob) if program_order is None else program_order
     s = split(prob) if parts is None else parts
+    o = order(prob, s) if program_order is None else program_order
     return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), o, prob.mods.alibi is not None, s)
 
 
@@ -152,8 +152,9 @@ def _offset(prob: Problem) -> int:
 def _grid(prob: Problem, program_order: int | None = None, parts: int | None = None) -> tuple[int, int, int]:
     """One program per key tile of 128, kv head, part of its group and batch entry, the axes in :func:`order`'s
     order (the caller's ``program_order`` and ``parts``, else computed)."""
-    o = order(prob) if program_order is None else program_order
-    heads = prob.Hkv * (split(prob) if parts is None else parts)
+    s = split(prob) if parts is None else parts
+    o = order(prob, s) if program_order is None else program_order
+    heads = prob.Hkv * s
     tiles = -(-prob.Nk // (2 * HALF_N))
     return ((tiles, heads, prob.B), (heads, tiles, prob.B), (heads, prob.B, tiles))[o]
 
@@ -171,14 +172,16 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
     sums (:func:`_partials`)."""
     q, k, v = prob.q, prob.k, prob.v
     D = prob.D
-    grid = _grid(prob)
+    s = split(prob)
+    o = order(prob, s)
+    grid = _grid(prob, o, s)
     args = (fwd.descriptor(q, [1, 1, BLOCK_M, D]), fwd.descriptor(dout, [1, 1, BLOCK_M, D]),
             fwd.descriptor(k, [1, 1, HALF_N, D]), fwd.descriptor(v, [1, 1, HALF_N, D]),
             fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), lse2, delta, dk, dv, *dk.stride()[:3],
             *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale,
             *_alibi(prob))
     kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS,
-              ORDER=order(prob), HAS_ALIBI=prob.mods.alibi is not None, SPLIT=split(prob), num_warps=4,
+              ORDER=o, HAS_ALIBI=prob.mods.alibi is not None, SPLIT=s, num_warps=4,
               maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
     return grid, args, kw
 
@@ -192,9 +195,9 @@ def _compile_launch(prob: Problem, lse2: torch.Tensor, delta: torch.Tensor) -> t
 
 
 def _partials(prob: Problem, parts: int) -> torch.Tensor:
-    """A float32 [B, Hkv * parts, Nk, D] buffer for the parts' dK (or dV) sums, part p of kv head h at
-    ``h * parts + p``."""
-    return torch.empty((prob.B, prob.Hkv * parts, prob.Nk, prob.D), dtype=torch.float32, device=prob.device)
+    """One float32 [2, B, Hkv * parts, Nk, D] buffer for the parts' dK and dV sums (in that order; part p of kv
+    head h at ``h * parts + p``), so that one reduction adds both up."""
+    return torch.empty((2, prob.B, prob.Hkv * parts, prob.Nk, prob.D), dtype=torch.float32, device=prob.device)
 
 
 #: Compiled kernels by variant, for launches without the JIT's binding.
@@ -210,7 +213,8 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
     dQ the caller has already (any strides TMA can write), else one is made."""
     if unsupported(prob, dout) is not None:
         return None
-    o, s = order(prob), split(prob)  # once per call: the key, the relaunch's values and its grid all need them
+    s = split(prob)  # once per call, as the order: the key, the relaunch's values and its grid all need them
+    o = order(prob, s)
     key = _variant(prob, o, s)
     if not fwd.ready(key, lambda: _compile_launch(prob, lse2, delta), prob.device):
         return None
@@ -218,7 +222,8 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
         dq_acc = torch.zeros(prob.q.shape, dtype=torch.float32, device=prob.device)
     grad_k, grad_v = dk, dv
     if s > 1:  # the parts' sums, added up below
-        dk, dv = _partials(prob, s), _partials(prob, s)
+        parts = _partials(prob, s)
+        dk, dv = parts[0], parts[1]
     compiled = _kernels.get(key)
     if compiled is None:
         grid, args, kw = _launch_args(prob, dout, lse2, delta, dq_acc, dk, dv)
@@ -233,9 +238,9 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
                   prob.mods.alibi is not None, s)
         _rt.run_compiled(compiled, _grid(prob, o, s), _rt.stream_of(prob.device.index), values)
     if s > 1:
-        shape = (prob.B, prob.Hkv, s, prob.Nk, prob.D)
-        grad_k.copy_(dk.view(shape).sum(2))
-        grad_v.copy_(dv.view(shape).sum(2))
+        sums = parts.view(2, prob.B, prob.Hkv, s, prob.Nk, prob.D).sum(3)
+        grad_k.copy_(sums[0])
+        grad_v.copy_(sums[1])
     global launches
     launches += 1
     return dq_acc
