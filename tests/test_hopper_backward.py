@@ -74,11 +74,13 @@ def test_the_programs_order_by_rule_unless_forced(monkeypatch, shape, kw, expect
     (dict(B=4, Hq=8, Hkv=1, Nq=4096, Nk=4096), dict(causal=True), 4, 3.9),  # 128 programs whole: in 4 parts
     (dict(B=2, Hq=32, Hkv=4, Nq=2048, Nk=2048), dict(causal=True), 4, 3.9),
     (dict(B=1, Hq=8, Hkv=1, Nq=1024, Nk=1024), dict(causal=True), 8, 0.5),  # as far as the group goes
+    (dict(B=1, Hq=16, Hkv=2, Nq=6272, Nk=6272), dict(causal=True), 4, 3.0),  # 392 programs: 2.97 waves, enough
     (dict(B=8, Hq=16, Hkv=2, Nq=2048, Nk=2048), dict(causal=True), 1, 1.9),  # a wave or more: whole
     (dict(B=1, Hq=32, Hkv=8, Nq=8192, Nk=8192), dict(causal=True), 1, 3.9),
     (dict(B=1, Hq=12, Hkv=4, Nq=2048, Nk=2048), dict(causal=True), 1, 0.5),  # a group of 3 is not split
     (dict(B=4, Hq=16, Hkv=16, Nq=4096, Nk=4096), dict(causal=True), 1, 15.5),  # no group to split
     (dict(B=4, Hq=8, Hkv=1, Nq=4096, Nk=4096), dict(), 2, 1.9),  # full rows: until every SM has a program
+    (dict(B=1, Hq=8, Hkv=1, Nq=4096, Nk=4096), dict(), 8, 1.9),
     (dict(B=2, Hq=32, Hkv=8, Nq=4096, Nk=4096), dict(), 1, 3.9),
 ])
 def test_the_group_is_split_where_the_grid_is_short(monkeypatch, shape, kw, parts, waves):

@@ -35,7 +35,7 @@ SMS_OFF_GPU = 132  #: the SMs :func:`order` counts for a problem off the GPU (te
 #: Parts each kv head's group of query heads is split into, one program each (the kernel's ``SPLIT``, a power of
 #: two that divides the group): None picks by :func:`split`'s rule; a number forces it where it divides the group.
 SPLIT: int | None = None
-SPLIT_CAUSAL_WAVES = 3  #: under the causal band a grid under one wave is split until it holds this many waves
+SPLIT_CAUSAL_WAVES = 2.5  #: under the causal band a grid under one wave is split until it holds this many waves
 
 
 @functools.cache
