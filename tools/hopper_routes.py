@@ -288,10 +288,13 @@ def _profiled(calls: list) -> None:
 
 def profile_backward() -> None:
     """One warmed-up backward alone of attnlab's public ``triton`` call and one of cuDNN's (causal), alone in the
-    profiled region in that order."""
+    profiled region in that order; on sm_90 attnlab's is the Hopper backward (compiled on its first call)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import attnlab
+    from attnlab.backends.triton import hopper_forward
+
+    hopper_forward.set_mode("sync")
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
