@@ -22,7 +22,9 @@ long ones would leave SMs idle. Its warps split into four partitions:
   ``dP = dO V^T`` as warpgroup MMAs ([rows, keys], two rows' lse2 and Delta per thread), forms P and dS in
   registers, stores them in shared memory and runs ``dV += P^T dO`` and ``dK += dS^T Q`` from there. Once both
   halves of dS are stored, each consumer computes half of the columns of ``dQ = dS K`` over all 128 keys and
-  stages it in a shared buffer of its own;
+  stages it in a shared buffer of its own. The dQ product is issued behind dK's before the consumer waits for
+  dV and dK, so that the tensor cores do not drain between them; at D 64 the next row tile's lse2 and Delta load
+  while this one's products run (at D 128 those registers would spill);
 - a **loader** (one warp) brings K and V once, then Q and dO of each row tile by TMA into a ring of ``STAGES``
   slots, each guarded by a *ready* barrier (the bytes landed) and an *empty* barrier (both consumers are done);
 - a **dQ writer** (one warp) adds each staged half of dQ into the float32 dQ in global memory by one TMA bulk
@@ -143,6 +145,7 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
     q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free = bars
     dtype: gl.constexpr = q_bufs.dtype
     HALF_D: gl.constexpr = HEAD_D // 2
+    PREFETCH: gl.constexpr = HEAD_D <= 64  # lse2 and Delta a row tile ahead (at D 128 its registers spill)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF_N, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -172,6 +175,10 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
         slope2 = qk_scale * 0.0
         if HAS_ALIBI:  # this query head's slope, in base 2
             slope2 = gl.load(Alibi + b.to(gl.int64) * s_ab + (kvh * group + g).to(gl.int64) * s_ah) * LOG2E
+        if PREFETCH:  # the first row tile's lse2 and Delta; each iteration then loads the next one's
+            rows_next = t_lo * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            lse2_next = gl.load(Lse2 + row_base + rows_next, mask=rows_next < Nq, other=float("inf"))
+            delta_next = gl.load(Delta + row_base + rows_next, mask=rows_next < Nq, other=0.0)
         for t in range(t_lo, t_hi):
             slot = it % STAGES
             phase = (it // STAGES) & 1
@@ -182,9 +189,16 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
             S = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(slot), phase)
             dP = warpgroup_mma(do_tile, v_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            lse2 = gl.load(Lse2 + row_base + rows, mask=rows < Nq, other=float("inf"))
-            delta = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
+            if PREFETCH:
+                rows = rows_next
+                lse2, delta = lse2_next, delta_next
+                rows_next = rows + BLOCK_M  # in flight while this tile's products run
+                lse2_next = gl.load(Lse2 + row_base + rows_next, mask=rows_next < Nq, other=float("inf"))
+                delta_next = gl.load(Delta + row_base + rows_next, mask=rows_next < Nq, other=0.0)
+            else:
+                rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                lse2 = gl.load(Lse2 + row_base + rows, mask=rows < Nq, other=float("inf"))
+                delta = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
             # ---- dV += P^T dO (while dP lands), then dS and dK += dS^T Q; P and dS through shared memory ----
             S = warpgroup_mma_wait(1, deps=(S, ))  # (the groups retire in issue order: S, then dP)
             crosses = t * BLOCK_M + off < k0 + HALF_N - 1  # some row of the tile does not see every key
@@ -201,10 +215,7 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(buf), count=1)
             dk = warpgroup_mma(ds_half.permute((1, 0)), q_tile, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(q_empty.index(slot), count=1)
-            mbarrier.arrive(do_empty.index(slot), count=1)
-            # ---- dQ[:, this half of D] = dS K over both halves of the keys, staged for the writer ----
+            # ---- dQ[:, this half of D] = dS K over both halves of the keys, queued behind dK, staged ----
             mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
             dq = warpgroup_mma(ds_bufs.index(buf * 2),
                                k_bufs.index(0).reshape([HALF_N, HEAD_D]).slice(HALF * HALF_D, HALF_D, dim=1),
@@ -212,6 +223,9 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
             dq = warpgroup_mma(ds_bufs.index(buf * 2 + 1),
                                k_bufs.index(1).reshape([HALF_N, HEAD_D]).slice(HALF * HALF_D, HALF_D, dim=1),
                                dq, is_async=True)
+            dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))  # the groups retire in issue order: dV, dK, then dQ
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            mbarrier.arrive(do_empty.index(slot), count=1)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
             mbarrier.arrive(ds_free.index(buf), count=1)
             mbarrier.wait(dq_free.index(HALF), (it & 1) ^ 1)
