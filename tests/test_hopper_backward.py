@@ -239,6 +239,29 @@ def test_refuses_what_tma_cannot_read(on_sm90):
     assert "TMA needs" in _why(q, k, v, dout=shifted)
 
 
+def test_refuses_more_rows_than_tma_coordinates_reach(on_sm90):
+    """lse2 and Delta are read by TMA through one-dimensional descriptors of all rows: int32 coordinates."""
+    q = torch.empty(1, 2**16, 2**15, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 2**13, 2**15, 128, dtype=torch.bfloat16, device="meta")
+    assert "fewer than 2**31 query rows" in _why(q, k, k)
+
+
+def test_rows_tma_cannot_read_go_to_the_portable_kernels(on_sm90, monkeypatch):
+    """A Delta or lse2 not contiguous or not 16-byte aligned is not launched on (run returns None at once)."""
+    reached = []
+    monkeypatch.setattr(hopper, "ready", lambda *a, **k: reached.append(1) or False)
+    q, k, v = _qkv()
+    prob = make_problem(q, k, v)
+    good = torch.empty(1, 4, 200)
+    shifted = torch.empty(4 * 200 + 1)[1:].view(1, 4, 200)  # a base 4 bytes past a 16-byte boundary
+    strided = torch.empty(1, 200, 4).transpose(1, 2)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    for delta, lse2 in ((shifted, good), (good, shifted), (strided, good), (good, strided)):
+        assert hb.run(prob, q, delta, lse2, dk, dv) is None
+    assert not reached
+    assert hb.run(prob, q, good, good, dk, dv) is None and reached  # aligned rows reach the compile check
+
+
 def test_off_sm90_and_switched_off_it_takes_nothing(monkeypatch):
     assert "sm_90 GPUs only" in _why(*_qkv())
     monkeypatch.setattr(hopper, "on_sm90", lambda t: True)

@@ -64,6 +64,8 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     spec, mods = prob.spec, prob.mods
     if spec.left is not None or spec.right not in (None, 0):
         return "no window (the causal mask or none)"
+    if prob.B * prob.Hq * prob.Nq >= 2**31:
+        return "fewer than 2**31 query rows over all heads (TMA's coordinates into lse2 and Delta)"
     if max(_grid(prob)[1:]) > 65535:
         return ("at most 65535 along the grid's second and third axes (key tiles of 128, kv heads times the group's "
                 "parts, batch entries)")
@@ -177,7 +179,8 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
     grid = _grid(prob, o, s)
     args = (fwd.descriptor(q, [1, 1, BLOCK_M, D]), fwd.descriptor(dout, [1, 1, BLOCK_M, D]),
             fwd.descriptor(k, [1, 1, HALF_N, D]), fwd.descriptor(v, [1, 1, HALF_N, D]),
-            fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), lse2, delta, dk, dv, *dk.stride()[:3],
+            fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), fwd.descriptor(lse2.view(-1), [BLOCK_M]),
+            fwd.descriptor(delta.view(-1), [BLOCK_M]), dk, dv, *dk.stride()[:3],
             *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale,
             *_alibi(prob))
     kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS,
@@ -211,7 +214,8 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
     ``prob`` and its kernel is compiled; None when the caller runs the portable kernels instead (nothing done).
     ``delta`` and ``lse2`` are the preprocess's, contiguous float32 [B, Hq, Nq]; ``dq_acc``, a zeroed float32
     dQ the caller has already (any strides TMA can write), else one is made."""
-    if unsupported(prob, dout) is not None:
+    rows_ready = all(t.is_contiguous() and fwd.tma_ready(t.view(-1)) for t in (lse2, delta))  # read by TMA
+    if unsupported(prob, dout) is not None or not rows_ready:
         return None
     s = split(prob)  # once per call, as the order: the key, the relaunch's values and its grid all need them
     o = order(prob, s)
@@ -232,10 +236,10 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
             _kernels[key] = compiled
     else:
         L = fwd.LightDescriptor
-        values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), lse2, delta, dk, dv, *dk.stride()[:3],
-                  *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E,
-                  prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES, _causal(prob), CONSUMER_REGS, o,
-                  prob.mods.alibi is not None, s)
+        values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), L(lse2.view(-1)), L(delta.view(-1)), dk, dv,
+                  *dk.stride()[:3], *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob),
+                  prob.scale * fwd.LOG2E, prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES, _causal(prob),
+                  CONSUMER_REGS, o, prob.mods.alibi is not None, s)
         _rt.run_compiled(compiled, _grid(prob, o, s), _rt.stream_of(prob.device.index), values)
     if s > 1:
         sums = parts.view(2, prob.B, prob.Hkv, s, prob.Nk, prob.D).sum(3)

@@ -23,10 +23,10 @@ long ones would leave SMs idle. Its warps split into four partitions:
   registers, stores them in shared memory and runs ``dV += P^T dO`` and ``dK += dS^T Q`` from there. Once both
   halves of dS are stored, each consumer computes half of the columns of ``dQ = dS K`` over all 128 keys and
   stages it in a shared buffer of its own. The dQ product is issued behind dK's before the consumer waits for
-  dV and dK, so that the tensor cores do not drain between them; at D 64 the next row tile's lse2 and Delta load
-  while this one's products run (at D 128 those registers would spill);
-- a **loader** (one warp) brings K and V once, then Q and dO of each row tile by TMA into a ring of ``STAGES``
-  slots, each guarded by a *ready* barrier (the bytes landed) and an *empty* barrier (both consumers are done);
+  dV and dK, so that the tensor cores do not drain between them;
+- a **loader** (one warp) brings K and V once, then Q with the row tile's lse2 and dO with its Delta by TMA into
+  a ring of ``STAGES`` slots, each guarded by a *ready* barrier (the bytes landed) and an *empty* barrier (both
+  consumers are done), so that a consumer reads lse2 and Delta from shared memory, not from global memory;
 - a **dQ writer** (one warp) adds each staged half of dQ into the float32 dQ in global memory by one TMA bulk
   reduce-add, so that the consumers go on to the next row tile while the sum is made in L2. Every key tile adds
   into the same rows of dQ: the host zeroes it before and rounds it into the output dtype after.
@@ -35,7 +35,9 @@ Causal masks (either alignment: row i sees key j iff ``j <= i + off``) skip row 
 program's keys and apply the mask only on tiles the diagonal crosses. The TMA descriptors are four-dimensional
 ``[B, H, N, D]``: rows past Nq and keys past Nk read as zeros (rows past Nq have lse2 = +inf from their masked
 load, so p = 0; keys past Nk are masked in the last key tile and their dK and dV are not stored), and reduce-adds
-past Nq are clipped by the copy engine. What this kernel computes is :func:`hopper_backward.unsupported`'s.
+past Nq are clipped by the copy engine. lse2 and Delta are read through one-dimensional descriptors of all rows
+of all heads (``[B * Hq * Nq]``), so a tile's rows past Nq hold the next head's values: the consumers replace them
+by +inf and 0. What this kernel computes is :func:`hopper_backward.unsupported`'s.
 """
 
 from __future__ import annotations
@@ -137,15 +139,14 @@ def _heads(part, group, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group,
-              off, qk_scale, scale, alibi, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+def _consumer(HALF: gl.constexpr, bufs, bars, DK, DV, dk_strides, dv_strides, Nq, Nk, group, off, qk_scale,
+              scale, alibi, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT: gl.constexpr):
     """Keys ``[k0, k0 + HALF_N)``: dK and dV over every row tile of its heads, and half of D of each tile's dQ."""
-    q_bufs, do_bufs, k_bufs, v_bufs, p_bufs, ds_bufs, dq_bufs = bufs
+    q_bufs, do_bufs, k_bufs, v_bufs, p_bufs, ds_bufs, dq_bufs, lse2_bufs, delta_bufs = bufs
     q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free = bars
     dtype: gl.constexpr = q_bufs.dtype
     HALF_D: gl.constexpr = HEAD_D // 2
-    PREFETCH: gl.constexpr = HEAD_D <= 64  # lse2 and Delta a row tile ahead (at D 128 its registers spill)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF_N, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -171,14 +172,9 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
     it = t_lo * 0
     Alibi, s_ab, s_ah, alibi_off = alibi
     for g in range(g_lo, g_hi):
-        row_base = (b.to(gl.int64) * Hq + kvh * group + g) * Nq
         slope2 = qk_scale * 0.0
         if HAS_ALIBI:  # this query head's slope, in base 2
             slope2 = gl.load(Alibi + b.to(gl.int64) * s_ab + (kvh * group + g).to(gl.int64) * s_ah) * LOG2E
-        if PREFETCH:  # the first row tile's lse2 and Delta; each iteration then loads the next one's
-            rows_next = t_lo * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            lse2_next = gl.load(Lse2 + row_base + rows_next, mask=rows_next < Nq, other=float("inf"))
-            delta_next = gl.load(Delta + row_base + rows_next, mask=rows_next < Nq, other=0.0)
         for t in range(t_lo, t_hi):
             slot = it % STAGES
             phase = (it // STAGES) & 1
@@ -189,16 +185,9 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
             S = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(slot), phase)
             dP = warpgroup_mma(do_tile, v_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            if PREFETCH:
-                rows = rows_next
-                lse2, delta = lse2_next, delta_next
-                rows_next = rows + BLOCK_M  # in flight while this tile's products run
-                lse2_next = gl.load(Lse2 + row_base + rows_next, mask=rows_next < Nq, other=float("inf"))
-                delta_next = gl.load(Delta + row_base + rows_next, mask=rows_next < Nq, other=0.0)
-            else:
-                rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-                lse2 = gl.load(Lse2 + row_base + rows, mask=rows < Nq, other=float("inf"))
-                delta = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
+            rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            lse2 = gl.where(rows < Nq, lse2_bufs.index(slot).load(rows.type.layout), float("inf"))
+            delta = gl.where(rows < Nq, delta_bufs.index(slot).load(rows.type.layout), 0.0)
             # ---- dV += P^T dO (while dP lands), then dS and dK += dS^T Q; P and dS through shared memory ----
             S = warpgroup_mma_wait(1, deps=(S, ))  # (the groups retire in issue order: S, then dP)
             crosses = t * BLOCK_M + off < k0 + HALF_N - 1  # some row of the tile does not see every key
@@ -240,11 +229,13 @@ def _consumer(HALF: gl.constexpr, bufs, bars, Lse2, Delta, DK, DV, dk_strides, d
 
 
 @gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off,
+def _loader(q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, Nq, Hq, group, off,
             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
             SPLIT: gl.constexpr):
-    """K and V of both halves once, then Q and dO of every row tile of its heads through the ring."""
+    """K and V of both halves once, then Q with lse2 and dO with Delta of every row tile of its heads through the
+    ring."""
     q_bufs, do_bufs, k_bufs, v_bufs = bufs[0], bufs[1], bufs[2], bufs[3]
+    lse2_bufs, delta_bufs = bufs[7], bufs[8]
     q_ready, q_empty, do_ready, do_empty, kv_ready = bars[0], bars[1], bars[2], bars[3], bars[4]
     pid_n, kvh, b, part = _program_tile(ORDER, SPLIT)
     g_lo, g_hi = _heads(part, group, SPLIT)
@@ -257,15 +248,18 @@ def _loader(q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off,
     it = t_lo * 0
     for g in range(g_lo, g_hi):
         h = kvh * group + g
+        row0 = (b * Hq + h) * Nq  # the head's first row in lse2 and Delta (the host keeps it under 2**31)
         for t in range(t_lo, t_hi):
             slot = it % STAGES
             phase = (it // STAGES) & 1
             mbarrier.wait(q_empty.index(slot), phase ^ 1)
-            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
             _tma_load(q_desc, [b, h, t * BLOCK_M, 0], q_ready.index(slot), q_bufs.index(slot))
+            _tma_load(lse2_desc, [row0 + t * BLOCK_M], q_ready.index(slot), lse2_bufs.index(slot))
             mbarrier.wait(do_empty.index(slot), phase ^ 1)
-            mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+            mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
             _tma_load(do_desc, [b, h, t * BLOCK_M, 0], do_ready.index(slot), do_bufs.index(slot))
+            _tma_load(delta_desc, [row0 + t * BLOCK_M], do_ready.index(slot), delta_bufs.index(slot))
             it += 1
 
 
@@ -290,8 +284,8 @@ def _dq_writer(dq_desc, bufs, bars, Nq, group, off, BLOCK_M: gl.constexpr, HEAD_
 
 
 @gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "group", "off", "Alibi", "s_ab", "s_ah", "alibi_off"])
-def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, DV, s_kb, s_kh, s_kn, s_vb, s_vh,
-                    s_vn, Nq, Nk, Hq, group, off, qk_scale, scale, Alibi, s_ab, s_ah, alibi_off,
+def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, lse2_desc, delta_desc, DK, DV, s_kb, s_kh, s_kn, s_vb,
+                    s_vh, s_vn, Nq, Nk, Hq, group, off, qk_scale, scale, Alibi, s_ab, s_ah, alibi_off,
                     BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr,
                     SPLIT: gl.constexpr):
@@ -304,6 +298,8 @@ def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, D
     p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], rk_layout)  # [half, rows, keys]
     ds_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF_N], rk_layout)  # [buffer * 2 + half, rows, keys]
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_D // 2], dq_desc.layout)
+    lse2_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse2_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -325,17 +321,17 @@ def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, Lse2, Delta, DK, D
         mbarrier.init(dq_free.index(i), count=1)  # the writer's copy has read it
     mbarrier.init(kv_ready.index(0), count=1)
 
-    bufs = (q_bufs, do_bufs, k_bufs, v_bufs, p_bufs, ds_bufs, dq_bufs)
+    bufs = (q_bufs, do_bufs, k_bufs, v_bufs, p_bufs, ds_bufs, dq_bufs, lse2_bufs, delta_bufs)
     bars = (q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free)
     dk_strides = (s_kb, s_kh, s_kn)
     dv_strides = (s_vb, s_vh, s_vn)
     alibi = (Alibi, s_ab, s_ah, alibi_off)
     gl.warp_specialize([
-        (_consumer, (0, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group, off, qk_scale,
-                     scale, alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI, SPLIT)),
-        (_consumer, (1, bufs, bars, Lse2, Delta, DK, DV, dk_strides, dv_strides, Nq, Nk, Hq, group, off, qk_scale,
-                     scale, alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI, SPLIT)),
-        (_loader, (q_desc, do_desc, k_desc, v_desc, bufs, bars, Nq, group, off, BLOCK_M, STAGES, CAUSAL, ORDER,
-                   SPLIT)),
+        (_consumer, (0, bufs, bars, DK, DV, dk_strides, dv_strides, Nq, Nk, group, off, qk_scale, scale,
+                     alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI, SPLIT)),
+        (_consumer, (1, bufs, bars, DK, DV, dk_strides, dv_strides, Nq, Nk, group, off, qk_scale, scale,
+                     alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI, SPLIT)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, Nq, Hq, group, off, BLOCK_M,
+                   STAGES, CAUSAL, ORDER, SPLIT)),
         (_dq_writer, (dq_desc, bufs, bars, Nq, group, off, BLOCK_M, HEAD_D, CAUSAL, ORDER, SPLIT)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
