@@ -69,7 +69,7 @@ def test_a_profile_of_both_masks_reads_tensor_pipe_and_stalls_per_kernel_and_mas
     prof = hopper.profile(path, masks=("full", "causal"))
     assert list(prof.columns) == ["attnlab (Gluon), full", "cuDNN, full", "attnlab (Gluon), causal",
                                   "cuDNN, causal"]
-    assert prof.loc["duration (ns, ncu's locked clocks)"].tolist() == [1000, 1001, 1002, 1003]
+    assert prof.loc["duration (ns)"].tolist() == [1000, 1001, 1002, 1003]
     assert prof.loc["tensor pipe active, wgmma (%)", "cuDNN, causal"] == 53
     assert prof.loc["stall: long_scoreboard", "attnlab (Gluon), full"] == 0.25
     assert "smsp__something_else" not in prof.index and prof.loc["threads per block"].eq(384).all()
@@ -111,3 +111,30 @@ def test_the_recorded_backward_ab_reads_back():
     t = hopper.backward_ab()
     assert t is not None and len(t) == 4
     assert (t["Gluon x portable"] > 1).all() and t["Gluon x cuDNN"].between(0.5, 1.5).all()
+
+
+def test_the_backward_profile_keeps_the_main_kernels_and_sums_each_sides_pass(tmp_path):
+    """attnlab's launches first (preprocess, zeroing, the pass, conversion), then cuDNN's (dot_do_o, bprop,
+    conversion): the table keeps the two passes; the totals add each side's small kernels."""
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    kernels = [("bwd_preprocess", 10), ("void at::vectorized_elementwise_kernel<4, x>", 20), ("attn_bwd_hopper", 100),
+               ("void at::vectorized_elementwise_kernel<8, y>", 30), ("void cudnn::compute_dot_do_o<1>", 5),
+               ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_x", 90), ("void cudnn::convert_dq<1>", 7)]
+    lines = [head] + [f'"{i}","1","p","h","{k}","1","7","(384, 1, 1)","(1, 1, 1)","0","9.0",'
+                      f'"GPU Speed Of Light Throughput","Duration","ns","{ns:,}"' for i, (k, ns) in enumerate(kernels)]
+    path = tmp_path / "ncu.csv"
+    path.write_text("\n".join(lines) + "\n")
+    table, total = hopper.backward_profile(path)
+    assert list(table.columns) == ["attnlab (Gluon backward)", "cuDNN backward"]
+    assert table.loc["duration (ns)"].tolist() == [100, 90]
+    assert total.to_dict() == {"attnlab": 160, "cuDNN": 102}
+    assert hopper.backward_profile(tmp_path / "absent.csv") is None
+
+
+def test_the_recorded_gluon_profiles_read_back():
+    table, total, env = hopper.gluon_profiles()
+    assert len(table) == len(hopper.GLUON_PROFILE_ROWS) and table.notna().all().all()
+    assert len(table.columns) == 6 and table.loc["threads per block"].eq(384).all()
+    assert (total > table.loc["duration (us)"].iloc[-2:].to_numpy()).all()
+    assert "--clock-control none" in env["command"]

@@ -1,8 +1,9 @@
 """The forward's Hopper routes as recorded on the GPU (``tools/hopper_routes.py``): the public Triton call, the
 same call with forced configs, TMA tensor-descriptor loads and triton's automatic warp specialization, each timed
 beside cuDNN; Nsight Compute's view of attnlab's and cuDNN's forward kernels; the first measure of the
-warp-specialized Gluon kernel (``attnlab/backends/triton/hopper_kernel.py``); and the Gluon backward
-(``hopper_bwd_kernel.py``) beside the portable one. Nothing is timed here.
+warp-specialized Gluon kernel (``attnlab/backends/triton/hopper_kernel.py``); the Gluon backward
+(``hopper_bwd_kernel.py``) beside the portable one; and both Gluon kernels profiled beside cuDNN's. Nothing is
+timed here.
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ PROFILE_FILE = _DIR / "ncu-forward-causal-e059209.csv"
 GLUON_FILE = _DIR / "hopper-gluon-first-e01d16c.json"
 #: The Gluon backward's first GPU run (an H100): the backward alone through the public call, beside the portable
 #: backward and cuDNN's (docs/decisions.md, "The Hopper backward").
-BACKWARD_FILE = DATA_DIR / "experiments" / "nvidia-h100-80gb-hbm3" / "hopper-bwd-3517dae.json"
+_H100 = DATA_DIR / "experiments" / "nvidia-h100-80gb-hbm3"
+BACKWARD_FILE = _H100 / "hopper-bwd-3517dae.json"
+#: ncu's profiles of the Gluon kernels beside cuDNN's (an H100, the GPU's own clocks; docs/decisions.md, "The
+#: Hopper kernels beside cuDNN's, profiled"): the forward, full then causal; one causal backward, whole.
+GLUON_PROFILE_FILE = _H100 / "ncu-forward-a7a2405.csv"
+BACKWARD_PROFILE_FILE = _H100 / "ncu-backward-causal-a7a2405.csv"
 
 #: Route families by the prefix of their names in the files, as the notebook says them.
 FAMILIES = {"triton": "public call, shipped config", "triton cfg": "public call, best forced config",
             "tma ws=False": "TMA loads", "tma ws=True": "TMA loads + warp specialization"}
 #: The profile's metrics the notebook shows, by (section, metric) in ncu's export.
 PROFILE_METRICS = {
-    ("GPU Speed Of Light Throughput", "Duration"): "duration (ns, ncu's locked clocks)",
+    ("GPU Speed Of Light Throughput", "Duration"): "duration (ns)",
     ("GPU Speed Of Light Throughput", "Compute (SM) Throughput"): "SM busy (%)",
     ("Compute Workload Analysis", "Executed Ipc Active"): "instructions per active cycle",
     ("Warp State Statistics", "Warp Cycles Per Issued Instruction"): "cycles per issued instruction",
@@ -76,11 +82,14 @@ def routes(paths: tuple[Path | str, ...] = ROUTE_FILES) -> pd.DataFrame | None:
 
 
 #: Kernel names in the profile by the prefix ncu reports, as the notebook says them.
-PROFILE_KERNELS = {"attn_fwd_hopper": "attnlab (Gluon)", "attn_fwd_kernel": "attnlab (triton)", "cudnn": "cuDNN"}
-#: The raw metrics ``tools/hopper_routes.py``'s ncu command adds (section "Command line profiler metrics").
+PROFILE_KERNELS = {"attn_fwd_hopper": "attnlab (Gluon)", "attn_fwd_kernel": "attnlab (triton)",
+                   "attn_bwd_hopper": "attnlab (Gluon backward)",
+                   "cudnn_generated_fort_native_sdpa_sm90_flash_bprop": "cuDNN backward", "cudnn": "cuDNN"}
+#: The raw metrics ``tools/hopper_routes.py``'s ncu command adds (section "Command line profiler metrics"). On
+#: sm_90 the hmma pipe counts the warpgroup MMAs too (ncu 2025.3 reports no gmma pipe there).
 TENSOR_METRICS = {
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor pipe active, wgmma (%)",
-    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor pipe active, mma.sync (%)",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor pipe active (%)",
 }
 _STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
 
@@ -156,3 +165,38 @@ def backward_ab(path: Path | str = BACKWARD_FILE) -> pd.DataFrame | None:
                      "Gluon x portable": ms["portable-bwd"] / ms["hopper-bwd"],
                      "gap to portable grads": max(r["err_vs_portable"])})
     return pd.DataFrame(rows).set_index("case")
+
+
+#: The rows :func:`gluon_profiles` keeps: time, tensor pipe, issue rate, and the stalls that set the kernels apart.
+GLUON_PROFILE_ROWS = ("duration (ns)", "tensor pipe active (%)", "SM busy (%)", "instructions per active cycle",
+                      "cycles per issued instruction", "stall: barrier", "stall: long_scoreboard", "stall: wait",
+                      "achieved occupancy (%)", "threads per block")
+
+
+def backward_profile(path: Path | str = BACKWARD_PROFILE_FILE) -> tuple[pd.DataFrame, pd.Series] | None:
+    """The backward export's main kernels (attnlab's Gluon pass, cuDNN's bprop; :func:`profile`'s rows), and each
+    side's whole backward in ns, its small kernels (preprocess, dQ's zeroing and conversion) added: attnlab's
+    launches come first in the export, cuDNN's from its first kernel on. None when the export is absent."""
+    prof = profile(path)
+    if prof is None:
+        return None
+    cols = list(prof.columns)
+    first = next((i for i, c in enumerate(cols) if "cudnn" in c.lower()), len(cols))
+    ns = prof.loc["duration (ns)"]
+    total = pd.Series({"attnlab": ns[cols[:first]].sum(), "cuDNN": ns[cols[first:]].sum()})
+    return prof[[c for c in cols if c in PROFILE_KERNELS.values()]], total
+
+
+def gluon_profiles(forward: Path | str = GLUON_PROFILE_FILE, backward: Path | str = BACKWARD_PROFILE_FILE,
+                   ) -> tuple[pd.DataFrame, pd.Series, dict] | None:
+    """The Gluon forward (full, causal) and backward pass beside cuDNN's in one table (:data:`GLUON_PROFILE_ROWS`
+    by kernel, durations in us), each side's whole backward (us), and the forward export's environment (its
+    ``.env.json``: GPU, ncu command); None when an export is absent."""
+    fwd, bwd = profile(forward, masks=("full", "causal")), backward_profile(backward)
+    if fwd is None or bwd is None:
+        return None
+    env_path = Path(forward).with_suffix(".env.json")
+    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    table = pd.concat([fwd, bwd[0].add_suffix(", causal")], axis=1).reindex(list(GLUON_PROFILE_ROWS))
+    table.loc["duration (ns)"] /= 1e3
+    return table.rename(index={"duration (ns)": "duration (us)"}), bwd[1] / 1e3, env
