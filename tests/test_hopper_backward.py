@@ -129,7 +129,7 @@ def test_each_order_lays_out_the_grid_and_refuses_past_its_limits(on_sm90, monke
     q, k, v = _qkv(B=3, Hq=4, Hkv=2, Nq=300, Nk=500)
     size = {"tiles": 4, "Hkv": 2, "B": 3}
     assert hb._grid(make_problem(q, k, v)) == tuple(size[a] for a in axes)
-    q1, k1, v1 = (t[:1, :, :1] for t in (q, k, v))
+    q1, k1, v1 = (t[:1, :, :4] for t in (q, k, v))
     tall = make_problem(q1.expand(65536, -1, -1, -1), k1.expand(65536, -1, -1, -1), v1.expand(65536, -1, -1, -1))
     assert ("65535" in (hb.unsupported(tall, tall.q) or "")) == (axes.index("B") > 0)
 
@@ -223,6 +223,7 @@ def test_refuses_what_it_does_not_compute(on_sm90, kw, reason):
 def test_refuses_other_head_dims_dtypes_and_deterministic_mode(on_sm90):
     assert "D = Dv in (64, 128)" in _why(*_qkv(D=96))
     assert "float16 and bfloat16 only" in _why(*_qkv(dtype=torch.float32))
+    assert "Nq a multiple of 4" in _why(*_qkv(Nq=333)) and _why(*_qkv(Nq=332)) is None
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -349,25 +350,25 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
 CASES = {
     "full_gqa": dict(shape=dict(Nq=1000, Nk=1000), kw=dict()),
     "causal": dict(shape=dict(Nq=1000, Nk=1000, Hkv=8), kw=dict(causal=True)),
-    "causal_br_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="bottom_right")),
-    "causal_br_long_q": dict(shape=dict(Nq=777, Nk=333), kw=dict(causal=True, align="bottom_right")),  # empty rows
-    "causal_tl_long_q": dict(shape=dict(Nq=777, Nk=333), kw=dict(causal=True, align="top_left")),
+    "causal_br_short_q": dict(shape=dict(Nq=332, Nk=777), kw=dict(causal=True, align="bottom_right")),
+    "causal_br_long_q": dict(shape=dict(Nq=776, Nk=333), kw=dict(causal=True, align="bottom_right")),  # empty rows
+    "causal_tl_long_q": dict(shape=dict(Nq=776, Nk=333), kw=dict(causal=True, align="top_left")),
     "full_short_k": dict(shape=dict(Nq=300, Nk=65, Hkv=1), kw=dict()),
     "one_key": dict(shape=dict(Nq=64, Nk=1), kw=dict()),
     "fp16_causal": dict(shape=dict(Nq=300, Nk=300, dtype=torch.float16), kw=dict(causal=True)),
-    "causal_tl_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="top_left")),  # unseen keys
+    "causal_tl_short_q": dict(shape=dict(Nq=332, Nk=777), kw=dict(causal=True, align="top_left")),  # unseen keys
     "window_right0_br": dict(shape=dict(Nq=300, Nk=500), kw=dict(window=(None, 0), align="bottom_right")),
     # every score strongly negative (lse2 far below 0) and a ragged last key tile: its padding keys must not reach
     # dQ (their p = exp2(-lse2) overflows float16 to inf, and inf times a zero key is NaN)
     "fp16_negative_ragged": dict(shape=dict(Nq=200, Nk=65, dtype=torch.float16), kw=dict(), negative=True),
-    "bnhd": dict(shape=dict(Nq=257, Nk=257), kw=dict(causal=True), bnhd=True),
+    "bnhd": dict(shape=dict(Nq=260, Nk=257), kw=dict(causal=True), bnhd=True),
     # ALiBi: distances |i + Nk - Nq - j| whatever the alignment; slopes per head ([Hq]) or per batch entry and head
-    "alibi_causal_tl_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="top_left"), alibi="h"),
+    "alibi_causal_tl_short_q": dict(shape=dict(Nq=332, Nk=777), kw=dict(causal=True, align="top_left"), alibi="h"),
     "alibi_causal_tl_long_q_bh": dict(shape=dict(Nq=500, Nk=300), kw=dict(causal=True, align="top_left"),
                                       alibi="bh"),
     # D 64: one 32-column box per half of dQ
     "d64_causal_gqa": dict(shape=dict(Nq=1000, Nk=1000, D=64), kw=dict(causal=True)),
-    "d64_causal_br_fp16_short_q": dict(shape=dict(Nq=333, Nk=777, D=64, dtype=torch.float16),
+    "d64_causal_br_fp16_short_q": dict(shape=dict(Nq=332, Nk=777, D=64, dtype=torch.float16),
                                        kw=dict(causal=True, align="bottom_right")),
     "alibi_causal_br_fp16": dict(shape=dict(Nq=300, Nk=500, dtype=torch.float16),
                                  kw=dict(causal=True, align="bottom_right"), alibi="h"),

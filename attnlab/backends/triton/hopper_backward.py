@@ -46,10 +46,10 @@ def _kernel_module():
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
-    or 128 (64 with GQA only), no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either
-    alignment, Nq != Nk, GQA, ALiBi under the causal band and the lse's gradient; other windows, lengths, explicit
-    masks and biases, packed sequences, the soft cap, sinks and deterministic mode (dQ's adds land in any order)
-    run on the portable kernels."""
+    or 128 (64 with GQA only), Nq a multiple of 4, no mask or the causal band (``causal=True`` or the window
+    ``(None, 0)``) in either alignment, Nq != Nk, GQA, ALiBi under the causal band and the lse's gradient; other
+    windows, lengths, explicit masks and biases, packed sequences, the soft cap, sinks and deterministic mode (dQ's
+    adds land in any order) run on the portable kernels."""
     if fwd.mode() == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
@@ -66,6 +66,8 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
         return "no window (the causal mask or none)"
     if prob.B * prob.Hq * prob.Nq >= 2**31:
         return "fewer than 2**31 query rows over all heads (TMA's coordinates into lse2 and Delta)"
+    if prob.Nq % 4:
+        return "Nq a multiple of 4 (TMA reads each row tile's lse2 and Delta from a 16-byte aligned start)"
     if max(_grid(prob)[1:]) > 65535:
         return ("at most 65535 along the grid's second and third axes (key tiles of 128, kv heads times the group's "
                 "parts, batch entries)")
