@@ -105,12 +105,21 @@ def test_the_backward_ab_reads_only_cases_whose_gradients_agreed(tmp_path):
     assert row["Gluon x cuDNN"] == pytest.approx(0.9) and row["portable x cuDNN"] == pytest.approx(0.6)
     assert row["Gluon x portable"] == pytest.approx(1.5) and row["gap to portable grads"] == pytest.approx(2e-3)
     assert hopper.backward_ab(tmp_path / "absent.json") is None
+    later = {"product": 1.0, "old": 1.2, "portable": 1.5, "sdpa-cudnn-bwd": 0.9}  # a later run's names
+    p.write_text(json.dumps({"environment": {}, "rows": [
+        {"case": "ok", "passed": True, "product_err_vs_portable": [1e-3, 3e-3, 5e-4], "ms": later}]}))
+    row = hopper.backward_ab(p).loc["ok"]
+    assert row["Gluon x cuDNN"] == pytest.approx(0.9) and row["earlier form x cuDNN"] == pytest.approx(0.75)
+    assert row["Gluon x portable"] == pytest.approx(1.5) and row["gap to portable grads"] == pytest.approx(3e-3)
 
 
 def test_the_recorded_backward_ab_reads_back():
     t = hopper.backward_ab()
-    assert t is not None and len(t) == 4
+    assert t is not None and len(t) == 8
     assert (t["Gluon x portable"] > 1).all() and t["Gluon x cuDNN"].between(0.5, 1.5).all()
+    assert (t["Gluon x cuDNN"] > t["earlier form x cuDNN"]).all()
+    first = hopper.backward_ab(hopper.BACKWARD_FILE.with_name("hopper-bwd-3517dae.json"))
+    assert len(first) == 4 and "earlier form x cuDNN" not in first
 
 
 def test_the_backward_profile_keeps_the_main_kernels_and_sums_each_sides_pass(tmp_path):

@@ -23,10 +23,11 @@ PROFILE_FILE = _DIR / "ncu-forward-causal-e059209.csv"
 #: The Gluon kernel's first run: its checks against the float64 reference, then times beside cuDNN and the
 #: portable kernel (docs/decisions.md, "The forward on Hopper: a warp-specialized Gluon kernel").
 GLUON_FILE = _DIR / "hopper-gluon-first-e01d16c.json"
-#: The Gluon backward's first GPU run (an H100): the backward alone through the public call, beside the portable
-#: backward and cuDNN's (docs/decisions.md, "The Hopper backward").
+#: The Gluon backward as it is (an H100): the backward alone through the public call, beside the form before its
+#: lse2 and Delta came by TMA, the portable backward and cuDNN's (docs/decisions.md, "The Hopper backward's lse2
+#: and Delta by TMA"; its first run, "The Hopper backward", is ``hopper-bwd-3517dae.json``, the same format).
 _H100 = DATA_DIR / "experiments" / "nvidia-h100-80gb-hbm3"
-BACKWARD_FILE = _H100 / "hopper-bwd-3517dae.json"
+BACKWARD_FILE = _H100 / "hopper-bwd-rows-tma-b1c0c19.json"
 #: ncu's profiles of the Gluon kernels beside cuDNN's (an H100, the GPU's own clocks; docs/decisions.md, "The
 #: Hopper kernels beside cuDNN's, profiled"): the forward, full then causal; one causal backward, whole.
 GLUON_PROFILE_FILE = _H100 / "ncu-forward-a7a2405.csv"
@@ -147,9 +148,11 @@ def gluon_kernel(path: Path | str = GLUON_FILE) -> tuple[pd.DataFrame, int, int]
 
 
 def backward_ab(path: Path | str = BACKWARD_FILE) -> pd.DataFrame | None:
-    """The Gluon backward beside the portable one and cuDNN's, per case: times (ms), each one's speed over cuDNN's,
-    and the largest gap to the portable gradients (relative to the largest entry); only cases whose gradients
-    agreed were timed. None when the file is absent."""
+    """The Gluon backward beside the portable one and cuDNN's, per case: times (ms), each one's speed over cuDNN's
+    (and the earlier form's, where the run timed one: ``old``), and the largest gap to the portable gradients
+    (relative to the largest entry); only cases whose gradients agreed were timed. Reads the first run's names
+    (``hopper-bwd``, ``portable-bwd``) and the later runs' (``product``, ``portable``). None when the file is
+    absent."""
     p = Path(path)
     if not p.exists():
         return None
@@ -158,12 +161,15 @@ def backward_ab(path: Path | str = BACKWARD_FILE) -> pd.DataFrame | None:
         if not r.get("passed"):
             continue
         ms = r["ms"]
-        cudnn = ms["sdpa-cudnn-bwd"]
-        rows.append({"case": r["case"], "Gluon (ms)": ms["hopper-bwd"], "portable (ms)": ms["portable-bwd"],
-                     "cuDNN (ms)": cudnn, "Gluon x cuDNN": cudnn / ms["hopper-bwd"],
-                     "portable x cuDNN": cudnn / ms["portable-bwd"],
-                     "Gluon x portable": ms["portable-bwd"] / ms["hopper-bwd"],
-                     "gap to portable grads": max(r["err_vs_portable"])})
+        cudnn, gluon = ms["sdpa-cudnn-bwd"], ms.get("product", ms.get("hopper-bwd"))
+        portable = ms.get("portable", ms.get("portable-bwd"))
+        row = {"case": r["case"], "Gluon (ms)": gluon, "portable (ms)": portable, "cuDNN (ms)": cudnn,
+               "Gluon x cuDNN": cudnn / gluon, "portable x cuDNN": cudnn / portable,
+               "Gluon x portable": portable / gluon}
+        if "old" in ms:
+            row["earlier form x cuDNN"] = cudnn / ms["old"]
+        row["gap to portable grads"] = max(r.get("product_err_vs_portable", r.get("err_vs_portable")))
+        rows.append(row)
     return pd.DataFrame(rows).set_index("case")
 
 
