@@ -27,7 +27,8 @@ for (tensor-pipe activity, occupancy, stall reasons per issued instruction), rea
 
 (ncu 2025.3 takes ``--metrics`` once: the regular expressions go in one comma-separated list.)
 ``--profile-backward`` does the same for one backward alone of each (``torch.autograd.grad(out, (q, k, v), dout,
-retain_graph=True)``, causal): attnlab's three kernels, then cuDNN's.
+retain_graph=True)``, causal): attnlab's four kernels (preprocess, dQ's zeroing, the pass, dQ's conversion), then
+cuDNN's three.
 """
 
 from __future__ import annotations
