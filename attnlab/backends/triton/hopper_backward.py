@@ -46,10 +46,11 @@ def _kernel_module():
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
-    or 128 (64 with GQA only), Nq a multiple of 4, no mask or the causal band (``causal=True`` or the window
-    ``(None, 0)``) in either alignment, Nq != Nk, GQA, ALiBi under the causal band and the lse's gradient; other
-    windows, lengths, explicit masks and biases, packed sequences, the soft cap, sinks and deterministic mode (dQ's
-    adds land in any order) run on the portable kernels."""
+    or 128 (64 with GQA only), Nq a multiple of 4 and fewer than 2**31 rows over all heads (lse2 and Delta are read
+    by TMA), no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment, Nq !=
+    Nk, GQA, ALiBi under the causal band and the lse's gradient; other windows, lengths, explicit masks and biases,
+    packed sequences, the soft cap, sinks and deterministic mode (dQ's adds land in any order) run on the portable
+    kernels."""
     if fwd.mode() == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
@@ -64,10 +65,6 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     spec, mods = prob.spec, prob.mods
     if spec.left is not None or spec.right not in (None, 0):
         return "no window (the causal mask or none)"
-    if prob.B * prob.Hq * prob.Nq >= 2**31:
-        return "fewer than 2**31 query rows over all heads (TMA's coordinates into lse2 and Delta)"
-    if prob.Nq % 4:
-        return "Nq a multiple of 4 (TMA reads each row tile's lse2 and Delta from a 16-byte aligned start)"
     if max(_grid(prob)[1:]) > 65535:
         return ("at most 65535 along the grid's second and third axes (key tiles of 128, kv heads times the group's "
                 "parts, batch entries)")
@@ -81,6 +78,10 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
         return "ALiBi under the causal band only (on full rows the portable backward is faster)"
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic mode (dQ is added up by reduce-adds in any order)"
+    if prob.B * prob.Hq * prob.Nq >= 2**31:
+        return "fewer than 2**31 query rows over all heads (TMA's coordinates into lse2 and Delta)"
+    if prob.Nq % 4:
+        return "Nq a multiple of 4 (TMA reads each row tile's lse2 and Delta from a 16-byte aligned start)"
     if not all(fwd.tma_ready(t) for t in (q, prob.k, prob.v, dout)):
         return "TMA needs the last dim contiguous and 16-byte aligned strides and bases"
     if isinstance(_kernel_module(), str):
@@ -214,8 +215,9 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
         dv: torch.Tensor, dq_acc: torch.Tensor | None = None) -> torch.Tensor | None:
     """dK and dV into ``dk``, ``dv`` and dQ, float32 [B, Hq, Nq, D], returned, when the Hopper backward takes
     ``prob`` and its kernel is compiled; None when the caller runs the portable kernels instead (nothing done).
-    ``delta`` and ``lse2`` are the preprocess's, contiguous float32 [B, Hq, Nq]; ``dq_acc``, a zeroed float32
-    dQ the caller has already (any strides TMA can write), else one is made."""
+    ``delta`` and ``lse2`` are the preprocess's, contiguous float32 [B, Hq, Nq] (not contiguous or not 16-byte
+    aligned: None, TMA reads them); ``dq_acc``, a zeroed float32 dQ the caller has already (any strides TMA can
+    write), else one is made."""
     rows_ready = all(t.is_contiguous() and fwd.tma_ready(t.view(-1)) for t in (lse2, delta))  # read by TMA
     if unsupported(prob, dout) is not None or not rows_ready:
         return None

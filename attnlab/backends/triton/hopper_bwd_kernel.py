@@ -33,11 +33,12 @@ long ones would leave SMs idle. Its warps split into four partitions:
 
 Causal masks (either alignment: row i sees key j iff ``j <= i + off``) skip row tiles that see none of the
 program's keys and apply the mask only on tiles the diagonal crosses. The TMA descriptors are four-dimensional
-``[B, H, N, D]``: rows past Nq and keys past Nk read as zeros (rows past Nq have lse2 = +inf from their masked
-load, so p = 0; keys past Nk are masked in the last key tile and their dK and dV are not stored), and reduce-adds
-past Nq are clipped by the copy engine. lse2 and Delta are read through one-dimensional descriptors of all rows
-of all heads (``[B * Hq * Nq]``), so a tile's rows past Nq hold the next head's values: the consumers replace them
-by +inf and 0. What this kernel computes is :func:`hopper_backward.unsupported`'s.
+``[B, H, N, D]``: rows past Nq and keys past Nk read as zeros (keys past Nk are masked in the last key tile and
+their dK and dV are not stored), and reduce-adds past Nq are clipped by the copy engine. lse2 and Delta are read
+through one-dimensional descriptors of all rows of all heads (``[B * Hq * Nq]``): a tile's rows past Nq hold the
+next head's values (zeros past the last head), which the consumers replace by +inf and 0, so p = 0 there. A box
+must start on a 16-byte boundary (an unaligned start faults), so the host takes Nq a multiple of 4 only. What
+this kernel computes is :func:`hopper_backward.unsupported`'s.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def _consumer(HALF: gl.constexpr, bufs, bars, DK, DV, dk_strides, dv_strides, Nq
             dq = warpgroup_mma(ds_bufs.index(buf * 2 + 1),
                                k_bufs.index(1).reshape([HALF_N, HEAD_D]).slice(HALF * HALF_D, HALF_D, dim=1),
                                dq, is_async=True)
-            dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))  # the groups retire in issue order: dV, dK, then dQ
+            dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))  # groups retire in issue order: dV, dK, dQ's two MMAs
             mbarrier.arrive(q_empty.index(slot), count=1)
             mbarrier.arrive(do_empty.index(slot), count=1)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
