@@ -105,7 +105,8 @@ def test_the_causal_band_however_spelled_gets_the_causal_kernel(on_sm90, kw, cau
     assert hb.unsupported(prob, q) is None
     rows = torch.empty(1, 4, 300)
     _, args, launch_kw = hb._launch_args(prob, q, rows, rows, torch.zeros(1, 4, 300, 128), k, v)
-    assert launch_kw["CAUSAL"] is causal and args[19] == off and hb._variant(prob)[4] is causal
+    named = dict(zip(hb._kernel_module().attn_bwd_hopper.arg_names, args))
+    assert launch_kw["CAUSAL"] is causal and named["off"] == off and hb._variant(prob)[4] is causal
 
 
 @pytest.mark.parametrize("slopes", [torch.rand(4), torch.rand(2, 4), torch.rand(4, 2).t()])
@@ -223,7 +224,7 @@ def test_refuses_what_it_does_not_compute(on_sm90, kw, reason):
 def test_refuses_other_head_dims_dtypes_and_deterministic_mode(on_sm90):
     assert "D = Dv in (64, 128)" in _why(*_qkv(D=96))
     assert "float16 and bfloat16 only" in _why(*_qkv(dtype=torch.float32))
-    assert "Nq a multiple of 4" in _why(*_qkv(Nq=333)) and _why(*_qkv(Nq=332)) is None
+    assert _why(*_qkv(Nq=333)) is None  # each head's rows of lse2 and Delta padded to 4 (run)
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -245,6 +246,25 @@ def test_refuses_more_rows_than_tma_coordinates_reach(on_sm90):
     q = torch.empty(1, 2**16, 2**15, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, 2**13, 2**15, 128, dtype=torch.bfloat16, device="meta")
     assert "fewer than 2**31 query rows" in _why(q, k, k)
+
+
+def test_odd_nq_passes_lse2_and_delta_with_rows_padded_to_four(on_sm90, monkeypatch):
+    """TMA reads each row tile from a 16-byte aligned start: with Nq = 301 the launch gets lse2 and Delta of 304
+    rows a head (the first 301 the caller's) and Nq_rows 304."""
+    monkeypatch.setattr(hopper, "ready", lambda *a, **k: True)
+    seen = {}
+    monkeypatch.setattr(hb._rt, "run_compiled", lambda c, grid, stream, values: seen.update(values=values))
+    monkeypatch.setattr(hb._rt, "stream_of", lambda index: 0)
+    q, k, v = _qkv(Nq=301, Nk=200)
+    prob = make_problem(q, k, v, causal=True, align="bottom_right")
+    monkeypatch.setitem(hb._kernels, hb._variant(prob), object())
+    lse2, delta = torch.randn(1, 4, 301), torch.randn(1, 4, 301)
+    hb.run(prob, q, delta, lse2, torch.empty_like(k), torch.empty_like(v), torch.zeros(1, 4, 301, 64))
+    named = dict(zip(hb._kernel_module().attn_bwd_hopper.arg_names, seen["values"]))
+    assert (named["Nq"], named["Nq_rows"]) == (301, 304)
+    for name, want in (("lse2_desc", lse2), ("delta_desc", delta)):
+        got = named[name].base.view(1, 4, 304)
+        assert list(named[name].shape) == [4 * 304] and torch.equal(got[..., :301], want)
 
 
 def test_rows_tma_cannot_read_go_to_the_portable_kernels(on_sm90, monkeypatch):
@@ -350,29 +370,26 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
 CASES = {
     "full_gqa": dict(shape=dict(Nq=1000, Nk=1000), kw=dict()),
     "causal": dict(shape=dict(Nq=1000, Nk=1000, Hkv=8), kw=dict(causal=True)),
-    "causal_br_short_q": dict(shape=dict(Nq=332, Nk=777), kw=dict(causal=True, align="bottom_right")),
-    "causal_br_long_q": dict(shape=dict(Nq=776, Nk=333), kw=dict(causal=True, align="bottom_right")),  # empty rows
-    "causal_tl_long_q": dict(shape=dict(Nq=776, Nk=333), kw=dict(causal=True, align="top_left")),
+    "causal_br_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="bottom_right")),
+    "causal_br_long_q": dict(shape=dict(Nq=777, Nk=333), kw=dict(causal=True, align="bottom_right")),  # empty rows
+    "causal_tl_long_q": dict(shape=dict(Nq=777, Nk=333), kw=dict(causal=True, align="top_left")),
     "full_short_k": dict(shape=dict(Nq=300, Nk=65, Hkv=1), kw=dict()),
     "one_key": dict(shape=dict(Nq=64, Nk=1), kw=dict()),
     "fp16_causal": dict(shape=dict(Nq=300, Nk=300, dtype=torch.float16), kw=dict(causal=True)),
-    "causal_tl_short_q": dict(shape=dict(Nq=332, Nk=777), kw=dict(causal=True, align="top_left")),  # unseen keys
+    "causal_tl_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="top_left")),  # unseen keys
     "window_right0_br": dict(shape=dict(Nq=300, Nk=500), kw=dict(window=(None, 0), align="bottom_right")),
     # every score strongly negative (lse2 far below 0) and a ragged last key tile: its padding keys must not reach
     # dQ (their p = exp2(-lse2) overflows float16 to inf, and inf times a zero key is NaN)
     "fp16_negative_ragged": dict(shape=dict(Nq=200, Nk=65, dtype=torch.float16), kw=dict(), negative=True),
-    "bnhd": dict(shape=dict(Nq=260, Nk=260), kw=dict(causal=True), bnhd=True),
+    "bnhd": dict(shape=dict(Nq=257, Nk=257), kw=dict(causal=True), bnhd=True),
     # ALiBi: distances |i + Nk - Nq - j| whatever the alignment; slopes per head ([Hq]) or per batch entry and head
-    "alibi_causal_tl_short_q": dict(shape=dict(Nq=332, Nk=777), kw=dict(causal=True, align="top_left"), alibi="h"),
+    "alibi_causal_tl_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="top_left"), alibi="h"),
     "alibi_causal_tl_long_q_bh": dict(shape=dict(Nq=500, Nk=300), kw=dict(causal=True, align="top_left"),
                                       alibi="bh"),
     # D 64: one 32-column box per half of dQ
     "d64_causal_gqa": dict(shape=dict(Nq=1000, Nk=1000, D=64), kw=dict(causal=True)),
-    "d64_causal_br_fp16_short_q": dict(shape=dict(Nq=332, Nk=777, D=64, dtype=torch.float16),
+    "d64_causal_br_fp16_short_q": dict(shape=dict(Nq=333, Nk=777, D=64, dtype=torch.float16),
                                        kw=dict(causal=True, align="bottom_right")),
-    # Nq off a multiple of 4: the portable backward (the Hopper kernel's row tiles of lse2 and Delta would start
-    # off a 16-byte boundary), the same contract
-    "odd_nq_portable": dict(shape=dict(Nq=333, Nk=777), kw=dict(causal=True, align="bottom_right"), portable=True),
     "alibi_causal_br_fp16": dict(shape=dict(Nq=300, Nk=500, dtype=torch.float16),
                                  kw=dict(causal=True, align="bottom_right"), alibi="h"),
 }

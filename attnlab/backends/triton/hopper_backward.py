@@ -46,8 +46,8 @@ def _kernel_module():
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
-    or 128 (64 with GQA only), Nq a multiple of 4 and fewer than 2**31 rows over all heads (lse2 and Delta are read
-    by TMA), no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment, Nq !=
+    or 128 (64 with GQA only), fewer than 2**31 rows over all heads padded to 4 (lse2 and Delta are read by
+    TMA), no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment, Nq !=
     Nk, GQA, ALiBi under the causal band and the lse's gradient; other windows, lengths, explicit masks and biases,
     packed sequences, the soft cap, sinks and deterministic mode (dQ's adds land in any order) run on the portable
     kernels."""
@@ -78,15 +78,27 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
         return "ALiBi under the causal band only (on full rows the portable backward is faster)"
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic mode (dQ is added up by reduce-adds in any order)"
-    if prob.B * prob.Hq * prob.Nq >= 2**31:
+    if prob.B * prob.Hq * _rows(prob) >= 2**31:
         return "fewer than 2**31 query rows over all heads (TMA's coordinates into lse2 and Delta)"
-    if prob.Nq % 4:
-        return "Nq a multiple of 4 (TMA reads each row tile's lse2 and Delta from a 16-byte aligned start)"
     if not all(fwd.tma_ready(t) for t in (q, prob.k, prob.v, dout)):
         return "TMA needs the last dim contiguous and 16-byte aligned strides and bases"
     if isinstance(_kernel_module(), str):
         return _kernel_module()
     return None
+
+
+def _rows(prob: Problem) -> int:
+    """Each head's rows in the lse2 and Delta the kernel reads: Nq rounded up to 4, so that TMA reads every row
+    tile from a 16-byte aligned start (an unaligned start faults on the GPU: docs/decisions.md, "The Hopper
+    backward's lse2 and Delta by TMA")."""
+    return -(-prob.Nq // 4) * 4
+
+
+def _padded_rows(prob: Problem, t: torch.Tensor) -> torch.Tensor:
+    """``t`` ([B, Hq, Nq] float32) with each head's rows padded to :func:`_rows` (itself when Nq is a multiple of
+    4); the kernel never reads the padding as a row (rows past Nq are masked)."""
+    rows = _rows(prob)
+    return t if rows == prob.Nq else torch.nn.functional.pad(t, (0, rows - prob.Nq))
 
 
 def _causal(prob: Problem) -> bool:
@@ -183,8 +195,8 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
     args = (fwd.descriptor(q, [1, 1, BLOCK_M, D]), fwd.descriptor(dout, [1, 1, BLOCK_M, D]),
             fwd.descriptor(k, [1, 1, HALF_N, D]), fwd.descriptor(v, [1, 1, HALF_N, D]),
             fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), fwd.descriptor(lse2.view(-1), [BLOCK_M]),
-            fwd.descriptor(delta.view(-1), [BLOCK_M]), dk, dv, *dk.stride()[:3],
-            *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale,
+            fwd.descriptor(delta.view(-1), [BLOCK_M]), dk, dv, *dk.stride()[:3], *dv.stride()[:3], prob.Nq,
+            lse2.shape[-1], prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale,
             *_alibi(prob))
     kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS,
               ORDER=o, HAS_ALIBI=prob.mods.alibi is not None, SPLIT=s, num_warps=4,
@@ -228,6 +240,7 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
         return None
     if dq_acc is None or not fwd.tma_ready(dq_acc):
         dq_acc = torch.zeros(prob.q.shape, dtype=torch.float32, device=prob.device)
+    lse2, delta = _padded_rows(prob, lse2), _padded_rows(prob, delta)
     grad_k, grad_v = dk, dv
     if s > 1:  # the parts' sums, added up below
         parts = _partials(prob, s)
@@ -241,9 +254,9 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
     else:
         L = fwd.LightDescriptor
         values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), L(lse2.view(-1)), L(delta.view(-1)), dk, dv,
-                  *dk.stride()[:3], *dv.stride()[:3], prob.Nq, prob.Nk, prob.Hq, prob.group, _offset(prob),
-                  prob.scale * fwd.LOG2E, prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES, _causal(prob),
-                  CONSUMER_REGS, o, prob.mods.alibi is not None, s)
+                  *dk.stride()[:3], *dv.stride()[:3], prob.Nq, lse2.shape[-1], prob.Nk, prob.Hq, prob.group,
+                  _offset(prob), prob.scale * fwd.LOG2E, prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES,
+                  _causal(prob), CONSUMER_REGS, o, prob.mods.alibi is not None, s)
         _rt.run_compiled(compiled, _grid(prob, o, s), _rt.stream_of(prob.device.index), values)
     if s > 1:
         sums = parts.view(2, prob.B, prob.Hkv, s, prob.Nk, prob.D).sum(3)

@@ -35,10 +35,10 @@ Causal masks (either alignment: row i sees key j iff ``j <= i + off``) skip row 
 program's keys and apply the mask only on tiles the diagonal crosses. The TMA descriptors are four-dimensional
 ``[B, H, N, D]``: rows past Nq and keys past Nk read as zeros (keys past Nk are masked in the last key tile and
 their dK and dV are not stored), and reduce-adds past Nq are clipped by the copy engine. lse2 and Delta are read
-through one-dimensional descriptors of all rows of all heads (``[B * Hq * Nq]``): a tile's rows past Nq hold the
-next head's values (zeros past the last head), which the consumers replace by +inf and 0, so p = 0 there. A box
-must start on a 16-byte boundary (an unaligned start faults), so the host takes Nq a multiple of 4 only. What
-this kernel computes is :func:`hopper_backward.unsupported`'s.
+through one-dimensional descriptors of all rows of all heads (``[B * Hq * Nq_rows]``, each head's rows padded
+to a multiple of 4 by the host: a box must start on a 16-byte boundary, an unaligned start faults): a tile's rows
+past Nq hold padding or the next head's values (zeros past the last head), which the consumers replace by +inf
+and 0, so p = 0 there. What this kernel computes is :func:`hopper_backward.unsupported`'s.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def _consumer(HALF: gl.constexpr, bufs, bars, DK, DV, dk_strides, dv_strides, Nq
 
 
 @gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, Nq, Hq, group, off,
+def _loader(q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, Nq, Nq_rows, Hq, group, off,
             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
             SPLIT: gl.constexpr):
     """K and V of both halves once, then Q with lse2 and dO with Delta of every row tile of its heads through the
@@ -249,7 +249,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, 
     it = t_lo * 0
     for g in range(g_lo, g_hi):
         h = kvh * group + g
-        row0 = (b * Hq + h) * Nq  # the head's first row in lse2 and Delta (the host keeps it under 2**31)
+        row0 = (b * Hq + h) * Nq_rows  # the head's first row in lse2 and Delta (the host keeps it under 2**31)
         for t in range(t_lo, t_hi):
             slot = it % STAGES
             phase = (it // STAGES) & 1
@@ -284,9 +284,9 @@ def _dq_writer(dq_desc, bufs, bars, Nq, group, off, BLOCK_M: gl.constexpr, HEAD_
             it += 1
 
 
-@gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "group", "off", "Alibi", "s_ab", "s_ah", "alibi_off"])
+@gluon.jit(do_not_specialize=["Nq", "Nq_rows", "Nk", "Hq", "group", "off", "Alibi", "s_ab", "s_ah", "alibi_off"])
 def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, lse2_desc, delta_desc, DK, DV, s_kb, s_kh, s_kn, s_vb,
-                    s_vh, s_vn, Nq, Nk, Hq, group, off, qk_scale, scale, Alibi, s_ab, s_ah, alibi_off,
+                    s_vh, s_vn, Nq, Nq_rows, Nk, Hq, group, off, qk_scale, scale, Alibi, s_ab, s_ah, alibi_off,
                     BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr,
                     SPLIT: gl.constexpr):
@@ -332,7 +332,7 @@ def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, lse2_desc, delta_d
                      alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI, SPLIT)),
         (_consumer, (1, bufs, bars, DK, DV, dk_strides, dv_strides, Nq, Nk, group, off, qk_scale, scale,
                      alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI, SPLIT)),
-        (_loader, (q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, Nq, Hq, group, off, BLOCK_M,
-                   STAGES, CAUSAL, ORDER, SPLIT)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, Nq, Nq_rows, Hq, group, off,
+                   BLOCK_M, STAGES, CAUSAL, ORDER, SPLIT)),
         (_dq_writer, (dq_desc, bufs, bars, Nq, group, off, BLOCK_M, HEAD_D, CAUSAL, ORDER, SPLIT)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
