@@ -43,14 +43,17 @@ def test_takes_dense_causal_gqa_and_either_alignment(on_sm90):
     assert _why(*_qkv(dtype=torch.float16, Hkv=1)) is None
     assert _why(q, k, v, causal=True, align="top_left", alibi_slopes=torch.rand(4)) is None
     assert _why(*_qkv(B=2, Nq=300, Nk=500), causal=True, align="bottom_right", alibi_slopes=torch.rand(2, 4)) is None
-    assert "causal band only" in _why(*_qkv(B=2, Nq=300, Nk=500), alibi_slopes=torch.rand(2, 4))
+    assert _why(*_qkv(B=2, Nq=300, Nk=500), alibi_slopes=torch.rand(2, 4)) is None
     assert _why(*_qkv(D=64), causal=True, align="bottom_right") is None
 
 
-def test_head_dim_64_only_with_grouped_query_heads(on_sm90):
+def test_head_dim_64_on_full_rows_only_with_grouped_query_heads(on_sm90):
     assert _why(*_qkv(D=64, Hq=4, Hkv=2)) is None
-    assert "grouped query heads" in _why(*_qkv(D=64, Hq=4, Hkv=4), causal=True)
-    assert _why(*_qkv(D=128, Hq=4, Hkv=4), causal=True) is None
+    assert "full rows with grouped query heads" in _why(*_qkv(D=64, Hq=4, Hkv=4))
+    assert "full rows with grouped query heads" in _why(*_qkv(D=64, Hq=4, Hkv=4), alibi_slopes=torch.rand(4))
+    assert _why(*_qkv(D=64, Hq=4, Hkv=4), causal=True) is None
+    assert _why(*_qkv(D=64, Hq=4, Hkv=4), window=(None, 0)) is None
+    assert _why(*_qkv(D=128, Hq=4, Hkv=4)) is None
 
 
 @pytest.mark.parametrize("shape, kw, expect", [  # 132 SMs off the GPU; a wave is 132 programs
@@ -392,6 +395,11 @@ CASES = {
                                        kw=dict(causal=True, align="bottom_right")),
     "alibi_causal_br_fp16": dict(shape=dict(Nq=300, Nk=500, dtype=torch.float16),
                                  kw=dict(causal=True, align="bottom_right"), alibi="h"),
+    # ALiBi on full rows, Nq != Nk either way; D 64 without GQA: taken under the causal band, full rows portable
+    "alibi_full_short_q_bh": dict(shape=dict(Nq=333, Nk=777), kw=dict(), alibi="bh"),
+    "alibi_full_long_q_fp16": dict(shape=dict(Nq=500, Nk=300, dtype=torch.float16), kw=dict(), alibi="h"),
+    "d64_causal_mha": dict(shape=dict(Nq=301, Nk=301, D=64, Hkv=8), kw=dict(causal=True)),
+    "d64_full_mha_portable": dict(shape=dict(Nq=300, Nk=300, D=64, Hkv=8), kw=dict(), portable=True),
 }
 
 

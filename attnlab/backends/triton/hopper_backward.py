@@ -25,7 +25,7 @@ STAGES = 2  #: Q/dO slots in the ring
 CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader's and writer's warpgroup: 24)
 MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
 HEAD_DIMS = (64, 128)
-GQA_ONLY_HEAD_DIMS = (64,)  #: head dims taken only when query heads share a kv head (else the portable is faster)
+FULL_ROWS_GQA_ONLY_HEAD_DIMS = (64,)  #: head dims whose unmasked rows are taken only under GQA (else portable)
 #: The programs' order (the kernel's ``_program_tile``): 0, a kv head's key tiles together; 1, each key tile of a
 #: batch entry's kv heads together, the longest first; 2, each key tile of every kv head and batch entry together.
 #: None picks by :func:`order`'s rule; a number forces that order on every call (experiments and tests).
@@ -46,10 +46,10 @@ def _kernel_module():
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
-    or 128 (64 with GQA only), fewer than 2**31 rows over all heads padded to 4 (lse2 and Delta are read by
-    TMA), no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment, Nq !=
-    Nk, GQA, ALiBi under the causal band and the lse's gradient; other windows, lengths, explicit masks and biases,
-    packed sequences, the soft cap, sinks and deterministic mode (dQ's adds land in any order) run on the portable
+    or 128 (64 on full rows with GQA only), fewer than 2**31 rows over all heads padded to 4 (lse2 and Delta are
+    read by TMA), no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment,
+    Nq != Nk, GQA, ALiBi and the lse's gradient; other windows, lengths, explicit masks and biases, packed
+    sequences, the soft cap, sinks and deterministic mode (dQ's adds land in any order) run on the portable
     kernels."""
     if fwd.mode() == "0":
         return "ATTNLAB_HOPPER=0"
@@ -60,8 +60,6 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
         return "float16 and bfloat16 only"
     if prob.D != prob.Dv or prob.D not in HEAD_DIMS:
         return f"D = Dv in {HEAD_DIMS} only"
-    if prob.D in GQA_ONLY_HEAD_DIMS and prob.group == 1:
-        return f"D {prob.D} with grouped query heads only (without, the portable backward is faster)"
     spec, mods = prob.spec, prob.mods
     if spec.left is not None or spec.right not in (None, 0):
         return "no window (the causal mask or none)"
@@ -74,8 +72,8 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
         return "no explicit mask or bias"
     if mods.softcap is not None or mods.sinks is not None:
         return "no soft cap or sinks"
-    if mods.alibi is not None and not _causal(prob):
-        return "ALiBi under the causal band only (on full rows the portable backward is faster)"
+    if prob.D in FULL_ROWS_GQA_ONLY_HEAD_DIMS and prob.group == 1 and not _causal(prob):
+        return f"D {prob.D} on full rows with grouped query heads only (without, the portable backward is faster)"
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic mode (dQ is added up by reduce-adds in any order)"
     if prob.B * prob.Hq * _rows(prob) >= 2**31:
