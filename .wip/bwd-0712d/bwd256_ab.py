@@ -1,3 +1,4 @@
+# ruff: noqa
 """The portable backward at 256-wide head tiles (D 129-256): the product (its new first candidates) against the old
 defaults and a few other pairs, each pair's gradients checked against the product's, the backward alone through
 the public call interleaved with a rival (compiled Flex on the varlen suite's MLA case, SDPA's default pick on the

@@ -1,3 +1,4 @@
+# ruff: noqa
 """The varlen suite's MLA case (packed documents, D 192 / Dv 128, bf16): the portable backward's configs at 256-wide
 head tiles, each pair's gradients checked against the default pair's, then the backward alone through the public
 call, interleaved with compiled Flex's.  PYTHONPATH=. python3 gpurun/mla_cfg.py OUT.json"""

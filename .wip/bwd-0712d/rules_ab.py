@@ -1,3 +1,4 @@
+# ruff: noqa
 """The Hopper backward against the portable backward (and sdpa-cudnn where it takes the call), the backward alone
 through the public call, after the two agree.  Modes: alibi (ALiBi on full rows, its rule lifted), mha64 (D 64
 without GQA, its rule lifted), oddnq (odd Nq; run in a tree with the odd-Nq patch applied).

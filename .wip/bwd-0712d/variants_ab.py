@@ -1,3 +1,4 @@
+# ruff: noqa
 """The Hopper backward's kernel variants (gpurun/hopper_bwd_kernel_<v>.py) against HEAD's, the backward alone
 through the public call: each variant's gradients checked against HEAD's kernel, then all interleaved with
 sdpa-cudnn over 5 rounds of 10 calls.  Usage: PYTHONPATH=. python3 gpurun/variants_ab.py OUT.json v1 v2 ..."""
