@@ -53,6 +53,7 @@ def test_head_dim_64_on_full_rows_only_with_grouped_query_heads(on_sm90):
     assert "full rows with grouped query heads" in _why(*_qkv(D=64, Hq=4, Hkv=4), alibi_slopes=torch.rand(4))
     assert _why(*_qkv(D=64, Hq=4, Hkv=4), causal=True) is None
     assert _why(*_qkv(D=64, Hq=4, Hkv=4), window=(None, 0)) is None
+    assert "no window" in _why(*_qkv(D=64, Hq=4, Hkv=4), window=(8, 0))  # the window's reason, not the D 64 rule
     assert _why(*_qkv(D=128, Hq=4, Hkv=4)) is None
 
 
@@ -249,6 +250,11 @@ def test_refuses_more_rows_than_tma_coordinates_reach(on_sm90):
     q = torch.empty(1, 2**16, 2**15, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, 2**13, 2**15, 128, dtype=torch.bfloat16, device="meta")
     assert "fewer than 2**31 query rows" in _why(q, k, k)
+    # 2**17 heads of 16383 rows fit, but not once each head's rows are padded to 16384
+    q = torch.empty(1, 2**17, 2**14 - 1, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 2**13, 128, 128, dtype=torch.bfloat16, device="meta")
+    assert q.shape[1] * q.shape[2] < 2**31
+    assert "fewer than 2**31 query rows" in _why(q, k, k)
 
 
 def test_odd_nq_passes_lse2_and_delta_with_rows_padded_to_four(on_sm90, monkeypatch):
@@ -400,6 +406,7 @@ CASES = {
     "alibi_full_long_q_fp16": dict(shape=dict(Nq=500, Nk=300, dtype=torch.float16), kw=dict(), alibi="h"),
     "d64_causal_mha": dict(shape=dict(Nq=301, Nk=301, D=64, Hkv=8), kw=dict(causal=True)),
     "d64_full_mha_portable": dict(shape=dict(Nq=300, Nk=300, D=64, Hkv=8), kw=dict(), portable=True),
+    "nq3_causal_br": dict(shape=dict(Nq=3, Nk=70), kw=dict(causal=True, align="bottom_right")),  # rows padded 3 -> 4
 }
 
 

@@ -6,6 +6,7 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
+mkdir -p "$out"
 { echo "commit ${ATTNLAB_COMMIT:-unknown}"; date -u
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

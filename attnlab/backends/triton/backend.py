@@ -22,8 +22,9 @@ class TritonBackend(Backend):
     takes = ("float32/float16/bfloat16, D and Dv 1-256, every mask, softcap, ALiBi slopes, sinks, packed "
              "sequences natively; CUDA tensors compiled (on sm_90 Hopper kernels: the forward for "
              "float16/bfloat16, D = Dv of 64 or 128, no kv_len, explicit mask, bias, sinks, packing or narrow "
-             "two-sided band; the backward for D = Dv of 64 or 128 (64 on full rows with GQA), dense or causal, "
-             "ALiBi), CPU tensors interpreted; float8_e4m3fn forward (compute capability 8.9+), without gradients")
+             "two-sided band; the backward for D = Dv of 64 or 128 (64 on full rows with GQA only), dense or "
+             "causal, ALiBi), CPU tensors interpreted; float8_e4m3fn forward (compute capability 8.9+), without "
+             "gradients")
     takes_fp8 = True
     kernel_backward = True  # differentiated by the Triton backward kernels (attnlab.backends.triton.backward)
     description = (

@@ -204,7 +204,8 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
 
 def _compile_launch(prob: Problem, lse2: torch.Tensor, delta: torch.Tensor) -> tuple:
     """(kernel, grid, arguments, keywords) to compile ``prob``'s variant for, with stand-ins of the call's dout,
-    dQ accumulator, dk and dv (the same dtypes and alignment; none is written)."""
+    dQ accumulator, dk and dv (the same dtypes and alignment; none is written). lse2 and Delta come unpadded, so
+    Nq_rows is Nq here: the kernel does not specialize on either, and the rows' alignment is a launch's matter."""
     acc = torch.empty((1, 1, 1, prob.D), dtype=torch.float32, device=prob.device)
     dk = torch.empty((1, 1, 1, prob.D), dtype=torch.float32 if split(prob) > 1 else prob.dtype, device=prob.device)
     return (_kernel_module().attn_bwd_hopper, *_launch_args(prob, prob.q, lse2, delta, acc, dk, dk))
