@@ -164,7 +164,10 @@ def dkdv_candidates(dtype: torch.dtype, block_d: int, one_pass: bool = False) ->
                 BwdConfig(64, 128, 8, 2)]
     if block_d <= 128:
         return [BwdConfig(64, 128, 8, 3), BwdConfig(64, 128, 8, 2), BwdConfig(32, 64, 4, 2), BwdConfig(32, 128, 8, 3)]
-    return [BwdConfig(32, 64, 8, 1), BwdConfig(32, 32, 4, 1), BwdConfig(16, 64, 4, 1)]
+    # 256-wide head tiles (D 129-256): 128 keys a program and two stages ahead of one, ordered by a sweep
+    # (docs/decisions.md, "The backward's 256-wide tiles"); the last ones fit GPUs with less shared memory.
+    return [BwdConfig(32, 128, 8, 2), BwdConfig(16, 128, 8, 2), BwdConfig(32, 64, 4, 2), BwdConfig(32, 64, 8, 1),
+            BwdConfig(32, 32, 4, 1), BwdConfig(16, 64, 4, 1)]
 
 
 def dq_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
@@ -181,7 +184,8 @@ def dq_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
     if block_d <= 128:
         # ordered by a sweep (docs/decisions.md, "The backward's tiles")
         return [BwdConfig(128, 64, 8, 3), BwdConfig(64, 64, 4, 2), BwdConfig(128, 32, 8, 2), BwdConfig(64, 32, 4, 3)]
-    return [BwdConfig(64, 32, 8, 1), BwdConfig(64, 16, 4, 1), BwdConfig(32, 32, 4, 1)]
+    return [BwdConfig(128, 64, 8, 1), BwdConfig(128, 32, 8, 1), BwdConfig(64, 32, 8, 1), BwdConfig(64, 16, 4, 1),
+            BwdConfig(32, 32, 4, 1)]
 
 
 def pow2_bucket(n: int) -> int:
