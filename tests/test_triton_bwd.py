@@ -299,6 +299,44 @@ def test_one_pass_has_configs_of_its_own():
         triton_bwd.DQ_MODE = was
 
 
+@pytest.mark.parametrize("sm, optin", [(90, 227 * 1024), (80, 163 * 1024)], ids=["sm90", "sm80"])
+def test_256_wide_configs_fit_in_order(sm, optin):
+    """At 256-wide head tiles (D 192 / Dv 128, and D 256) both kernels' first candidates fit a Hopper SM's shared
+    memory, and on an Ampere SM the first candidate that does not fit is followed by one that does (the launch
+    moves down the list). Compiled for the target, no GPU needed."""
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from attnlab.backends.triton import configs
+    from attnlab.backends.triton.cold_launch import compile_only
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton ships no ptxas")
+    target = GPUTarget("cuda", sm, 32)
+    for D, Dv in ((192, 128), (256, 256)):
+        g = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(1, 2, 300, D, generator=g).to(BF16) for _ in range(2))
+        v, dout = (torch.randn(1, 2, 300, Dv, generator=g).to(BF16) for _ in range(2))
+        prob = make_problem(q, k, v, causal=True)
+        rows = torch.zeros(1, 2, 300)
+
+        def shared(launch) -> int:
+            fn, _, args, kw = launch
+            return compile_only(fn, args, kw, 0, target)[0].metadata.shared
+
+        kv = [shared(triton_bwd._dkdv_launch(prob, dout, rows, rows, torch.empty_like(k), torch.empty_like(v), c,
+                                             False)) for c in configs.dkdv_candidates(BF16, 256)[:2]]
+        dq = [shared(triton_bwd._dq_launch(prob, dout, rows, rows, torch.empty_like(q), c, False))
+              for c in configs.dq_candidates(BF16, 256)[:2]]
+        for sizes in (kv, dq):
+            if sm == 90:
+                assert sizes[0] <= optin, (D, sizes)
+            assert any(size <= optin for size in sizes), (D, sizes)
+            assert sizes == sorted(sizes, reverse=True), (D, sizes)  # the second asks for less than the first
+
+
 def test_one_pass_gives_way_to_two_while_torch_asks_for_determinism(monkeypatch):
     """Under torch.use_deterministic_algorithms the atomic mode runs the dQ pass (a sum in a fixed order); an
     unknown mode is refused by name."""
