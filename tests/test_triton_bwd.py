@@ -299,42 +299,66 @@ def test_one_pass_has_configs_of_its_own():
         triton_bwd.DQ_MODE = was
 
 
-@pytest.mark.parametrize("sm, optin", [(90, 227 * 1024), (80, 163 * 1024)], ids=["sm90", "sm80"])
-def test_256_wide_configs_fit_in_order(sm, optin):
-    """At 256-wide head tiles (D 192 / Dv 128, and D 256) both kernels' first candidates fit a Hopper SM's shared
-    memory, and on an Ampere SM the first candidate that does not fit is followed by one that does (the launch
-    moves down the list). Compiled for the target, no GPU needed."""
+def _shared_bytes(D: int, Dv: int, kv: list, dq: list, sm: int) -> list[int]:
+    """The shared memory the dK/dV kernel at each config of ``kv`` and the dQ kernel at each of ``dq`` ask for at
+    D / Dv (bf16, causal), compiled on the CPU for sm_``sm``."""
+    from triton.backends.compiler import GPUTarget
+
+    from attnlab.backends.triton.cold_launch import compile_only
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 300, D, generator=g).to(BF16) for _ in range(2))
+    v, dout = (torch.randn(1, 2, 300, Dv, generator=g).to(BF16) for _ in range(2))
+    prob, rows = make_problem(q, k, v, causal=True), torch.zeros(1, 2, 300)
+    dk, dv, dq_ = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
+    launches = ([triton_bwd._dkdv_launch(prob, dout, rows, rows, dk, dv, c, False) for c in kv]
+                + [triton_bwd._dq_launch(prob, dout, rows, rows, dq_, c, False) for c in dq])
+    return [compile_only(fn, args, kw, 0, GPUTarget("cuda", sm, 32))[0].metadata.shared
+            for fn, _, args, kw in launches]
+
+
+def test_the_wide_256_wide_configs_fit_the_bound_that_picks_them():
+    """At 256-wide head tiles (D 192 / Dv 128, and D 256) every wide candidate of both kernels asks for no more shared
+    memory than ``WIDE_TILES_SHARED_BYTES``, the bound a GPU must reach to start from them (sm_90), and each kernel's
+    narrow first candidate for less than an Ampere SM's 163 KiB (sm_80). Compiled on the CPU."""
     from pathlib import Path
 
     import triton
-    from triton.backends.compiler import GPUTarget
 
     from attnlab.backends.triton import configs
-    from attnlab.backends.triton.cold_launch import compile_only
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton ships no ptxas")
-    target = GPUTarget("cuda", sm, 32)
+    wide = (configs.dkdv_candidates(BF16, 256)[:3], configs.dq_candidates(BF16, 256)[:2])
+    narrow = ([configs.dkdv_candidates(BF16, 256, shared_bytes=0)[0]], [configs.dq_candidates(BF16, 256, 0)[0]])
+    assert not set(narrow[0] + narrow[1]) & set(wide[0] + wide[1])
     for D, Dv in ((192, 128), (256, 256)):
-        g = torch.Generator().manual_seed(0)
-        q, k = (torch.randn(1, 2, 300, D, generator=g).to(BF16) for _ in range(2))
-        v, dout = (torch.randn(1, 2, 300, Dv, generator=g).to(BF16) for _ in range(2))
-        prob = make_problem(q, k, v, causal=True)
-        rows = torch.zeros(1, 2, 300)
+        sizes = _shared_bytes(D, Dv, *wide, sm=90)
+        assert max(sizes) <= configs.WIDE_TILES_SHARED_BYTES, (D, sizes)
+        sizes = _shared_bytes(D, Dv, *narrow, sm=80)
+        assert max(sizes) <= 163 * 1024, (D, sizes)
 
-        def shared(launch) -> int:
-            fn, _, args, kw = launch
-            return compile_only(fn, args, kw, 0, target)[0].metadata.shared
 
-        kv = [shared(triton_bwd._dkdv_launch(prob, dout, rows, rows, torch.empty_like(k), torch.empty_like(v), c,
-                                             False)) for c in configs.dkdv_candidates(BF16, 256)[:2]]
-        dq = [shared(triton_bwd._dq_launch(prob, dout, rows, rows, torch.empty_like(q), c, False))
-              for c in configs.dq_candidates(BF16, 256)[:2]]
-        for sizes in (kv, dq):
-            if sm == 90:
-                assert sizes[0] <= optin, (D, sizes)
-            assert any(size <= optin for size in sizes), (D, sizes)
-            assert sizes == sorted(sizes, reverse=True), (D, sizes)  # the second asks for less than the first
+@pytest.mark.parametrize("optin, wide", [(227 * 1024, True), (163 * 1024, False), (99 * 1024, False)])
+def test_256_wide_spaces_follow_the_gpus_shared_memory(optin, wide, monkeypatch):
+    """A GPU whose block holds the wide 256-wide tiles (a Hopper SM) starts from them; one with less shared memory
+    starts from the narrow tiles, which fit it without a failed compile first. Other head dims keep their order."""
+    from types import SimpleNamespace
+
+    from attnlab.backends.triton import configs
+    from attnlab.backends.triton.configs import BwdConfig
+
+    monkeypatch.setattr(triton_bwd._rt, "shared_optin", lambda index: optin)
+
+    def spaces(D, Dv):  # what _spaces reads of a problem on CUDA device 0
+        return triton_bwd._spaces(SimpleNamespace(device=torch.device("cuda", 0), dtype=BF16, D=D, Dv=Dv), False)
+
+    kv, dq = spaces(192, 128)
+    assert (kv[0], dq[0]) == ((BwdConfig(32, 128, 8, 2), BwdConfig(128, 64, 8, 1)) if wide else
+                              (BwdConfig(32, 64, 8, 1), BwdConfig(64, 32, 8, 1)))
+    assert sorted(map(str, kv)) == sorted(map(str, configs.dkdv_candidates(BF16, 256)))  # the same, reordered
+    assert sorted(map(str, dq)) == sorted(map(str, configs.dq_candidates(BF16, 256)))
+    assert spaces(128, 128) == (configs.dkdv_candidates(BF16, 128), configs.dq_candidates(BF16, 128))
 
 
 def test_one_pass_gives_way_to_two_while_torch_asks_for_determinism(monkeypatch):

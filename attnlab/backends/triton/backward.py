@@ -358,14 +358,21 @@ def _fastest(configs: list[BwdConfig], launch) -> BwdConfig:
     return fastest(configs, launch, "the backward")
 
 
+def _spaces(prob: Problem, one: bool) -> tuple[list[BwdConfig], list[BwdConfig]]:
+    """The dK/dV and dQ candidate configs of ``prob``'s GPU launch (``one``: the one-pass mode's), in the order
+    its GPU's shared memory suits (off a GPU, tests: a Hopper SM's)."""
+    shared = _rt.shared_optin(_rt.device_index(prob.device)) if prob.device.type == "cuda" else None
+    block_d = problem_head_dim(prob)
+    return dkdv_candidates(prob.dtype, block_d, one, shared), dq_candidates(prob.dtype, block_d, shared)
+
+
 def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig, BwdConfig]:
     """(dK/dV config, dQ config) of a GPU launch (:func:`~attnlab.backends.triton.configs.choose`): tuned before,
     else the shipped table's, else each space's first candidate. With ``AUTOTUNE`` a key tuned nowhere yet is
     tuned now, which overwrites dq, dk, dv (the final launch comes after)."""
     key = tune_key(prob)
-    block_d = problem_head_dim(prob)
     one = one_pass(prob)
-    kv_space, q_space = dkdv_candidates(prob.dtype, block_d, one), dq_candidates(prob.dtype, block_d)
+    kv_space, q_space = _spaces(prob, one)
     kernel, tuned, picked = _tables(one)
 
     def parse(value: list) -> tuple[BwdConfig, BwdConfig] | None:
@@ -379,9 +386,8 @@ def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig
 def _tune(prob: Problem, dout, delta, lse2, dq, dk, dv, key: tuple) -> tuple[BwdConfig, BwdConfig]:
     """The fastest dK/dV and dQ configs of ``prob`` in its mode, stored; the one-pass mode times its dK/dV kernel
     (adding into a scratch dQ) and keeps the dQ space's first."""
-    block_d = problem_head_dim(prob)
     one = one_pass(prob)
-    kv_space, q_space = dkdv_candidates(prob.dtype, block_d, one), dq_candidates(prob.dtype, block_d)
+    kv_space, q_space = _spaces(prob, one)
     if one:
         acc = torch.zeros_like(dq, dtype=torch.float32)
         got = (_fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, dq_acc=acc)),
@@ -536,14 +542,14 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         if hopper_dq is not None:
             return dq.copy_(hopper_dq), dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
         kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
-        block_d = problem_head_dim(prob)
         one = dq_acc is not None
+        kv_space, q_space = _spaces(prob, one)
         kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv)  # (its size, in any order)
         sms = _rt.sm_count(_rt.device_index(prob.device))
 
         def dkdv() -> BwdConfig:
             return _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key, dq_acc),
-                                   kv_cfg, dkdv_candidates(prob.dtype, block_d, one), "the backward's dK/dV kernel")
+                                   kv_cfg, kv_space, "the backward's dK/dV kernel")
 
         if one:
             kv_done, q_done = dkdv(), q_cfg
@@ -552,7 +558,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
             two = TWO_STREAMS and not bwd_grid.short(kv_grid[0] * kv_grid[1] * kv_grid[2], sms)
             kv_done, q_done = _side_by_side(two, dkdv,
                 lambda: _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
-                                        dq_candidates(prob.dtype, block_d), "the backward's dQ kernel"),
+                                        q_space, "the backward's dQ kernel"),
                 prob.device)
         if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
             key = tune_key(prob)

@@ -143,8 +143,13 @@ class BwdConfig:
     num_stages: int = 2
 
 
+#: A block's shared memory below which the backward at 256-wide head tiles starts from its narrow configs (its
+#: wide first ones ask for up to about 192 KiB at D 256; docs/decisions.md, "The backward's 256-wide tiles").
+WIDE_TILES_SHARED_BYTES = 200 * 1024
 
-def dkdv_candidates(dtype: torch.dtype, block_d: int, one_pass: bool = False) -> list[BwdConfig]:
+
+def dkdv_candidates(dtype: torch.dtype, block_d: int, one_pass: bool = False,
+                    shared_bytes: int | None = None) -> list[BwdConfig]:
     """GPU configs of the dK/dV kernel (the first is the default): a large key tile (stationary: K, V
     and two float32 accumulators live for the whole program) and a smaller query tile that streams. With
     ``one_pass`` (dQ added up inside it; head dims up to 128) half types at D 128 start from 32-row query
@@ -165,12 +170,14 @@ def dkdv_candidates(dtype: torch.dtype, block_d: int, one_pass: bool = False) ->
     if block_d <= 128:
         return [BwdConfig(64, 128, 8, 3), BwdConfig(64, 128, 8, 2), BwdConfig(32, 64, 4, 2), BwdConfig(32, 128, 8, 3)]
     # 256-wide head tiles (D 129-256): 128 keys a program and two stages ahead of one, ordered by a sweep
-    # (docs/decisions.md, "The backward's 256-wide tiles"); the last ones fit GPUs with less shared memory.
-    return [BwdConfig(32, 128, 8, 2), BwdConfig(16, 128, 8, 2), BwdConfig(32, 64, 4, 2), BwdConfig(32, 64, 8, 1),
-            BwdConfig(32, 32, 4, 1), BwdConfig(16, 64, 4, 1)]
+    # (docs/decisions.md, "The backward's 256-wide tiles"); a GPU with less shared memory (``shared_bytes``, a
+    # block's; None: a Hopper SM's) starts from the narrow tiles, so that no candidate fails to fit first.
+    wide = [BwdConfig(32, 128, 8, 2), BwdConfig(16, 128, 8, 2), BwdConfig(32, 64, 4, 2)]
+    narrow = [BwdConfig(32, 64, 8, 1), BwdConfig(32, 32, 4, 1), BwdConfig(16, 64, 4, 1)]
+    return wide + narrow if _wide_fits(shared_bytes) else narrow + wide
 
 
-def dq_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
+def dq_candidates(dtype: torch.dtype, block_d: int, shared_bytes: int | None = None) -> list[BwdConfig]:
     """GPU configs of the dQ kernel (the first is the default): a large row tile (stationary: Q, dO and
     the dQ accumulator), key tiles streaming."""
     if dtype == torch.float32:
@@ -184,8 +191,14 @@ def dq_candidates(dtype: torch.dtype, block_d: int) -> list[BwdConfig]:
     if block_d <= 128:
         # ordered by a sweep (docs/decisions.md, "The backward's tiles")
         return [BwdConfig(128, 64, 8, 3), BwdConfig(64, 64, 4, 2), BwdConfig(128, 32, 8, 2), BwdConfig(64, 32, 4, 3)]
-    return [BwdConfig(128, 64, 8, 1), BwdConfig(128, 32, 8, 1), BwdConfig(64, 32, 8, 1), BwdConfig(64, 16, 4, 1),
-            BwdConfig(32, 32, 4, 1)]
+    wide = [BwdConfig(128, 64, 8, 1), BwdConfig(128, 32, 8, 1)]  # as the dK/dV space's, at 256-wide tiles
+    narrow = [BwdConfig(64, 32, 8, 1), BwdConfig(64, 16, 4, 1), BwdConfig(32, 32, 4, 1)]
+    return wide + narrow if _wide_fits(shared_bytes) else narrow + wide
+
+
+def _wide_fits(shared_bytes: int | None) -> bool:
+    """Whether a block's shared memory (None: a Hopper SM's) holds the backward's wide 256-wide tiles."""
+    return shared_bytes is None or shared_bytes >= WIDE_TILES_SHARED_BYTES
 
 
 def pow2_bucket(n: int) -> int:

@@ -56,6 +56,12 @@ def device_index(device: torch.device) -> int:
 
 
 @functools.cache
+def shared_optin(device_index: int) -> int:
+    """The shared memory one block of CUDA device ``device_index`` may opt in to, in bytes."""
+    return getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", 0)
+
+
+@functools.cache
 def sm_count(device_index: int) -> int:
     """The SMs of CUDA device ``device_index`` (what split counts and grid waves are measured in)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
