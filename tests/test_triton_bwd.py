@@ -329,8 +329,8 @@ def test_the_wide_256_wide_configs_fit_the_bound_that_picks_them():
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton ships no ptxas")
-    wide = (configs.dkdv_candidates(BF16, 256)[:3], configs.dq_candidates(BF16, 256)[:2])
-    narrow = ([configs.dkdv_candidates(BF16, 256, shared_bytes=0)[0]], [configs.dq_candidates(BF16, 256, 0)[0]])
+    wide = (configs.dkdv_candidates(BF16, 256, wide_first=True)[:3], configs.dq_candidates(BF16, 256, True)[:2])
+    narrow = ([configs.dkdv_candidates(BF16, 256)[0]], [configs.dq_candidates(BF16, 256)[0]])
     assert not set(narrow[0] + narrow[1]) & set(wide[0] + wide[1])
     for D, Dv in ((192, 128), (256, 256)):
         sizes = _shared_bytes(D, Dv, *wide, sm=90)
@@ -339,10 +339,13 @@ def test_the_wide_256_wide_configs_fit_the_bound_that_picks_them():
         assert max(sizes) <= 163 * 1024, (D, sizes)
 
 
-@pytest.mark.parametrize("optin, wide", [(227 * 1024, True), (163 * 1024, False), (99 * 1024, False)])
-def test_256_wide_spaces_follow_the_gpus_shared_memory(optin, wide, monkeypatch):
-    """A GPU whose block holds the wide 256-wide tiles (a Hopper SM) starts from them; one with less shared memory
-    starts from the narrow tiles, which fit it without a failed compile first. Other head dims keep their order."""
+@pytest.mark.parametrize("optin, D, Dv, wide", [(227 * 1024, 192, 128, True), (227 * 1024, 256, 100, True),
+                                                (163 * 1024, 192, 128, False), (99 * 1024, 192, 128, False),
+                                                (227 * 1024, 256, 256, False), (227 * 1024, 192, 192, False)])
+def test_256_wide_spaces_follow_the_value_dim_and_the_gpus_shared_memory(optin, D, Dv, wide, monkeypatch):
+    """At 256-wide head tiles a value tile of at most 128 (D 192 / Dv 128, the MLA shape) starts from the wide
+    configs on a GPU whose block holds them (a Hopper SM); D = Dv = 256 (and Dv 192, padded to it), or a GPU with
+    less shared memory, starts from the narrow ones. Other head dims keep their order."""
     from types import SimpleNamespace
 
     from attnlab.backends.triton import configs
@@ -353,7 +356,7 @@ def test_256_wide_spaces_follow_the_gpus_shared_memory(optin, wide, monkeypatch)
     def spaces(D, Dv):  # what _spaces reads of a problem on CUDA device 0
         return triton_bwd._spaces(SimpleNamespace(device=torch.device("cuda", 0), dtype=BF16, D=D, Dv=Dv), False)
 
-    kv, dq = spaces(192, 128)
+    kv, dq = spaces(D, Dv)
     assert (kv[0], dq[0]) == ((BwdConfig(32, 128, 8, 2), BwdConfig(128, 64, 8, 1)) if wide else
                               (BwdConfig(32, 64, 8, 1), BwdConfig(64, 32, 8, 1)))
     assert sorted(map(str, kv)) == sorted(map(str, configs.dkdv_candidates(BF16, 256)))  # the same, reordered

@@ -360,10 +360,11 @@ def _fastest(configs: list[BwdConfig], launch) -> BwdConfig:
 
 def _spaces(prob: Problem, one: bool) -> tuple[list[BwdConfig], list[BwdConfig]]:
     """The dK/dV and dQ candidate configs of ``prob``'s GPU launch (``one``: the one-pass mode's), in the order
-    its GPU's shared memory suits (off a GPU, tests: a Hopper SM's)."""
+    its value dim and its GPU's shared memory suit (:func:`~attnlab.backends.triton.configs.wide_tiles_first`;
+    off a GPU, tests: a Hopper SM's)."""
     shared = _rt.shared_optin(_rt.device_index(prob.device)) if prob.device.type == "cuda" else None
-    block_d = problem_head_dim(prob)
-    return dkdv_candidates(prob.dtype, block_d, one, shared), dq_candidates(prob.dtype, block_d, shared)
+    block_d, wide = problem_head_dim(prob), configs.wide_tiles_first(padded_head_dim(prob.Dv), shared)
+    return dkdv_candidates(prob.dtype, block_d, one, wide), dq_candidates(prob.dtype, block_d, wide)
 
 
 def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig, BwdConfig]:

@@ -146,10 +146,20 @@ class BwdConfig:
 #: A block's shared memory below which the backward at 256-wide head tiles starts from its narrow configs (its
 #: wide first ones ask for up to about 192 KiB at D 256; docs/decisions.md, "The backward's 256-wide tiles").
 WIDE_TILES_SHARED_BYTES = 200 * 1024
+#: The widest padded value dim at which the backward at 256-wide head tiles starts from its wide configs (D 192 /
+#: Dv 128, the MLA shape); at D = Dv = 256 the narrow ones are faster (docs/decisions.md, same entry).
+WIDE_TILES_MAX_DV = 128
+
+
+def wide_tiles_first(block_dv: int, shared_bytes: int | None) -> bool:
+    """Whether the backward at 256-wide head tiles starts from its wide configs: the value tile (``block_dv``, the
+    padded Dv) at most :data:`WIDE_TILES_MAX_DV` wide, and a block's shared memory (``shared_bytes``; None: a
+    Hopper SM's) at least :data:`WIDE_TILES_SHARED_BYTES`, so that no wide candidate fails to fit first."""
+    return block_dv <= WIDE_TILES_MAX_DV and (shared_bytes is None or shared_bytes >= WIDE_TILES_SHARED_BYTES)
 
 
 def dkdv_candidates(dtype: torch.dtype, block_d: int, one_pass: bool = False,
-                    shared_bytes: int | None = None) -> list[BwdConfig]:
+                    wide_first: bool = False) -> list[BwdConfig]:
     """GPU configs of the dK/dV kernel (the first is the default): a large key tile (stationary: K, V
     and two float32 accumulators live for the whole program) and a smaller query tile that streams. With
     ``one_pass`` (dQ added up inside it; head dims up to 128) half types at D 128 start from 32-row query
@@ -169,15 +179,15 @@ def dkdv_candidates(dtype: torch.dtype, block_d: int, one_pass: bool = False,
                 BwdConfig(64, 128, 8, 2)]
     if block_d <= 128:
         return [BwdConfig(64, 128, 8, 3), BwdConfig(64, 128, 8, 2), BwdConfig(32, 64, 4, 2), BwdConfig(32, 128, 8, 3)]
-    # 256-wide head tiles (D 129-256): 128 keys a program and two stages ahead of one, ordered by a sweep
-    # (docs/decisions.md, "The backward's 256-wide tiles"); a GPU with less shared memory (``shared_bytes``, a
-    # block's; None: a Hopper SM's) starts from the narrow tiles, so that no candidate fails to fit first.
+    # 256-wide head tiles (D 129-256): one stage and 64 keys a program, or with ``wide_first``
+    # (:func:`wide_tiles_first`) 128 keys and two stages, ordered by a sweep (docs/decisions.md, "The backward's
+    # 256-wide tiles"); both lists hold the same configs, for the tuner.
     wide = [BwdConfig(32, 128, 8, 2), BwdConfig(16, 128, 8, 2), BwdConfig(32, 64, 4, 2)]
     narrow = [BwdConfig(32, 64, 8, 1), BwdConfig(32, 32, 4, 1), BwdConfig(16, 64, 4, 1)]
-    return wide + narrow if _wide_fits(shared_bytes) else narrow + wide
+    return wide + narrow if wide_first else narrow + wide
 
 
-def dq_candidates(dtype: torch.dtype, block_d: int, shared_bytes: int | None = None) -> list[BwdConfig]:
+def dq_candidates(dtype: torch.dtype, block_d: int, wide_first: bool = False) -> list[BwdConfig]:
     """GPU configs of the dQ kernel (the first is the default): a large row tile (stationary: Q, dO and
     the dQ accumulator), key tiles streaming."""
     if dtype == torch.float32:
@@ -193,12 +203,7 @@ def dq_candidates(dtype: torch.dtype, block_d: int, shared_bytes: int | None = N
         return [BwdConfig(128, 64, 8, 3), BwdConfig(64, 64, 4, 2), BwdConfig(128, 32, 8, 2), BwdConfig(64, 32, 4, 3)]
     wide = [BwdConfig(128, 64, 8, 1), BwdConfig(128, 32, 8, 1)]  # as the dK/dV space's, at 256-wide tiles
     narrow = [BwdConfig(64, 32, 8, 1), BwdConfig(64, 16, 4, 1), BwdConfig(32, 32, 4, 1)]
-    return wide + narrow if _wide_fits(shared_bytes) else narrow + wide
-
-
-def _wide_fits(shared_bytes: int | None) -> bool:
-    """Whether a block's shared memory (None: a Hopper SM's) holds the backward's wide 256-wide tiles."""
-    return shared_bytes is None or shared_bytes >= WIDE_TILES_SHARED_BYTES
+    return wide + narrow if wide_first else narrow + wide
 
 
 def pow2_bucket(n: int) -> int:
