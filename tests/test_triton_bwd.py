@@ -444,6 +444,23 @@ def test_gradients_gpu_large(dtype, D):
     _check(case, dtype, "cuda")
 
 
+#: D 192 / Dv 128 (the MLA shape) in half types, whose 256-wide tiles start from the wide configs on a Hopper SM
+#: (128 keys a program, two stages): long enough for several key tiles, dense with GQA and kv lengths, and packed.
+MLA = [
+    Case("mla_gqa_causal_large", B=2, Hq=4, Hkv=2, Nq=1000, Nk=1100, D=192, Dv=128, causal=True,
+         align="bottom_right", kv_len=(1100, 700)),
+    Case("mla_varlen_causal", Hq=4, Hkv=2, D=192, Dv=128, seqs=((700, 700), (0, 5), (333, 333), (1, 1), (517, 900)),
+         causal=True, align="bottom_right"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("case", MLA, ids=lambda c: c.name)
+def test_gradients_gpu_mla_dims(case, dtype):
+    (_check_packed if case.seqs is not None else _check)(case, dtype, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("case", "dtype"), [c for c in CASES + PACKED if _one_pass_dims(c[0])],
                          ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
