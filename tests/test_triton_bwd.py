@@ -341,7 +341,8 @@ def test_the_wide_256_wide_configs_fit_the_bound_that_picks_them():
 
 @pytest.mark.parametrize("optin, D, Dv, wide", [(227 * 1024, 192, 128, True), (227 * 1024, 256, 100, True),
                                                 (163 * 1024, 192, 128, False), (99 * 1024, 192, 128, False),
-                                                (227 * 1024, 256, 256, False), (227 * 1024, 192, 192, False)])
+                                                (227 * 1024, 256, 256, False), (227 * 1024, 192, 192, False),
+                                                (200 * 1024, 192, 128, True), (200 * 1024 - 1, 192, 128, False)])
 def test_256_wide_spaces_follow_the_value_dim_and_the_gpus_shared_memory(optin, D, Dv, wide, monkeypatch):
     """At 256-wide head tiles a value tile of at most 128 (D 192 / Dv 128, the MLA shape) starts from the wide
     configs on a GPU whose block holds them (a Hopper SM); D = Dv = 256 (and Dv 192, padded to it), or a GPU with
@@ -362,6 +363,7 @@ def test_256_wide_spaces_follow_the_value_dim_and_the_gpus_shared_memory(optin, 
     assert sorted(map(str, kv)) == sorted(map(str, configs.dkdv_candidates(BF16, 256)))  # the same, reordered
     assert sorted(map(str, dq)) == sorted(map(str, configs.dq_candidates(BF16, 256)))
     assert spaces(128, 128) == (configs.dkdv_candidates(BF16, 128), configs.dq_candidates(BF16, 128))
+    assert configs.wide_tiles_first(128, None) and not configs.wide_tiles_first(256, None)  # off a GPU: a Hopper SM
 
 
 def test_one_pass_gives_way_to_two_while_torch_asks_for_determinism(monkeypatch):

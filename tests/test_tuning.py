@@ -122,6 +122,23 @@ def test_no_autotune_by_default_the_table_decides(fresh, monkeypatch):
     assert tconfigs.config_for(d32, None, None, refuse) == tconfigs.candidates(BF16, 32)[0]  # no entry: default
 
 
+@pytest.mark.parametrize("first", ["mla", "d256"])
+def test_backward_defaults_at_256_wide_tiles_are_kept_apart_by_value_dim(fresh, first):
+    """D 192 / Dv 128 and D 256 share the head dim the backward's configs are chosen for (256) but not their first
+    candidates (configs.wide_tiles_first): each keeps its own default in one process, whichever comes first."""
+    def prob(D, Dv):
+        q, k = (torch.randn(1, 2, 300, D, dtype=BF16) for _ in range(2))
+        return make_problem(q, k, torch.randn(1, 2, 300, Dv, dtype=BF16), causal=True)
+
+    want = {"mla": (prob(192, 128), (tconfigs.dkdv_candidates(BF16, 256, wide_first=True)[0],
+                                     tconfigs.dq_candidates(BF16, 256, wide_first=True)[0])),
+            "d256": (prob(256, 256), (tconfigs.dkdv_candidates(BF16, 256)[0], tconfigs.dq_candidates(BF16, 256)[0]))}
+    assert want["mla"][1] != want["d256"][1]
+    for name in (first, *(n for n in want if n != first)):
+        p, pair = want[name]
+        assert tbwd.configs_for(p, *[None] * 6) == pair, name
+
+
 def test_a_config_tuned_on_this_machine_wins_over_the_table(fresh, monkeypatch):
     fwd_space, *_ = fresh
     def tuned(prob, out, lse):
