@@ -95,11 +95,11 @@ def one_pass(prob: Problem) -> bool:
 
 
 def tune_key(prob: Problem) -> tuple:
-    """What a tuned pair of configs is remembered by: device, dtype, head dim, mask kind (with ``+dv<width>`` where
-    the padded Dv is narrower than that head dim: its candidates may come in another order, :func:`_spaces`), GQA
-    group and size buckets."""
+    """What a tuned pair of configs is remembered by: device, dtype, head dim, mask kind (at 256-wide tiles with
+    ``+dv<width>`` where the padded Dv is narrower: there Dv orders the candidates, :func:`_spaces`), GQA group and
+    size buckets."""
     block_d, block_dv = problem_head_dim(prob), padded_head_dim(prob.Dv)
-    kind = configs.kind_of(prob) + (f"+dv{block_dv}" if block_dv < block_d else "")
+    kind = configs.kind_of(prob) + (f"+dv{block_dv}" if 128 < block_d and block_dv < block_d else "")
     return (prob.device.index, prob.dtype, block_d, kind, prob.group, pow2_bucket(prob.Nq), pow2_bucket(prob.Nk),
             pow2_bucket(prob.B * prob.Hq))
 
