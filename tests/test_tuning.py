@@ -137,7 +137,7 @@ def test_backward_defaults_at_256_wide_tiles_are_kept_apart_by_value_dim(fresh, 
     for name in (first, *(n for n in want if n != first)):
         p, pair = want[name]
         assert tbwd.configs_for(p, *[None] * 6) == pair, name
-    assert tbwd.tune_key(prob(128, 64))[3] == "causal"  # narrower tiles: Dv orders nothing, the key is as before
+    assert tconfigs.bwd_tune_key(prob(128, 64))[3] == "causal"  # narrower tiles: Dv orders nothing, no tag
 
 
 def test_a_config_tuned_on_this_machine_wins_over_the_table(fresh, monkeypatch):

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         q, k, v, kw = _inputs(dtype, B, H, N, D, kw, seed=i)
         prob = make_problem(q, k, v, **kw)
         fwd_key = json.dumps(tuned_table.key_fields("fwd", configs.tune_key(prob)[1:]), sort_keys=True)
-        bwd_key = json.dumps(tuned_table.key_fields("bwd", backward.tune_key(prob)[1:]), sort_keys=True)
+        bwd_key = json.dumps(tuned_table.key_fields("bwd", configs.bwd_tune_key(prob)[1:]), sort_keys=True)
         if fwd_key in fwd and (not grad or bwd_key in bwd):
             continue
         t0 = time.perf_counter()

@@ -33,7 +33,6 @@ from attnlab.backends.triton.configs import (
     dq_candidates,
     fastest,
     padded_head_dim,
-    pow2_bucket,
     problem_head_dim,
 )
 from attnlab.backends.triton.forward_kernel import LOG2E
@@ -92,16 +91,6 @@ def one_pass(prob: Problem) -> bool:
         raise ValueError(f"ATTNLAB_BWD_DQ must be one of {DQ_MODES}; got {DQ_MODE!r}")
     return (DQ_MODE == "atomic" and problem_head_dim(prob) <= ONE_PASS_MAX_D
             and not torch.are_deterministic_algorithms_enabled())
-
-
-def tune_key(prob: Problem) -> tuple:
-    """What a tuned pair of configs is remembered by: device, dtype, head dim, mask kind (at 256-wide tiles with
-    ``+dv<width>`` where the padded Dv is narrower: there Dv orders the candidates, :func:`_spaces`), GQA group and
-    size buckets."""
-    block_d, block_dv = problem_head_dim(prob), padded_head_dim(prob.Dv)
-    kind = configs.kind_of(prob) + (f"+dv{block_dv}" if 128 < block_d and block_dv < block_d else "")
-    return (prob.device.index, prob.dtype, block_d, kind, prob.group, pow2_bucket(prob.Nq), pow2_bucket(prob.Nk),
-            pow2_bucket(prob.B * prob.Hq))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -374,7 +363,7 @@ def configs_for(prob: Problem, dout, delta, lse2, dq, dk, dv) -> tuple[BwdConfig
     """(dK/dV config, dQ config) of a GPU launch (:func:`~attnlab.backends.triton.configs.choose`): tuned before,
     else the shipped table's, else each space's first candidate. With ``AUTOTUNE`` a key tuned nowhere yet is
     tuned now, which overwrites dq, dk, dv (the final launch comes after)."""
-    key = tune_key(prob)
+    key = configs.bwd_tune_key(prob)
     one = one_pass(prob)
     kv_space, q_space = _spaces(prob, one)
     kernel, tuned, picked = _tables(one)
@@ -413,7 +402,7 @@ def tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> tuple[BwdConfig
     lse2 = torch.empty_like(delta)
     _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
     dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
-    key = tune_key(prob)
+    key = configs.bwd_tune_key(prob)
     got = _tables(one_pass(prob))[1][key] = _tune(prob, dout, delta, lse2, dq, dk, dv, key)
     return got
 
@@ -565,7 +554,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
                                         q_space, "the backward's dQ kernel"),
                 prob.device)
         if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
-            key = tune_key(prob)
+            key = configs.bwd_tune_key(prob)
             _, tuned, picked = _tables(one)
             (tuned if key in tuned else picked)[key] = (kv_done, q_done)
     return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)

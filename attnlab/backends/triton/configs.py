@@ -1,8 +1,9 @@
 """Launch configurations of the Triton kernels: the forward's :class:`Config` and its GPU space
 (:func:`candidates`), the backward's :class:`BwdConfig` and its two spaces (:func:`dkdv_candidates`,
-:func:`dq_candidates`), what a tuned forward config is remembered by (:func:`tune_key`), the one order every
-kernel's config is chosen in (:func:`choose`), timing candidates (:func:`fastest`), and the TF32 opt-in. The
-forward kernel's compile-time choices that follow from a config (D chunk, orientation) are here too.
+:func:`dq_candidates`), what a tuned forward config and a tuned backward pair are remembered by
+(:func:`tune_key`, :func:`bwd_tune_key`), the one order every kernel's config is chosen in (:func:`choose`),
+timing candidates (:func:`fastest`), and the TF32 opt-in. The forward kernel's compile-time choices that follow
+from a config (D chunk, orientation) are here too.
 """
 
 from __future__ import annotations
@@ -248,6 +249,16 @@ def tune_key(prob: Problem) -> tuple:
         prob.device.index, prob.dtype, problem_head_dim(prob), kind_of(prob),
         TF32, pow2_bucket(prob.Nq), pow2_bucket(prob.Nk), pow2_bucket(prob.B * prob.Hq),
     )
+
+
+def bwd_tune_key(prob: Problem) -> tuple:
+    """What a tuned pair of backward configs is remembered by: device, dtype, head dim, mask kind (at 256-wide tiles
+    with ``+dv<width>`` where the padded Dv is narrower: there Dv orders the candidates, :func:`wide_tiles_first`),
+    GQA group and size buckets."""
+    block_d, block_dv = problem_head_dim(prob), padded_head_dim(prob.Dv)
+    kind = kind_of(prob) + (f"+dv{block_dv}" if 128 < block_d and block_dv < block_d else "")
+    return (prob.device.index, prob.dtype, block_d, kind, prob.group, pow2_bucket(prob.Nq), pow2_bucket(prob.Nk),
+            pow2_bucket(prob.B * prob.Hq))
 
 
 #: How long autotune warms up and times each candidate (ms, ``do_bench``'s warmup and rep): longer timings picked

@@ -61,7 +61,7 @@ def key_fields(kernel: str, key: tuple) -> dict[str, Any]:
     """A tune key (without the device index) as the table's named fields.
 
     Forward keys are (dtype, block_d, kind, tf32, nq, nk, bh); backward keys (dtype, block_d, kind, group, nq, nk,
-    bh) (:func:`attnlab.backends.triton.configs.tune_key`, :func:`attnlab.backends.triton.backward.tune_key`)."""
+    bh) (:func:`attnlab.backends.triton.configs.tune_key`, :func:`attnlab.backends.triton.configs.bwd_tune_key`)."""
     dtype, block_d, kind, fourth, nq, nk, bh = key
     fields = {"dtype": str(dtype).replace("torch.", ""), "block_d": int(block_d), "kind": kind,
               "nq": int(nq), "nk": int(nk), "bh": int(bh)}
