@@ -518,6 +518,56 @@ def test_compile_ahead_stands_in_a_gradient_only_where_it_shares_the_layout():
     assert not _like_its_gradient(torch.randn(2 * 8 * 3 * 16 + 1)[1:].view(2, 8, 3, 16))  # 4 bytes off
 
 
+def test_a_backward_chooses_its_configs_once_per_launch_key(monkeypatch):
+    """A repeated backward of one launch key takes its configs and spaces from the memo (no new choice); another
+    key, a packed call (no key) and any table change (a tune) choose again."""
+    from attnlab.backends.triton.configs import BwdConfig
+
+    prob = make_problem(*(torch.randn(1, 2, 40, 16) for _ in range(3)), causal=True)
+    chose = []
+    pair = (BwdConfig(64, 64, 4, 1), BwdConfig(64, 32, 4, 1))
+    monkeypatch.setattr(triton_bwd, "configs_for", lambda *a: chose.append(1) or pair)
+    monkeypatch.setattr(triton_bwd, "_decided", {})
+    none = [None] * 6
+    first = triton_bwd._decide(prob, ("sig", "layouts"), False, *none)
+    assert first[:2] == pair and first[2:] == triton_bwd._spaces(prob, False) and len(chose) == 1
+    assert triton_bwd._decide(prob, ("sig", "layouts"), False, *none) == first and len(chose) == 1
+    triton_bwd._decide(prob, ("sig", "layouts"), True, *none)  # the one-pass mode: its own entry
+    triton_bwd._decide(prob, ("sig", "other layouts"), False, *none)
+    triton_bwd._decide(prob, None, False, *none)
+    triton_bwd._decide(prob, None, False, *none)
+    assert len(chose) == 5
+    monkeypatch.setattr(triton_bwd, "_fastest", lambda space, launch: space[-1])  # a tune without a GPU
+    monkeypatch.setattr(triton_bwd.tune_cache, "store", lambda *a: None)
+    triton_bwd._tune(prob, *none, key=("tune key",))
+    triton_bwd._decide(prob, ("sig", "layouts"), False, *none)
+    assert len(chose) == 6, "a tune left the memo's configs in place"
+
+
+@pytest.mark.gpu
+def test_a_repeated_forward_compiles_its_backward_ahead_once(monkeypatch):
+    """compile_ahead chooses configs and builds its key once per call signature and layout of out and lse: a
+    repeated forward of one layout skips it; another layout of out does not."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (torch.randn(1, 4, 200, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    prob = make_problem(q, k, v, window=(31, 0))
+    out, lse = torch.empty_like(q), torch.empty(1, 4, 200, device="cuda")
+    chose = []
+    real = triton_bwd.configs_for
+    monkeypatch.setattr(triton_bwd, "configs_for", lambda *a: chose.append(1) or real(*a))
+    monkeypatch.setattr(triton_bwd, "_ahead_seen", {})
+    monkeypatch.setattr(triton_bwd, "AUTOTUNE", False)
+    monkeypatch.setattr(triton_bwd.configs, "COMPILE_AHEAD", True)
+    triton_bwd.compile_ahead(prob, out, lse)
+    triton_bwd.compile_ahead(make_problem(q.clone(), k, v, window=(31, 0)), torch.empty_like(q), lse)
+    assert len(chose) == 1
+    triton_bwd.compile_ahead(prob, torch.empty_like(q.transpose(1, 2)).transpose(1, 2), lse)
+    assert len(chose) == 2
+    triton_bwd._wait_ahead(prob, out)
+
+
 @pytest.mark.gpu
 def test_a_repeated_backward_launches_directly(monkeypatch):
     """A backward of a call signature seen before launches its three compiled kernels directly (no JIT launch)
@@ -626,8 +676,8 @@ def test_a_backward_of_few_waves_stays_on_one_stream(monkeypatch):
     monkeypatch.setattr(hopper_forward, "_mode", "0")
     monkeypatch.setattr(triton_bwd, "TWO_STREAMS", True)  # whatever ATTNLAB_BWD_STREAMS says
     seen = []
-    real = triton_bwd._side_by_side
-    monkeypatch.setattr(triton_bwd, "_side_by_side", lambda two, *a: seen.append(two) or real(two, *a))
+    real = bwd_grid.side_by_side
+    monkeypatch.setattr(bwd_grid, "side_by_side", lambda two, *a: seen.append(two) or real(two, *a))
     triton_bwd.gradients(prob, out, lse, dout)
     monkeypatch.setattr(bwd_grid, "MIN_WAVES", 0)
     triton_bwd.gradients(prob, out, lse, dout)

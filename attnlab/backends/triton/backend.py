@@ -9,6 +9,7 @@ from attnlab import warm_start
 from attnlab.backends import Availability, Backend
 from attnlab.backends.triton import configs as _cfg
 from attnlab.backends.triton import hopper_forward as hopper
+from attnlab.backends.triton import runtime as _rt
 from attnlab.backends.triton.decode import decode_forward, decode_supported, gpu_plan
 from attnlab.backends.triton.forward import autotune, jit_launch, plan_for
 from attnlab.backends.triton.forward_kernel import IMPORT_ERROR
@@ -45,11 +46,11 @@ class TritonBackend(Backend):
         if (prob.packed is None and prob.B > 65535) or prob.Hq > 65535:  # packed sequences share the first axis
             return f"grid limit: B (unpacked) and Hq must be at most 65535; got B={prob.B}, Hq={prob.Hq}"
         if prob.device.type == "cuda" and prob.dtype == torch.bfloat16:
-            major, _ = torch.cuda.get_device_capability(prob.device)
+            major, _ = _rt.capability(_rt.device_index(prob.device))
             if major < 8:
                 return "bfloat16 needs compute capability 8.0 or newer"
         if prob.device.type == "cuda" and prob.descale is not None:
-            if torch.cuda.get_device_capability(prob.device) < (8, 9):
+            if _rt.capability(_rt.device_index(prob.device)) < (8, 9):
                 return "float8_e4m3fn needs compute capability 8.9 or newer (Ada, Hopper): its MMA takes 8-bit floats"
         return None
 

@@ -38,6 +38,7 @@ from attnlab.backends.triton.configs import (
 from attnlab.backends.triton.forward_kernel import LOG2E
 from attnlab.backends.triton.interpreter import interpreted_fn, interpreter
 from attnlab.backends.triton.runtime import batch_strides, jit_run, tile_grid
+from attnlab.fast_calls import evict_oldest
 from attnlab.problem import Problem
 
 try:
@@ -277,6 +278,9 @@ def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool, key
 #: Background compiles by :func:`_ahead_key`: the backward waits for them rather than compiling again.
 _ahead: dict[tuple, list[Future]] = {}
 MAX_AHEAD = 64
+#: Forwards whose backward :func:`compile_ahead` has seen, by call signature and the layouts of out and lse: a
+#: training step's repeated forward skips choosing configs and building the key again (host time on every step).
+_ahead_seen: dict[tuple, None] = {}
 
 
 def _specialized(values) -> tuple:
@@ -310,6 +314,12 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     real call's layout only costs the background work."""
     if triton is None or not prob.q.is_cuda or AUTOTUNE or not configs.COMPILE_AHEAD:
         return
+    seen = None if prob.packed is not None else (_rt.call_signature(prob), _rt.layout_key(out, lse))
+    if seen in _ahead_seen:
+        return
+    if seen is not None:
+        evict_oldest(_ahead_seen, MAX_AHEAD)
+        _ahead_seen[seen] = None
     kv_cfg, q_cfg = configs_for(prob, *[None] * 6)  # no tuning here: the table's configs or the defaults
     key = _ahead_key(prob, out, (kv_cfg, q_cfg))
     if key in _ahead:
@@ -391,6 +401,7 @@ def _tune(prob: Problem, dout, delta, lse2, dq, dk, dv, key: tuple) -> tuple[Bwd
             _fastest(q_space, lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False)),
         )
     tune_cache.store(_tables(one)[0], prob.device.index, key[1:], [dataclasses.asdict(c) for c in got])
+    _decided.clear()
     return got
 
 
@@ -404,6 +415,7 @@ def tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> tuple[BwdConfig
     dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
     key = configs.bwd_tune_key(prob)
     got = _tables(one_pass(prob))[1][key] = _tune(prob, dout, delta, lse2, dq, dk, dv, key)
+    _decided.clear()
     return got
 
 
@@ -534,9 +546,8 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         hopper_dq = hopper_backward.run(prob, dout, delta, lse2, dk, dv, dq_acc)  # None: not taken (or compiling)
         if hopper_dq is not None:
             return dq.copy_(hopper_dq), dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
-        kv_cfg, q_cfg = configs_for(prob, dout, delta, lse2, dq, dk, dv)
         one = dq_acc is not None
-        kv_space, q_space = _spaces(prob, one)
+        kv_cfg, q_cfg, kv_space, q_space = _decide(prob, key, one, dout, delta, lse2, dq, dk, dv)
         kv_grid = tile_grid(prob, prob.Nk, prob.k.shape[2], kv_cfg.block_n, prob.Hkv)  # (its size, in any order)
         sms = _rt.sm_count(_rt.device_index(prob.device))
 
@@ -549,7 +560,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
             dq.copy_(dq_acc)
         else:
             two = TWO_STREAMS and not bwd_grid.short(kv_grid[0] * kv_grid[1] * kv_grid[2], sms)
-            kv_done, q_done = _side_by_side(two, dkdv,
+            kv_done, q_done = bwd_grid.side_by_side(two, dkdv,
                 lambda: _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
                                         q_space, "the backward's dQ kernel"),
                 prob.device)
@@ -557,40 +568,27 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
             key = configs.bwd_tune_key(prob)
             _, tuned, picked = _tables(one)
             (tuned if key in tuned else picked)[key] = (kv_done, q_done)
+            _decided.clear()
     return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
 
 
-#: The side stream of each (device, current stream) that the dQ pass runs on (see TWO_STREAMS): one per current
-#: stream, so that a thread capturing a CUDA graph never shares a side stream with another thread's eager backward.
-#: At most MAX_SIDE_STREAMS are remembered (a forgotten one is never destroyed: torch pools them).
-_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
-MAX_SIDE_STREAMS = 16
+#: A GPU backward's (dK/dV config, dQ config, dK/dV space, dQ space) by mode, ``AUTOTUNE`` and launch key
+#: (:func:`_launch_key`), so that a repeated backward does not choose them again: host time on every training
+#: step. Emptied whenever a table changes (a tune, a config that did not fit).
+_decided: dict[tuple, tuple] = {}
 
 
-def _side_by_side(two: bool, first, second, device: torch.device) -> tuple:
-    """``(first(), second())``. With ``two``: first on the current stream, second on that stream's side stream,
-    which starts after everything queued on the current stream so far; the current stream then waits for the
-    side stream (also when a launch raised, so that a graph capture is never left forked), so that whatever
-    follows (and every tensor's reuse by the caching allocator) comes after both; graph capture follows the fork
-    and the join. Else one stream, one after the other."""
-    if not two:
-        return first(), second()
-    index = _rt.device_index(device)
-    main = torch.cuda.current_stream(index)
-    key = (index, main.cuda_stream)
-    side = _SIDE_STREAMS.get(key)
-    if side is None:
-        if len(_SIDE_STREAMS) >= MAX_SIDE_STREAMS:
-            _SIDE_STREAMS.pop(next(iter(_SIDE_STREAMS)), None)
-        side = _SIDE_STREAMS[key] = torch.cuda.Stream(index)
-    side.wait_stream(main)
-    try:
-        a = first()
-        with torch.cuda.stream(side):
-            b = second()
-    finally:
-        main.wait_stream(side)
-    return a, b
+def _decide(prob: Problem, key: tuple | None, one: bool, dout, delta, lse2, dq, dk, dv) -> tuple:
+    """:func:`configs_for` and :func:`_spaces` of a GPU backward, remembered by its launch key (None: a packed
+    call, chosen every time)."""
+    memo = None if key is None else (one, AUTOTUNE, key)
+    got = None if memo is None else _decided.get(memo)
+    if got is None:
+        got = (*configs_for(prob, dout, delta, lse2, dq, dk, dv), *_spaces(prob, one))
+        if memo is not None:
+            evict_oldest(_decided, 3 * _rt.MAX_PLANS)
+            _decided[memo] = got
+    return got
 
 
 def _dlse_or_zero(dlse: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

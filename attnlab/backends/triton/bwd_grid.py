@@ -1,4 +1,4 @@
-"""The backward's grids: when one is short, and in which order its programs start.
+"""The backward's grids: when one is short, in which order its programs start, and the side stream.
 
 The GPU starts a grid's programs in its order, first axis fastest, each on the first SM to free up. Two rules of
 the backward follow from how many programs a grid holds per SM. At MIN_WAVES or more, the dQ pass runs on a second
@@ -8,12 +8,15 @@ a head carries the most work (and with GQA its program loops over the group's qu
 starts one tile of every head before the next tile of any (:func:`tiles_outer`; the kernels' ``TILES_OUTER``
 grid, ``(heads, B, tiles)``); a short dQ grid, whose row tiles differ in work the same way, gains from it too.
 Where programs are many and alike, a head's tiles side by side (FlashAttention-2's order) read its rows close
-together in time, from L2 (docs/decisions.md, "The backward's grid order").
+together in time, from L2 (docs/decisions.md, "The backward's grid order"). :func:`side_by_side` forks the dQ
+pass onto a side stream of the current one and joins it back.
 """
 
 from __future__ import annotations
 
 import os
+
+import torch
 
 from attnlab.backends.triton import runtime as _rt
 from attnlab.problem import Problem
@@ -66,3 +69,36 @@ def _tiles_heads(prob: Problem, kernel: str, block: int) -> tuple[int, int]:
     of the query heads for dQ."""
     n, heads = (prob.Nk, prob.Hkv) if kernel == "dkdv" else (prob.Nq, prob.Hq)
     return -(-n // block), heads
+
+
+#: The side stream of each (device, current stream) that the dQ pass runs on (``backward.TWO_STREAMS``): one per
+#: current stream, so that a thread capturing a CUDA graph never shares a side stream with another thread's eager
+#: backward. At most MAX_SIDE_STREAMS are remembered (a forgotten one is never destroyed: torch pools them).
+_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+MAX_SIDE_STREAMS = 16
+
+
+def side_by_side(two: bool, first, second, device: torch.device) -> tuple:
+    """``(first(), second())``. With ``two``: first on the current stream, second on that stream's side stream,
+    which starts after everything queued on the current stream so far; the current stream then waits for the
+    side stream (also when a launch raised, so that a graph capture is never left forked), so that whatever
+    follows (and every tensor's reuse by the caching allocator) comes after both; graph capture follows the fork
+    and the join. Else one stream, one after the other."""
+    if not two:
+        return first(), second()
+    index = _rt.device_index(device)
+    main = torch.cuda.current_stream(index)
+    key = (index, main.cuda_stream)
+    side = _SIDE_STREAMS.get(key)
+    if side is None:
+        if len(_SIDE_STREAMS) >= MAX_SIDE_STREAMS:
+            _SIDE_STREAMS.pop(next(iter(_SIDE_STREAMS)), None)
+        side = _SIDE_STREAMS[key] = torch.cuda.Stream(index)
+    side.wait_stream(main)
+    try:
+        a = first()
+        with torch.cuda.stream(side):
+            b = second()
+    finally:
+        main.wait_stream(side)
+    return a, b

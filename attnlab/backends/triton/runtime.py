@@ -62,6 +62,12 @@ def shared_optin(device_index: int) -> int:
 
 
 @functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    """CUDA device ``device_index``'s compute capability, asked once (each call checks it: host time)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
 def sm_count(device_index: int) -> int:
     """The SMs of CUDA device ``device_index`` (what split counts and grid waves are measured in)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
