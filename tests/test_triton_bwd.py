@@ -563,7 +563,8 @@ def test_a_repeated_forward_compiles_its_backward_ahead_once(monkeypatch):
     triton_bwd.compile_ahead(prob, out, lse)
     triton_bwd.compile_ahead(make_problem(q.clone(), k, v, window=(31, 0)), torch.empty_like(q), lse)
     assert len(chose) == 1
-    triton_bwd.compile_ahead(prob, torch.empty_like(q.transpose(1, 2)).transpose(1, 2), lse)
+    bnhd = torch.empty(1, 200, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    triton_bwd.compile_ahead(prob, bnhd, lse)
     assert len(chose) == 2
     triton_bwd._wait_ahead(prob, out)
 

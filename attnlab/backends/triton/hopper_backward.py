@@ -229,8 +229,9 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
     ``delta`` and ``lse2`` are the preprocess's, contiguous float32 [B, Hq, Nq] (not contiguous or not 16-byte
     aligned: None, TMA reads them); ``dq_acc``, a zeroed float32 dQ the caller has already (any strides TMA can
     write), else one is made."""
-    rows_ready = all(t.is_contiguous() and fwd.tma_ready(t.view(-1)) for t in (lse2, delta))  # read by TMA
-    if unsupported(prob, dout) is not None or not rows_ready:
+    if unsupported(prob, dout) is not None:  # (first: most calls it refuses are refused early, on the host's time)
+        return None
+    if not all(t.is_contiguous() and fwd.tma_ready(t.view(-1)) for t in (lse2, delta)):  # read by TMA
         return None
     s = split(prob)  # once per call, as the order: the key, the relaunch's values and its grid all need them
     o = order(prob, s)
