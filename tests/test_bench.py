@@ -782,11 +782,12 @@ def test_the_one_pass_backward_competitor_runs_every_call_in_its_mode_and_restor
     """``triton-dq-atomic``: the public triton call whose backward adds dQ up in the dK/dV pass; its three rows
     pass the gradient check, the dQ pass never runs under it, and the shipped mode is back afterwards."""
     from attnlab.backends.triton import backward as triton_bwd
+    from attnlab.backends.triton import bwd_launch
 
     def no_dq_pass(*a, **k):
         raise AssertionError("the dQ pass ran under triton-dq-atomic")
 
-    monkeypatch.setattr(triton_bwd, "_launch_dq", no_dq_pass)
+    monkeypatch.setattr(bwd_launch, "launch_dq", no_dq_pass)
     monkeypatch.setattr(triton_bwd, "DQ_MODE", "pass")
     rows = bench.run_case(_bwd_case(), bench.competitors(["triton-dq-atomic"]), _cpu_opts())
     assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd", "bwd"]

@@ -241,8 +241,8 @@ def test_values_rebuilt_for_a_direct_launch_are_the_binders():
     backward's three launches here)."""
     from triton.backends.compiler import GPUTarget
 
-    from attnlab.backends.triton import backward, runtime
-    from attnlab.backends.triton.backward import BwdConfig
+    from attnlab.backends.triton import bwd_launch, runtime
+    from attnlab.backends.triton.configs import BwdConfig
     from attnlab.problem import make_problem
 
     g = torch.Generator().manual_seed(4)
@@ -250,10 +250,10 @@ def test_values_rebuilt_for_a_direct_launch_are_the_binders():
     prob = make_problem(q, k, v, causal=True, sinks=torch.randn(3, generator=g))
     o, rows = torch.empty_like(q), torch.empty(2, 3, 40)
     cfg = BwdConfig(16, 16, 1, 1)
-    for fn, _, args, kw in (backward._preprocess_launch(prob, o, rows, o, rows, rows, False),
-                            backward._preprocess_launch(prob, o, rows, o, rows, rows, False, torch.empty(12)),
-                            backward._dkdv_launch(prob, o, rows, rows, torch.empty_like(k), torch.empty_like(v), cfg,
+    for fn, _, args, kw in (bwd_launch.preprocess_launch(prob, o, rows, o, rows, rows, False),
+                            bwd_launch.preprocess_launch(prob, o, rows, o, rows, rows, False, torch.empty(12)),
+                            bwd_launch.dkdv_launch(prob, o, rows, rows, torch.empty_like(k), torch.empty_like(v), cfg,
                                                   False),
-                            backward._dq_launch(prob, o, rows, rows, torch.empty_like(q), cfg, False)):
+                            bwd_launch.dq_launch(prob, o, rows, rows, torch.empty_like(q), cfg, False)):
         bound, _, _ = cold_launch._binding(fn, GPUTarget("cuda", 90, 32)).binder(*args, **kw)
         assert tuple(bound.values()) == runtime.bound_values(args, kw, runtime.later_parameters(fn, len(args)))

@@ -665,7 +665,7 @@ def test_every_kernel_is_compiled_with_fp_fusion_said_explicitly(monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
 
-    from attnlab.backends.triton import backward as tbwd
+    from attnlab.backends.triton import bwd_launch
     from attnlab.backends.triton import decode as tdecode
 
     with warnings.catch_warnings():
@@ -685,9 +685,9 @@ def test_every_kernel_is_compiled_with_fp_fusion_said_explicitly(monkeypatch):
     tlaunch.jit_launch(prob, torch.empty_like(q), None, tconfigs.Config(16, 16, 4, 2), interpret=False)
     out, lse = torch.empty_like(q), torch.empty(1, 2, 16)
     launches = {"forward": seen,
-                "preprocess": tbwd._preprocess_launch(prob, out, lse, out, lse, lse, False)[3],
-                "dkdv": tbwd._dkdv_launch(prob, out, lse, lse, q, q, tconfigs.BwdConfig(16, 16, 4, 2), False)[3],
-                "dq": tbwd._dq_launch(prob, out, lse, lse, q, tconfigs.BwdConfig(16, 16, 4, 2), False)[3],
+                "preprocess": bwd_launch.preprocess_launch(prob, out, lse, out, lse, lse, False)[3],
+                "dkdv": bwd_launch.dkdv_launch(prob, out, lse, lse, q, q, tconfigs.BwdConfig(16, 16, 4, 2), False)[3],
+                "dq": bwd_launch.dq_launch(prob, out, lse, lse, q, tconfigs.BwdConfig(16, 16, 4, 2), False)[3],
                 "decode": tdecode.DecodeConfig(64).options()}
     for name, kw in launches.items():
         assert kw.get("enable_fp_fusion") is True, name

@@ -17,7 +17,7 @@ import torch
 
 from attnlab.api import attention
 from attnlab.backends.triton import backward as triton_bwd
-from attnlab.backends.triton import bwd_grid, hopper_forward
+from attnlab.backends.triton import bwd_grid, bwd_launch, hopper_forward
 from attnlab.cases import Case, make_inputs
 from attnlab.check import UNIT_ROUNDOFF, run_attention, run_reference
 from attnlab.problem import make_problem
@@ -238,7 +238,7 @@ def atomic_dq(monkeypatch):
     def no_dq_pass(*a, **k):
         raise AssertionError("the one-pass backward launched the dQ pass")
 
-    monkeypatch.setattr(triton_bwd, "_launch_dq", no_dq_pass)
+    monkeypatch.setattr(bwd_launch, "launch_dq", no_dq_pass)
 
 
 @pytest.mark.parametrize(("case", "dtype"), ONE_PASS, ids=lambda x: x.name if isinstance(x, Case) else str(x)[6:])
@@ -311,8 +311,8 @@ def _shared_bytes(D: int, Dv: int, kv: list, dq: list, sm: int) -> list[int]:
     v, dout = (torch.randn(1, 2, 300, Dv, generator=g).to(BF16) for _ in range(2))
     prob, rows = make_problem(q, k, v, causal=True), torch.zeros(1, 2, 300)
     dk, dv, dq_ = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
-    launches = ([triton_bwd._dkdv_launch(prob, dout, rows, rows, dk, dv, c, False) for c in kv]
-                + [triton_bwd._dq_launch(prob, dout, rows, rows, dq_, c, False) for c in dq])
+    launches = ([bwd_launch.dkdv_launch(prob, dout, rows, rows, dk, dv, c, False) for c in kv]
+                + [bwd_launch.dq_launch(prob, dout, rows, rows, dq_, c, False) for c in dq])
     return [compile_only(fn, args, kw, 0, GPUTarget("cuda", sm, 32))[0].metadata.shared
             for fn, _, args, kw in launches]
 
@@ -373,8 +373,8 @@ def test_one_pass_gives_way_to_two_while_torch_asks_for_determinism(monkeypatch)
     q, k, v, kw = make_inputs(case, dtype=F32, device="cpu", seed=3)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
     launched = []
-    real = triton_bwd._launch_dq
-    monkeypatch.setattr(triton_bwd, "_launch_dq", lambda *a, **k: (launched.append(1), real(*a, **k))[1])
+    real = bwd_launch.launch_dq
+    monkeypatch.setattr(bwd_launch, "launch_dq", lambda *a, **k: (launched.append(1), real(*a, **k))[1])
     monkeypatch.setattr(triton_bwd, "DQ_MODE", "atomic")
     atomic = _triton_grads(q, k, v, dout, kw)
     assert launched == []
@@ -518,6 +518,37 @@ def test_compile_ahead_stands_in_a_gradient_only_where_it_shares_the_layout():
     assert not _like_its_gradient(torch.randn(2 * 8 * 3 * 16 + 1)[1:].view(2, 8, 3, 16))  # 4 bytes off
 
 
+@pytest.mark.parametrize("mods", ["plain", "mask_sinks_lengths", "alibi_one_pass"])
+def test_the_backward_launches_lead_with_all_their_tensors(mods):
+    """A direct launch keeps every argument value after the leading tensors (bwd_launch): so each launch's
+    arguments, bound as Triton binds them, must open with exactly its ``*_tensors`` and hold no tensor after."""
+    from attnlab.backends.triton.configs import BwdConfig
+    from attnlab.backends.triton.runtime import bound_values, later_parameters
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 4, 40, 16, generator=g) for _ in range(3))
+    kw = {"plain": dict(causal=True),
+          "mask_sinks_lengths": dict(mask=torch.rand(40, 40, generator=g) > 0.3, sinks=torch.randn(4, generator=g),
+                                     kv_len=[30, 40], q_len=[40, 20]),
+          "alibi_one_pass": dict(alibi_slopes=torch.rand(4, generator=g), window=(5, 3))}[mods]
+    prob = make_problem(q, k, v, **kw)
+    out, rows, cfg = torch.empty_like(q), torch.empty(2, 4, 40), BwdConfig(16, 16, 4, 1)
+    acc = torch.zeros_like(q) if mods == "alibi_one_pass" else None
+    shares = torch.empty(12) if mods == "mask_sinks_lengths" else None
+    launches = [(bwd_launch.preprocess_launch(prob, out, rows, out, rows, rows, False, shares),
+                 bwd_launch.preprocess_tensors(prob, out, rows, out, rows, rows, shares)),
+                (bwd_launch.dkdv_launch(prob, out, rows, rows, q, k, cfg, False, acc),
+                 bwd_launch.dkdv_tensors(prob, out, rows, rows, q, k, acc)),
+                (bwd_launch.dq_launch(prob, out, rows, rows, q, cfg, False), bwd_launch.dq_tensors(prob, out, rows,
+                                                                                                rows, q))]
+    for (kernel, _, args, kws), tensors in launches:
+        values = bound_values(args, kws, later_parameters(kernel, len(args)))
+        n = len(tensors)
+        assert all(isinstance(a, torch.Tensor) and (a.data_ptr(), a.dtype) == (b.data_ptr(), b.dtype)
+                   for a, b in zip(values[:n], tensors, strict=True)), kernel  # (a bool mask: a new uint8 view)
+        assert not any(isinstance(x, torch.Tensor) for x in values[n:]), kernel
+
+
 def test_a_backward_chooses_its_configs_once_per_launch_key(monkeypatch):
     """A repeated backward of one launch key takes its configs and spaces from the memo (no new choice); another
     key, a packed call (no key) and any table change (a tune) choose again."""
@@ -584,9 +615,9 @@ def test_a_repeated_backward_launches_directly(monkeypatch):
     out, lse = attention(q, k, v, return_lse=True, backend="triton", **kw)
     dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
     jit = []
-    real = triton_bwd.jit_run
-    monkeypatch.setattr(triton_bwd, "jit_run", lambda *a: jit.append(a[0]) or real(*a))
-    monkeypatch.setattr(triton_bwd, "_COMPILED", {})
+    real = bwd_launch.jit_run
+    monkeypatch.setattr(bwd_launch, "jit_run", lambda *a: jit.append(a[0]) or real(*a))
+    monkeypatch.setattr(bwd_launch, "COMPILED", {})
     first = triton_bwd.gradients(prob, out, lse, dout)
     assert len(jit) == 3
     again = triton_bwd.gradients(prob, out, lse, dout.clone())
@@ -634,13 +665,13 @@ def test_two_streams_give_one_streams_gradients_and_wait_for_each_other(monkeypa
     for a, b in zip(want, triton_bwd.gradients(prob, out, lse, dout)):
         assert torch.equal(a, b)
     sleep = 200_000_000  # GPU cycles: about 0.1 s, far longer than the whole backward
-    real_pre, real_dq = triton_bwd._launch_preprocess, triton_bwd._launch_dq
-    monkeypatch.setattr(triton_bwd, "_launch_preprocess",
+    real_pre, real_dq = bwd_launch.launch_preprocess, bwd_launch.launch_dq
+    monkeypatch.setattr(bwd_launch, "launch_preprocess",
                         lambda *a, **k: (torch.cuda._sleep(sleep), real_pre(*a, **k))[1])
     for a, b in zip(want, _poisoned_gradients(prob, out, lse, dout)):
         assert torch.equal(a, b), "the dQ pass ran before the preprocess"
-    monkeypatch.setattr(triton_bwd, "_launch_preprocess", real_pre)
-    monkeypatch.setattr(triton_bwd, "_launch_dq", lambda *a, **k: (torch.cuda._sleep(sleep), real_dq(*a, **k))[1])
+    monkeypatch.setattr(bwd_launch, "launch_preprocess", real_pre)
+    monkeypatch.setattr(bwd_launch, "launch_dq", lambda *a, **k: (torch.cuda._sleep(sleep), real_dq(*a, **k))[1])
     for a, b in zip(want, _poisoned_gradients(prob, out, lse, dout)):
         assert torch.equal(a, b), "the gradients were read before the dQ pass ended"
 

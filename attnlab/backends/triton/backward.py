@@ -11,9 +11,10 @@ constant: it gets no gradient), GQA/MQA, any strides, float32 / float16 / bfloat
 On CUDA tensors the kernels are compiled, each with one config from a small space per dtype and padded head dim
 (:func:`dkdv_candidates`, :func:`dq_candidates`): one tuned on this machine (:func:`tune`, or ``AUTOTUNE``; kept
 on disk by :mod:`~attnlab.backends.triton.tune_cache`), else the shipped table's, else the first candidate; a
-config that does not fit the GPU gives way to the next. :func:`compile_ahead` compiles them in the background
-while the forward runs. On sm_90, the calls :mod:`.hopper_backward` takes run its kernel after the preprocess.
-On CPU tensors the kernels run through Triton's interpreter with one small config.
+config that does not fit the GPU gives way to the next; :mod:`.bwd_launch` builds each launch and launches a
+repeated one directly. :func:`compile_ahead` compiles them in the background while the forward runs. On sm_90,
+the calls :mod:`.hopper_backward` takes run its kernel after the preprocess. On CPU tensors the kernels run
+through Triton's interpreter with one small config.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from concurrent.futures import Future
 import torch
 
 from attnlab.backends.triton import background, bwd_grid, configs, hopper_backward, tune_cache
+from attnlab.backends.triton import bwd_launch as bl
 from attnlab.backends.triton import runtime as _rt
+from attnlab.backends.triton.bwd_launch import INTERPRETER_CONFIG
 from attnlab.backends.triton.configs import (
     BwdConfig,
     dkdv_candidates,
@@ -35,25 +38,19 @@ from attnlab.backends.triton.configs import (
     padded_head_dim,
     problem_head_dim,
 )
-from attnlab.backends.triton.forward_kernel import LOG2E
-from attnlab.backends.triton.interpreter import interpreted_fn, interpreter
-from attnlab.backends.triton.runtime import batch_strides, jit_run, tile_grid
+from attnlab.backends.triton.interpreter import interpreter
+from attnlab.backends.triton.runtime import tile_grid
 from attnlab.fast_calls import evict_oldest
 from attnlab.problem import Problem
 
 try:
     import triton
 
-    from attnlab.backends.triton.backward_kernels import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess
+    from attnlab.backends.triton.backward_kernels import bwd_preprocess
 except ImportError:  # the caller finds out when it calls backward()
     triton = None
 
 
-#: The interpreter's configs: small tiles, so that the CPU tests' short sequences span several tiles of
-#: both kinds (partial and full) in both passes.
-INTERPRETER_CONFIG = BwdConfig(16, 16, 1, 1)
-#: Rows per program of the preprocess (GPU; the interpreter uses INTERPRETER_CONFIG.block_m).
-PREPROCESS_BLOCK_M = 64
 
 #: Whether a GPU launch of a problem not tuned before times the candidates first (ATTNLAB_AUTOTUNE=1); by default
 #: the configs come from the shipped table (:mod:`.tuned_table`) and tuning happens only when asked (:func:`tune`).
@@ -92,184 +89,6 @@ def one_pass(prob: Problem) -> bool:
         raise ValueError(f"ATTNLAB_BWD_DQ must be one of {DQ_MODES}; got {DQ_MODE!r}")
     return (DQ_MODE == "atomic" and problem_head_dim(prob) <= ONE_PASS_MAX_D
             and not torch.are_deterministic_algorithms_enabled())
-
-
-# ---------------------------------------------------------------------------------------------------
-# Arguments and launches
-# ---------------------------------------------------------------------------------------------------
-def _mask_arguments(prob: Problem) -> tuple[list, list, dict]:
-    """(pointers KvLen, QLen, Explicit, Alibi; the explicit mask's and the slopes' strides; the mask and score
-    modifier constants) for the kernels."""
-    spec = prob.spec
-    explicit = spec.explicit
-    if explicit is not None and explicit.dtype == torch.bool:
-        explicit = explicit.view(torch.uint8)  # the kernels read a bool mask as bytes
-    q = prob.q  # a placeholder pointer for whatever is absent (never read)
-    if prob.packed is not None:  # the kernels read a packed call's prefix sums where they read lengths otherwise
-        lengths = [prob.packed.cu_k, prob.packed.cu_q]
-    else:
-        lengths = [spec.kv_len if spec.kv_len is not None else q, spec.q_len if spec.q_len is not None else q]
-    mods = prob.mods
-    ptrs = [*lengths, explicit if explicit is not None else q, mods.alibi if mods.alibi is not None else q]
-    strides = list(explicit.stride()) if explicit is not None else [0, 0, 0, 0]
-    strides += list(mods.alibi.stride()) if mods.alibi is not None else [0, 0]
-    constants = dict(
-        HAS_LEFT=spec.left is not None, HAS_RIGHT=spec.right is not None,
-        BOTTOM_RIGHT=spec.align == "bottom_right",
-        HAS_KV_LEN=spec.kv_len is not None, HAS_Q_LEN=spec.q_len is not None,
-        HAS_MASK=spec.mask is not None, HAS_BIAS=spec.bias is not None,
-        VARLEN=prob.packed is not None,
-        HAS_SOFTCAP=mods.softcap is not None, HAS_ALIBI=mods.alibi is not None,
-    )
-    return ptrs, strides, constants
-
-
-def _common(prob: Problem, interpret: bool) -> dict:
-    """Compile-time constants shared by the dK/dV and dQ kernels."""
-    block_d, block_dv = padded_head_dim(prob.D), padded_head_dim(prob.Dv)
-    return dict(
-        BLOCK_D=block_d, EVEN_D=block_d == prob.D, BLOCK_DV=block_dv, EVEN_DV=block_dv == prob.Dv,
-        DOT_PRECISION="ieee",
-        # The interpreter multiplies bfloat16 bit patterns as integers in tl.dot: upcast (exactly) first.
-        UPCAST=interpret and prob.dtype != torch.float32,
-    )
-
-
-def _scalars(prob: Problem) -> list:
-    spec = prob.spec
-    cap2 = prob.mods.softcap * LOG2E if prob.mods.softcap is not None else 0.0
-    return [prob.Hq, prob.Nq, prob.Nk, prob.D, prob.Dv, prob.q.shape[2], prob.k.shape[2], prob.group,
-            prob.scale * LOG2E, prob.scale,
-            spec.left if spec.left is not None else 0, spec.right if spec.right is not None else 0, cap2]
-
-
-def _preprocess_block_m(interpret: bool) -> int:
-    return INTERPRETER_CONFIG.block_m if interpret else PREPROCESS_BLOCK_M
-
-
-def _preprocess_grid(prob: Problem, interpret: bool) -> tuple[int, int, int]:
-    return tile_grid(prob, prob.Nq, prob.q.shape[2], _preprocess_block_m(interpret), prob.Hq)
-
-
-def _preprocess_launch(prob, out, lse, dout, delta, lse2, interpret: bool, sink_part=None) -> tuple:
-    """(kernel, grid, arguments, keywords) of the preprocess; with ``sink_part`` (float32, one per program) it
-    also stores each program's share of the sinks' gradient there."""
-    grid = _preprocess_grid(prob, interpret)
-    spec = prob.spec
-    packed = prob.packed
-    q_len = packed.cu_q if packed is not None else spec.q_len if spec.q_len is not None else lse
-    has_sinks = sink_part is not None
-    args = (out, dout, lse, delta, lse2, q_len, prob.mods.kernel_sinks if has_sinks else lse,
-            sink_part if has_sinks else lse, *batch_strides(out, packed), *batch_strides(dout, packed),
-            *batch_strides(lse, packed), prob.Hq, prob.Nq, prob.Dv, prob.q.shape[2])
-    kw = dict(BLOCK_M=_preprocess_block_m(interpret),
-              BLOCK_DV=padded_head_dim(prob.Dv), HAS_Q_LEN=spec.q_len is not None, VARLEN=packed is not None,
-              HAS_SINKS=has_sinks, num_warps=1 if interpret else 4, **configs.COMPILE_OPTIONS)
-    return bwd_preprocess, grid, args, kw
-
-
-def _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool,
-                 dq_acc: torch.Tensor | None = None, dq_like: torch.Tensor | None = None) -> tuple:
-    """(kernel, grid, arguments, keywords) of the dK/dV kernel with ``cfg``; with ``dq_acc`` (float32, zeroed) the
-    one-pass variant, which adds dQ into it, read through ``dq_like``'s strides when given (a compile ahead's
-    stand-in)."""
-    ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    outer = bwd_grid.tiles_outer(prob, "dkdv", cfg.block_n)
-    grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv, outer)
-    pk = prob.packed
-    dq_strides = batch_strides(dq_like if dq_like is not None else dq_acc, pk) if dq_acc is not None else (0,) * 4
-    args = (prob.q, prob.k, prob.v, dout, lse2, delta, dk, dv, dq_acc if dq_acc is not None else dk, *ptrs,
-            *batch_strides(prob.q, pk), *batch_strides(prob.k, pk), *batch_strides(prob.v, pk),
-            *batch_strides(dout, pk), *batch_strides(dk, pk), *batch_strides(dv, pk), *dq_strides, *e_strides,
-            *_scalars(prob))
-    kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-              DQ_ATOMIC=dq_acc is not None, TILES_OUTER=outer, num_warps=cfg.num_warps,
-              num_stages=cfg.num_stages,
-              **configs.COMPILE_OPTIONS)
-    return bwd_dkdv_kernel, grid, args, kw
-
-
-def _dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> tuple:
-    """(kernel, grid, arguments, keywords) of the dQ kernel with ``cfg``."""
-    ptrs, e_strides, mask_constants = _mask_arguments(prob)
-    outer = bwd_grid.tiles_outer(prob, "dq", cfg.block_m)
-    grid = tile_grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq, outer)
-    pk = prob.packed
-    args = (prob.q, prob.k, prob.v, dout, lse2, delta, dq, *ptrs,
-            *batch_strides(prob.q, pk), *batch_strides(prob.k, pk), *batch_strides(prob.v, pk),
-            *batch_strides(dout, pk), *batch_strides(dq, pk), *e_strides, *_scalars(prob))
-    kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_common(prob, interpret), **mask_constants,
-              TILES_OUTER=outer, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-              **configs.COMPILE_OPTIONS)
-    return bwd_dq_kernel, grid, args, kw
-
-
-def _launch_fitting(launch, cfg: BwdConfig, space: list[BwdConfig], what: str) -> BwdConfig:
-    """``launch(cfg)``, or with the next candidates of ``space`` while a config does not fit this GPU; returns the
-    config that ran."""
-    while True:
-        try:
-            launch(cfg)
-            return cfg
-        except Exception as err:
-            nxt = configs.next_fitting(space, cfg, what) if configs.out_of_resources(err) else None
-            if nxt is None:
-                raise
-            cfg = nxt
-
-
-#: Compiled backward kernels by (kernel, the call's signature and its per-call tensors' layouts, config): a later
-#: backward of the same key launches its kernel directly, without Triton's argument binding (as the forward's
-#: plans do). The arguments are built as for the first launch; only the tensors' addresses differ.
-_COMPILED: dict[tuple, tuple] = {}
-
-
-def _go(launch: tuple, interpret: bool, key: tuple | None = None) -> None:
-    """Run ``(kernel, grid, args, keywords)``: interpreted; compiled through the JIT the first time of ``key``
-    (None: every time); after that, directly."""
-    kernel, grid, args, kw = launch
-    if interpret:
-        interpreted_fn(kernel)[grid](*args, **kw)
-        return
-    hit = _COMPILED.get(key) if key is not None and _rt.FAST_LAUNCH else None
-    if hit is not None:
-        go, later = hit
-        go((*grid, 1, 1)[:3], _rt.current_stream(torch.cuda.current_device()), _rt.bound_values(args, kw, later))
-        return
-    compiled = jit_run(kernel, grid, args, kw)
-    if key is not None and _rt.FAST_LAUNCH and _rt.fast_launch_supported(compiled):
-        if len(_COMPILED) >= 3 * _rt.MAX_PLANS:
-            _COMPILED.pop(next(iter(_COMPILED)), None)
-        _COMPILED[key] = (_rt.launcher(compiled), _rt.later_parameters(kernel, len(args)))
-
-
-def _launch_key(prob: Problem, *tensors: torch.Tensor) -> tuple | None:
-    """What a backward's compiled kernels depend on besides their configs: the call's signature and the layouts of
-    the per-call tensors (out, dout, lse, Delta, the base-2 lse, dq, dk, dv); None for a packed call, whose
-    prefix sums the signature does not hold (it launches through the JIT every time)."""
-    if prob.packed is not None:
-        return None
-    return (_rt.call_signature(prob), _rt.layout_key(*tensors))
-
-
-def _launch_preprocess(prob, out, lse, dout, delta, lse2, interpret: bool, key: tuple | None = None,
-                       sink_part: torch.Tensor | None = None, one: bool = False) -> None:
-    """The preprocess; its fast-launch key names the mode (``one``) too, so that a backward's first call in
-    either mode is the one that waits for its kernels compiled ahead."""
-    _go(_preprocess_launch(prob, out, lse, dout, delta, lse2, interpret, sink_part), interpret,
-        None if key is None else ("preprocess", sink_part is not None, one, key))
-
-
-def _launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool, key: tuple | None = None,
-                 dq_acc: torch.Tensor | None = None) -> None:
-    """The dK/dV pass; its fast-launch key (as the dQ pass's) names the grid order it took: its kernel's own."""
-    launch = _dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, interpret, dq_acc)
-    _go(launch, interpret, key and ("dkdv", cfg, dq_acc is not None, launch[3]["TILES_OUTER"], key))
-
-
-def _launch_dq(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool, key: tuple | None = None) -> None:
-    launch = _dq_launch(prob, dout, delta, lse2, dq, cfg, interpret)
-    _go(launch, interpret, key and ("dq", cfg, launch[3]["TILES_OUTER"], key))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -331,13 +150,13 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     dq, dk, dv = (x if _like_its_gradient(x) else torch.empty_like(x) for x in (prob.q, prob.k, prob.v))
     # (the preprocess stores the sinks' shares when they require grad: the variant a backward without dlse runs)
     sinks = prob.mods.sinks
-    pre = _preprocess_launch(prob, out, lse, out, lse, lse, False, lse if sinks is not None and sinks.requires_grad
+    pre = bl.preprocess_launch(prob, out, lse, out, lse, lse, False, lse if sinks is not None and sinks.requires_grad
                              else None)
     if one_pass(prob):  # lse stands in for the float32 dQ (with dq's strides: the kernel reads those)
-        launches = (pre, _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False, dq_acc=lse, dq_like=dq))
+        launches = (pre, bl.dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False, dq_acc=lse, dq_like=dq))
     else:
-        launches = (pre, _dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
-                    _dq_launch(prob, out, lse, lse, dq, q_cfg, False))
+        launches = (pre, bl.dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False),
+                    bl.dq_launch(prob, out, lse, lse, dq, q_cfg, False))
     _ahead[key] = [background.ahead(kernel, grid, args, kw, prob.device) for kernel, grid, args, kw in launches]
 
 
@@ -393,12 +212,12 @@ def _tune(prob: Problem, dout, delta, lse2, dq, dk, dv, key: tuple) -> tuple[Bwd
     kv_space, q_space = _spaces(prob, one)
     if one:
         acc = torch.zeros_like(dq, dtype=torch.float32)
-        got = (_fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, dq_acc=acc)),
+        got = (_fastest(kv_space, lambda c: bl.launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, dq_acc=acc)),
                q_space[0])
     else:
         got = (
-            _fastest(kv_space, lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False)),
-            _fastest(q_space, lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False)),
+            _fastest(kv_space, lambda c: bl.launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False)),
+            _fastest(q_space, lambda c: bl.launch_dq(prob, dout, delta, lse2, dq, c, False)),
         )
     tune_cache.store(_tables(one)[0], prob.device.index, key[1:], [dataclasses.asdict(c) for c in got])
     _decided.clear()
@@ -411,7 +230,7 @@ def tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> tuple[BwdConfig
     dout = torch.randn_like(out)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=prob.device)
     lse2 = torch.empty_like(delta)
-    _launch_preprocess(prob, out, lse, dout, delta, lse2, False)
+    bl.launch_preprocess(prob, out, lse, dout, delta, lse2, False)
     dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
     key = configs.bwd_tune_key(prob)
     got = _tables(one_pass(prob))[1][key] = _tune(prob, dout, delta, lse2, dq, dk, dv, key)
@@ -447,7 +266,7 @@ def _sink_shares(prob: Problem, dlse: torch.Tensor | None, interpret: bool) -> t
     or an lse gradient (which enters Delta after the preprocess: :func:`sinks_gradient` then sums in torch)."""
     if prob.mods.sinks is None or dlse is not None:
         return None
-    grid = _preprocess_grid(prob, interpret)
+    grid = bl.preprocess_grid(prob, interpret)
     return torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.float32, device=prob.device)
 
 
@@ -528,20 +347,20 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     dq_acc = torch.zeros_like(dq, dtype=torch.float32) if one_pass(prob) else None
     if interpret:
         with interpreter(bwd_preprocess):
-            _launch_preprocess(prob, out, lse, dout, delta, lse2, True, sink_part=shares)
+            bl.launch_preprocess(prob, out, lse, dout, delta, lse2, True, sink_part=shares)
             _minus_dlse(delta, dlse)
-            _launch_dkdv(prob, dout, delta, lse2, dk, dv, INTERPRETER_CONFIG, True, dq_acc=dq_acc)
+            bl.launch_dkdv(prob, dout, delta, lse2, dk, dv, INTERPRETER_CONFIG, True, dq_acc=dq_acc)
             if dq_acc is None:
-                _launch_dq(prob, dout, delta, lse2, dq, INTERPRETER_CONFIG, True)
+                bl.launch_dq(prob, dout, delta, lse2, dq, INTERPRETER_CONFIG, True)
             else:
                 dq.copy_(dq_acc)
         return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
     same = torch.cuda.current_device() == prob.q.get_device()
-    key = _launch_key(prob, out, dout, lse, delta, lse2, dq, dk, dv)
-    if key is None or ("preprocess", shares is not None, dq_acc is not None, key) not in _COMPILED:  # else compiled
+    key = bl.launch_key(prob, out, dout, lse, delta, lse2, dq, dk, dv)
+    if bl.preprocess_key(key, shares is not None, dq_acc is not None) not in bl.COMPILED:  # else compiled
         _wait_ahead(prob, out)
     with contextlib.nullcontext() if same else torch.cuda.device(prob.device):
-        _launch_preprocess(prob, out, lse, dout, delta, lse2, False, key, shares, dq_acc is not None)
+        bl.launch_preprocess(prob, out, lse, dout, delta, lse2, False, key, shares, dq_acc is not None)
         _minus_dlse(delta, dlse)
         hopper_dq = hopper_backward.run(prob, dout, delta, lse2, dk, dv, dq_acc)  # None: not taken (or compiling)
         if hopper_dq is not None:
@@ -552,7 +371,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         sms = _rt.sm_count(_rt.device_index(prob.device))
 
         def dkdv() -> BwdConfig:
-            return _launch_fitting(lambda c: _launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key, dq_acc),
+            return bl.launch_fitting(lambda c: bl.launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key, dq_acc),
                                    kv_cfg, kv_space, "the backward's dK/dV kernel")
 
         if one:
@@ -561,7 +380,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
         else:
             two = TWO_STREAMS and not bwd_grid.short(kv_grid[0] * kv_grid[1] * kv_grid[2], sms)
             kv_done, q_done = bwd_grid.side_by_side(two, dkdv,
-                lambda: _launch_fitting(lambda c: _launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
+                lambda: bl.launch_fitting(lambda c: bl.launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
                                         q_space, "the backward's dQ kernel"),
                 prob.device)
         if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
@@ -573,8 +392,8 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
 
 
 #: A GPU backward's (dK/dV config, dQ config, dK/dV space, dQ space) by mode, ``AUTOTUNE`` and launch key
-#: (:func:`_launch_key`), so that a repeated backward does not choose them again: host time on every training
-#: step. Emptied whenever a table changes (a tune, a config that did not fit).
+#: (:func:`~.bwd_launch.launch_key`), so that a repeated backward does not choose them again: host time on every
+#: training step. Emptied whenever a table changes (a tune, a config that did not fit).
 _decided: dict[tuple, tuple] = {}
 
 
