@@ -7,6 +7,13 @@ then a profile of the public call's repeated (fast) path.
 ``--train``: instead, a gpt-oss-like training layer (B2 Hq64 Hkv8 N4096 D64 bf16, a 128-key window; q, k, v
 require grad) with and without bf16 sinks, forward and forward + backward, in interleaved rounds: each call's time
 (CUDA events over 30 back-to-back calls) and the host time of issuing them.
+
+``--train-vs-flex OUT.json [TAG]``: that layer through attnlab (plain and with sinks) beside compiled Flex with the
+same block mask, outputs and gradients checked against Flex's first; per mode (``fwd`` with grad-requiring inputs,
+``bwd`` from a retained graph, which Flex refuses, ``fwd+bwd``) the event time over 30 back-to-back calls, the host
+time (least of 3 walls of 20 calls queued behind a GPU sleep) and, in the first round, the kernels' time per call
+(torch.profiler). Rounds: ``ROUNDS`` (2). Run old and new code in alternating processes to compare them
+(``PYTHONPATH=<other checkout>``; ``attnlab_file`` in the JSON says which ran).
 """
 
 from __future__ import annotations
@@ -107,7 +114,98 @@ def train_window(rounds: int = 3, n: int = 30) -> None:
                       f"host {host:.0f} us", flush=True)
 
 
+def _kernel_us(fn, n: int = 10) -> tuple[float, dict[str, float]]:
+    """GPU kernel time per call of ``fn`` (torch.profiler), and the eight longest kernels'."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name[:90]] = per.get(e.name[:90], 0.0) + e.device_time / n
+    return sum(per.values()), dict(sorted(per.items(), key=lambda x: -x[1])[:8])
+
+
+def _walls_us(fn, n: int = 20, tries: int = 3) -> float:
+    """The least of ``tries`` wall times of ``n`` calls queued behind a GPU sleep, per call."""
+    best = float("inf")
+    for _ in range(tries):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
+def train_vs_flex(path: str, tag: str, rounds: int) -> None:
+    """The ``--train-vs-flex`` comparison (module docstring)."""
+    import json
+    import os
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, Hq, Hkv, N, D, W = 2, 64, 8, 4096, 64, 127
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    sinks = (2 * torch.randn(Hq, device="cuda", generator=g)).to(torch.bfloat16)
+    block_mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j <= W), None, None, N, N, device="cuda")
+    flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    calls = {"attnlab": lambda: attnlab.attention(q, k, v, window=(W, 0)),
+             "attnlab+sinks": lambda: attnlab.attention(q, k, v, window=(W, 0), sinks=sinks),
+             "flex": lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True, scale=D ** -0.5)}
+    with torch.no_grad():
+        fwd_err = (calls["attnlab"]().float() - calls["flex"]().float()).abs().max().item()
+    ours, theirs = (torch.autograd.grad(calls[n](), (q, k, v), dout) for n in ("attnlab", "flex"))
+    grad_rel = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(ours, theirs)]
+
+    def modes(name: str) -> dict:
+        fn, held = calls[name], calls[name]()
+        got = {"fwd": fn, "bwd": lambda: torch.autograd.grad(held, (q, k, v), dout, retain_graph=True),
+               "fwd+bwd": lambda: torch.autograd.grad(fn(), (q, k, v), dout)}
+        if name == "flex":  # compiled Flex refuses a retained graph (donated buffers)
+            del got["bwd"]
+        return got
+
+    rows = []
+    for r in range(rounds):
+        for name in calls:
+            for mode, fn in modes(name).items():
+                row = {"round": r, "competitor": name, "mode": mode, "event_us": gpu_us(fn, 30),
+                       "host_us": _walls_us(fn)}
+                if r == 0:
+                    row["kernel_us"], row["kernels"] = _kernel_us(fn)
+                rows.append(row)
+                print(tag, r, name, mode, {k: round(x, 1) for k, x in row.items() if isinstance(x, float)}, flush=True)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "attnlab_file": attnlab.__file__,
+           "commit": os.environ.get("ATTNLAB_COMMIT"), "tag": tag, "shape": [B, Hq, Hkv, N, D], "window": [W, 0],
+           "fwd_max_abs_vs_flex": fwd_err, "grad_rel_vs_flex": grad_rel}
+    with open(path, "w") as f:
+        json.dump({"environment": env, "rows": rows}, f, indent=1)
+
+
 def main() -> int:
+    if "--train-vs-flex" in sys.argv[1:]:
+        at = sys.argv.index("--train-vs-flex")
+        args = sys.argv[at + 1:]
+        if not args:
+            print("usage: python tools/host_time.py --train-vs-flex OUT.json [TAG]", file=sys.stderr)
+            return 2
+        import os
+
+        train_vs_flex(args[0], args[1] if len(args) > 1 else "run", int(os.environ.get("ROUNDS", "2")))
+        return 0
     if "--train" in sys.argv[1:]:
         train_window()
         return 0
