@@ -24,7 +24,8 @@ Where the code is
 * :mod:`~attnlab.backends.triton.decode_kernels` and :mod:`~attnlab.backends.triton.decode`: the split-KV
   decode path (``triton-decode``): its kernels, then its configs, split count, paged cache and plans.
 * :mod:`~attnlab.backends.triton.backward_kernels` and :mod:`~attnlab.backends.triton.backward`: the
-  FlashAttention-2 style backward kernels and their launches.
+  FlashAttention-2 style backward kernels and their host side; :mod:`~attnlab.backends.triton.bwd_launch`, their
+  launches (a repeated one launched directly), :mod:`~attnlab.backends.triton.bwd_grid`, their grids.
 """
 
 from __future__ import annotations
