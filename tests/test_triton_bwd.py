@@ -18,6 +18,7 @@ import torch
 from attnlab.api import attention
 from attnlab.backends.triton import backward as triton_bwd
 from attnlab.backends.triton import bwd_grid, bwd_launch, hopper_forward
+from attnlab.backends.triton import runtime as triton_runtime
 from attnlab.cases import Case, make_inputs
 from attnlab.check import UNIT_ROUNDOFF, run_attention, run_reference
 from attnlab.problem import make_problem
@@ -549,6 +550,52 @@ def test_the_backward_launches_lead_with_all_their_tensors(mods):
         assert not any(isinstance(x, torch.Tensor) for x in values[n:]), kernel
 
 
+@pytest.mark.parametrize("mods", ["plain", "mask_sinks_lengths", "alibi_softcap_one_pass", "bias_bnhd"])
+def test_one_launch_key_keeps_one_grid_and_one_tail(mods):
+    """A direct launch reuses the first launch's grid and every value after its tensors for the whole launch key
+    (bwd_launch): two problems of one key (new tensors, new values, the same shapes, strides and options) must
+    build the same grid and the same tail, and the key must change with what the tail holds."""
+    from attnlab.backends.triton.configs import BwdConfig
+    from attnlab.backends.triton.runtime import bound_values, later_parameters
+
+    def problem(seed: int, **over):
+        g = torch.Generator().manual_seed(seed)
+        shape = (2, 40, 4, 16) if mods == "bias_bnhd" else (2, 4, 40, 16)
+        q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+        kw = {"plain": dict(causal=True),
+              "mask_sinks_lengths": dict(mask=torch.rand(40, 40, generator=g) > 0.3, kv_len=[30 + seed, 40],
+                                         sinks=torch.randn(4, generator=g), q_len=[40, 20 - seed]),
+              "alibi_softcap_one_pass": dict(alibi_slopes=torch.rand(2, 4, generator=g), window=(5, 3),
+                                             softcap=20.0),
+              "bias_bnhd": dict(mask=torch.randn(4, 40, 40, generator=g), layout="bnhd")}[mods]
+        kw.update(over)
+        layout = kw.pop("layout", "bhnd")
+        prob = make_problem(q, k, v, layout=layout, **kw)
+        t = [torch.empty(2, 4, 40, 16) for _ in range(5)]  # out, dout, dq, dk, dv
+        rows = [torch.empty(2, 4, 40) for _ in range(3)]  # lse, Delta, lse2
+        return prob, t, rows
+
+    def launches(prob, t, rows):
+        out, dout, dq, dk, dv = t
+        lse, delta, lse2 = rows
+        cfg = BwdConfig(16, 16, 4, 1)
+        acc = torch.zeros_like(dq) if mods == "alibi_softcap_one_pass" else None
+        shares = torch.empty(12) if prob.mods.sinks is not None else None
+        key = bwd_launch.launch_key(prob, out, dout, lse, delta, lse2, dq, dk, dv)
+        got = [bwd_launch.preprocess_launch(prob, out, lse, dout, delta, lse2, False, shares),
+               bwd_launch.dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, False, acc),
+               bwd_launch.dq_launch(prob, dout, delta, lse2, dq, cfg, False)]
+        tails = []
+        for (kernel, grid, args, kw), n in zip(got, (8, 13, 11), strict=True):
+            tails.append((grid, bound_values(args, kw, later_parameters(kernel, len(args)))[n:]))
+        return key, tails
+
+    first, second = launches(*problem(0)), launches(*problem(1))
+    assert first[0] == second[0] and first[1] == second[1]
+    other = launches(*problem(0, scale=0.3))
+    assert other[0] != first[0] and other[1] != first[1]  # a value in the tail: in the key too
+
+
 def test_a_backward_chooses_its_configs_once_per_launch_key(monkeypatch):
     """A repeated backward of one launch key takes its configs and spaces from the memo (no new choice); another
     key, a packed call (no key) and any table change (a tune) choose again."""
@@ -570,9 +617,22 @@ def test_a_backward_chooses_its_configs_once_per_launch_key(monkeypatch):
     assert len(chose) == 5
     monkeypatch.setattr(triton_bwd, "_fastest", lambda space, launch: space[-1])  # a tune without a GPU
     monkeypatch.setattr(triton_bwd.tune_cache, "store", lambda *a: None)
+    monkeypatch.setattr(triton_bwd, "_ahead_seen", {("a forward",): None})
     triton_bwd._tune(prob, *none, key=("tune key",))
+    assert not triton_bwd._ahead_seen, "a tune left compile_ahead's memo in place"
     triton_bwd._decide(prob, ("sig", "layouts"), False, *none)
     assert len(chose) == 6, "a tune left the memo's configs in place"
+    # a table emptied while a choice is being made (another thread's tune): that choice is not kept
+    def racing(*a):
+        chose.append(1)
+        triton_bwd._forget_choices()
+        return pair
+
+    monkeypatch.setattr(triton_bwd, "configs_for", racing)
+    triton_bwd._decide(prob, ("sig", "racing"), False, *none)
+    monkeypatch.setattr(triton_bwd, "configs_for", lambda *a: chose.append(1) or pair)
+    triton_bwd._decide(prob, ("sig", "racing"), False, *none)
+    assert len(chose) == 8
 
 
 @pytest.mark.gpu
@@ -624,9 +684,21 @@ def test_a_repeated_backward_launches_directly(monkeypatch):
     assert len(jit) == 3, "a repeated backward went through the JIT"
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+    # a new call of the same key (new q, k, v, sinks and outputs): launched directly, as the JIT launches it
+    q2, k2, v2 = (x + 0.5 for x in (q, k, v))
+    kw2 = dict(kw, sinks=2 * kw["sinks"])
+    out2, lse2 = attention(q2, k2, v2, return_lse=True, backend="triton", **kw2)
+    direct = triton_bwd.gradients(make_problem(q2, k2, v2, **kw2), out2, lse2, dout)
+    assert len(jit) == 3, "a new call of the same key went through the JIT"
+    monkeypatch.setattr(triton_runtime, "FAST_LAUNCH", False)
+    jitted = triton_bwd.gradients(make_problem(q2, k2, v2, **kw2), out2, lse2, dout)
+    assert len(jit) == 6
+    for a, b in zip(direct, jitted):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(triton_runtime, "FAST_LAUNCH", True)
     odd = torch.empty(dout.numel() + 1, device="cuda", dtype=dout.dtype)[1:].view(dout.shape).copy_(dout)
     third = triton_bwd.gradients(prob, out, lse, odd)
-    assert len(jit) > 3
+    assert len(jit) > 6
     for a, b in zip(first, third):
         assert torch.equal(a, b)
 

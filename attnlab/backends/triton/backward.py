@@ -97,8 +97,10 @@ def one_pass(prob: Problem) -> bool:
 #: Background compiles by :func:`_ahead_key`: the backward waits for them rather than compiling again.
 _ahead: dict[tuple, list[Future]] = {}
 MAX_AHEAD = 64
-#: Forwards whose backward :func:`compile_ahead` has seen, by call signature and the layouts of out and lse: a
-#: training step's repeated forward skips choosing configs and building the key again (host time on every step).
+#: Forwards whose backward :func:`compile_ahead` has seen, by call signature, the layouts of out and lse, the mode,
+#: the grid-order switch and whether the sinks require grad: a training step's repeated forward skips choosing
+#: configs and building the key again (host time on every step). Emptied with the backward's other memo
+#: (:func:`_forget_choices`).
 _ahead_seen: dict[tuple, None] = {}
 
 
@@ -129,11 +131,13 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Start compiling the three backward kernels of ``prob`` in background threads (Triton's compiler releases
     the GIL), for an upstream gradient laid out like ``out``, so that a first backward finds them compiled: a
     forward that will be differentiated calls this before its own launch. Nothing happens on CPU tensors, while
-    tuning on every call (``AUTOTUNE``), or when this layout was compiled ahead already; a guess that misses the
-    real call's layout only costs the background work."""
+    tuning on every call (``AUTOTUNE``), or when this call's kernels were compiled ahead already (or it was seen
+    before, :data:`_ahead_seen`); a guess that misses the real call's layout only costs the background work."""
     if triton is None or not prob.q.is_cuda or AUTOTUNE or not configs.COMPILE_AHEAD:
         return
-    seen = None if prob.packed is not None else (_rt.call_signature(prob), _rt.layout_key(out, lse))
+    sinks_grad = prob.mods.sinks is not None and prob.mods.sinks.requires_grad
+    seen = None if prob.packed is not None else (_rt.call_signature(prob), _rt.layout_key(out, lse), one_pass(prob),
+                                                 bwd_grid.TILES_OUTER, sinks_grad)
     if seen in _ahead_seen:
         return
     if seen is not None:
@@ -149,9 +153,7 @@ def compile_ahead(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
     # q, k, v for dq, dk, dv where torch.empty_like (which makes those) keeps their strides.
     dq, dk, dv = (x if _like_its_gradient(x) else torch.empty_like(x) for x in (prob.q, prob.k, prob.v))
     # (the preprocess stores the sinks' shares when they require grad: the variant a backward without dlse runs)
-    sinks = prob.mods.sinks
-    pre = bl.preprocess_launch(prob, out, lse, out, lse, lse, False, lse if sinks is not None and sinks.requires_grad
-                             else None)
+    pre = bl.preprocess_launch(prob, out, lse, out, lse, lse, False, lse if sinks_grad else None)
     if one_pass(prob):  # lse stands in for the float32 dQ (with dq's strides: the kernel reads those)
         launches = (pre, bl.dkdv_launch(prob, out, lse, lse, dk, dv, kv_cfg, False, dq_acc=lse, dq_like=dq))
     else:
@@ -220,7 +222,7 @@ def _tune(prob: Problem, dout, delta, lse2, dq, dk, dv, key: tuple) -> tuple[Bwd
             _fastest(q_space, lambda c: bl.launch_dq(prob, dout, delta, lse2, dq, c, False)),
         )
     tune_cache.store(_tables(one)[0], prob.device.index, key[1:], [dataclasses.asdict(c) for c in got])
-    _decided.clear()
+    _forget_choices()
     return got
 
 
@@ -234,7 +236,7 @@ def tune(prob: Problem, out: torch.Tensor, lse: torch.Tensor) -> tuple[BwdConfig
     dq, dk, dv = torch.empty_like(prob.q), torch.empty_like(prob.k), torch.empty_like(prob.v)
     key = configs.bwd_tune_key(prob)
     got = _tables(one_pass(prob))[1][key] = _tune(prob, dout, delta, lse2, dq, dk, dv, key)
-    _decided.clear()
+    _forget_choices()
     return got
 
 
@@ -372,7 +374,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
 
         def dkdv() -> BwdConfig:
             return bl.launch_fitting(lambda c: bl.launch_dkdv(prob, dout, delta, lse2, dk, dv, c, False, key, dq_acc),
-                                   kv_cfg, kv_space, "the backward's dK/dV kernel")
+                                     kv_cfg, kv_space, "the backward's dK/dV kernel")
 
         if one:
             kv_done, q_done = dkdv(), q_cfg
@@ -381,20 +383,30 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
             two = TWO_STREAMS and not bwd_grid.short(kv_grid[0] * kv_grid[1] * kv_grid[2], sms)
             kv_done, q_done = bwd_grid.side_by_side(two, dkdv,
                 lambda: bl.launch_fitting(lambda c: bl.launch_dq(prob, dout, delta, lse2, dq, c, False, key), q_cfg,
-                                        q_space, "the backward's dQ kernel"),
+                                          q_space, "the backward's dQ kernel"),
                 prob.device)
         if (kv_done, q_done) != (kv_cfg, q_cfg):  # a config did not fit this GPU: keep the ones that did
             key = configs.bwd_tune_key(prob)
             _, tuned, picked = _tables(one)
             (tuned if key in tuned else picked)[key] = (kv_done, q_done)
-            _decided.clear()
+            _forget_choices()
     return dq, dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
 
 
 #: A GPU backward's (dK/dV config, dQ config, dK/dV space, dQ space) by mode, ``AUTOTUNE`` and launch key
 #: (:func:`~.bwd_launch.launch_key`), so that a repeated backward does not choose them again: host time on every
-#: training step. Emptied whenever a table changes (a tune, a config that did not fit).
+#: training step. Emptied whenever a table changes (a tune, a config that did not fit: :func:`_forget_choices`).
 _decided: dict[tuple, tuple] = {}
+#: How many times the memos were emptied: a choice made across an emptying (another thread's tune) is not kept.
+_forgotten = 0
+
+
+def _forget_choices() -> None:
+    """Empty the backward's memos of configs (a table changed)."""
+    global _forgotten
+    _forgotten += 1
+    _decided.clear()
+    _ahead_seen.clear()
 
 
 def _decide(prob: Problem, key: tuple | None, one: bool, dout, delta, lse2, dq, dk, dv) -> tuple:
@@ -403,8 +415,9 @@ def _decide(prob: Problem, key: tuple | None, one: bool, dout, delta, lse2, dq, 
     memo = None if key is None else (one, AUTOTUNE, key)
     got = None if memo is None else _decided.get(memo)
     if got is None:
+        before = _forgotten
         got = (*configs_for(prob, dout, delta, lse2, dq, dk, dv), *_spaces(prob, one))
-        if memo is not None:
+        if memo is not None and before == _forgotten:
             evict_oldest(_decided, 3 * _rt.MAX_PLANS)
             _decided[memo] = got
     return got
