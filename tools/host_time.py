@@ -31,15 +31,16 @@ import attnlab
 from attnlab.paged import to_paged
 
 
-def host_us(fn, n=200, rounds=5):
+def host_us(fn, n=200, rounds=5, warm=10, sleep=50_000_000):
     """The least over ``rounds`` of the wall time of ``n`` unsynchronized calls / n: a busy host (another
-    process, a frequency change) only ever adds time, so the least is the call's own cost."""
-    for _ in range(10):
+    process, a frequency change) only ever adds time, so the least is the call's own cost. ``sleep``: GPU cycles
+    queued first, longer than the ``n`` calls take to issue."""
+    for _ in range(warm):
         fn()
     best = float("inf")
     for _ in range(rounds):
         torch.cuda.synchronize()
-        torch.cuda._sleep(50_000_000)  # keep the GPU busy: the loop below is bound by the host alone
+        torch.cuda._sleep(sleep)  # keep the GPU busy: the loop below is bound by the host alone
         t = time.perf_counter()
         for _ in range(n):
             fn()
@@ -132,20 +133,6 @@ def _kernel_us(fn, n: int = 10) -> tuple[float, dict[str, float]]:
     return sum(per.values()), dict(sorted(per.items(), key=lambda x: -x[1])[:8])
 
 
-def _walls_us(fn, n: int = 20, tries: int = 3) -> float:
-    """The least of ``tries`` wall times of ``n`` calls queued behind a GPU sleep, per call."""
-    best = float("inf")
-    for _ in range(tries):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    torch.cuda.synchronize()
-    return best
-
-
 def train_vs_flex(path: str, tag: str, rounds: int) -> None:
     """The ``--train-vs-flex`` comparison (module docstring)."""
     import json
@@ -183,7 +170,7 @@ def train_vs_flex(path: str, tag: str, rounds: int) -> None:
         for name in calls:
             for mode, fn in modes(name).items():
                 row = {"round": r, "competitor": name, "mode": mode, "event_us": gpu_us(fn, 30),
-                       "host_us": _walls_us(fn)}
+                       "host_us": host_us(fn, 20, 3, warm=0, sleep=200_000_000)}
                 if r == 0:
                     row["kernel_us"], row["kernels"] = _kernel_us(fn)
                 rows.append(row)
