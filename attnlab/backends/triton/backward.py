@@ -50,8 +50,6 @@ try:
 except ImportError:  # the caller finds out when it calls backward()
     triton = None
 
-
-
 #: Whether a GPU launch of a problem not tuned before times the candidates first (ATTNLAB_AUTOTUNE=1); by default
 #: the configs come from the shipped table (:mod:`.tuned_table`) and tuning happens only when asked (:func:`tune`).
 AUTOTUNE: bool = os.environ.get("ATTNLAB_AUTOTUNE", "0") == "1"
