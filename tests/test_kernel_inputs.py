@@ -84,7 +84,7 @@ def test_kernel_arguments_are_the_callers_bias(bias_dtype):
     e = mid[2]
     assert e.dtype == bias_dtype and e.data_ptr() == bias.data_ptr() and constants["HAS_BIAS"]
     assert tuple(tail[:4]) == (0, 40, 0, 1)
-    ptrs, strides, bwd_constants = bwd_launch.mask_arguments(prob)
+    ptrs, (strides, bwd_constants) = bwd_launch.mask_pointers(prob), bwd_launch.mask_arguments(prob)
     assert ptrs[2].dtype == bias_dtype and ptrs[2].data_ptr() == bias.data_ptr() and bwd_constants["HAS_BIAS"]
     assert strides[:4] == [0, 40, 0, 1]  # (then the ALiBi slopes' strides)
 

@@ -519,80 +519,66 @@ def test_compile_ahead_stands_in_a_gradient_only_where_it_shares_the_layout():
     assert not _like_its_gradient(torch.randn(2 * 8 * 3 * 16 + 1)[1:].view(2, 8, 3, 16))  # 4 bytes off
 
 
-@pytest.mark.parametrize("mods", ["plain", "mask_sinks_lengths", "alibi_one_pass"])
-def test_the_backward_launches_lead_with_all_their_tensors(mods):
-    """A direct launch keeps every argument value after the leading tensors (bwd_launch): so each launch's
-    arguments, bound as Triton binds them, must open with exactly its ``*_tensors`` and hold no tensor after."""
+#: Mask and modifier sets of the launch tests below (their one-pass sets pass a dQ accumulator).
+LAUNCH_MODS = ["plain", "mask_sinks_lengths", "alibi_one_pass", "alibi_softcap_one_pass", "bias_bnhd"]
+
+
+def _bound_launches(mods: str, seed: int = 0, **over) -> tuple[tuple, list]:
+    """The launch key of one CPU problem of ``mods`` (new random tensors for each ``seed``, the same shapes) and,
+    per launch (preprocess, dK/dV, dQ): its grid, every argument value bound as Triton binds them, and its leading
+    tensors (``*_tensors``)."""
     from attnlab.backends.triton.configs import BwdConfig
     from attnlab.backends.triton.runtime import bound_values, later_parameters
 
-    g = torch.Generator().manual_seed(8)
-    q, k, v = (torch.randn(2, 4, 40, 16, generator=g) for _ in range(3))
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, 40, 4, 16) if mods == "bias_bnhd" else (2, 4, 40, 16)
+    q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
     kw = {"plain": dict(causal=True),
-          "mask_sinks_lengths": dict(mask=torch.rand(40, 40, generator=g) > 0.3, sinks=torch.randn(4, generator=g),
-                                     kv_len=[30, 40], q_len=[40, 20]),
-          "alibi_one_pass": dict(alibi_slopes=torch.rand(4, generator=g), window=(5, 3))}[mods]
-    prob = make_problem(q, k, v, **kw)
-    out, rows, cfg = torch.empty_like(q), torch.empty(2, 4, 40), BwdConfig(16, 16, 4, 1)
-    acc = torch.zeros_like(q) if mods == "alibi_one_pass" else None
-    shares = torch.empty(12) if mods == "mask_sinks_lengths" else None
-    launches = [(bwd_launch.preprocess_launch(prob, out, rows, out, rows, rows, False, shares),
-                 bwd_launch.preprocess_tensors(prob, out, rows, out, rows, rows, shares)),
-                (bwd_launch.dkdv_launch(prob, out, rows, rows, q, k, cfg, False, acc),
-                 bwd_launch.dkdv_tensors(prob, out, rows, rows, q, k, acc)),
-                (bwd_launch.dq_launch(prob, out, rows, rows, q, cfg, False), bwd_launch.dq_tensors(prob, out, rows,
-                                                                                                rows, q))]
-    for (kernel, _, args, kws), tensors in launches:
-        values = bound_values(args, kws, later_parameters(kernel, len(args)))
+          "mask_sinks_lengths": dict(mask=torch.rand(40, 40, generator=g) > 0.3, kv_len=[30 + seed, 40],
+                                     sinks=torch.randn(4, generator=g), q_len=[40, 20 - seed]),
+          "alibi_one_pass": dict(alibi_slopes=torch.rand(4, generator=g), window=(5, 3)),
+          "alibi_softcap_one_pass": dict(alibi_slopes=torch.rand(2, 4, generator=g), window=(5, 3), softcap=20.0),
+          "bias_bnhd": dict(mask=torch.randn(4, 40, 40, generator=g), layout="bnhd")}[mods]
+    prob = make_problem(q, k, v, **{**kw, **over})
+    out, dout, dq, dk, dv = (torch.empty(2, 4, 40, 16) for _ in range(5))
+    lse, delta, lse2 = (torch.empty(2, 4, 40) for _ in range(3))
+    cfg = BwdConfig(16, 16, 4, 1)
+    acc = torch.zeros_like(dq) if mods.endswith("one_pass") else None
+    shares = torch.empty(12) if prob.mods.sinks is not None else None
+    launches = [(bwd_launch.preprocess_launch(prob, out, lse, dout, delta, lse2, False, shares),
+                 bwd_launch.preprocess_tensors(prob, out, lse, dout, delta, lse2, shares)),
+                (bwd_launch.dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, False, acc),
+                 bwd_launch.dkdv_tensors(prob, dout, delta, lse2, dk, dv, acc)),
+                (bwd_launch.dq_launch(prob, dout, delta, lse2, dq, cfg, False),
+                 bwd_launch.dq_tensors(prob, dout, delta, lse2, dq))]
+    key = bwd_launch.launch_key(prob, out, dout, lse, delta, lse2, dq, dk, dv)
+    return key, [(grid, bound_values(args, kws, later_parameters(kernel, len(args))), tensors)
+                 for (kernel, grid, args, kws), tensors in launches]
+
+
+@pytest.mark.parametrize("mods", LAUNCH_MODS)
+def test_the_backward_launches_lead_with_all_their_tensors(mods):
+    """A direct launch keeps every argument value after the leading tensors (bwd_launch): so each launch's
+    arguments, bound as Triton binds them, must open with exactly its ``*_tensors`` and hold no tensor after."""
+    for _, values, tensors in _bound_launches(mods)[1]:
         n = len(tensors)
         assert all(isinstance(a, torch.Tensor) and (a.data_ptr(), a.dtype) == (b.data_ptr(), b.dtype)
-                   for a, b in zip(values[:n], tensors, strict=True)), kernel  # (a bool mask: a new uint8 view)
-        assert not any(isinstance(x, torch.Tensor) for x in values[n:]), kernel
+                   for a, b in zip(values[:n], tensors, strict=True))  # (a bool mask: a new uint8 view)
+        assert not any(isinstance(x, torch.Tensor) for x in values[n:])
 
 
-@pytest.mark.parametrize("mods", ["plain", "mask_sinks_lengths", "alibi_softcap_one_pass", "bias_bnhd"])
+@pytest.mark.parametrize("mods", LAUNCH_MODS)
 def test_one_launch_key_keeps_one_grid_and_one_tail(mods):
     """A direct launch reuses the first launch's grid and every value after its tensors for the whole launch key
     (bwd_launch): two problems of one key (new tensors, new values, the same shapes, strides and options) must
     build the same grid and the same tail, and the key must change with what the tail holds."""
-    from attnlab.backends.triton.configs import BwdConfig
-    from attnlab.backends.triton.runtime import bound_values, later_parameters
+    def tails(key_and_launches):
+        key, launches = key_and_launches
+        return key, [(grid, values[len(tensors):]) for grid, values, tensors in launches]
 
-    def problem(seed: int, **over):
-        g = torch.Generator().manual_seed(seed)
-        shape = (2, 40, 4, 16) if mods == "bias_bnhd" else (2, 4, 40, 16)
-        q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
-        kw = {"plain": dict(causal=True),
-              "mask_sinks_lengths": dict(mask=torch.rand(40, 40, generator=g) > 0.3, kv_len=[30 + seed, 40],
-                                         sinks=torch.randn(4, generator=g), q_len=[40, 20 - seed]),
-              "alibi_softcap_one_pass": dict(alibi_slopes=torch.rand(2, 4, generator=g), window=(5, 3),
-                                             softcap=20.0),
-              "bias_bnhd": dict(mask=torch.randn(4, 40, 40, generator=g), layout="bnhd")}[mods]
-        kw.update(over)
-        layout = kw.pop("layout", "bhnd")
-        prob = make_problem(q, k, v, layout=layout, **kw)
-        t = [torch.empty(2, 4, 40, 16) for _ in range(5)]  # out, dout, dq, dk, dv
-        rows = [torch.empty(2, 4, 40) for _ in range(3)]  # lse, Delta, lse2
-        return prob, t, rows
-
-    def launches(prob, t, rows):
-        out, dout, dq, dk, dv = t
-        lse, delta, lse2 = rows
-        cfg = BwdConfig(16, 16, 4, 1)
-        acc = torch.zeros_like(dq) if mods == "alibi_softcap_one_pass" else None
-        shares = torch.empty(12) if prob.mods.sinks is not None else None
-        key = bwd_launch.launch_key(prob, out, dout, lse, delta, lse2, dq, dk, dv)
-        got = [bwd_launch.preprocess_launch(prob, out, lse, dout, delta, lse2, False, shares),
-               bwd_launch.dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg, False, acc),
-               bwd_launch.dq_launch(prob, dout, delta, lse2, dq, cfg, False)]
-        tails = []
-        for (kernel, grid, args, kw), n in zip(got, (8, 13, 11), strict=True):
-            tails.append((grid, bound_values(args, kw, later_parameters(kernel, len(args)))[n:]))
-        return key, tails
-
-    first, second = launches(*problem(0)), launches(*problem(1))
+    first, second = tails(_bound_launches(mods, 0)), tails(_bound_launches(mods, 1))
     assert first[0] == second[0] and first[1] == second[1]
-    other = launches(*problem(0, scale=0.3))
+    other = tails(_bound_launches(mods, 0, scale=0.3))
     assert other[0] != first[0] and other[1] != first[1]  # a value in the tail: in the key too
 
 

@@ -81,17 +81,28 @@ def decode(q, k, v, lens, caches):
     }
 
 
+#: The gpt-oss-like training layer: B, Hq, Hkv, N, D and its window's left reach (a 128-key window).
+LAYER = (2, 64, 8, 4096, 64, 127)
+
+
+def _layer() -> tuple[torch.Tensor, ...]:
+    """q, k, v (requiring grad), an upstream gradient and bf16 sinks of :data:`LAYER`, seeded."""
+    B, Hq, Hkv, N, D, _ = LAYER
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    sinks = (2 * torch.randn(Hq, device="cuda", generator=g)).to(torch.bfloat16)
+    return q, k, v, dout, sinks
+
+
 def train_window(rounds: int = 3, n: int = 30) -> None:
     """The ``--train`` A/B (module docstring)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(2, 64, 4096, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    k, v = (torch.randn(2, 8, 4096, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-            for _ in range(2))
-    sinks = (2 * torch.randn(64, device="cuda", generator=g)).to(torch.bfloat16)
-    dout = torch.randn(2, 64, 4096, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v, dout, sinks = _layer()
 
     def fwd(with_sinks: bool):
-        return attnlab.attention(q, k, v, window=(127, 0), sinks=sinks if with_sinks else None)
+        return attnlab.attention(q, k, v, window=(LAYER[-1], 0), sinks=sinks if with_sinks else None)
 
     def fwd_bwd(with_sinks: bool):
         return torch.autograd.grad(fwd(with_sinks), (q, k, v), dout)
@@ -140,13 +151,8 @@ def train_vs_flex(path: str, tag: str, rounds: int) -> None:
 
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    B, Hq, Hkv, N, D, W = 2, 64, 8, 4096, 64, 127
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-            for _ in range(2))
-    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    sinks = (2 * torch.randn(Hq, device="cuda", generator=g)).to(torch.bfloat16)
+    B, Hq, Hkv, N, D, W = LAYER
+    q, k, v, dout, sinks = _layer()
     block_mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j <= W), None, None, N, N, device="cuda")
     flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
     calls = {"attnlab": lambda: attnlab.attention(q, k, v, window=(W, 0)),

@@ -51,9 +51,9 @@ def mask_pointers(prob: Problem) -> tuple[torch.Tensor, ...]:
     return (*lengths, explicit if explicit is not None else q, mods.alibi if mods.alibi is not None else q)
 
 
-def mask_arguments(prob: Problem) -> tuple[list, list, dict]:
-    """(:func:`mask_pointers`; the explicit mask's and the slopes' strides; the mask and score modifier constants)
-    for the kernels."""
+def mask_arguments(prob: Problem) -> tuple[list, dict]:
+    """(the explicit mask's and the slopes' strides; the mask and score modifier constants) for the kernels (their
+    pointers: :func:`mask_pointers`)."""
     spec, mods = prob.spec, prob.mods
     explicit = spec.explicit
     strides = list(explicit.stride()) if explicit is not None else [0, 0, 0, 0]
@@ -66,7 +66,7 @@ def mask_arguments(prob: Problem) -> tuple[list, list, dict]:
         VARLEN=prob.packed is not None,
         HAS_SOFTCAP=mods.softcap is not None, HAS_ALIBI=mods.alibi is not None,
     )
-    return list(mask_pointers(prob)), strides, constants
+    return strides, constants
 
 
 def _common(prob: Problem, interpret: bool) -> dict:
@@ -128,7 +128,7 @@ def dkdv_launch(prob, dout, delta, lse2, dk, dv, cfg: BwdConfig, interpret: bool
     """(kernel, grid, arguments, keywords) of the dK/dV kernel with ``cfg``; with ``dq_acc`` (float32, zeroed) the
     one-pass variant, which adds dQ into it, read through ``dq_like``'s strides when given (a compile ahead's
     stand-in)."""
-    _, e_strides, mask_constants = mask_arguments(prob)
+    e_strides, mask_constants = mask_arguments(prob)
     outer = bwd_grid.tiles_outer(prob, "dkdv", cfg.block_n)
     grid = tile_grid(prob, prob.Nk, prob.k.shape[2], cfg.block_n, prob.Hkv, outer)
     pk = prob.packed
@@ -151,7 +151,7 @@ def dq_tensors(prob, dout, delta, lse2, dq) -> tuple[torch.Tensor, ...]:
 
 def dq_launch(prob, dout, delta, lse2, dq, cfg: BwdConfig, interpret: bool) -> tuple:
     """(kernel, grid, arguments, keywords) of the dQ kernel with ``cfg``."""
-    _, e_strides, mask_constants = mask_arguments(prob)
+    e_strides, mask_constants = mask_arguments(prob)
     outer = bwd_grid.tiles_outer(prob, "dq", cfg.block_m)
     grid = tile_grid(prob, prob.Nq, prob.q.shape[2], cfg.block_m, prob.Hq, outer)
     pk = prob.packed

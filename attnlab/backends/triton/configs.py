@@ -253,10 +253,10 @@ def tune_key(prob: Problem) -> tuple:
 
 def bwd_tune_key(prob: Problem) -> tuple:
     """What a tuned pair of backward configs is remembered by: device, dtype, head dim, mask kind (at 256-wide tiles
-    with ``+dv<width>`` where the padded Dv is narrower: there Dv orders the candidates, :func:`wide_tiles_first`),
-    GQA group and size buckets."""
+    with ``+dv<width>`` where the padded Dv is at most :data:`WIDE_TILES_MAX_DV`: there Dv orders the candidates,
+    :func:`wide_tiles_first`), GQA group and size buckets."""
     block_d, block_dv = problem_head_dim(prob), padded_head_dim(prob.Dv)
-    kind = kind_of(prob) + (f"+dv{block_dv}" if 128 < block_d and block_dv < block_d else "")
+    kind = kind_of(prob) + (f"+dv{block_dv}" if block_d > 128 and block_dv <= WIDE_TILES_MAX_DV else "")
     return (prob.device.index, prob.dtype, block_d, kind, prob.group, pow2_bucket(prob.Nq), pow2_bucket(prob.Nk),
             pow2_bucket(prob.B * prob.Hq))
 
