@@ -774,6 +774,54 @@ def test_a_backward_of_few_waves_stays_on_one_stream(monkeypatch):
     assert seen == [False, True]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["pass", "atomic"])
+def test_a_backward_config_that_does_not_fit_gives_way_to_the_next(mode, monkeypatch):
+    """A dK/dV config that does not fit the GPU (Triton's OutOfResources at its first launch), in the two-pass and
+    the one-pass mode: the next candidate of its space runs, with a warning, and is kept for the tune key; the
+    gradients are those of a backward that starts from that config."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from attnlab.backends.triton import configs
+
+    monkeypatch.setattr(hopper_forward, "_mode", "0")  # the portable passes, whose configs these are
+    monkeypatch.setattr(triton_bwd, "DQ_MODE", mode)
+    monkeypatch.setattr(triton_bwd, "AUTOTUNE", False)
+    for table in ("_tuned", "_picked", "_tuned1", "_picked1", "_decided"):
+        monkeypatch.setattr(triton_bwd, table, {})
+    prob, out, lse, dout = _gpu_case(14)
+    one = triton_bwd.one_pass(prob)
+    assert one == (mode == "atomic")
+    kv_cfg, q_cfg, kv_space, _ = triton_bwd._decide(prob, None, one, *[None] * 6)
+    following = kv_space[kv_space.index(kv_cfg) + 1]
+
+    class OutOfResources(Exception):
+        pass
+
+    tried = []
+    real = bwd_launch.launch_dkdv
+
+    def launch_dkdv(prob, dout, delta, lse2, dk, dv, cfg, *rest, **kw):
+        tried.append(cfg)
+        if cfg == kv_cfg:
+            raise OutOfResources("out of resource: shared memory")
+        return real(prob, dout, delta, lse2, dk, dv, cfg, *rest, **kw)
+
+    monkeypatch.setattr(bwd_launch, "launch_dkdv", launch_dkdv)
+    with pytest.warns(UserWarning, match="does not fit"):
+        got = triton_bwd.gradients(prob, out, lse, dout)
+    assert tried == [kv_cfg, following]
+    _, tuned, picked = triton_bwd._tables(one)
+    assert not tuned and picked == {configs.bwd_tune_key(prob): (following, q_cfg)}
+    want = triton_bwd.gradients(prob, out, lse, dout)  # the kept pair, chosen again (the memo was emptied)
+    assert tried[2:] == [following]
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    if one:  # dQ added up by atomics in any order: equal to rounding
+        torch.testing.assert_close(got[0], want[0])
+    else:
+        assert torch.equal(got[0], want[0])
+
+
 #: Cases of both grid orders: head and batch axes of unequal sizes (a swapped axis reads past its tensor), GQA/MQA,
 #: causal both ways, lengths, a band.
 GRID_ORDERS = [c for c in CASES if c[0].name in {
