@@ -793,6 +793,7 @@ def test_a_backward_config_that_does_not_fit_gives_way_to_the_next(mode, monkeyp
     one = triton_bwd.one_pass(prob)
     assert one == (mode == "atomic")
     kv_cfg, q_cfg, kv_space, _ = triton_bwd._decide(prob, None, one, *[None] * 6)
+    assert kv_cfg in kv_space[:-1], f"the table picks {kv_cfg}, which no candidate follows: pick another case"
     following = kv_space[kv_space.index(kv_cfg) + 1]
 
     class OutOfResources(Exception):
