@@ -45,15 +45,18 @@ def test_takes_dense_causal_gqa_and_either_alignment(on_sm90):
     assert _why(*_qkv(B=2, Nq=300, Nk=500), causal=True, align="bottom_right", alibi_slopes=torch.rand(2, 4)) is None
     assert _why(*_qkv(B=2, Nq=300, Nk=500), alibi_slopes=torch.rand(2, 4)) is None
     assert _why(*_qkv(D=64), causal=True, align="bottom_right") is None
+    assert _why(q, k, v, window=(127, 0), align="bottom_right", sinks=torch.zeros(4)) is None  # gpt-oss's layer
+    assert _why(q, k, v, window=(64, None), align="top_left") is None
 
 
 def test_head_dim_64_on_full_rows_only_with_grouped_query_heads(on_sm90):
     assert _why(*_qkv(D=64, Hq=4, Hkv=2)) is None
-    assert "full rows with grouped query heads" in _why(*_qkv(D=64, Hq=4, Hkv=4))
-    assert "full rows with grouped query heads" in _why(*_qkv(D=64, Hq=4, Hkv=4), alibi_slopes=torch.rand(4))
+    assert "with grouped query heads only" in _why(*_qkv(D=64, Hq=4, Hkv=4))
+    assert "with grouped query heads only" in _why(*_qkv(D=64, Hq=4, Hkv=4), alibi_slopes=torch.rand(4))
     assert _why(*_qkv(D=64, Hq=4, Hkv=4), causal=True) is None
     assert _why(*_qkv(D=64, Hq=4, Hkv=4), window=(None, 0)) is None
-    assert "no window" in _why(*_qkv(D=64, Hq=4, Hkv=4), window=(8, 0))  # the window's reason, not the D 64 rule
+    assert "with grouped query heads only" in _why(*_qkv(D=64, Hq=4, Hkv=4), window=(8, 0))
+    assert _why(*_qkv(D=64, Hq=4, Hkv=2), window=(8, 0)) is None
     assert _why(*_qkv(D=128, Hq=4, Hkv=4)) is None
 
 
@@ -96,21 +99,29 @@ def test_the_group_is_split_where_the_grid_is_short(monkeypatch, shape, kw, part
     assert hb.split(prob) == (4 if shape["Hq"] // shape["Hkv"] % 4 == 0 else 1)
 
 
-@pytest.mark.parametrize("kw, causal, off", [
-    (dict(), False, 0),
-    (dict(causal=True, align="top_left"), True, 0),
-    (dict(causal=True, align="bottom_right"), True, 200),
-    (dict(window=(None, 0), align="bottom_right"), True, 200),  # the causal band spelled as a window
-    (dict(window=(None, 0), align="top_left"), True, 0),
+@pytest.mark.parametrize("kw, band", [  # Nq 300, Nk 500: bottom-right diagonals sit 200 keys right
+    (dict(), (False, False, 0, 0)),
+    (dict(causal=True, align="top_left"), (True, False, 0, 0)),
+    (dict(causal=True, align="bottom_right"), (True, False, 200, 0)),
+    (dict(window=(None, 0), align="bottom_right"), (True, False, 200, 0)),  # the causal band spelled as a window
+    (dict(window=(None, 0), align="top_left"), (True, False, 0, 0)),
+    (dict(window=(127, 0), align="bottom_right"), (True, True, 200, 73)),
+    (dict(window=(64, 16), align="top_left"), (True, True, 16, -64)),
+    (dict(window=(64, 16), causal=True, align="top_left"), (True, True, 0, -64)),  # causal cuts the right side
+    (dict(window=(8, None), align="bottom_right"), (False, True, 0, 192)),
+    (dict(window=(None, -3), align="top_left"), (True, False, -3, 0)),  # rows see no key of their own
 ])
-def test_the_causal_band_however_spelled_gets_the_causal_kernel(on_sm90, kw, causal, off):
+def test_each_band_gets_its_edges_and_offsets(on_sm90, kw, band):
+    """Row i sees no key past ``i + off_hi`` (MASK_HI) and none before ``i + off_lo`` (MASK_LO), in the alignment's
+    coordinates; the compiled variant is told apart by the edges it masks."""
     q, k, v = _qkv(Nq=300, Nk=500)
     prob = make_problem(q, k, v, **kw)
     assert hb.unsupported(prob, q) is None
     rows = torch.empty(1, 4, 300)
     _, args, launch_kw = hb._launch_args(prob, q, rows, rows, torch.zeros(1, 4, 300, 128), k, v)
     named = dict(zip(hb._kernel_module().attn_bwd_hopper.arg_names, args))
-    assert launch_kw["CAUSAL"] is causal and named["off"] == off and hb._variant(prob)[4] is causal
+    assert (launch_kw["MASK_HI"], launch_kw["MASK_LO"], named["off_hi"], named["off_lo"]) == band
+    assert hb._variant(prob)[4:6] == band[:2]
 
 
 @pytest.mark.parametrize("slopes", [torch.rand(4), torch.rand(2, 4), torch.rand(4, 2).t()])
@@ -122,7 +133,7 @@ def test_alibi_arguments_are_the_slopes_view_and_nk_minus_nq(on_sm90, slopes):
     _, args, kw = hb._launch_args(prob, q, rows, rows, torch.zeros(2, 4, 300, 128), k, v)
     names = hb._kernel_module().attn_bwd_hopper.arg_names
     named = dict(zip(names, args))
-    assert named["off"] == 0 and named["alibi_off"] == 200 and kw["HAS_ALIBI"] is True
+    assert named["off_hi"] == 0 and named["alibi_off"] == 200 and kw["HAS_ALIBI"] is True
     assert named["Alibi"] is prob.mods.alibi and (named["s_ab"], named["s_ah"]) == prob.mods.alibi.stride()
 
 
@@ -210,14 +221,10 @@ def test_the_parts_sums_land_in_dk_and_dv(on_sm90, monkeypatch, layout):
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(window=(64, 0)), "no window"),
-    (dict(window=(None, 3)), "no window"),
-    (dict(window=(5, 0)), "no window"),
     (dict(kv_len=[100]), "no lengths"),
     (dict(q_len=[100]), "no lengths"),
     (dict(softcap=30.0), "no soft cap"),
     (dict(softcap=30.0, alibi_slopes=torch.ones(4)), "no soft cap"),
-    (dict(sinks=torch.zeros(4)), "no soft cap or sinks"),
     (dict(mask=torch.ones(1, 1, 200, 200, dtype=torch.bool)), "no explicit mask"),
 ])
 def test_refuses_what_it_does_not_compute(on_sm90, kw, reason):
@@ -324,7 +331,7 @@ def test_a_variants_first_call_runs_the_portable_kernels_and_its_second_starts_t
     assert hb.run(prob, q, rows, rows, dk, dv) is None and not submitted  # first call: the portable kernels
     assert hb.run(prob, q, rows, rows, dk, dv) is None and len(submitted) == 1  # second: the compile starts
     kernel, grid, kw, jit = submitted[0]
-    assert kernel is hb._kernel_module().attn_bwd_hopper and jit and kw["CAUSAL"] is True
+    assert kernel is hb._kernel_module().attn_bwd_hopper and jit and (kw["MASK_HI"], kw["MASK_LO"]) == (True, False)
     assert grid == (4, 1, 4)  # under two waves, so order 2: Hkv 2 x 2 parts, B, ceil(500 / 128) key tiles
     assert hb.run(prob, q, rows, rows, dk, dv) is None and len(submitted) == 1  # in flight: not started twice
     assert hopper._compiles.keys() == {hb._variant(prob)}  # the backward's key, not a forward's
@@ -347,9 +354,12 @@ def test_compiles_for_sm90_with_the_installed_triton(monkeypatch):
 
     alibi_causal = dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4))
     causal = dict(causal=True, align="bottom_right")
+    window = dict(window=(127, 0), align="bottom_right")
     for order, parts, D, kw in ((0, 1, 128, dict()), (0, 1, 128, causal), (0, 2, 128, causal),
                                 (0, 1, 128, alibi_causal), (1, 1, 128, alibi_causal), (2, 2, 128, alibi_causal),
-                                (0, 2, 64, dict()), (0, 1, 64, causal)):
+                                (0, 2, 64, dict()), (0, 1, 64, causal), (0, 1, 64, window),
+                                (0, 2, 128, dict(window=(100, 20), align="top_left")),
+                                (0, 1, 128, dict(window=(8, None), align="top_left"))):
         monkeypatch.setattr(hb, "ORDER", order)
         monkeypatch.setattr(hb, "SPLIT", parts)
         q, k, v = _qkv(Nq=300, Nk=500, D=D)
@@ -407,6 +417,17 @@ CASES = {
     "d64_causal_mha": dict(shape=dict(Nq=301, Nk=301, D=64, Hkv=8), kw=dict(causal=True)),
     "d64_full_mha_portable": dict(shape=dict(Nq=300, Nk=300, D=64, Hkv=8), kw=dict(), portable=True),
     "nq3_causal_br": dict(shape=dict(Nq=3, Nk=70), kw=dict(causal=True, align="bottom_right")),  # rows padded 3 -> 4
+    # windows: both edges, either alignment, Nq != Nk either way, a left edge alone, rows that see no key, sinks
+    "window_left_br_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(window=(100, 0), align="bottom_right")),
+    "window_two_sided_tl_long_q": dict(shape=dict(Nq=777, Nk=333), kw=dict(window=(50, 30), align="top_left")),
+    "window_left_only_fp16": dict(shape=dict(Nq=500, Nk=500, dtype=torch.float16), kw=dict(window=(64, None))),
+    "window_off_diagonal_tl": dict(shape=dict(Nq=300, Nk=300), kw=dict(window=(-70, 200), align="top_left")),
+    "d64_window_gqa_sinks": dict(shape=dict(Nq=600, Nk=600, D=64), kw=dict(window=(127, 0)), sinks=True),
+    "window_alibi_sinks_br": dict(shape=dict(Nq=400, Nk=700), kw=dict(window=(200, 5), align="bottom_right"),
+                                  alibi="h", sinks=True),
+    "sinks_causal": dict(shape=dict(Nq=300, Nk=300), kw=dict(causal=True), sinks=True),
+    "d64_window_mha_portable": dict(shape=dict(Nq=300, Nk=300, D=64, Hkv=8), kw=dict(window=(31, 0)),
+                                    portable=True),
 }
 
 
@@ -427,6 +448,8 @@ def test_the_public_backward_runs_the_hopper_kernel_and_meets_the_contract(case)
         shape = (Hq,) if spec["alibi"] == "h" else (B, Hq)
         gs = torch.Generator("cuda").manual_seed(3)
         kw = dict(kw, alibi_slopes=torch.rand(shape, device="cuda", generator=gs) * 0.25 + 2.0 ** -8)
+    if spec.get("sinks"):  # one logit per query head, about the scores' size
+        kw = dict(kw, sinks=torch.randn(q.shape[1], device="cuda", generator=torch.Generator("cuda").manual_seed(4)))
     if spec.get("bnhd"):
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         kw = dict(kw, layout="bnhd")
@@ -438,23 +461,34 @@ def test_the_public_backward_runs_the_hopper_kernel_and_meets_the_contract(case)
     def loss(out, lse):
         return (out.float() * w_out.float()).sum() + torch.where(torch.isinf(lse), 0.0, lse * w_lse).sum()
 
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sinks = kw.get("sinks")  # a leaf of its own in each computation below, its gradient judged as q's, k's, v's
+    names = ("q", "k", "v") + (() if sinks is None else ("sinks",))
+
+    def leaves_of(ts, sinks_dtype=None):
+        x = [t.clone().requires_grad_() if sinks_dtype is None else t.to(sinks_dtype).requires_grad_() for t in ts]
+        return x + ([] if sinks is None else [sinks.to(sinks_dtype or sinks.dtype).clone().requires_grad_()])
+
+    def kw_of(x):
+        return kw if sinks is None else dict(kw, sinks=x[3])
+
+    leaves = leaves_of((q, k, v))
     prev, before = hopper.set_mode("sync"), hb.launches
     try:
-        loss(*attnlab.attention(*leaves, backend="triton", return_lse=True, **kw)).backward()
+        loss(*attnlab.attention(*leaves[:3], backend="triton", return_lse=True, **kw_of(leaves))).backward()
     finally:
         hopper.set_mode(prev)
     runs = 0 if spec.get("portable") else 1
     assert hb.launches == before + runs, "the backward did not run the kernel the case names"
-    ref = [t.double().requires_grad_() for t in (q, k, v)]
-    loss(*attnlab.reference(*ref, **kw)).backward()
-    base = [t.clone().requires_grad_() for t in (q, k, v)]  # autograd of the textbook in the same dtype
-    bprob = make_problem(*base, **kw)
-    out, lse = softmax_rows(masked_scores(bprob, 0, bprob.Nq, q.dtype), bprob.v, bprob.group)
+    ref = leaves_of((q, k, v), torch.float64)
+    loss(*attnlab.reference(*ref[:3], **kw_of(ref))).backward()
+    base = leaves_of((q, k, v))  # autograd of the textbook in the same dtype
+    bprob = make_problem(*base[:3], **kw_of(base))
+    out, lse = softmax_rows(masked_scores(bprob, 0, bprob.Nq, q.dtype), bprob.v, bprob.group,
+                            None if sinks is None else base[3])
     if spec.get("bnhd"):
         out = out.transpose(1, 2)
     loss(out, lse).backward()
-    for name, a, r, b in zip("qkv", leaves, ref, base):
+    for name, a, r, b in zip(names, leaves, ref, base):
         assert torch.isfinite(a.grad).all(), f"d{name} has NaN/Inf"
         err = (a.grad.double() - r.grad).abs().max().item()
         base_err = (b.grad.double() - r.grad).abs().max().item()
@@ -462,6 +496,8 @@ def test_the_public_backward_runs_the_hopper_kernel_and_meets_the_contract(case)
     if case == "causal_br_long_q":  # rows 0..Nq - Nk - 1 see no key: dq is exactly 0 there
         empty = spec["shape"]["Nq"] - spec["shape"]["Nk"]
         assert not leaves[0].grad[:, :, :empty].any() and leaves[0].grad[:, :, empty].any()
+    if case == "window_off_diagonal_tl":  # keys i + 70 .. i + 200: rows from Nk - 70 on see none
+        assert not leaves[0].grad[:, :, 230:].any() and leaves[0].grad[:, :, 229].any()
 
 
 @pytest.mark.gpu

@@ -46,10 +46,10 @@ def _kernel_module():
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
-    or 128 (64 on full rows with GQA only), fewer than 2**31 rows over all heads padded to 4 (lse2 and Delta are
-    read by TMA), no mask or the causal band (``causal=True`` or the window ``(None, 0)``) in either alignment,
-    Nq != Nk, GQA, ALiBi and the lse's gradient; other windows, lengths, explicit masks and biases, packed
-    sequences, the soft cap, sinks and deterministic mode (dQ's adds land in any order) run on the portable
+    or 128 (64 on full rows and windows with GQA only), fewer than 2**31 rows over all heads padded to 4 (lse2 and
+    Delta are read by TMA), no mask, the causal band or any window in either alignment, Nq != Nk, GQA, ALiBi,
+    sinks (they enter through Delta and lse alone) and the lse's gradient; lengths, explicit masks and biases,
+    packed sequences, the soft cap and deterministic mode (dQ's adds land in any order) run on the portable
     kernels."""
     if fwd.mode() == "0":
         return "ATTNLAB_HOPPER=0"
@@ -61,8 +61,6 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     if prob.D != prob.Dv or prob.D not in HEAD_DIMS:
         return f"D = Dv in {HEAD_DIMS} only"
     spec, mods = prob.spec, prob.mods
-    if spec.left is not None or spec.right not in (None, 0):
-        return "no window (the causal mask or none)"
     if max(_grid(prob)[1:]) > 65535:
         return ("at most 65535 along the grid's second and third axes (key tiles of 128, kv heads times the group's "
                 "parts, batch entries)")
@@ -70,10 +68,11 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
         return "no lengths or packed sequences"
     if spec.mask is not None or spec.bias is not None:
         return "no explicit mask or bias"
-    if mods.softcap is not None or mods.sinks is not None:
-        return "no soft cap or sinks"
+    if mods.softcap is not None:
+        return "no soft cap"
     if prob.D in FULL_ROWS_GQA_ONLY_HEAD_DIMS and prob.group == 1 and not _causal(prob):
-        return f"D {prob.D} on full rows with grouped query heads only (without, the portable backward is faster)"
+        return (f"D {prob.D} without the causal band: with grouped query heads only (without, the portable backward "
+                "is faster)")
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic mode (dQ is added up by reduce-adds in any order)"
     if prob.B * prob.Hq * _rows(prob) >= 2**31:
@@ -156,12 +155,17 @@ def _variant(prob: Problem, program_order: int | None = None, parts: int | None 
     ``parts``: the caller's :func:`order` and :func:`split`, else computed)."""
     s = split(prob) if parts is None else parts
     o = order(prob, s) if program_order is None else program_order
-    return ("backward", prob.q.device.index, prob.dtype, prob.D, _causal(prob), o, prob.mods.alibi is not None, s)
+    return ("backward", prob.q.device.index, prob.dtype, prob.D, *_band(prob)[:2], o, prob.mods.alibi is not None,
+            s)
 
 
-def _offset(prob: Problem) -> int:
-    """Row i sees key j iff j <= i + off (under the causal band; 0 when there is none)."""
-    return prob.Nk - prob.Nq if _causal(prob) and prob.spec.align == "bottom_right" else 0
+def _band(prob: Problem) -> tuple[bool, bool, int, int]:
+    """(MASK_HI, MASK_LO, off_hi, off_lo) of the kernel: row i sees no key j > i + off_hi (a right edge: the causal
+    mask or a window's right side) and none j < i + off_lo (a window's left side); offsets 0 without that edge."""
+    spec = prob.spec
+    diag = prob.Nk - prob.Nq if spec.align == "bottom_right" else 0
+    return (spec.right is not None, spec.left is not None, 0 if spec.right is None else diag + spec.right,
+            0 if spec.left is None else diag - spec.left)
 
 
 def _grid(prob: Problem, program_order: int | None = None, parts: int | None = None) -> tuple[int, int, int]:
@@ -190,14 +194,15 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
     s = split(prob)
     o = order(prob, s)
     grid = _grid(prob, o, s)
+    band = _band(prob)
     args = (fwd.descriptor(q, [1, 1, BLOCK_M, D]), fwd.descriptor(dout, [1, 1, BLOCK_M, D]),
             fwd.descriptor(k, [1, 1, HALF_N, D]), fwd.descriptor(v, [1, 1, HALF_N, D]),
             fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), fwd.descriptor(lse2.view(-1), [BLOCK_M]),
             fwd.descriptor(delta.view(-1), [BLOCK_M]), dk, dv, *dk.stride()[:3], *dv.stride()[:3], prob.Nq,
-            lse2.shape[-1], prob.Nk, prob.Hq, prob.group, _offset(prob), prob.scale * fwd.LOG2E, prob.scale,
+            lse2.shape[-1], prob.Nk, prob.Hq, prob.group, *band[2:], prob.scale * fwd.LOG2E, prob.scale,
             *_alibi(prob))
-    kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, CAUSAL=_causal(prob), CONSUMER_REGS=CONSUMER_REGS,
-              ORDER=o, HAS_ALIBI=prob.mods.alibi is not None, SPLIT=s, num_warps=4,
+    kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, MASK_HI=band[0], MASK_LO=band[1],
+              CONSUMER_REGS=CONSUMER_REGS, ORDER=o, HAS_ALIBI=prob.mods.alibi is not None, SPLIT=s, num_warps=4,
               maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
     return grid, args, kw
 
@@ -253,10 +258,11 @@ def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tens
             _kernels[key] = compiled
     else:
         L = fwd.LightDescriptor
+        hi, lo, off_hi, off_lo = _band(prob)
         values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), L(lse2.view(-1)), L(delta.view(-1)), dk, dv,
                   *dk.stride()[:3], *dv.stride()[:3], prob.Nq, lse2.shape[-1], prob.Nk, prob.Hq, prob.group,
-                  _offset(prob), prob.scale * fwd.LOG2E, prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES,
-                  _causal(prob), CONSUMER_REGS, o, prob.mods.alibi is not None, s)
+                  off_hi, off_lo, prob.scale * fwd.LOG2E, prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES,
+                  hi, lo, CONSUMER_REGS, o, prob.mods.alibi is not None, s)
         _rt.run_compiled(compiled, _grid(prob, o, s), _rt.stream_of(prob.device.index), values)
     if s > 1:
         sums = parts.view(2, prob.B, prob.Hkv, s, prob.Nk, prob.D).sum(3)

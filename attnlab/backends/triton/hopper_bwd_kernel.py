@@ -31,8 +31,9 @@ long ones would leave SMs idle. Its warps split into four partitions:
   reduce-add, so that the consumers go on to the next row tile while the sum is made in L2. Every key tile adds
   into the same rows of dQ: the host zeroes it before and rounds it into the output dtype after.
 
-Causal masks (either alignment: row i sees key j iff ``j <= i + off``) skip row tiles that see none of the
-program's keys and apply the mask only on tiles the diagonal crosses. The TMA descriptors are four-dimensional
+A band's edges (either alignment; ``MASK_HI``: row i sees no key j > i + off_hi, the causal mask and a window's
+right side; ``MASK_LO``: none j < i + off_lo, a window's left side) skip row tiles that see none of the program's
+keys and apply the mask only on tiles an edge crosses. The TMA descriptors are four-dimensional
 ``[B, H, N, D]``: rows past Nq and keys past Nk read as zeros (keys past Nk are masked in the last key tile and
 their dK and dV are not stored), and reduce-adds past Nq are clipped by the copy engine. lse2 and Delta are read
 through one-dimensional descriptors of all rows of all heads (``[B * Hq * Nq_rows]``, each head's rows padded
@@ -72,30 +73,37 @@ _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
 
 @gluon.jit
-def _row_tiles(n0, Nq, off, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """Row tiles ``[t_lo, t_hi)`` that may see some key of ``[n0, n0 + 2 * HALF_N)``."""
+def _row_tiles(n0, Nq, band, BLOCK_M: gl.constexpr, MASK_HI: gl.constexpr, MASK_LO: gl.constexpr):
+    """Row tiles ``[t_lo, t_hi)`` that may see some key of ``[n0, n0 + 2 * HALF_N)``: from row ``n0 - off_hi`` on
+    under the upper edge, up to row ``n0 + 2 * HALF_N - 1 - off_lo`` under the lower one."""
+    off_hi, off_lo = band
     t_lo = n0 * 0
-    if CAUSAL:
-        t_lo = gl.maximum(n0 - off, 0) // BLOCK_M
-    t_hi = gl.maximum((Nq + BLOCK_M - 1) // BLOCK_M, t_lo)
-    return t_lo, t_hi
+    if MASK_HI:
+        t_lo = gl.maximum(n0 - off_hi, 0) // BLOCK_M
+    t_hi = (Nq + BLOCK_M - 1) // BLOCK_M
+    if MASK_LO:  # tiles up to the last row, -1 when none (its numerator stays >= 0)
+        t_hi = gl.minimum(t_hi, (gl.maximum(n0 + 2 * HALF_N - 1 - off_lo, -1) + BLOCK_M) // BLOCK_M)
+    return t_lo, gl.maximum(t_hi, t_lo)
 
 
 @gluon.jit
-def _probabilities(S, rows, keys, lse2, qk_scale, off, Nk, crosses, ragged, slope2, alibi_off, CAUSAL: gl.constexpr,
-                   HAS_ALIBI: gl.constexpr):
+def _probabilities(S, rows, keys, lse2, qk_scale, band, Nk, cross_hi, cross_lo, ragged, slope2, alibi_off,
+                   MASK_HI: gl.constexpr, MASK_LO: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """P = exp2(S * qk_scale - lse2), with ALiBi's ``- slope2 * |i + Nk - Nq - j|`` (``alibi_off`` = Nk - Nq, the
-    forward's rule; a bias, so dS's formula is unchanged), masked where the causal diagonal crosses the tile
-    (``crosses``) and, in the last key tile (``ragged``), past Nk: those keys read as zeros, and their
-    p = exp2(-lse2) would reach dQ through dS (an inf times a zero key is NaN)."""
+    forward's rule; a bias, so dS's formula is unchanged), masked where a band's edge crosses the tile
+    (``cross_hi``, ``cross_lo``) and, in the last key tile (``ragged``), past Nk: those keys read as zeros, and
+    their p = exp2(-lse2) would reach dQ through dS (an inf times a zero key is NaN)."""
+    off_hi, off_lo = band
     s = S * qk_scale
     if HAS_ALIBI:  # float positions per row and per key, then one subtraction per score (as tiles.alibi)
         dist = gl.expand_dims((rows + alibi_off).to(gl.float32), 1) - gl.expand_dims(keys.to(gl.float32), 0)
         s = s - slope2 * gl.abs(dist)
-    if CAUSAL:
-        if crosses:
-            ok = gl.expand_dims(keys, 0) <= gl.expand_dims(rows + off, 1)
-            s = gl.where(ok, s, float("-inf"))
+    if MASK_HI:
+        if cross_hi:
+            s = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows + off_hi, 1), s, float("-inf"))
+    if MASK_LO:
+        if cross_lo:
+            s = gl.where(gl.expand_dims(keys, 0) >= gl.expand_dims(rows + off_lo, 1), s, float("-inf"))
     if ragged:
         s = gl.where(gl.expand_dims(keys < Nk, 0), s, float("-inf"))
     return gl.exp2(s - gl.expand_dims(lse2, 1))
@@ -140,9 +148,10 @@ def _heads(part, group, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(HALF: gl.constexpr, bufs, bars, DK, DV, dk_strides, dv_strides, Nq, Nk, group, off, qk_scale,
+def _consumer(HALF: gl.constexpr, bufs, bars, DK, DV, dk_strides, dv_strides, Nq, Nk, group, band, qk_scale,
               scale, alibi, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT: gl.constexpr):
+              MASK_HI: gl.constexpr, MASK_LO: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr,
+              SPLIT: gl.constexpr):
     """Keys ``[k0, k0 + HALF_N)``: dK and dV over every row tile of its heads, and half of D of each tile's dQ."""
     q_bufs, do_bufs, k_bufs, v_bufs, p_bufs, ds_bufs, dq_bufs, lse2_bufs, delta_bufs = bufs
     q_ready, q_empty, do_ready, do_empty, kv_ready, ds_ready, ds_free, dq_ready, dq_free = bars
@@ -158,7 +167,8 @@ def _consumer(HALF: gl.constexpr, bufs, bars, DK, DV, dk_strides, dv_strides, Nq
     g_lo, g_hi = _heads(part, group, SPLIT)
     n0 = pid_n * (2 * HALF_N)
     k0 = n0 + HALF * HALF_N
-    t_lo, t_hi = _row_tiles(n0, Nq, off, BLOCK_M, CAUSAL)
+    t_lo, t_hi = _row_tiles(n0, Nq, band, BLOCK_M, MASK_HI, MASK_LO)
+    off_hi, off_lo = band
     keys = k0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
     ragged = k0 + HALF_N > Nk  # this half holds keys past Nk
     k_tile = k_bufs.index(HALF).reshape([HALF_N, HEAD_D])
@@ -191,9 +201,10 @@ def _consumer(HALF: gl.constexpr, bufs, bars, DK, DV, dk_strides, dv_strides, Nq
             delta = gl.where(rows < Nq, delta_bufs.index(slot).load(rows.type.layout), 0.0)
             # ---- dV += P^T dO (while dP lands), then dS and dK += dS^T Q; P and dS through shared memory ----
             S = warpgroup_mma_wait(1, deps=(S, ))  # (the groups retire in issue order: S, then dP)
-            crosses = t * BLOCK_M + off < k0 + HALF_N - 1  # some row of the tile does not see every key
-            p = _probabilities(S, rows, keys, lse2, qk_scale, off, Nk, crosses, ragged, slope2, alibi_off, CAUSAL,
-                               HAS_ALIBI)
+            cross_hi = t * BLOCK_M + off_hi < k0 + HALF_N - 1  # the tile's first row misses the half's last key
+            cross_lo = t * BLOCK_M + BLOCK_M - 1 + off_lo > k0  # its last row misses the half's first key
+            p = _probabilities(S, rows, keys, lse2, qk_scale, band, Nk, cross_hi, cross_lo, ragged, slope2,
+                               alibi_off, MASK_HI, MASK_LO, HAS_ALIBI)
             p_tile.store(p.to(dtype))
             fence_async_shared()
             dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
@@ -230,9 +241,9 @@ def _consumer(HALF: gl.constexpr, bufs, bars, DK, DV, dk_strides, dv_strides, Nq
 
 
 @gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, Nq, Nq_rows, Hq, group, off,
-            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
-            SPLIT: gl.constexpr):
+def _loader(q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, Nq, Nq_rows, Hq, group, band,
+            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK_HI: gl.constexpr, MASK_LO: gl.constexpr,
+            ORDER: gl.constexpr, SPLIT: gl.constexpr):
     """K and V of both halves once, then Q with lse2 and dO with Delta of every row tile of its heads through the
     ring."""
     q_bufs, do_bufs, k_bufs, v_bufs = bufs[0], bufs[1], bufs[2], bufs[3]
@@ -241,7 +252,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, 
     pid_n, kvh, b, part = _program_tile(ORDER, SPLIT)
     g_lo, g_hi = _heads(part, group, SPLIT)
     n0 = pid_n * (2 * HALF_N)
-    t_lo, t_hi = _row_tiles(n0, Nq, off, BLOCK_M, CAUSAL)
+    t_lo, t_hi = _row_tiles(n0, Nq, band, BLOCK_M, MASK_HI, MASK_LO)
     mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
         _tma_load(k_desc, [b, kvh, n0 + half * HALF_N, 0], kv_ready.index(0), k_bufs.index(half))
@@ -265,14 +276,14 @@ def _loader(q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, 
 
 
 @gluon.jit
-def _dq_writer(dq_desc, bufs, bars, Nq, group, off, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-               CAUSAL: gl.constexpr, ORDER: gl.constexpr, SPLIT: gl.constexpr):
+def _dq_writer(dq_desc, bufs, bars, Nq, group, band, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+               MASK_HI: gl.constexpr, MASK_LO: gl.constexpr, ORDER: gl.constexpr, SPLIT: gl.constexpr):
     """Adds each staged half of a row tile's dQ into the float32 dQ by a TMA bulk reduce-add."""
     dq_bufs = bufs[6]
     dq_ready, dq_free = bars[7], bars[8]
     pid_n, kvh, b, part = _program_tile(ORDER, SPLIT)
     g_lo, g_hi = _heads(part, group, SPLIT)
-    t_lo, t_hi = _row_tiles(pid_n * (2 * HALF_N), Nq, off, BLOCK_M, CAUSAL)
+    t_lo, t_hi = _row_tiles(pid_n * (2 * HALF_N), Nq, band, BLOCK_M, MASK_HI, MASK_LO)
     it = t_lo * 0
     for g in range(g_lo, g_hi):
         for t in range(t_lo, t_hi):
@@ -284,12 +295,13 @@ def _dq_writer(dq_desc, bufs, bars, Nq, group, off, BLOCK_M: gl.constexpr, HEAD_
             it += 1
 
 
-@gluon.jit(do_not_specialize=["Nq", "Nq_rows", "Nk", "Hq", "group", "off", "Alibi", "s_ab", "s_ah", "alibi_off"])
+@gluon.jit(do_not_specialize=["Nq", "Nq_rows", "Nk", "Hq", "group", "off_hi", "off_lo", "Alibi", "s_ab", "s_ah",
+                              "alibi_off"])
 def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, lse2_desc, delta_desc, DK, DV, s_kb, s_kh, s_kn, s_vb,
-                    s_vh, s_vn, Nq, Nq_rows, Nk, Hq, group, off, qk_scale, scale, Alibi, s_ab, s_ah, alibi_off,
-                    BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, ORDER: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                    SPLIT: gl.constexpr):
+                    s_vh, s_vn, Nq, Nq_rows, Nk, Hq, group, off_hi, off_lo, qk_scale, scale, Alibi, s_ab, s_ah,
+                    alibi_off, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                    MASK_HI: gl.constexpr, MASK_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr, ORDER: gl.constexpr,
+                    HAS_ALIBI: gl.constexpr, SPLIT: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     rk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
@@ -327,12 +339,13 @@ def attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dq_desc, lse2_desc, delta_d
     dk_strides = (s_kb, s_kh, s_kn)
     dv_strides = (s_vb, s_vh, s_vn)
     alibi = (Alibi, s_ab, s_ah, alibi_off)
+    band = (off_hi, off_lo)
     gl.warp_specialize([
-        (_consumer, (0, bufs, bars, DK, DV, dk_strides, dv_strides, Nq, Nk, group, off, qk_scale, scale,
-                     alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI, SPLIT)),
-        (_consumer, (1, bufs, bars, DK, DV, dk_strides, dv_strides, Nq, Nk, group, off, qk_scale, scale,
-                     alibi, BLOCK_M, HEAD_D, STAGES, CAUSAL, ORDER, HAS_ALIBI, SPLIT)),
-        (_loader, (q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, Nq, Nq_rows, Hq, group, off,
-                   BLOCK_M, STAGES, CAUSAL, ORDER, SPLIT)),
-        (_dq_writer, (dq_desc, bufs, bars, Nq, group, off, BLOCK_M, HEAD_D, CAUSAL, ORDER, SPLIT)),
+        (_consumer, (0, bufs, bars, DK, DV, dk_strides, dv_strides, Nq, Nk, group, band, qk_scale, scale,
+                     alibi, BLOCK_M, HEAD_D, STAGES, MASK_HI, MASK_LO, ORDER, HAS_ALIBI, SPLIT)),
+        (_consumer, (1, bufs, bars, DK, DV, dk_strides, dv_strides, Nq, Nk, group, band, qk_scale, scale,
+                     alibi, BLOCK_M, HEAD_D, STAGES, MASK_HI, MASK_LO, ORDER, HAS_ALIBI, SPLIT)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, lse2_desc, delta_desc, bufs, bars, Nq, Nq_rows, Hq, group, band,
+                   BLOCK_M, STAGES, MASK_HI, MASK_LO, ORDER, SPLIT)),
+        (_dq_writer, (dq_desc, bufs, bars, Nq, group, band, BLOCK_M, HEAD_D, MASK_HI, MASK_LO, ORDER, SPLIT)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
