@@ -33,7 +33,7 @@ def test_the_environment_names_commit_and_date(monkeypatch):
     assert env["commit"] == "abc1234" and env["gpu"] is None and env["date_utc"].endswith("Z")
 
 
-@pytest.mark.parametrize("module", ["hopper_persistent_ab", "hopper_window_route"])
+@pytest.mark.parametrize("module", ["hopper_persistent_ab", "hopper_window_route", "hopper_bwd_window_route"])
 def test_the_hopper_experiments_say_what_they_need(module, tmp_path, capsys):
     import importlib
 
@@ -54,3 +54,21 @@ def test_run_rows_prints_each_row_and_writes_the_record(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == ["{'sum': 3}", "{'sum': 7}"]
     rec = experiment.run_rows([(1, 2)], lambda a, b: {"sum": a + b}, None, device="cpu", extra={"method": "m"})
     assert list(rec) == ["environment", "method", "rows"] and rec["method"] == "m"
+
+
+def test_the_backward_route_judges_gradients_on_its_slice():
+    """The backward route's check passes the gradients of a right backward (the chunked PyTorch one, with a window
+    and sinks under GQA) and fails them with dk off by 10%."""
+    import torch
+
+    import attnlab
+    from attnlab.bench.hopper_bwd_window_route import _check
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 50, 16, generator=g).bfloat16().requires_grad_() for h in (4, 2, 2))
+    dout = torch.randn(2, 4, 50, 16, generator=g).bfloat16()
+    kw = dict(window=(7, 0), sinks=torch.randn(4, generator=g))
+    grads = torch.autograd.grad(attnlab.attention(q, k, v, backend="torch", **kw), (q, k, v), dout)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    assert _check(q, k, v, dout, kw, grads, 2)
+    assert not _check(q, k, v, dout, kw, (grads[0], grads[1] * 1.1, grads[2]), 2)
