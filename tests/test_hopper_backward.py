@@ -110,6 +110,8 @@ def test_the_group_is_split_where_the_grid_is_short(monkeypatch, shape, kw, part
     (dict(window=(64, 16), causal=True, align="top_left"), (True, True, 0, -64)),  # causal cuts the right side
     (dict(window=(8, None), align="bottom_right"), (False, True, 0, 192)),
     (dict(window=(None, -3), align="top_left"), (True, False, -3, 0)),  # rows see no key of their own
+    (dict(window=(2**31 - 1, 2**40), align="top_left"), (True, True, 800, -800)),  # clamped to +-(Nq + Nk)
+    (dict(window=(-(2**40), None), align="bottom_right"), (False, True, 0, 1000)),
 ])
 def test_each_band_gets_its_edges_and_offsets(on_sm90, kw, band):
     """Row i sees no key past ``i + off_hi`` (MASK_HI) and none before ``i + off_lo`` (MASK_LO), in the alignment's
@@ -153,7 +155,8 @@ def test_each_order_lays_out_the_grid_and_refuses_past_its_limits(on_sm90, monke
 @pytest.mark.parametrize("forced", [None, 1])
 @pytest.mark.parametrize("order", [0, 1, 2])
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True, align="bottom_right", alibi_slopes=torch.rand(4)),
-                                dict(causal=True, align="top_left", alibi_slopes=torch.rand(4, 2).t())])
+                                dict(causal=True, align="top_left", alibi_slopes=torch.rand(4, 2).t()),
+                                dict(window=(40, 7), align="bottom_right", sinks=torch.rand(4))])
 def test_a_relaunch_passes_the_kernels_arguments_in_its_order(on_sm90, monkeypatch, order, kw, forced):
     """The compiled kernel's own launcher takes every argument, constexprs included, by position: the values a
     relaunch builds must be the first launch's, in the kernel's signature order (the group whole or split)."""
@@ -421,7 +424,8 @@ CASES = {
     "window_left_br_short_q": dict(shape=dict(Nq=333, Nk=777), kw=dict(window=(100, 0), align="bottom_right")),
     "window_two_sided_tl_long_q": dict(shape=dict(Nq=777, Nk=333), kw=dict(window=(50, 30), align="top_left")),
     "window_left_only_fp16": dict(shape=dict(Nq=500, Nk=500, dtype=torch.float16), kw=dict(window=(64, None))),
-    "window_off_diagonal_tl": dict(shape=dict(Nq=300, Nk=300), kw=dict(window=(-70, 200), align="top_left")),
+    "window_off_diagonal_tl": dict(shape=dict(Nq=300, Nk=300), kw=dict(window=(-70, 200), align="top_left"),
+                                   sinks=True),  # rows past 229 see no key: their lse is the sink's
     "d64_window_gqa_sinks": dict(shape=dict(Nq=600, Nk=600, D=64), kw=dict(window=(127, 0)), sinks=True),
     "window_alibi_sinks_br": dict(shape=dict(Nq=400, Nk=700), kw=dict(window=(200, 5), align="bottom_right"),
                                   alibi="h", sinks=True),

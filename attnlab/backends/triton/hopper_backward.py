@@ -48,7 +48,7 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
     or 128 (64 on full rows and windows with GQA only), fewer than 2**31 rows over all heads padded to 4 (lse2 and
     Delta are read by TMA), no mask, the causal band or any window in either alignment, Nq != Nk, GQA, ALiBi,
-    sinks (they enter through Delta and lse alone) and the lse's gradient; lengths, explicit masks and biases,
+    sinks (they enter through the forward's lse alone) and the lse's gradient; lengths, explicit masks and biases,
     packed sequences, the soft cap and deterministic mode (dQ's adds land in any order) run on the portable
     kernels."""
     if fwd.mode() == "0":
@@ -161,11 +161,13 @@ def _variant(prob: Problem, program_order: int | None = None, parts: int | None 
 
 def _band(prob: Problem) -> tuple[bool, bool, int, int]:
     """(MASK_HI, MASK_LO, off_hi, off_lo) of the kernel: row i sees no key j > i + off_hi (a right edge: the causal
-    mask or a window's right side) and none j < i + off_lo (a window's left side); offsets 0 without that edge."""
+    mask or a window's right side) and none j < i + off_lo (a window's left side); offsets 0 without that edge.
+    The widths are clamped as the forward's (``hopper_forward._width``): the same band, and 32-bit offsets."""
     spec = prob.spec
     diag = prob.Nk - prob.Nq if spec.align == "bottom_right" else 0
-    return (spec.right is not None, spec.left is not None, 0 if spec.right is None else diag + spec.right,
-            0 if spec.left is None else diag - spec.left)
+    left, right = (fwd._width(w, prob.q, prob.k) for w in (spec.left, spec.right))
+    return (right is not None, left is not None, 0 if right is None else diag + right,
+            0 if left is None else diag - left)
 
 
 def _grid(prob: Problem, program_order: int | None = None, parts: int | None = None) -> tuple[int, int, int]:
