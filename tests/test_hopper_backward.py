@@ -60,6 +60,13 @@ def test_head_dim_64_on_full_rows_only_with_grouped_query_heads(on_sm90):
     assert _why(*_qkv(D=128, Hq=4, Hkv=4)) is None
 
 
+def test_a_window_left_edge_only_with_grouped_query_heads(on_sm90):
+    assert _why(*_qkv(D=128, Hq=4, Hkv=2), window=(127, 0)) is None
+    assert "with grouped query heads only" in _why(*_qkv(D=128, Hq=4, Hkv=4), window=(127, 0))
+    assert "with grouped query heads only" in _why(*_qkv(D=128, Hq=4, Hkv=4), window=(2047, 0), sinks=torch.zeros(4))
+    assert _why(*_qkv(D=128, Hq=4, Hkv=4), window=(None, 5)) is None  # a right edge alone: rows as long as causal
+
+
 @pytest.mark.parametrize("shape, kw, expect", [  # 132 SMs off the GPU; a wave is 132 programs
     (dict(B=8, Hkv=2, Nq=2048, Nk=2048), dict(causal=True), 2),  # 256 programs: 1.9 waves
     (dict(B=2, Hq=32, Hkv=8, Nq=4096, Nk=4096), dict(causal=True), 1),  # 3.9 waves
@@ -432,6 +439,7 @@ CASES = {
     "sinks_causal": dict(shape=dict(Nq=300, Nk=300), kw=dict(causal=True), sinks=True),
     "d64_window_mha_portable": dict(shape=dict(Nq=300, Nk=300, D=64, Hkv=8), kw=dict(window=(31, 0)),
                                     portable=True),
+    "d128_window_mha_portable": dict(shape=dict(Nq=300, Nk=300, Hkv=8), kw=dict(window=(31, 0)), portable=True),
 }
 
 

@@ -46,11 +46,11 @@ def _kernel_module():
 
 def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take ``prob`` (None: it does). It computes float16/bfloat16, D = Dv of 64
-    or 128 (64 on full rows and windows with GQA only), fewer than 2**31 rows over all heads padded to 4 (lse2 and
-    Delta are read by TMA), no mask, the causal band or any window in either alignment, Nq != Nk, GQA, ALiBi,
-    sinks (they enter through the forward's lse alone) and the lse's gradient; lengths, explicit masks and biases,
-    packed sequences, the soft cap and deterministic mode (dQ's adds land in any order) run on the portable
-    kernels."""
+    or 128, fewer than 2**31 rows over all heads padded to 4 (lse2 and Delta are read by TMA), no mask, the causal
+    band or any window in either alignment, Nq != Nk, GQA, ALiBi, sinks (they enter through the forward's lse alone)
+    and the lse's gradient. D 64 off the causal band, and any D under a window's left edge, take GQA only (without
+    it the portable backward is as fast or faster). Lengths, explicit masks and biases, packed sequences, the soft
+    cap and deterministic mode (dQ's adds land in any order) run on the portable kernels."""
     if fwd.mode() == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
@@ -73,6 +73,9 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     if prob.D in FULL_ROWS_GQA_ONLY_HEAD_DIMS and prob.group == 1 and not _causal(prob):
         return (f"D {prob.D} without the causal band: with grouped query heads only (without, the portable backward "
                 "is faster)")
+    if prob.group == 1 and prob.spec.left is not None:
+        return ("a window's left edge: with grouped query heads only (without, the portable backward is as fast or "
+                "faster)")
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic mode (dQ is added up by reduce-adds in any order)"
     if prob.B * prob.Hq * _rows(prob) >= 2**31:
