@@ -198,6 +198,65 @@ def test_a_relaunch_passes_the_kernels_arguments_in_its_order(on_sm90, monkeypat
             assert got == want and type(got) is type(want), (name, got, want)
 
 
+def _launched(values: tuple) -> list:
+    """A launch's values as comparable items: descriptors and tensors by address, shape and strides."""
+    out = []
+    for x in values:
+        if isinstance(x, hopper.LightDescriptor):
+            out.append(("desc", x.base.data_ptr(), tuple(x.shape), tuple(x.strides)))
+        elif isinstance(x, torch.Tensor):
+            out.append(("tensor", x.data_ptr(), x.dtype, tuple(x.shape), x.stride()))
+        else:
+            out.append((type(x), x))
+    return out
+
+
+@pytest.mark.parametrize("forced", [None, 1])
+def test_a_keyed_call_plans_once_and_launches_as_an_unkeyed_one(on_sm90, monkeypatch, forced):
+    """The backward passes its launch key: the rule checks, split, order and grid run on a key's first call alone,
+    and its later calls launch what an unkeyed call launches; a switch of mode, deterministic mode or the forced
+    split decides again, and a refusal is kept as well."""
+    monkeypatch.setattr(hb, "SPLIT", forced)
+    monkeypatch.setattr(hb, "_plans", {})
+    monkeypatch.setattr(hopper, "ready", lambda *a, **k: True)
+    seen = []
+    monkeypatch.setattr(hb._rt, "run_compiled", lambda c, grid, stream, values: seen.append((grid, values)))
+    monkeypatch.setattr(hb._rt, "stream_of", lambda index: 0)
+    checks, rule = [], hb.unsupported
+    monkeypatch.setattr(hb, "unsupported", lambda *a: checks.append(1) or rule(*a))
+    q, k, v = _qkv(B=2, Nq=300, Nk=301)
+    prob = make_problem(q, k, v, window=(40, 7), align="bottom_right", sinks=torch.rand(4))
+    monkeypatch.setitem(hb._kernels, hb._variant(prob), object())
+    lse2, delta, acc = torch.empty(2, 4, 300), torch.empty(2, 4, 300), torch.zeros(2, 4, 300, 128)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    key = ("a launch key",)
+    for _ in range(3):
+        assert hb.run(prob, q, delta, lse2, dk, dv, acc, key) is acc
+    assert len(checks) == 1 and len(hb._plans) == 1
+    assert hb.run(prob, q, delta, lse2, dk, dv, acc) is acc  # unkeyed: planned again
+    assert len(checks) == 2 and len(seen) == 4
+    grids = {grid for grid, _ in seen}
+    assert len(grids) == 1 and grids == {hb._grid(prob)}
+    if hb.split(prob) == 1:  # (split, each launch writes parts of its own)
+        launched = [_launched(values) for _, values in seen]
+        assert all(x == launched[-1] for x in launched)
+    monkeypatch.setattr(hopper, "_mode", "0")
+    for _ in range(2):
+        assert hb.run(prob, q, delta, lse2, dk, dv, acc, key) is None
+    assert len(checks) == 3
+    monkeypatch.setattr(hopper, "_mode", "1")
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert hb.run(prob, q, delta, lse2, dk, dv, acc, key) is None
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    monkeypatch.setattr(hb, "SPLIT", 2 if forced == 1 else 1)
+    monkeypatch.setitem(hb._kernels, hb._variant(prob), object())
+    assert hb.run(prob, q, delta, lse2, dk, dv, acc, key) is acc
+    assert len(checks) == 5 and len(seen) == 5
+
+
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 def test_the_parts_sums_land_in_dk_and_dv(on_sm90, monkeypatch, layout):
     """With the group split the kernel writes float32 parts (kv head h's part p at head h * parts + p); the host

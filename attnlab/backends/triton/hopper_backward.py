@@ -11,12 +11,14 @@ kernels, its second starts the compile on a worker thread, ``sync`` compiles on 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from attnlab.backends.triton import configs
 from attnlab.backends.triton import hopper_forward as fwd
 from attnlab.backends.triton import runtime as _rt
+from attnlab.fast_calls import evict_oldest
 from attnlab.problem import Problem
 
 BLOCK_M = 64  #: query rows per tile streamed past a program's keys
@@ -232,43 +234,81 @@ _kernels: dict[tuple, object] = {}
 launches = 0  #: Hopper backward launches so far (tests read it)
 
 
+class _Plan(NamedTuple):
+    """What :func:`run` decides once per launch key: the variant, the group's parts, the programs' order and grid,
+    and the launch's values that do not change from call to call (those after the gradients' tensors up to the
+    slopes, and the constexprs after the slopes)."""
+
+    variant: tuple
+    parts: int
+    order: int
+    grid: tuple[int, int, int]
+    fixed: tuple
+    constexprs: tuple
+
+
+#: :func:`run`'s plans (or the refusal, None) by launch key, switch mode, deterministic mode and the forced split
+#: and order: the rule checks, split, order, band and grid are host time on every training step otherwise.
+_plans: dict[tuple, _Plan | None] = {}
+
+
+def _plan(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tensor, dk: torch.Tensor,
+          dv: torch.Tensor) -> _Plan | None:
+    """``prob``'s plan for these gradients' layouts, or None when the Hopper backward does not take it
+    (:func:`unsupported`, or a Delta or lse2 TMA cannot read: not contiguous or not 16-byte aligned)."""
+    if unsupported(prob, dout) is not None:
+        return None
+    if not all(t.is_contiguous() and fwd.tma_ready(t.view(-1)) for t in (lse2, delta)):
+        return None
+    s = split(prob)
+    o = order(prob, s)
+    hi, lo, off_hi, off_lo = _band(prob)
+    part_strides = (prob.Hkv * s * prob.Nk * prob.D, prob.Nk * prob.D, prob.D)  # a [B, Hkv * s, Nk, D] of _partials
+    dk_strides = part_strides if s > 1 else dk.stride()[:3]
+    dv_strides = part_strides if s > 1 else dv.stride()[:3]
+    return _Plan(_variant(prob, o, s), s, o, _grid(prob, o, s),
+                 (*dk_strides, *dv_strides, prob.Nq, _rows(prob), prob.Nk, prob.Hq, prob.group, off_hi, off_lo,
+                  prob.scale * fwd.LOG2E, prob.scale),
+                 (BLOCK_M, prob.D, STAGES, hi, lo, CONSUMER_REGS, o, prob.mods.alibi is not None, s))
+
+
 def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tensor, dk: torch.Tensor,
-        dv: torch.Tensor, dq_acc: torch.Tensor | None = None) -> torch.Tensor | None:
+        dv: torch.Tensor, dq_acc: torch.Tensor | None = None, key: tuple | None = None) -> torch.Tensor | None:
     """dK and dV into ``dk``, ``dv`` and dQ, float32 [B, Hq, Nq, D], returned, when the Hopper backward takes
     ``prob`` and its kernel is compiled; None when the caller runs the portable kernels instead (nothing done).
     ``delta`` and ``lse2`` are the preprocess's, contiguous float32 [B, Hq, Nq] (not contiguous or not 16-byte
     aligned: None, TMA reads them); ``dq_acc``, a zeroed float32 dQ the caller has already (any strides TMA can
-    write), else one is made."""
-    if unsupported(prob, dout) is not None:  # (first: most calls it refuses are refused early, on the host's time)
-        return None
-    if not all(t.is_contiguous() and fwd.tma_ready(t.view(-1)) for t in (lse2, delta)):  # read by TMA
-        return None
-    s = split(prob)  # once per call, as the order: the key, the relaunch's values and its grid all need them
-    o = order(prob, s)
-    key = _variant(prob, o, s)
-    if not fwd.ready(key, lambda: _compile_launch(prob, lse2, delta), prob.device):
+    write), else one is made. ``key``, the backward's launch key (:func:`~.bwd_launch.launch_key`: the call's
+    signature and the layouts of dout, Delta, lse2, dq, dk and dv), keeps the call's plan for the next call with
+    that key; None plans every call."""
+    memo = None if key is None else (key, fwd.mode(), torch.are_deterministic_algorithms_enabled(), SPLIT, ORDER)
+    plan = _plans.get(memo, False) if memo is not None else False
+    if plan is False:
+        plan = _plan(prob, dout, delta, lse2, dk, dv)
+        if memo is not None:
+            evict_oldest(_plans, _rt.MAX_PLANS)
+            _plans[memo] = plan
+    if plan is None or not fwd.ready(plan.variant, lambda: _compile_launch(prob, lse2, delta), prob.device):
         return None
     if dq_acc is None or not fwd.tma_ready(dq_acc):
         dq_acc = torch.zeros(prob.q.shape, dtype=torch.float32, device=prob.device)
     lse2, delta = _padded_rows(prob, lse2), _padded_rows(prob, delta)
+    s = plan.parts
     grad_k, grad_v = dk, dv
     if s > 1:  # the parts' sums, added up below
         parts = _partials(prob, s)
         dk, dv = parts[0], parts[1]
-    compiled = _kernels.get(key)
+    compiled = _kernels.get(plan.variant)
     if compiled is None:
         grid, args, kw = _launch_args(prob, dout, lse2, delta, dq_acc, dk, dv)
         compiled = _kernel_module().attn_bwd_hopper[grid](*args, **kw)
         if _rt.fast_launch_supported(compiled):
-            _kernels[key] = compiled
+            _kernels[plan.variant] = compiled
     else:
         L = fwd.LightDescriptor
-        hi, lo, off_hi, off_lo = _band(prob)
         values = (L(prob.q), L(dout), L(prob.k), L(prob.v), L(dq_acc), L(lse2.view(-1)), L(delta.view(-1)), dk, dv,
-                  *dk.stride()[:3], *dv.stride()[:3], prob.Nq, lse2.shape[-1], prob.Nk, prob.Hq, prob.group,
-                  off_hi, off_lo, prob.scale * fwd.LOG2E, prob.scale, *_alibi(prob), BLOCK_M, prob.D, STAGES,
-                  hi, lo, CONSUMER_REGS, o, prob.mods.alibi is not None, s)
-        _rt.run_compiled(compiled, _grid(prob, o, s), _rt.stream_of(prob.device.index), values)
+                  *plan.fixed, *_alibi(prob), *plan.constexprs)
+        _rt.run_compiled(compiled, plan.grid, _rt.stream_of(prob.device.index), values)
     if s > 1:
         sums = parts.view(2, prob.B, prob.Hkv, s, prob.Nk, prob.D).sum(3)
         grad_k.copy_(sums[0])
