@@ -56,8 +56,20 @@ def test_head_dim_64_on_full_rows_only_with_grouped_query_heads(on_sm90):
     assert _why(*_qkv(D=64, Hq=4, Hkv=4), causal=True) is None
     assert _why(*_qkv(D=64, Hq=4, Hkv=4), window=(None, 0)) is None
     assert "with grouped query heads only" in _why(*_qkv(D=64, Hq=4, Hkv=4), window=(8, 0))
-    assert _why(*_qkv(D=64, Hq=4, Hkv=2), window=(8, 0)) is None
+    assert _why(*_qkv(D=64, Hq=4, Hkv=2), window=(1023, 0)) is None
     assert _why(*_qkv(D=128, Hq=4, Hkv=4)) is None
+
+
+def test_head_dim_64_windows_only_from_the_width_named(on_sm90):
+    """At D 64 a band narrower than PORTABLE_WINDOWS_BELOW keys runs on the portable passes, with or without sinks;
+    the causal band, a left or right edge alone and wide windows run the Gluon pass; D 128 takes every width."""
+    q, k, v = _qkv(D=64, Hq=4, Hkv=2)
+    for window in ((127, 0), (1022, 0), (500, 500), (-5, 3)):
+        assert "at least 1024 keys wide only" in _why(q, k, v, window=window), window
+    assert "at least 1024 keys wide only" in _why(q, k, v, window=(127, 0), sinks=torch.zeros(4))
+    for window in ((1023, 0), (1000, 23), (None, 0), (64, None), (None, 5), (2**40, 0)):
+        assert _why(q, k, v, window=window) is None, window
+    assert _why(*_qkv(D=128, Hq=4, Hkv=2), window=(127, 0), sinks=torch.zeros(4)) is None
 
 
 def test_a_window_left_edge_only_with_grouped_query_heads(on_sm90):
@@ -492,7 +504,9 @@ CASES = {
     "window_left_only_fp16": dict(shape=dict(Nq=500, Nk=500, dtype=torch.float16), kw=dict(window=(64, None))),
     "window_off_diagonal_tl": dict(shape=dict(Nq=300, Nk=300), kw=dict(window=(-70, 200), align="top_left"),
                                    sinks=True),  # rows past 229 see no key: their lse is the sink's
-    "d64_window_gqa_sinks": dict(shape=dict(Nq=600, Nk=600, D=64), kw=dict(window=(127, 0)), sinks=True),
+    "d64_window_gqa_sinks": dict(shape=dict(Nq=1500, Nk=1500, D=64), kw=dict(window=(1023, 0)), sinks=True),
+    "d64_narrow_window_gqa_portable": dict(shape=dict(Nq=600, Nk=600, D=64), kw=dict(window=(127, 0)), sinks=True,
+                                           portable=True),
     "window_alibi_sinks_br": dict(shape=dict(Nq=400, Nk=700), kw=dict(window=(200, 5), align="bottom_right"),
                                   alibi="h", sinks=True),
     "sinks_causal": dict(shape=dict(Nq=300, Nk=300), kw=dict(causal=True), sinks=True),

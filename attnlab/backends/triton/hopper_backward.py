@@ -28,6 +28,9 @@ CONSUMER_REGS = 240  #: registers per thread of a consumer warpgroup (the loader
 MAX_REGS = 168  #: the kernel's per-thread limit over its 12 warps: 2 x 240 + 24 = 3 x 168
 HEAD_DIMS = (64, 128)
 FULL_ROWS_GQA_ONLY_HEAD_DIMS = (64,)  #: head dims whose unmasked rows are taken only under GQA (else portable)
+#: Head dim -> the band width (keys) below which a window runs on the portable passes: a step that short is
+#: host-bound, and the Gluon route costs more host time than the portable launch it replaces.
+PORTABLE_WINDOWS_BELOW: dict[int, int] = {64: 1024}
 #: The programs' order (the kernel's ``_program_tile``): 0, a kv head's key tiles together; 1, each key tile of a
 #: batch entry's kv heads together, the longest first; 2, each key tile of every kv head and batch entry together.
 #: None picks by :func:`order`'s rule; a number forces that order on every call (experiments and tests).
@@ -51,8 +54,9 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     or 128, fewer than 2**31 rows over all heads padded to 4 (lse2 and Delta are read by TMA), no mask, the causal
     band or any window in either alignment, Nq != Nk, GQA, ALiBi, sinks (they enter through the forward's lse alone)
     and the lse's gradient. D 64 off the causal band, and any D under a window's left edge, take GQA only (without
-    it the portable backward is as fast or faster). Lengths, explicit masks and biases, packed sequences, the soft
-    cap and deterministic mode (dQ's adds land in any order) run on the portable kernels."""
+    it the portable backward is as fast or faster); D 64 takes windows :data:`PORTABLE_WINDOWS_BELOW` keys wide or
+    wider. Lengths, explicit masks and biases, packed sequences, the soft cap and deterministic mode (dQ's adds land
+    in any order) run on the portable kernels."""
     if fwd.mode() == "0":
         return "ATTNLAB_HOPPER=0"
     q = prob.q
@@ -78,6 +82,10 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     if prob.group == 1 and prob.spec.left is not None:
         return ("a window's left edge: with grouped query heads only (without, the portable backward is as fast or "
                 "faster)")
+    width = fwd.band_width(spec.left, spec.right)
+    if width is not None and width < PORTABLE_WINDOWS_BELOW.get(prob.D, 0):
+        return (f"D {prob.D}: windows at least {PORTABLE_WINDOWS_BELOW[prob.D]} keys wide only (a narrower one's "
+                "training step is host-bound, and the portable launch costs less host time)")
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic mode (dQ is added up by reduce-adds in any order)"
     if prob.B * prob.Hq * _rows(prob) >= 2**31:
