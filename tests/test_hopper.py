@@ -124,9 +124,9 @@ def test_light_descriptors_carry_every_field_the_launcher_reads():
 
 def test_band_widths_are_clamped_to_the_same_band():
     q, k, _ = _qkv(Nq=100, Nk=300)
-    assert hopper._width(None, q, k) is None
-    assert hopper._width(50, q, k) == 50 and hopper._width(-7, q, k) == -7
-    assert hopper._width(2**40, q, k) == 400 and hopper._width(-(2**40), q, k) == -400
+    assert hopper.clamped_width(None, q, k) is None
+    assert hopper.clamped_width(50, q, k) == 50 and hopper.clamped_width(-7, q, k) == -7
+    assert hopper.clamped_width(2**40, q, k) == 400 and hopper.clamped_width(-(2**40), q, k) == -400
 
 
 @pytest.mark.parametrize("given, mode", [("0", "0"), ("off", "0"), ("False", "0"), ("1", "1"), ("on", "1"),

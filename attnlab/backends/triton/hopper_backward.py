@@ -175,10 +175,10 @@ def _variant(prob: Problem, program_order: int | None = None, parts: int | None 
 def _band(prob: Problem) -> tuple[bool, bool, int, int]:
     """(MASK_HI, MASK_LO, off_hi, off_lo) of the kernel: row i sees no key j > i + off_hi (a right edge: the causal
     mask or a window's right side) and none j < i + off_lo (a window's left side); offsets 0 without that edge.
-    The widths are clamped as the forward's (``hopper_forward._width``): the same band, and 32-bit offsets."""
+    The widths are clamped as the forward's (``hopper_forward.clamped_width``): the same band, and 32-bit offsets."""
     spec = prob.spec
     diag = prob.Nk - prob.Nq if spec.align == "bottom_right" else 0
-    left, right = (fwd._width(w, prob.q, prob.k) for w in (spec.left, spec.right))
+    left, right = (fwd.clamped_width(w, prob.q, prob.k) for w in (spec.left, spec.right))
     return (right is not None, left is not None, 0 if right is None else diag + right,
             0 if left is None else diag - left)
 

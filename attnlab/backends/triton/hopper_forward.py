@@ -244,8 +244,8 @@ def _launch_args(q, k, v, out, lse, qk_scale: float, left: int | None, right: in
 def _problem_args(prob: Problem, out: torch.Tensor, lse: torch.Tensor | None) -> tuple[tuple, tuple, dict]:
     spec = prob.spec
     q, k = prob.q, prob.k
-    return _launch_args(q, k, prob.v, out, lse, prob.scale * LOG2E, _width(spec.left, q, k), _width(spec.right, q, k),
-                        spec.align == "bottom_right", _extras(prob))
+    return _launch_args(q, k, prob.v, out, lse, prob.scale * LOG2E, clamped_width(spec.left, q, k),
+                        clamped_width(spec.right, q, k), spec.align == "bottom_right", _extras(prob))
 
 
 @functools.cache
@@ -273,7 +273,7 @@ class LightDescriptor:
 _kernels: dict[tuple, object] = {}
 
 
-def _width(w: int | None, q: torch.Tensor, k: torch.Tensor) -> int | None:
+def clamped_width(w: int | None, q: torch.Tensor, k: torch.Tensor) -> int | None:
     """A band width clamped to +-(Nq + Nk): the same band (past that every key, or none, is on its side), and
     every bound the kernel computes from it stays a 32-bit int (the JIT types an int argument by its value)."""
     if w is None:
@@ -287,7 +287,7 @@ def _launch(key: tuple, q, k, v, out, lse, qk_scale: float, left: int | None, ri
     """One launch on [B, H, N, D] views: the first of a variant through the JIT, later ones straight to the
     compiled kernel's launcher with the values the JIT would pass (every parameter the JIT specializes on is in
     the variant: the ints are not specialized, the descriptors' types follow dtype and D)."""
-    left, right = _width(left, q, k), _width(right, q, k)
+    left, right = clamped_width(left, q, k), clamped_width(right, q, k)
     compiled = _kernels.get(key)
     if compiled is None:
         grid, args, kw = _launch_args(q, k, v, out, lse, qk_scale, left, right, bottom_right, extras)
