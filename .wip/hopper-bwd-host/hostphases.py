@@ -1,7 +1,7 @@
-"""Where a training step's host time goes with the series applied: the wall time of each backward phase inside
-steps (no profiler), the Hopper route (``new``) against main's rule (``old``), each twice and once more with a
+"""Where a training step's host time goes: the wall time of each backward phase inside steps (no profiler), the
+Gluon route for every window with GQA (``new``) against no window's left edge (``old``), each twice and once more with a
 short GIL switch interval; then whether a launch waits on a busy GPU, and the Hopper backward's function
-attributes. ``PYTHONPATH=. python3 hostphases.py OUT.json`` from the series' tree."""
+attributes. ``PYTHONPATH=. python3 .wip/hopper-bwd-host/hostphases.py OUT.json`` from the root."""
 
 import functools
 import json
@@ -19,6 +19,7 @@ from attnlab.bench.timing import mean_gpu_ms
 from attnlab.problem import make_problem
 
 NEW = hb.unsupported
+hb.PORTABLE_WINDOWS_BELOW = {}  # every window with GQA on the Gluon pass under NEW
 PHASES: dict[str, list[float]] = {}
 
 

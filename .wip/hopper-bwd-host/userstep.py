@@ -1,7 +1,8 @@
-"""A training step as a user runs it, with the series applied: forward + backward of attnlab.attention (default
-mode "1", every compile settled first), the Hopper backward taking windows (``new``) against main's rule that
-refuses a window's left edge (``old``), beside compiled Flex; and each one's host time per call (the wall time to
-enqueue a call after a sync). ``PYTHONPATH=. python3 userstep.py OUT.json`` from the series' tree."""
+"""A training step as a user runs it: forward + backward of attnlab.attention (default mode "1", every compile
+settled first), the Hopper backward taking every window with GQA (``new``: ``PORTABLE_WINDOWS_BELOW`` emptied)
+against the rule before windows reached it, no window's left edge (``old``), beside compiled Flex; and each one's
+host time per call (the wall time to enqueue a call after a sync). ``PYTHONPATH=. python3
+.wip/hopper-bwd-host/userstep.py OUT.json`` from the repository's root."""
 
 import json
 import sys
@@ -19,6 +20,7 @@ from attnlab.bench.timing import interleaved_ms
 CASES = [(2, 64, 8, 4096, 64, 128, True), (2, 64, 8, 4096, 64, 128, False), (2, 64, 8, 4096, 128, 128, False),
          (2, 64, 8, 4096, 64, 1024, False), (2, 64, 8, 4096, 128, 1024, False)]
 NEW = hb.unsupported
+hb.PORTABLE_WINDOWS_BELOW = {}  # every window with GQA on the Gluon pass under NEW
 
 
 def old_rule(prob, dout):
