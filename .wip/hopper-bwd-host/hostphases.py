@@ -15,6 +15,7 @@ from attnlab import fast_calls
 from attnlab.backends.triton import backward as bw
 from attnlab.backends.triton import hopper_backward as hb
 from attnlab.backends.triton import hopper_forward as hopper
+from attnlab.bench.hopper_bwd_window_route import window_inputs
 from attnlab.bench.timing import mean_gpu_ms
 from attnlab.problem import make_problem
 
@@ -69,15 +70,8 @@ def host_us(fn, n: int = 40) -> list[float]:
 
 
 def inputs(D: int, W: int, sinks: bool):
-    B, Hq, Hkv, N = 2, 64, 8, 4096
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for h in (Hq, Hkv, Hkv))
-    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    kw = dict(window=(W - 1, 0))
-    if sinks:
-        kw["sinks"] = torch.randn(Hq, device="cuda", generator=g)
-    return q, k, v, dout, kw
+    """The gpt-oss-like layer's shapes (B2 Hq64 Hkv8 N4096) at head dim ``D`` and window width ``W``."""
+    return window_inputs(2, 64, 8, 4096, D, W, sinks)
 
 
 def case(D: int, W: int, sinks: bool) -> dict:

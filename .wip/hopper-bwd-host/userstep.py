@@ -15,6 +15,7 @@ import attnlab
 from attnlab import fast_calls
 from attnlab.backends.triton import hopper_backward as hb
 from attnlab.backends.triton import hopper_forward as hopper
+from attnlab.bench.hopper_bwd_window_route import window_inputs
 from attnlab.bench.timing import interleaved_ms
 
 CASES = [(2, 64, 8, 4096, 64, 128, True), (2, 64, 8, 4096, 64, 128, False), (2, 64, 8, 4096, 128, 128, False),
@@ -43,13 +44,7 @@ def host_ms(fn) -> float:
 
 
 def case(B, Hq, Hkv, N, D, W, sinks, flex) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for h in (Hq, Hkv, Hkv))
-    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    kw = dict(window=(W - 1, 0))
-    if sinks:
-        kw["sinks"] = torch.randn(Hq, device="cuda", generator=g)
+    q, k, v, dout, kw = window_inputs(B, Hq, Hkv, N, D, W, sinks)
     hopper.set_mode("sync")
     for rule in (NEW, old_rule):
         hb.unsupported = rule

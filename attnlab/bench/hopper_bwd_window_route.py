@@ -43,13 +43,10 @@ def _check(q, k, v, dout, kw: dict, grads: tuple[torch.Tensor, ...], group: int)
     return all(bool(compare(g, r, dtype=q.dtype, base=b).baseline_passed) for g, r, b in zip(got, g64, base))
 
 
-def _case(B: int, Hq: int, Hkv: int, N: int, D: int, width: int, with_sinks: bool, rounds: int) -> dict:
-    """One case's check and interleaved timing."""
-    import attnlab
-    from attnlab import fast_calls
-    from attnlab.backends.triton import hopper_backward
-    from attnlab.backends.triton import hopper_forward as hopper
-
+def window_inputs(B: int, Hq: int, Hkv: int, N: int, D: int, width: int, with_sinks: bool) -> tuple:
+    """(q, k, v, dout, keywords) of one case on the GPU, bf16, seeded: q, k and v require grad; the keywords hold
+    the window of ``width`` keys ending at each row's own, and sinks when asked (the probes of this backward's
+    route share them)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                for h in (Hq, Hkv, Hkv))
@@ -57,6 +54,17 @@ def _case(B: int, Hq: int, Hkv: int, N: int, D: int, width: int, with_sinks: boo
     kw = dict(window=(width - 1, 0))
     if with_sinks:
         kw["sinks"] = torch.randn(Hq, device="cuda", generator=g)
+    return q, k, v, dout, kw
+
+
+def _case(B: int, Hq: int, Hkv: int, N: int, D: int, width: int, with_sinks: bool, rounds: int) -> dict:
+    """One case's check and interleaved timing."""
+    import attnlab
+    from attnlab import fast_calls
+    from attnlab.backends.triton import hopper_backward
+    from attnlab.backends.triton import hopper_forward as hopper
+
+    q, k, v, dout, kw = window_inputs(B, Hq, Hkv, N, D, width, with_sinks)
 
     def ours(mode: str):
         """The public call under ``mode`` (set now; the fast calls made before dropped)."""
