@@ -362,7 +362,7 @@ def gradients(prob: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.T
     with contextlib.nullcontext() if same else torch.cuda.device(prob.device):
         bl.launch_preprocess(prob, out, lse, dout, delta, lse2, False, key, shares, dq_acc is not None)
         _minus_dlse(delta, dlse)
-        hopper_dq = hopper_backward.run(prob, dout, delta, lse2, dk, dv, dq_acc, key)  # None: not taken (compiling)
+        hopper_dq = hopper_backward.run(prob, dout, delta, lse2, dk, dv, dq_acc, key)  # None: refused or compiling
         if hopper_dq is not None:
             return dq.copy_(hopper_dq), dk, dv, _sinks_result(prob, shares, lse, delta, sinks_grad)
         one = dq_acc is not None
