@@ -69,7 +69,8 @@ def test_head_dim_64_windows_only_from_the_width_named(on_sm90):
     assert "at least 1024 keys wide only" in _why(q, k, v, window=(127, 0), sinks=torch.zeros(4))
     for window in ((1023, 0), (1000, 23), (None, 0), (64, None), (None, 5), (2**40, 0)):
         assert _why(q, k, v, window=window) is None, window
-    assert _why(*_qkv(D=128, Hq=4, Hkv=2), window=(127, 0), sinks=torch.zeros(4)) is None
+    for window in ((127, 0), (-5, 3), (10, -20), (-10, None)):  # D 128: every width, empty bands too
+        assert _why(*_qkv(D=128, Hq=4, Hkv=2), window=window, sinks=torch.zeros(4)) is None, window
 
 
 def test_a_window_left_edge_only_with_grouped_query_heads(on_sm90):
@@ -229,7 +230,7 @@ def test_a_keyed_call_plans_once_and_launches_as_an_unkeyed_one(on_sm90, monkeyp
     and its later calls launch what an unkeyed call launches; a switch of mode, deterministic mode or the forced
     split decides again, and a refusal is kept as well."""
     monkeypatch.setattr(hb, "SPLIT", forced)
-    monkeypatch.setattr(hb, "_plans", {})
+    monkeypatch.setattr(hb, "_plans", {})  # (this test's own)
     monkeypatch.setattr(hopper, "ready", lambda *a, **k: True)
     seen = []
     monkeypatch.setattr(hb._rt, "run_compiled", lambda c, grid, stream, values: seen.append((grid, values)))

@@ -82,10 +82,10 @@ def unsupported(prob: Problem, dout: torch.Tensor) -> str | None:
     if prob.group == 1 and prob.spec.left is not None:
         return ("a window's left edge: with grouped query heads only (without, the portable backward is as fast or "
                 "faster)")
-    width = fwd.band_width(spec.left, spec.right)
-    if width is not None and width < PORTABLE_WINDOWS_BELOW.get(prob.D, 0):
-        return (f"D {prob.D}: windows at least {PORTABLE_WINDOWS_BELOW[prob.D]} keys wide only (a narrower one's "
-                "training step is host-bound, and the portable launch costs less host time)")
+    width, below = fwd.band_width(spec.left, spec.right), PORTABLE_WINDOWS_BELOW.get(prob.D)
+    if width is not None and below is not None and width < below:
+        return (f"D {prob.D}: windows at least {below} keys wide only (a narrower one's training step is host-bound, "
+                "and the portable launch costs less host time)")
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic mode (dQ is added up by reduce-adds in any order)"
     if prob.B * prob.Hq * _rows(prob) >= 2**31:
@@ -256,8 +256,14 @@ class _Plan(NamedTuple):
 
 
 #: :func:`run`'s plans (or the refusal, None) by launch key, switch mode, deterministic mode and the forced split
-#: and order: the rule checks, split, order, band and grid are host time on every training step otherwise.
+#: and order: the rule checks, split, order, band and grid are host time on every training step otherwise. The
+#: module's other settings are read when a key is first planned (:func:`forget_plans` after changing one).
 _plans: dict[tuple, _Plan | None] = {}
+
+
+def forget_plans() -> None:
+    """Drop every kept plan, so that the next call of each key is decided again (after a module setting changed)."""
+    _plans.clear()
 
 
 def _plan(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tensor, dk: torch.Tensor,
