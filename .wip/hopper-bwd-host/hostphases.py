@@ -32,7 +32,7 @@ def old_rule(prob, dout):
 def use(rule) -> None:
     """Take ``rule`` for the Hopper backward from the next call on (plans and fast calls decided again)."""
     hb.unsupported = rule
-    getattr(hb, "_plans", {}).clear()
+    hb.forget_plans()
     fast_calls.clear()
 
 

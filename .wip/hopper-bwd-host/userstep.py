@@ -48,7 +48,7 @@ def case(B, Hq, Hkv, N, D, W, sinks, flex) -> dict:
     hopper.set_mode("sync")
     for rule in (NEW, old_rule):
         hb.unsupported = rule
-        getattr(hb, "_plans", {}).clear()
+        hb.forget_plans()
         for _ in range(3):
             torch.autograd.grad(attnlab.attention(q, k, v, **kw), (q, k, v), dout)
     hopper.set_mode("1")
@@ -59,7 +59,7 @@ def case(B, Hq, Hkv, N, D, W, sinks, flex) -> dict:
             return lambda: torch.autograd.grad(flex(q, k, v, block_mask=block, enable_gqa=Hq != Hkv), (q, k, v), dout)
         hb.unsupported = NEW if label == "new" else old_rule
         fast_calls.clear()
-        getattr(hb, "_plans", {}).clear()  # (the series' plans by launch key: decided again under this rule)
+        hb.forget_plans()  # (plans by launch key: decided again under this rule)
         return lambda: torch.autograd.grad(attnlab.attention(q, k, v, **kw), (q, k, v), dout)
 
     before = hb.launches

@@ -109,14 +109,21 @@ def _case(B: int, Hq: int, Hkv: int, N: int, D: int, width: int, with_sinks: boo
 
 
 def run(out: str, rounds: int = 5) -> dict:
+    """Every case, with the Hopper backward's width rule lifted (``PORTABLE_WINDOWS_BELOW``: the question this
+    probe answers), restored after."""
+    from attnlab.backends.triton import hopper_backward
     from attnlab.backends.triton import hopper_forward as hopper
     from attnlab.bench.experiment import run_rows
 
-    before = hopper.mode()
+    before, widths = hopper.mode(), hopper_backward.PORTABLE_WINDOWS_BELOW
+    hopper_backward.PORTABLE_WINDOWS_BELOW = {}
+    hopper_backward.forget_plans()
     try:
         return run_rows(CASES, lambda *case: _case(*case, rounds), out)
     finally:
         hopper.set_mode(before)
+        hopper_backward.PORTABLE_WINDOWS_BELOW = widths
+        hopper_backward.forget_plans()
 
 
 def main(argv: list[str] | None = None) -> int:
