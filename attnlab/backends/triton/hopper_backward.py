@@ -200,6 +200,19 @@ def _alibi(prob: Problem) -> tuple:
     return (prob.q, 0, 0, 0) if a is None else (a, *a.stride(), prob.Nk - prob.Nq)
 
 
+#: The kernel's constexprs, in its signature's order (:func:`_values` gives their values in that order).
+_CONSTEXPRS = ("BLOCK_M", "HEAD_D", "STAGES", "MASK_HI", "MASK_LO", "CONSUMER_REGS", "ORDER", "HAS_ALIBI", "SPLIT")
+
+
+def _values(prob: Problem, parts: int, program_order: int, dk_strides: tuple, dv_strides: tuple) -> tuple:
+    """(fixed, constexprs): the kernel's arguments from DK's strides up to the slopes, and its constexprs, in its
+    signature's order; the first launch passes them by name and keyword, a relaunch by position."""
+    hi, lo, off_hi, off_lo = _band(prob)
+    return ((*dk_strides, *dv_strides, prob.Nq, _rows(prob), prob.Nk, prob.Hq, prob.group, off_hi, off_lo,
+             prob.scale * fwd.LOG2E, prob.scale),
+            (BLOCK_M, prob.D, STAGES, hi, lo, CONSUMER_REGS, program_order, prob.mods.alibi is not None, parts))
+
+
 def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, keywords) of one launch; ``dq_acc`` is float32 [B, Hq, Nq, D], zeroed; ``dk`` and ``dv``
     what the kernel writes: the gradients, or with :func:`split` > 1 float32 [B, Hkv * parts, Nk, D] partial
@@ -208,33 +221,30 @@ def _launch_args(prob: Problem, dout, lse2, delta, dq_acc, dk, dv) -> tuple[tupl
     D = prob.D
     s = split(prob)
     o = order(prob, s)
-    grid = _grid(prob, o, s)
-    band = _band(prob)
+    fixed, constexprs = _values(prob, s, o, dk.stride()[:3], dv.stride()[:3])
     args = (fwd.descriptor(q, [1, 1, BLOCK_M, D]), fwd.descriptor(dout, [1, 1, BLOCK_M, D]),
             fwd.descriptor(k, [1, 1, HALF_N, D]), fwd.descriptor(v, [1, 1, HALF_N, D]),
             fwd.descriptor(dq_acc, [1, 1, BLOCK_M, D // 2]), fwd.descriptor(lse2.view(-1), [BLOCK_M]),
-            fwd.descriptor(delta.view(-1), [BLOCK_M]), dk, dv, *dk.stride()[:3], *dv.stride()[:3], prob.Nq,
-            lse2.shape[-1], prob.Nk, prob.Hq, prob.group, *band[2:], prob.scale * fwd.LOG2E, prob.scale,
-            *_alibi(prob))
-    kw = dict(BLOCK_M=BLOCK_M, HEAD_D=D, STAGES=STAGES, MASK_HI=band[0], MASK_LO=band[1],
-              CONSUMER_REGS=CONSUMER_REGS, ORDER=o, HAS_ALIBI=prob.mods.alibi is not None, SPLIT=s, num_warps=4,
-              maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
-    return grid, args, kw
+            fwd.descriptor(delta.view(-1), [BLOCK_M]), dk, dv, *fixed, *_alibi(prob))
+    kw = dict(zip(_CONSTEXPRS, constexprs), num_warps=4, maxnreg=MAX_REGS, **configs.COMPILE_OPTIONS)
+    return _grid(prob, o, s), args, kw
 
 
 def _compile_launch(prob: Problem, lse2: torch.Tensor, delta: torch.Tensor) -> tuple:
     """(kernel, grid, arguments, keywords) to compile ``prob``'s variant for, with stand-ins of the call's dout,
-    dQ accumulator, dk and dv (the same dtypes and alignment; none is written). lse2 and Delta come unpadded, so
-    Nq_rows is Nq here: the kernel does not specialize on either, and the rows' alignment is a launch's matter."""
+    dQ accumulator, dk and dv (the same dtypes and alignment; none is written). lse2 and Delta come unpadded: the
+    rows' alignment is a launch's matter, and the kernel does not specialize on Nq_rows."""
     acc = torch.empty((1, 1, 1, prob.D), dtype=torch.float32, device=prob.device)
     dk = torch.empty((1, 1, 1, prob.D), dtype=torch.float32 if split(prob) > 1 else prob.dtype, device=prob.device)
     return (_kernel_module().attn_bwd_hopper, *_launch_args(prob, prob.q, lse2, delta, acc, dk, dk))
 
 
-def _partials(prob: Problem, parts: int) -> torch.Tensor:
+def _partials(prob: Problem, parts: int, device: torch.device | str | None = None) -> torch.Tensor:
     """One float32 [2, B, Hkv * parts, Nk, D] buffer for the parts' dK and dV sums (in that order; part p of kv
-    head h at ``h * parts + p``), so that one reduction adds both up."""
-    return torch.empty((2, prob.B, prob.Hkv * parts, prob.Nk, prob.D), dtype=torch.float32, device=prob.device)
+    head h at ``h * parts + p``), so that one reduction adds both up; on ``device`` (the problem's by default; "meta"
+    for its strides alone)."""
+    return torch.empty((2, prob.B, prob.Hkv * parts, prob.Nk, prob.D), dtype=torch.float32,
+                       device=prob.device if device is None else device)
 
 
 #: Compiled kernels by variant, for launches without the JIT's binding.
@@ -276,14 +286,9 @@ def _plan(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Te
         return None
     s = split(prob)
     o = order(prob, s)
-    hi, lo, off_hi, off_lo = _band(prob)
-    part_strides = (prob.Hkv * s * prob.Nk * prob.D, prob.Nk * prob.D, prob.D)  # a [B, Hkv * s, Nk, D] of _partials
-    dk_strides = part_strides if s > 1 else dk.stride()[:3]
-    dv_strides = part_strides if s > 1 else dv.stride()[:3]
-    return _Plan(_variant(prob, o, s), s, o, _grid(prob, o, s),
-                 (*dk_strides, *dv_strides, prob.Nq, _rows(prob), prob.Nk, prob.Hq, prob.group, off_hi, off_lo,
-                  prob.scale * fwd.LOG2E, prob.scale),
-                 (BLOCK_M, prob.D, STAGES, hi, lo, CONSUMER_REGS, o, prob.mods.alibi is not None, s))
+    if s > 1:  # the kernel writes the parts' buffer (its halves share their strides)
+        dk = dv = _partials(prob, s, "meta")[0]
+    return _Plan(_variant(prob, o, s), s, o, _grid(prob, o, s), *_values(prob, s, o, dk.stride()[:3], dv.stride()[:3]))
 
 
 def run(prob: Problem, dout: torch.Tensor, delta: torch.Tensor, lse2: torch.Tensor, dk: torch.Tensor,
